@@ -1,0 +1,132 @@
+"""Execute every notebook of the book with papermill, then build the Jupyter Book (1.x).
+
+The source notebooks in ``notebooks/`` stay output-free. :func:`build` copies the book's sources
+into ``<out>/_build/stage``, executes each notebook listed in ``_toc.yml`` there with papermill (with
+the parameters of a *profile*), and runs ``jupyter-book build`` on the stage; the HTML lands in
+``<out>/_build/html`` (``<out>`` is the repository by default).
+
+Profiles live in ``notebooks/parameters.yml``: ``default`` is what the book shows (each notebook's
+own defaults plus any overrides there), ``small`` is the quick set CI uses. Command line::
+
+    lpfa book                      # default profile, HTML in _build/html
+    lpfa book --profile small --out /tmp/book
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from lpfa.paths import repo_root
+
+BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
+
+
+def toc_files(root: Path) -> list[str]:
+    """Every ``file:`` entry of ``_toc.yml``, in order (paths without suffix)."""
+    toc = yaml.safe_load((root / "_toc.yml").read_text())
+    out: list[str] = []
+
+    def walk(node):
+        if isinstance(node, dict):
+            for key in ("root", "file"):
+                if key in node:
+                    out.append(str(node[key]))
+            for v in node.values():
+                if isinstance(v, (list, dict)):
+                    walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(toc)
+    return out
+
+
+def toc_notebooks(root: Path) -> list[Path]:
+    """The notebooks the book renders, in table-of-contents order."""
+    return [root / f"{f}.ipynb" for f in toc_files(root) if (root / f"{f}.ipynb").is_file()]
+
+
+def profile_parameters(root: Path, profile: str) -> dict[str, dict]:
+    """``{notebook stem: papermill parameters}`` for ``profile`` from ``notebooks/parameters.yml``."""
+    path = root / "notebooks" / "parameters.yml"
+    profiles = yaml.safe_load(path.read_text()) if path.is_file() else {}
+    if profile != "default" and profile not in (profiles or {}):
+        raise ValueError(f"unknown profile {profile!r}: {path} defines {sorted(profiles or {})}")
+    return (profiles or {}).get(profile) or {}
+
+
+def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Path:
+    """Run ``src`` with papermill into ``dst`` (working directory: ``src``'s folder)."""
+    import papermill as pm
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    pm.execute_notebook(
+        str(src),
+        str(dst),
+        parameters=parameters or {},
+        kernel_name="python3",
+        cwd=str(src.parent),
+        progress_bar=False,
+    )
+    return dst
+
+
+def _jupyter_book() -> str:
+    exe = Path(sys.executable).parent / "jupyter-book"
+    found = str(exe) if exe.exists() else shutil.which("jupyter-book")
+    if not found:
+        raise FileNotFoundError("jupyter-book is not installed: pip install 'lpfa[book]'")
+    return found
+
+
+def build(profile: str = "default", out: str | Path | None = None, root: Path | None = None) -> Path:
+    """Execute the notebooks at ``profile`` and build the HTML book; returns the ``index.html`` path."""
+    from tqdm.auto import tqdm
+
+    root = Path(root) if root else repo_root()
+    out = Path(out) if out else root
+    params = profile_parameters(root, profile)
+    stage = out / "_build" / "stage"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir(parents=True)
+    for name in BOOK_SOURCES:
+        src = root / name
+        if src.is_dir():
+            shutil.copytree(src, stage / name)
+        elif src.is_file():
+            shutil.copy2(src, stage / name)
+    notebooks = toc_notebooks(root)
+    unknown = set(params) - {nb.stem for nb in notebooks}
+    if unknown:
+        raise ValueError(f"profile {profile!r} names notebooks that are not in _toc.yml: {sorted(unknown)}")
+    for nb in tqdm(notebooks, desc=f"executing notebooks ({profile})", unit="nb"):
+        execute_notebook(nb, stage / nb.relative_to(root), params.get(nb.stem))
+    cmd = [_jupyter_book(), "build", str(stage), "--path-output", str(out), "--all", "-W", "--keep-going"]
+    subprocess.run(cmd, check=True)
+    index = out / "_build" / "html" / "index.html"
+    if not index.is_file():
+        raise RuntimeError(f"jupyter-book finished but {index} is missing")
+    return index
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="lpfa book", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", default="default", help="parameter profile from notebooks/parameters.yml")
+    p.add_argument("--out", default=None, help="folder that receives _build/html (default: the repository)")
+    a = p.parse_args(argv)
+    index = build(a.profile, a.out)
+    print(f"\nThe book is built: {index}\nOpen it with:  python -m http.server -d {index.parent}  (then http://localhost:8000)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

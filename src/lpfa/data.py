@@ -1,0 +1,199 @@
+"""Tokenizers and token files in nanoGPT's format.
+
+Token files are flat little-endian ``uint16`` arrays, ``train.bin`` and ``val.bin``, exactly as
+nanoGPT writes them, plus a ``meta.json`` that records which tokenizer produced them (and the
+checksums of the texts they came from), so a model never silently reads ids of another vocabulary.
+
+Tokenizers:
+
+* ``"gpt2"`` — GPT-2's byte-level BPE through tiktoken (vocabulary 50,257, ``<|endoftext|>`` = 50256).
+  tiktoken downloads its two BPE files once; offline it needs them in its cache
+  (``TIKTOKEN_CACHE_DIR``).
+* ``"bytes"`` — the documented deterministic fallback: the UTF-8 bytes of the text (ids 0–255) and
+  an end-of-text id 256, vocabulary 257. Needs nothing.
+* ``"auto"`` — ``"gpt2"`` when tiktoken's cache already holds the GPT-2 files, else ``"bytes"``. It
+  never touches the network, so a fresh offline machine works and gives the same result every time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import lzma
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from lpfa.paths import EMBEDDED_CORPUS_DIR, cache_dir
+
+__all__ = [
+    "Tokenizer",
+    "get_tokenizer",
+    "gpt2_bpe_available",
+    "read_documents",
+    "build_token_files",
+    "load_tokens",
+    "embedded_token_dir",
+]
+
+# tiktoken's GPT-2 BPE files; tiktoken caches each under the SHA-1 of its URL.
+_GPT2_BPE_URLS = (
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+    "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
+)
+TOKENIZERS = ("auto", "gpt2", "bytes")
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A named tokenizer: ``encode(text) -> list[int]`` without special tokens, plus its end-of-text id."""
+
+    name: str
+    vocab_size: int
+    eot_token: int
+    _enc: object = None
+
+    def encode(self, text: str) -> list[int]:
+        if self.name == "bytes":
+            return list(text.encode("utf-8"))
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids) -> str:
+        ids = [int(i) for i in ids]
+        if self.name == "bytes":
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._enc.decode(ids)
+
+
+def _tiktoken_cache_dirs() -> list[Path]:
+    # the same order tiktoken.load.read_file_cached uses
+    if "TIKTOKEN_CACHE_DIR" in os.environ:
+        return [Path(os.environ["TIKTOKEN_CACHE_DIR"])]
+    if "DATA_GYM_CACHE_DIR" in os.environ:
+        return [Path(os.environ["DATA_GYM_CACHE_DIR"])]
+    return [Path(tempfile.gettempdir()) / "data-gym-cache"]
+
+
+def gpt2_bpe_available() -> bool:
+    """True when tiktoken can build the GPT-2 encoding without a download."""
+    keys = [hashlib.sha1(u.encode()).hexdigest() for u in _GPT2_BPE_URLS]
+    return any(all((d / k).is_file() for k in keys) for d in _tiktoken_cache_dirs())
+
+
+def get_tokenizer(name: str = "auto") -> Tokenizer:
+    """Return the tokenizer ``name`` (one of ``"auto"``, ``"gpt2"``, ``"bytes"``; see the module docs)."""
+    if name not in TOKENIZERS:
+        raise ValueError(f"unknown tokenizer {name!r}: expected one of {TOKENIZERS}")
+    if name == "auto":
+        name = "gpt2" if gpt2_bpe_available() else "bytes"
+    if name == "bytes":
+        return Tokenizer("bytes", 257, 256)
+    import tiktoken
+
+    try:
+        enc = tiktoken.get_encoding("gpt2")
+    except Exception as e:  # no network and no cache
+        raise RuntimeError(
+            "tiktoken could not load the GPT-2 BPE files (no network and not in its cache). Set "
+            "TIKTOKEN_CACHE_DIR to a folder holding them, or use tokenizer='bytes' (or 'auto')."
+        ) from e
+    return Tokenizer("gpt2", enc.n_vocab, enc.eot_token, enc)
+
+
+def _read_text(path: Path) -> str:
+    opener = {".xz": lzma.open, ".gz": gzip.open}.get(path.suffix, open)
+    with opener(path, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def read_documents(folder: str | Path) -> list[tuple[str, str]]:
+    """All ``*.txt``, ``*.txt.xz`` and ``*.txt.gz`` files of ``folder`` (sorted by name) as (name, text)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"text folder {folder} does not exist")
+    files = sorted(p for p in folder.iterdir() if p.name.endswith((".txt", ".txt.xz", ".txt.gz")))
+    if not files:
+        raise FileNotFoundError(f"no .txt, .txt.xz or .txt.gz files in {folder}")
+    return [(p.name, _read_text(p)) for p in files]
+
+
+def _sources_digest(folder: Path) -> list[dict]:
+    files = sorted(p for p in folder.iterdir() if p.name.endswith((".txt", ".txt.xz", ".txt.gz")))
+    return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files]
+
+
+def build_token_files(
+    src: str | Path, out: str | Path, tokenizer: str = "auto", val_fraction: float = 0.05
+) -> dict:
+    """Tokenize every document of folder ``src`` into ``out/train.bin``, ``out/val.bin`` and ``out/meta.json``.
+
+    Each document is followed by the end-of-text token. The last ``val_fraction`` of each document's
+    tokens goes to ``val.bin``, the rest to ``train.bin``, so both splits see every source.
+    Files are written under temporary names and renamed, so an interrupted build leaves no half file.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
+    src, out = Path(src), Path(out)
+    tok = get_tokenizer(tokenizer)
+    if tok.vocab_size > 2**16:
+        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids; uint16 token files hold at most 65536")
+    train, val = [], []
+    for _, text in read_documents(src):
+        ids = tok.encode(text) + [tok.eot_token]
+        cut = len(ids) - max(1, int(round(len(ids) * val_fraction)))
+        train.append(np.asarray(ids[:cut], dtype=np.uint16))
+        val.append(np.asarray(ids[cut:], dtype=np.uint16))
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "format": "nanoGPT uint16 token ids",
+        "tokenizer": tok.name,
+        "vocab_size": tok.vocab_size,
+        "eot_token": tok.eot_token,
+        "val_fraction": val_fraction,
+        "sources": _sources_digest(src),
+        "train_tokens": int(sum(a.size for a in train)),
+        "val_tokens": int(sum(a.size for a in val)),
+    }
+    for split, parts in (("train", train), ("val", val)):
+        tmp = out / f".{split}.bin.tmp"
+        np.concatenate(parts).tofile(tmp)
+        tmp.replace(out / f"{split}.bin")
+    tmp = out / ".meta.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1) + "\n")
+    tmp.replace(out / "meta.json")
+    return meta
+
+
+def load_tokens(folder: str | Path, split: str = "train") -> tuple[np.memmap, dict]:
+    """Memory-map ``folder/{split}.bin`` and return it with the folder's ``meta.json`` (or ``{}`` if absent).
+
+    A nanoGPT data folder without ``meta.json`` loads too; its tokenizer is then unknown.
+    """
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    folder = Path(folder)
+    path = folder / f"{split}.bin"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist (expected nanoGPT-format train.bin/val.bin)")
+    if path.stat().st_size % 2:
+        raise ValueError(f"{path} has an odd number of bytes: not a uint16 token file")
+    meta_path = folder / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    return np.memmap(path, dtype=np.uint16, mode="r"), meta
+
+
+def embedded_token_dir(tokenizer: str = "auto") -> Path:
+    """Token files of the embedded corpus, built on first use into the cache (a few seconds)."""
+    tok = get_tokenizer(tokenizer)
+    out = cache_dir() / f"embedded-{tok.name}"
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("sources") == _sources_digest(EMBEDDED_CORPUS_DIR) and meta.get("tokenizer") == tok.name:
+            return out
+    build_token_files(EMBEDDED_CORPUS_DIR, out, tokenizer=tok.name)
+    return out
