@@ -1,0 +1,91 @@
+"""Precision-policy flash attention (paper Sec. 2–4).
+
+``attention(q, k, v, is_causal=True, scale=None, policy="fa2")`` has SDPA's calling convention plus a
+:class:`PrecisionPolicy` (or a preset name from :data:`PRESETS`) that fixes every rounding point of the
+tiled forward and backward. Swap it into a model in place of
+``torch.nn.functional.scaled_dot_product_attention``::
+
+    from lpfa.attention import attention
+    y = attention(q, k, v, is_causal=True, policy="paper")   # the authors' BF16 semantics
+
+Implementations: :mod:`lpfa.attention.reference` (PyTorch, block by block, exact; CPU and GPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lpfa.attention.policy import (
+    FA2,
+    FP32_POLICY,
+    PAPER,
+    PRESETS,
+    SFA,
+    PrecisionPolicy,
+    get_policy,
+)
+from lpfa.attention.reference import AttentionStats, ReferenceAttention
+
+__all__ = [
+    "attention",
+    "PrecisionPolicy",
+    "SFA",
+    "PRESETS",
+    "PAPER",
+    "FA2",
+    "FP32_POLICY",
+    "AttentionStats",
+    "get_policy",
+    "check_inputs",
+]
+
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple[int, ...] | None = None) -> None:
+    """Raise a clear error unless q, k, v are (B, H, T, D) tensors of one shape, dtype and device."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)} ({t.dim()}-D)")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected torch.bfloat16 or torch.float32")
+    if not (q.shape == k.shape == v.shape):
+        raise ValueError(f"q, k, v must have the same shape (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.shape[2] < 1 or q.shape[3] < 1:
+        raise ValueError(f"seq_len and head_dim must be >= 1, got shape {tuple(q.shape)}")
+    if head_dims is not None and q.shape[3] not in head_dims:
+        raise ValueError(f"head_dim {q.shape[3]} is not supported here; supported: {head_dims}")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    is_causal: bool = True,
+    scale: float | None = None,
+    *,
+    policy: str | PrecisionPolicy = "fa2",
+    stats: AttentionStats | None = None,
+) -> torch.Tensor:
+    """Softmax attention ``softmax(q kᵀ · scale) v`` computed with the rounding points of ``policy``.
+
+    q, k, v: (B, H, T, D), bfloat16 (the paper's setting) or float32. ``scale`` defaults to 1/√D.
+    Returns O in BF16, or FP32 when ``policy.o_store == "fp32"``. Gradients follow the policy's
+    backward. ``stats``: an :class:`AttentionStats` to fill with tie counts (Fig. 13); costs an extra
+    pass, so leave it None in training unless you want the numbers.
+    """
+    check_inputs(q, k, v)
+    pol = get_policy(policy)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    return ReferenceAttention.apply(q, k, v, pol, float(scale), bool(is_causal), stats)
