@@ -188,12 +188,7 @@ class BF16Addition:
     @property
     def ulp(self) -> float | None:
         """Spacing of BF16 numbers at the exact sum (None for non-finite or zero sums)."""
-        if self.exact is None or self.exact == 0:
-            return None
-        e = _floor_log2(abs(self.exact))
-        if e >= OVERFLOW_EXP:
-            return None
-        return math.ldexp(1.0, max(e - BF16_FRAC_BITS, BF16_MIN_LSB_EXP))
+        return _ulp_at(self.exact)
 
     @property
     def error_ulps(self) -> float | None:
@@ -220,6 +215,14 @@ class BF16Addition:
         import html
 
         return f"<pre style='line-height:1.25'>{html.escape(self.report())}</pre>"
+
+
+def _ulp_at(x: Fraction | None) -> float | None:
+    """Spacing of BF16 numbers at the real ``x`` (None for None, zero, or beyond the finite range)."""
+    if x is None or x == 0:
+        return None
+    e = _floor_log2(abs(x))
+    return None if e >= OVERFLOW_EXP else math.ldexp(1.0, max(e - BF16_FRAC_BITS, BF16_MIN_LSB_EXP))
 
 
 def _floor_log2(x: Fraction) -> int:
@@ -383,35 +386,25 @@ def explain_add(a: float, b: float) -> BF16Addition:
         result = -math.inf if sign else math.inf
     else:
         result = _bf16_from_parts(sign, kept, lsb)
-    out = BF16Addition(
-        fa,
-        fb,
-        exact,
-        result,
-        bf16_fields(result),
-        None if overflow else Fraction(result) - exact,
-        alignment_shift=shift,
-        normalisation_shift=norm_shift,
-        guard=g,
-        round_bit=rb,
-        sticky=st,
-        rounded_up=up,
-        overflow=overflow,
-        subnormal_result=sub,
-    )
+    err = None if overflow else Fraction(result) - exact
     if overflow:
         res_text = f"the rounded magnitude reaches 2^{OVERFLOW_EXP}: overflow to {result}"
     else:
-        ulps = out.error_ulps
+        ulp = _ulp_at(exact)
+        ulps = f" ({float(err / Fraction(ulp)):+.4f} ulp)" if ulp else ""
+        rf = bf16_fields(result)
         res_text = (
-            f"BF16 {out.result_fields.bits} ({out.result_fields.hex}) = {result!r}\n"
-            f"exact {float(exact)!r}; error = result − exact = {float(out.error)!r}"
-            + (f" ({ulps:+.4f} ulp)" if ulps is not None else "")
+            f"BF16 {rf.bits} ({rf.hex}) = {result!r}\n"
+            f"exact {float(exact)!r}; error = result − exact = {float(err)!r}{ulps}"
         )
         if up and kept == 1 << (BF16_FRAC_BITS + 1):
             res_text += "\nrounding carried out of the significand: the exponent grew by one"
     steps.append(("Result", res_text))
-    return BF16Addition(**{**out.__dict__, "steps": tuple(steps)})
+    return BF16Addition(
+        fa, fb, exact, result, bf16_fields(result), err,
+        alignment_shift=shift, normalisation_shift=norm_shift, guard=g, round_bit=rb, sticky=st,
+        rounded_up=up, overflow=overflow, subnormal_result=sub, steps=tuple(steps),
+    )
 
 
 def bf16_add(a: float, b: float) -> float:

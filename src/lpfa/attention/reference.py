@@ -245,15 +245,16 @@ class ReferenceAttention(torch.autograd.Function):
         o = torch.empty_like(qf)
         lse = torch.empty(qf.shape[:-1], device=q.device)
         sub_stats = []
+        if stats is not None and stats.eps is None:
+            stats.eps = policy.sfa.eps if policy.sfa else 1e-3  # one eps for both head groups
         for heads, pol in ((lp, policy), (hp, _fp32_twin(policy))):
             if not heads:
                 continue
-            st = AttentionStats(eps=stats.eps if stats is not None and stats.eps is not None else (policy.sfa.eps if policy.sfa else 1e-3)) if stats is not None else None
+            st = AttentionStats(eps=stats.eps) if stats is not None else None
             o[:, heads], lse[:, heads] = forward(qf[:, heads], kf[:, heads], vf[:, heads], pol, scale, causal, st)
             sub_stats.append((heads, st))
         if stats is not None:
             B, H = q.shape[:2]
-            stats.eps = sub_stats[0][1].eps
             stats.rows = q.shape[2]
             stats.tied_rows = torch.zeros(B, H, dtype=torch.int64, device=q.device)
             stats.rs_sum = torch.zeros_like(stats.tied_rows)
