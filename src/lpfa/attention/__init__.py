@@ -8,7 +8,11 @@ tiled forward and backward. Swap it into a model in place of
     from lpfa.attention import attention
     y = attention(q, k, v, is_causal=True, policy="paper")   # the authors' BF16 semantics
 
-Implementations: :mod:`lpfa.attention.reference` (PyTorch, block by block, exact; CPU and GPU).
+Implementations (``backend=``): ``"reference"`` — :mod:`lpfa.attention.reference`, PyTorch block by
+block, exact, CPU and GPU, slow; ``"triton"`` — :mod:`lpfa.attention.kernels`, Triton forward and
+backward kernels with the same rounding points (causal, head dims 16–128), registered as the
+``torch.library`` op ``lpfa::flash_attention_fwd`` so it works inside ``torch.compile``; ``"auto"``
+(default) — Triton for CUDA tensors when Triton is installed, else the reference.
 """
 
 from __future__ import annotations
@@ -74,13 +78,16 @@ def attention(
     *,
     policy: str | PrecisionPolicy = "fa2",
     stats: AttentionStats | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention ``softmax(q kᵀ · scale) v`` computed with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D), bfloat16 (the paper's setting) or float32. ``scale`` defaults to 1/√D.
     Returns O in BF16, or FP32 when ``policy.o_store == "fp32"``. Gradients follow the policy's
     backward. ``stats``: an :class:`AttentionStats` to fill with tie counts (Fig. 13); costs an extra
-    pass, so leave it None in training unless you want the numbers.
+    pass, so leave it None in training unless you want the numbers (with the Triton backend it fills
+    the tie counts but not ``p_bar_ones``). ``backend``: ``"auto"``,
+    ``"reference"`` or ``"triton"`` (see the module docs).
     """
     check_inputs(q, k, v)
     pol = get_policy(policy)
@@ -88,4 +95,27 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if backend not in ("auto", "reference", "triton"):
+        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if (q.is_cuda and _triton_available() and is_causal) else "reference"
+    if backend == "triton":
+        from lpfa.attention.kernels import triton_attention
+        from lpfa.attention.reference import fill_tie_stats
+        from lpfa.attention.triton_fwd import check_triton_inputs
+
+        check_triton_inputs(q, k, v, pol.with_(fp32_heads=frozenset()), scale, is_causal)
+        if stats is not None:  # tie counts from the scores (P̄ == 1 counts need the reference backend)
+            with torch.no_grad():
+                fill_tie_stats(stats, q.detach().float(), k.detach().float(), float(scale), pol, True)
+            stats.p_bar_ones = None
+        return triton_attention(q, k, v, pol, float(scale))
     return ReferenceAttention.apply(q, k, v, pol, float(scale), bool(is_causal), stats)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

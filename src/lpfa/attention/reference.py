@@ -138,22 +138,27 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
         o_out[:, :, qs:qe] = _r(_r(o / l[..., None], acc), policy.o_store)
         lse[:, :, qs:qe] = torch.log(l) + m
     if stats is not None:
-        _fill_tie_stats(stats, q, k, scale, policy, causal)
+        fill_tie_stats(stats, q, k, scale, policy, causal)
         stats.p_bar_ones = ones
     return o_out, lse
 
 
-def _fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, causal: bool):
+def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, causal: bool):
+    """Fill ``stats``' tie counts from the full score matrix at the policy's score precision (one batch at a time)."""
     eps = stats.eps if stats.eps is not None else (policy.sfa.eps if policy.sfa else 1e-3)
     stats.eps = eps
     B, H, T, _ = q.shape
-    s = _scores(q, k, scale, policy)
-    if causal:
-        s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
-    rm = s.amax(dim=-1)
-    rs = (s >= _r(rm - eps, policy.scores)[..., None]).sum(dim=-1)
-    stats.tied_rows = (rs > 1).sum(dim=-1)
-    stats.rs_sum = rs.sum(dim=-1)
+    tied, rs_sum = [], []
+    for b in range(B):  # one batch element at a time bounds the T × T memory
+        s = _scores(q[b : b + 1], k[b : b + 1], scale, policy)
+        if causal:
+            s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
+        rm = s.amax(dim=-1)
+        rs = (s >= _r(rm - eps, policy.scores)[..., None]).sum(dim=-1)
+        tied.append((rs > 1).sum(dim=-1))
+        rs_sum.append(rs.sum(dim=-1))
+    stats.tied_rows = torch.cat(tied)
+    stats.rs_sum = torch.cat(rs_sum)
     stats.rows = T
 
 

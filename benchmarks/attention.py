@@ -1,0 +1,237 @@
+"""GPU check and benchmark of lpfa's precision-policy attention against PyTorch SDPA (issue 3).
+
+Three parts, all in one run on one GPU:
+
+1. **check** — at GPT-2 shapes (B=16, H=12, T=1024, D=64), every preset through the Triton kernels
+   (native BF16 tensor-core path) against the PyTorch reference on the same GPU: the fraction of O,
+   lse, dq, dk, dv elements bit-identical, and the largest difference relative to the tensor's max.
+2. **speed** — forward, backward and forward+backward TFLOP/s for each preset, for SDPA's flash and
+   cuDNN backends, and for the reference ``paper`` path, measured in the same run; ratios to SDPA-flash.
+3. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
+
+Usage::
+
+    python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick]
+
+Writes ``check.json``, ``bench.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s and
+ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from lpfa.attention import PRESETS, attention, get_policy
+from lpfa.attention import reference as ref
+from lpfa.provenance import provenance, write_json
+
+PRESET_ORDER = ["fa2", "paper", "fp32", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32", "paper_untiled"]
+
+
+def flops(B, H, T, D, mode):
+    """Causal attention FLOPs (FlashAttention convention): fwd 2 GEMMs, bwd 2.5× fwd, halved by the mask."""
+    f = 4 * B * H * T * T * D / 2
+    return {"fwd": f, "bwd": 2.5 * f, "fwd_bwd": 3.5 * f}[mode]
+
+
+def bench_ms(fn, warmup=3, rep=10, budget_s=20.0):
+    """Median wall time of ``fn`` in ms (CUDA-synchronised), stopping early past ``budget_s``."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    t_end = time.time() + budget_s
+    for _ in range(rep):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e))
+        if time.time() > t_end:
+            break
+    times.sort()
+    return times[len(times) // 2]
+
+
+def inputs(B, H, T, D, seed=0, requires_grad=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def compare(x, y):
+    x, y = x.float(), y.float()
+    scale = y.abs().max().clamp_min(1e-30)
+    return {"bit_identical": (x == y).double().mean().item(), "max_rel_to_max": ((x - y).abs().max() / scale).item()}
+
+
+def check(B, H, T, D):
+    from lpfa.attention.triton_bwd import flash_backward
+    from lpfa.attention.triton_fwd import flash_forward
+
+    out = {}
+    q, k, v = (t.detach() for t in inputs(B, H, T, D, seed=1))
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    scale = 1 / math.sqrt(D)
+    for name in PRESET_ORDER:
+        pol = PRESETS[name]
+        o, lse = flash_forward(q, k, v, pol, scale)
+        ro, rlse = ref.forward(q.float(), k.float(), v.float(), pol, scale)
+        dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, pol, scale)
+        rdq, rdk, rdv = ref.backward(do.float(), q.float(), k.float(), v.float(), ro, rlse, pol, scale)
+        out[name] = {n: compare(a, b) for n, a, b in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv))}
+        print(f"check {name:14s} " + "  ".join(f"{n}: {r['bit_identical']:.4%} same, max {r['max_rel_to_max']:.2e}" for n, r in out[name].items()), flush=True)
+    return out
+
+
+def speed(B, H, T, D, budget_s):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = {}
+    q, k, v = inputs(B, H, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+
+    def measure(name, fwd):
+        def f():
+            with torch.no_grad():
+                fwd()
+
+        def fb():
+            o = fwd()
+            o.backward(do.to(o.dtype))
+
+        try:
+            t_f = bench_ms(f, budget_s=budget_s)
+            t_fb = bench_ms(fb, budget_s=budget_s)
+        except Exception as e:  # a backend not available on this build
+            print(f"speed {name}: unavailable ({type(e).__name__}: {e})", flush=True)
+            return
+        for t in (q, k, v):
+            t.grad = None
+        t_b = max(t_fb - t_f, 1e-6)
+        rows[name] = {
+            "fwd_ms": t_f, "bwd_ms": t_b, "fwd_bwd_ms": t_fb,
+            "fwd_tflops": flops(B, H, T, D, "fwd") / t_f / 1e9,
+            "bwd_tflops": flops(B, H, T, D, "bwd") / t_b / 1e9,
+            "fwd_bwd_tflops": flops(B, H, T, D, "fwd_bwd") / t_fb / 1e9,
+        }
+        r = rows[name]
+        print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  fwd+bwd {r['fwd_bwd_tflops']:7.1f} TFLOP/s", flush=True)
+
+    def sdpa(backend):
+        def fwd():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        return fwd
+
+    measure("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))
+    measure("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
+    for name in PRESET_ORDER:
+        measure(name, lambda name=name: attention(q, k, v, policy=name, backend="triton"))
+    measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"))
+    # SFA overhead: the same kernel with and without SFA
+    return rows
+
+
+def memory(Ts, H, D, deadline):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    out = {}
+    for T in Ts:
+        for name in ("sdpa_flash", "fa2", "fp32"):
+            torch.cuda.empty_cache()
+            q, k, v = inputs(1, H, T, D)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            t0 = time.time()
+            try:
+                if name == "sdpa_flash":
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                else:
+                    o = attention(q, k, v, policy=name, backend="triton")
+                o.float().sum().backward()
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                out[f"{name}@{T}"] = {"name": name, "T": T, "peak_mib": peak / 2**20, "seconds": time.time() - t0}
+                print(f"memory {name:10s} T={T:6d}: peak {peak / 2**20:8.1f} MiB above inputs, {time.time() - t0:.2f} s", flush=True)
+            except Exception as e:
+                out[f"{name}@{T}"] = {"name": name, "T": T, "error": f"{type(e).__name__}: {e}"[:300]}
+                print(f"memory {name} T={T}: {type(e).__name__}: {e}", flush=True)
+            del q, k, v
+            if time.time() > deadline:
+                return out
+    return out
+
+
+def compile_check(D=64):
+    """attention(backend='triton') inside torch.compile: same output and gradients as eager."""
+    q, k, v = inputs(2, 4, 256, D, seed=3)
+
+    def f(q, k, v):
+        return attention(q, k, v, policy="paper", backend="triton") * 2.0
+
+    o_eager = f(q, k, v)
+    g_eager = torch.autograd.grad(o_eager.float().sum(), (q, k, v))
+    cf = torch.compile(f, fullgraph=True)
+    o_c = cf(q, k, v)
+    g_c = torch.autograd.grad(o_c.float().sum(), (q, k, v))
+    same = torch.equal(o_eager, o_c) and all(torch.equal(a, b) for a, b in zip(g_eager, g_c))
+    print(f"torch.compile(fullgraph=True): {'identical to eager' if same else 'DIFFERS from eager'}", flush=True)
+    return {"fullgraph": True, "identical_to_eager": same}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
+    p.add_argument("--parts", default="check,speed,memory,compile")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = Path(a.out)
+    parts = a.parts.split(",")
+    B, H, T, D = 16, 12, 1024, 64
+    t0 = time.time()
+    write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick}))
+    results = {}
+    if "compile" in parts:
+        results["compile"] = compile_check()
+    if "check" in parts:
+        results["check"] = check(2 if a.quick else B, H, T, D)
+        write_json(out / "check.json", {"shape": [B, H, T, D], "presets": results["check"], "compile": results.get("compile")})
+    if "speed" in parts:
+        rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0)
+        write_json(out / "bench.json", {"shape": [B, H, T, D], "rows": rows})
+        base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
+        summary = {
+            "shape": {"B": B, "H": H, "T": T, "D": D},
+            "sdpa_flash_fwd_bwd_tflops": base,
+            "presets": {
+                n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None}
+                for n, r in rows.items()
+            },
+        }
+        write_json(out / "summary.json", summary)
+        lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s}   (TFLOP/s, ratio = fwd+bwd / SDPA-flash)"]
+        for n, r in rows.items():
+            ratio = r["fwd_bwd_tflops"] / base if base else float("nan")
+            lines.append(f"{n:16s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:7.3f}")
+        table = "\n".join(lines)
+        print(table, flush=True)
+        (out / "table.txt").write_text(table + "\n")
+    if "memory" in parts:
+        Ts = [1024, 4096] if a.quick else [1024, 2048, 4096, 8192, 16384]
+        write_json(out / "memory.json", {"H": H, "D": D, "B": 1, "rows": memory(Ts, H, D, deadline=t0 + 420)})
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""The Triton kernels as a PyTorch op: autograd, ``torch.library`` registration, FP32-head split.
+
+``lpfa::flash_attention`` is a custom op (so ``torch.compile`` treats it as one opaque node) whose
+forward is :func:`lpfa.attention.triton_fwd.flash_forward` and whose backward is
+:func:`lpfa.attention.triton_bwd.flash_backward`. A policy travels as the name of a registered policy
+(presets, plus any custom policy registered on first use), because custom ops take plain arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lpfa.attention.policy import BF16, FP32_POLICY, PRESETS, PrecisionPolicy
+
+_BY_KEY: dict[str, PrecisionPolicy] = dict(PRESETS)
+
+
+def policy_key(policy: PrecisionPolicy) -> str:
+    """A string naming ``policy`` for the custom op (registers custom policies on first use)."""
+    for key, p in _BY_KEY.items():
+        if p == policy:
+            return key
+    key = f"custom{len(_BY_KEY)}:{policy.name}"
+    _BY_KEY[key] = policy
+    return key
+
+
+@torch.library.custom_op("lpfa::flash_attention_fwd", mutates_args=())
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from lpfa.attention.triton_fwd import flash_forward
+
+    return flash_forward(q, k, v, _BY_KEY[key], scale)
+
+
+@_fwd_op.register_fake
+def _(q, k, v, key, scale):
+    pol = _BY_KEY[key]
+    o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
+    return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("lpfa::flash_attention_bwd", mutates_args=())
+def _bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, key: str, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from lpfa.attention.triton_bwd import flash_backward
+
+    dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, _BY_KEY[key], scale)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@_bwd_op.register_fake
+def _(do, q, k, v, o, lse, key, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, key, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.key, ctx.scale = key, scale
+
+
+def _backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.key, ctx.scale)
+    return dq, dk, dv, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy, scale: float) -> torch.Tensor:
+    """Causal attention through the Triton kernels; heads in ``policy.fp32_heads`` run the ``fp32`` policy."""
+    if not policy.fp32_heads:
+        return _fwd_op(q, k, v, policy_key(policy), scale)[0]
+    H = q.shape[1]
+    bad = [h for h in policy.fp32_heads if h >= H]
+    if bad:
+        raise ValueError(f"fp32_heads {sorted(policy.fp32_heads)} name heads >= H = {H}")
+    hp = sorted(policy.fp32_heads)
+    lp = [h for h in range(H) if h not in policy.fp32_heads]
+    base = policy.with_(fp32_heads=frozenset(), name=policy.name)
+    twin = FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+    out_dtype = torch.bfloat16 if policy.o_store == BF16 else torch.float32
+    parts = {}
+    for heads, pol in ((lp, base), (hp, twin)):
+        if heads:
+            idx = torch.tensor(heads, device=q.device)
+            sel = [t.index_select(1, idx) for t in (q, k, v)]
+            parts[tuple(heads)] = _fwd_op(*sel, policy_key(pol), scale)[0].to(out_dtype)
+    # put the head groups back in order (index_select / cat keep autograd intact)
+    order = [h for heads in parts for h in heads]
+    out = torch.cat(list(parts.values()), dim=1)
+    inv = torch.empty(H, dtype=torch.long, device=q.device)
+    inv[torch.tensor(order, device=q.device)] = torch.arange(H, device=q.device)
+    return out.index_select(1, inv)

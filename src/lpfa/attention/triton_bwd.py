@@ -1,0 +1,444 @@
+"""Triton backward kernels for causal flash attention under a :class:`PrecisionPolicy`.
+
+The kernels perform the same block-by-block algorithm as :func:`lpfa.attention.reference.backward`
+(the specification). With ``bw = policy.backward`` and ``op`` (GEMM operand precision) = BF16 when
+``bw == "bf16"`` or ``policy.p_bar == "bf16"``, else FP32, for each policy query block i and each
+policy key block j up to the diagonal::
+
+    S    = bf16(bf16(Q_i K_jᵀ)·scale)   or  Q_i K_jᵀ·scale                (policy.scores, as the forward)
+    P    = exp(S − lse)                  FP32, 0 where key > query
+    dV_j = bw(dV_j + bw(op(P)ᵀ op(dO_i)))
+    dP   = bw(dO_i V_jᵀ)
+    dS   = P·scale·(dP − δ)
+    dQ_i = bw(dQ_i + bw(op(dS) K_j))
+    dK_j = bw(dK_j + bw(op(dS)ᵀ Q_i))
+
+with δ per row from ``policy.delta``: ``"o_stored"`` = rowsum(prod(dO∘O)) (prod = BF16 iff
+bw == o_store == BF16), ``"o_fp32"`` = rowsum(dO∘O_hp) with O_hp recomputed in FP32 (by the Triton
+forward with the FP32 twin policy), ``"dp_p"`` = rowsum(dP∘P) over every visible key.
+
+Kernels
+-------
+* ``_bwd_delta_kernel``: δ = rowsum(prod(dO∘O)) for ``o_stored`` / ``o_fp32``.
+* ``_bwd_delta_dpp_kernel``: δ = rowsum(dP∘P) for ``dp_p`` (a preprocessing pass: it needs every key).
+* ``_bwd_dkdv_kernel``: one program per (key compute tile, batch·head). It loops over the policy query
+  blocks i that can see the tile's keys, in ascending order; inside a block it loops over sub-tiles
+  of queries accumulating FP32 partials of ``op(P)ᵀ op(dO)`` and ``op(dS)ᵀ Q``; at the end of the
+  policy block it applies the rounded accumulate ``dV = bw(dV + bw(partial))`` (same for dK). So a
+  BF16 accumulator sees exactly the reference's sequence of additions, whatever the compute tile.
+* ``_bwd_dq_kernel``: one program per (query compute tile, batch·head), the mirror image: loops over
+  policy key blocks j up to the diagonal, sub-tiles of keys, rounded accumulate per policy block.
+
+Compute tiles are separate from policy blocks (the ``paper`` preset uses 512 × 512 blocks): a tile is
+64 rows/keys when the policy block is a multiple of 64, else one tile of next_pow2(block) (>= 16) per
+policy block, masked. A tile never straddles two policy blocks. Sub-tiles (and whole policy blocks)
+whose pairs are all masked contribute exact zeros, and ``bw(x + bw(0)) = x`` for an accumulator that
+already holds a ``bw`` value, so skipping them is exact.
+
+Interpreter-safe rounding (as in :mod:`lpfa.attention.triton_fwd`): every value lives in an FP32
+register, each BF16 rounding point is ``_rnd`` (round to nearest even on the FP32 bit pattern), GEMMs
+are ``tl.dot`` on FP32 operands with ``input_precision="ieee"``. On a GPU the constexpr ``DOT_BF16``
+flags cast GEMM operands to ``tl.bfloat16`` only where they are BF16-representable by construction
+(inputs given as bf16, or operands rounded to ``op`` = BF16); FP contraction is disabled at launch
+(``dS = P·scale·(dP − δ)`` rounds each product as in the reference) and ``PRECISE_MATH`` uses
+libdevice ``expf``. Under the interpreter the wrapper converts all inputs to contiguous FP32 copies;
+on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registers.
+
+Remaining differences from the reference: the reference sums GEMMs and row sums in float64 and
+rounds once to FP32; the kernels accumulate in FP32 in their own order, so an FP32 difference of an
+ulp can occasionally flip a later BF16 rounding by one BF16 ulp (and that ulp propagates through the
+BF16 accumulators). Only the interpreter path is tested here; the GPU path (native-dtype loads,
+``DOT_BF16``, ``PRECISE_MATH``) is untested.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lpfa.attention.policy import BF16, FP32_POLICY, PrecisionPolicy, get_policy
+from lpfa.attention.triton_common import (
+    HEAD_DIMS,
+    MAX_TILE,
+    MIN_TILE,
+    _exp,
+    _interpreter,
+    _next_pow2,
+    _rnd,
+    libdevice,
+    tl,
+    triton,
+)
+
+COMPUTE_TILE = 64  # preferred compute tile (rows or keys) when the policy block is a multiple of it
+DELTA_ROWS = 64  # rows per program of the δ kernels (no policy-block structure there)
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, AS_BF16: tl.constexpr):
+        """a @ b with FP32 accumulation; BF16 tensor-core operands when AS_BF16 (exact values only)."""
+        if AS_BF16:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
+
+    @triton.jit
+    def _bwd_delta_kernel(
+        DO, O, DELTA,  # (B*H, T, D) and (B*H, T)
+        T,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PROD_BF16: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < T
+        ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        o = tl.load(O + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        # δ = rowsum(prod(dO ∘ O)), the sum in FP32
+        delta = tl.sum(_rnd(do * o, PROD_BF16), axis=1)
+        tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, delta, mask=row_ok)
+
+    @triton.jit
+    def _bwd_delta_dpp_kernel(
+        Q, K, V, DO, LSE, DELTA,
+        T, scale,
+        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
+        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        q_start = pid_m * BLOCK_M
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        loc_n = tl.arange(0, BLOCK_N)
+        row_ok = offs_m < T
+        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = q.to(tl.float32)
+        do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = do.to(tl.float32)
+        lse = tl.load(LSE + pid_bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+        acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+        # keys 0 .. the last query of this tile (later keys are invisible to every row here); dP and P
+        # are elementwise functions of (query, key), so the key sub-tiles need no policy alignment
+        k_end = tl.minimum(q_start + BLOCK_M, T)
+        k0 = q_start * 0
+        while k0 < k_end:
+            offs_n = k0 + loc_n
+            key_ok = offs_n < T
+            kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            vt = tl.load(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            kt = kt.to(tl.float32)
+            vt = vt.to(tl.float32)
+            # S = scores(scores(Q Kᵀ)·scale), exactly as the forward
+            s = _rnd(_dot(q, kt, QK_DOT_BF16), SCORES_BF16)
+            s = _rnd(s * scale, SCORES_BF16)
+            # P = exp(S − lse), 0 where key > query or out of range
+            visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
+            # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P)
+            dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
+            acc += tl.sum(dp * p, axis=1)
+            k0 += BLOCK_N
+        tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B*H, T, D) / (B*H, T); outputs FP32 (B*H, T, D)
+        T, scale,
+        HEAD_DIM: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
+        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (BK // BLOCK_N, or 1)
+        NK: tl.constexpr,  # keys of a tile inside its policy block: min(BLOCK_N, BK)
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PDO_DOT_BF16: tl.constexpr,
+        DSQ_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)  # key compute tile
+        pid_bh = tl.program_id(1)  # (batch, head)
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        row_base = pid_bh.to(tl.int64) * T
+
+        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
+        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
+        loc_n = tl.arange(0, BLOCK_N)
+        offs_n = k_start + loc_n
+        key_ok = (loc_n < NK) & (offs_n < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+        loc_m = tl.arange(0, BLOCK_M)
+
+        # K_j, V_j tile: (BLOCK_N, D), padded keys 0
+        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
+
+        # dK_j, dV_j accumulators (bw precision), across policy query blocks
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+        # causal: the first policy query block that can see any key of this tile holds query k_start;
+        # earlier blocks contribute exact zeros. Ascending i, as the reference accumulates.
+        i = k_start // BQ
+        while i * BQ < T:
+            q_blk = i * BQ
+            q_hi = tl.minimum(q_blk + BQ, T)  # exclusive end of policy query block i
+            # FP32 partials over ALL queries of block i: Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q
+            dv_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            dk_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            # query sub-tiles from max(block start, first key): queries before it see none of the keys
+            q0 = tl.maximum(q_blk, k_start)
+            while q0 < q_hi:
+                offs_m = q0 + loc_m
+                row_ok = offs_m < q_hi
+                # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
+                qt = tl.load(Q + base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+                qt = qt.to(tl.float32)
+                do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+                do = do.to(tl.float32)
+                lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+                delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+
+                # Sᵀ = scores(scores(K Qᵀ)·scale): (BLOCK_N, BLOCK_M), as the forward's S
+                st = _rnd(_dot(k, qt, QK_DOT_BF16), SCORES_BF16)
+                st = _rnd(st * scale, SCORES_BF16)
+                # Pᵀ = exp(Sᵀ − lse), 0 where key > query or out of range
+                visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
+                pt = tl.where(visible, _exp(st - lse[None, :], PRECISE_MATH), 0.0)
+
+                # dV partial += op(P)ᵀ op(dO)
+                dv_part += _dot(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), PDO_DOT_BF16)
+
+                # dPᵀ = bw(V dOᵀ);  dSᵀ = Pᵀ·scale·(dPᵀ − δ)
+                dpt = _rnd(_dot(v, tl.trans(do), DOV_DOT_BF16), BW_BF16)
+                dst = pt * scale * (dpt - delta[None, :])
+
+                # dK partial += op(dS)ᵀ Q
+                dk_part += _dot(_rnd(dst, OP_BF16), tl.trans(qt), DSQ_DOT_BF16)
+                q0 += BLOCK_M
+
+            # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
+            dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
+            dk = _rnd(dk + _rnd(dk_part, BW_BF16), BW_BF16)
+            i += 1
+
+        tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
+        tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ,
+        T, scale,
+        HEAD_DIM: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
+        TILES_PER_BQ: tl.constexpr,
+        NQ: tl.constexpr,  # rows of a tile inside its policy block: min(BLOCK_M, BQ)
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, DSK_DOT_BF16: tl.constexpr,
+        PRECISE_MATH: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)  # query compute tile
+        pid_bh = tl.program_id(1)
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        row_base = pid_bh.to(tl.int64) * T
+
+        # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
+        q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
+        loc_m = tl.arange(0, BLOCK_M)
+        offs_m = q_start + loc_m
+        row_ok = (loc_m < NQ) & (offs_m < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+        loc_n = tl.arange(0, BLOCK_N)
+
+        # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
+        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        do = tl.load(DO + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
+        k_end = tl.minimum(q_start + NQ, T)
+        k_end = tl.where(q_start < T, k_end, 0)
+        # policy key blocks j = 0, 1, ... up to the diagonal, ascending as in the reference
+        j = q_start * 0
+        while j * BK < k_end:
+            k_blk = j * BK
+            k_hi = tl.minimum(k_blk + BK, k_end)
+            dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            k0 = k_blk
+            while k0 < k_hi:
+                offs_n = k0 + loc_n
+                key_ok = offs_n < k_hi
+                kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+                kt = kt.to(tl.float32)
+                vt = tl.load(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+                vt = vt.to(tl.float32)
+                # S = scores(scores(Q Kᵀ)·scale);  P = exp(S − lse), 0 where key > query
+                s = _rnd(_dot(q, kt, QK_DOT_BF16), SCORES_BF16)
+                s = _rnd(s * scale, SCORES_BF16)
+                visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
+                p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
+                # dP = bw(dO Vᵀ);  dS = P·scale·(dP − δ)
+                dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
+                ds = p * scale * (dp - delta[:, None])
+                # dQ partial += op(dS) K
+                dq_part += _dot(_rnd(ds, OP_BF16), tl.trans(kt), DSK_DOT_BF16)
+                k0 += BLOCK_N
+            # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
+            dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
+            j += 1
+
+        tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
+
+
+def _tiles(block: int | None, T: int, name: str) -> tuple[int, int, int]:
+    """(policy block size, compute tile, tiles per policy block) for a policy block size (None = T)."""
+    size = T if block is None else block
+    if size % COMPUTE_TILE == 0:
+        return size, COMPUTE_TILE, size // COMPUTE_TILE
+    tile = max(_next_pow2(size), MIN_TILE)
+    if tile > MAX_TILE:
+        what = f"policy.{name} is None (one block over T = {T})" if block is None else f"policy.{name} = {block}"
+        raise ValueError(f"{what} needs a tile of {tile}; the Triton backward supports at most {MAX_TILE}")
+    return size, tile, 1
+
+
+def _check_tensor(name, t, ndim, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D tensor, got shape {tuple(t.shape)} ({t.dim()}-D)")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
+
+
+def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
+                   precise_math: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal flash-attention backward with the rounding points of ``policy``.
+
+    ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
+    stored O values (B, H, T, D), ``lse``: (B, H, T) FP32 log-sum-exp, as returned by
+    :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`.
+    Returns ``(dq, dk, dv)`` as FP32 tensors with the values of
+    :func:`lpfa.attention.reference.backward`.
+
+    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
+    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
+    """
+    if triton is None:
+        raise ImportError("lpfa.attention.triton_bwd needs triton")
+    pol: PrecisionPolicy = get_policy(policy)
+    if not causal:
+        raise ValueError("the Triton backward kernels are causal only (causal=False is not supported)")
+    if pol.fp32_heads:
+        raise ValueError(
+            f"policy.fp32_heads = {sorted(pol.fp32_heads)}: the Triton kernels run one policy for all heads; "
+            "split the FP32 heads off in the caller and run them with the fp32 policy"
+        )
+    fl = (torch.bfloat16, torch.float32)
+    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("o_store", o_store)):
+        _check_tensor(name, t, 4, fl)
+    _check_tensor("lse", lse, 3, (torch.float32,))
+    if not (q.shape == k.shape == v.shape == do.shape == o_store.shape):
+        raise ValueError(
+            "do, q, k, v, o_store must have the same shape (B, H, T, D), got "
+            + ", ".join(str(tuple(t.shape)) for t in (do, q, k, v, o_store))
+        )
+    if lse.shape != q.shape[:-1]:
+        raise ValueError(f"lse must have shape (B, H, T) = {tuple(q.shape[:-1])}, got {tuple(lse.shape)}")
+    devs = {t.device for t in (do, q, k, v, o_store, lse)}
+    if len(devs) != 1:
+        raise ValueError(f"do, q, k, v, o_store, lse must be on one device, got {sorted(str(d) for d in devs)}")
+    B, H, T, D = q.shape
+    if D not in HEAD_DIMS:
+        raise ValueError(f"head_dim {D} is not supported by the Triton kernels; supported: {HEAD_DIMS}")
+    if T < 1 or B < 1 or H < 1:
+        raise ValueError(f"batch, heads and seq_len must be >= 1, got shape {tuple(q.shape)}")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    BQ, BLOCK_M, TPB_Q = _tiles(pol.block_q, T, "block_q")
+    BK, BLOCK_N, TPB_K = _tiles(pol.block_k, T, "block_k")
+
+    interp = _interpreter()
+    if dot_bf16 is None:
+        dot_bf16 = not interp
+    if precise_math is None:
+        precise_math = (not interp) and libdevice is not None
+    bw_bf16 = pol.backward == BF16
+    op_bf16 = bw_bf16 or pol.p_bar == BF16
+    is_bf = {n: t.dtype == torch.bfloat16 for n, t in (("do", do), ("q", q), ("k", k), ("v", v))}
+    if interp:
+        # the interpreter's BF16 is not faithful: FP32 copies (values unchanged)
+        do_, q_, k_, v_, o_ = (t.float().contiguous() for t in (do, q, k, v, o_store))
+    else:
+        do_, q_, k_, v_, o_ = (t.contiguous() for t in (do, q, k, v, o_store))
+    lse_ = lse.contiguous()
+    flags = dict(
+        QK_DOT_BF16=bool(dot_bf16 and is_bf["q"] and is_bf["k"]),
+        DOV_DOT_BF16=bool(dot_bf16 and is_bf["do"] and is_bf["v"]),
+        PRECISE_MATH=bool(precise_math),
+    )
+
+    # ---- δ per row ----
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if pol.delta == "dp_p":
+        t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
+        _bwd_delta_dpp_kernel[(triton.cdiv(T, t_m), B * H)](
+            q_, k_, v_, do_, lse_, delta, T, float(scale),
+            HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
+            SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, **flags,
+            enable_fp_fusion=False,
+        )
+    else:
+        if pol.delta == "o_fp32":
+            from lpfa.attention.triton_fwd import flash_forward  # O recomputed with the FP32 twin policy
+
+            twin = FP32_POLICY.with_(block_q=pol.block_q, block_k=pol.block_k, name="fp32")
+            o_src, _ = flash_forward(q, k, v, twin, scale, dot_bf16=dot_bf16, precise_math=precise_math)
+            prod_bf16 = False
+        else:  # "o_stored"
+            o_src = o_
+            prod_bf16 = bw_bf16 and pol.o_store == BF16
+        t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
+        _bwd_delta_kernel[(triton.cdiv(T, t_m), B * H)](
+            do_, o_src.contiguous(), delta, T,
+            HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
+            enable_fp_fusion=False,
+        )
+
+    # ---- dK, dV: one program per key tile ----
+    dq = torch.empty(B, H, T, D, device=q.device, dtype=torch.float32)
+    dk = torch.empty_like(dq)
+    dv = torch.empty_like(dq)
+    common = dict(
+        HEAD_DIM=D, BQ=BQ, BK=BK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
+        enable_fp_fusion=False,  # no FMA: P·scale·(dP − δ) rounds each product, as in the reference
+    )
+    n_ktiles = triton.cdiv(T, BK) * TPB_K
+    _bwd_dkdv_kernel[(n_ktiles, B * H)](
+        q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale),
+        TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
+        PDO_DOT_BF16=bool(dot_bf16 and op_bf16),
+        DSQ_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["q"]),
+        **common,
+    )
+    # ---- dQ: one program per query tile ----
+    n_qtiles = triton.cdiv(T, BQ) * TPB_Q
+    _bwd_dq_kernel[(n_qtiles, B * H)](
+        q_, k_, v_, do_, lse_, delta, dq, T, float(scale),
+        TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
+        DSK_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["k"]),
+        **common,
+    )
+    return dq, dk, dv

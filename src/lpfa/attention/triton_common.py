@@ -1,0 +1,92 @@
+"""Shared pieces of the Triton kernels: interpreter-safe BF16 rounding and precise exp/log.
+
+Every value lives in an FP32 register; a BF16 rounding point is :func:`_round_bf16` (round to nearest
+even by integer arithmetic on the FP32 bit pattern), which is exact under Triton's CPU interpreter,
+where BF16 casts and BF16 ``tl.dot`` are not faithful.
+"""
+
+from __future__ import annotations
+
+import os
+
+try:  # Triton is optional for the package as a whole
+    import triton
+    import triton.language as tl
+
+    try:
+        from triton.language.extra import libdevice
+    except Exception:  # pragma: no cover - depends on the Triton build
+        libdevice = None
+except ImportError:  # pragma: no cover
+    triton = None
+    tl = None
+    libdevice = None
+
+HEAD_DIMS = (16, 32, 64, 128)
+MAX_TILE = 1024  # largest BLOCK_M / BLOCK_N tile (and untiled sequence length) the kernel accepts
+MIN_TILE = 16  # tl.dot needs every dimension >= 16
+
+
+def _interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _round_bf16(x):
+        """Round FP32 values to the nearest BF16 (ties to even), returned as FP32; inf/nan unchanged."""
+        bits = x.to(tl.uint32, bitcast=True)
+        # bits + 0x7FFF + lsb(bits >> 16), then clear the low 16 bits: round half to even
+        lsb = (bits >> 16) & 1
+        rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
+        y = rounded.to(tl.float32, bitcast=True)
+        # exponent all ones = inf or nan: leave as is (the carry would corrupt a nan payload)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        return tl.where(finite, y, x)
+
+    @triton.jit
+    def _rnd(x, TO_BF16: tl.constexpr):
+        """One rounding point: BF16 round-trip when TO_BF16, else identity (FP32)."""
+        if TO_BF16:
+            x = _round_bf16(x)
+        return x
+
+    @triton.jit
+    def _exp(x, PRECISE_MATH: tl.constexpr):
+        if PRECISE_MATH:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _log(x, PRECISE_MATH: tl.constexpr):
+        if PRECISE_MATH:
+            return libdevice.log(x)
+        else:
+            return tl.log(x)
+
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[int, int, int]:
+    """Split a policy block into compute tiles: ``(block size, tile, tiles per block)``.
+
+    The policy block (``None`` = the whole sequence) fixes where the algorithm rounds; the tile is what
+    one ``tl.dot`` handles. A block that is a multiple of ``preferred`` is cut into ``preferred``-sized
+    tiles; any other block is one tile of the next power of two (masked at the block's edge).
+    """
+    size = T if block is None else int(block)
+    if size % preferred == 0:
+        return size, preferred, size // preferred
+    tile = max(_next_pow2(size), MIN_TILE)
+    if tile > MAX_TILE:
+        what = "None (one block over the sequence)" if block is None else str(block)
+        raise ValueError(
+            f"policy.{name} = {what} needs a tile of {tile} keys or queries; the Triton kernels take blocks "
+            f"that are multiples of {preferred} or at most {MAX_TILE} long"
+        )
+    return size, tile, 1

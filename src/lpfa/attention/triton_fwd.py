@@ -1,0 +1,276 @@
+"""Triton forward kernel for causal flash attention under a :class:`PrecisionPolicy`.
+
+The kernel performs the same block-by-block algorithm as :func:`lpfa.attention.reference.forward`
+(the specification), with each rounding point of the policy at the same place:
+
+    S      = bf16(bf16(Q_b K_jᵀ)·scale)   or  Q_b K_jᵀ·scale           (policy.scores)
+    rm     = rowmax(S)  (SFA: β·rm or 0 where ≥ 2 scores lie within ε of rm)
+    m_new  = acc(max(m, rm))                                          (policy.accumulator)
+    P̄      = exp(scores(S − m_new))
+    l      = acc(exp(acc(m − m_new))·l + clamp(rowsum(P̄)))
+    Ō      = o_block(p_bar(P̄) V_j)                                   (policy.p_bar, policy.o_block)
+    o      = acc(acc(o·c) + Ō)
+    O      = o_store(acc(o / l)),  lse = log(l) + m                   (policy.o_store)
+
+Interpreter-safe rounding design
+--------------------------------
+Triton's CPU interpreter (``TRITON_INTERPRET=1``) does not do BF16 arithmetic faithfully: a BF16
+``tl.dot`` multiplies raw bit patterns, and a float → bf16 cast truncates instead of rounding to
+nearest even. So the kernel never holds a BF16 value in a BF16 register:
+
+* every value lives in an FP32 register;
+* each BF16 rounding point is :func:`_round_bf16`, a round-to-nearest-even done with integer
+  arithmetic on the FP32 bit pattern (add ``0x7FFF + lsb``, clear the low 16 bits; inf/nan kept),
+  switched on or off by one ``tl.constexpr`` flag per rounding point, so an FP32 policy compiles
+  to no extra instruction;
+* GEMMs are ``tl.dot`` on FP32 operands with ``input_precision="ieee"`` (no TF32): the operands
+  already hold BF16-representable values where the policy rounds them, so an FP32 GEMM computes
+  the same products as a BF16 tensor-core GEMM with FP32 accumulation. On a GPU the constexpr
+  ``DOT_BF16`` may instead cast those (already exact) operands to ``tl.bfloat16`` for tensor-core
+  speed; it is applied only where the operands are BF16-representable by construction (Q, K, V
+  given as bf16; P̄ rounded by ``policy.p_bar``). It defaults to ``not interpreter``.
+
+The wrapper converts q, k, v to contiguous FP32 (values unchanged), so the kernel only loads FP32.
+
+Differences from the reference that remain: the reference sums GEMMs and row sums in float64 and
+rounds once to FP32; the kernel accumulates in FP32 in its own order, so an FP32 difference of an
+ulp can occasionally flip a later BF16 rounding by one BF16 ulp. On a GPU, ``tl.exp``/``tl.log``
+lower to fast approximations; ``PRECISE_MATH`` (default on for GPUs) uses libdevice ``expf``/``logf``
+instead, as PyTorch's CUDA kernels do, and FP contraction (FMA) is disabled at launch so that
+``c·l + rowsum`` is two roundings, as in the reference. Only the interpreter path is tested here.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
+
+from lpfa.attention.triton_common import (
+    HEAD_DIMS,
+    _exp,
+    _interpreter,
+    _log,
+    _rnd,
+    libdevice,
+    policy_tiles,
+    tl,
+    triton,
+)
+
+if triton is not None:
+
+    @triton.jit
+    def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
+                     SCORES_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr):
+        """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale)
+        or FP32; −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T). Returns (S, visible)."""
+        offs_n = k_lo + loc_n
+        key_ok = (offs_n < k_hi) & (offs_n < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+        kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+        if QK_DOT_BF16:
+            s = tl.dot(q, kt.to(tl.bfloat16), out_dtype=tl.float32)  # exact BF16 operands, FP32 accumulation
+        else:
+            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
+        s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
+        visible = key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
+        return tl.where(visible, s, float("-inf")), visible
+
+    @triton.jit
+    def _flash_fwd_kernel(
+        Q, K, V, O, LSE,  # contiguous (B*H, T, D) in the input / o_store dtype, and FP32 (B*H, T)
+        T, scale, clamp_val, sfa_beta, sfa_eps,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr,  # query rows per program (rows are independent in the forward)
+        BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,  # policy key block = N_SUB tiles
+        SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, OBLOCK_BF16: tl.constexpr,
+        ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
+        USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
+        QK_DOT_BF16: tl.constexpr, PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)  # query tile
+        pid_bh = tl.program_id(1)  # (batch, head)
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+
+        q_start = pid_m * BLOCK_M
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        offs_d = tl.arange(0, HEAD_DIM)
+        loc_n = tl.arange(0, BLOCK_N)
+
+        # Q tile: (BLOCK_M, D); padded rows are 0
+        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if QK_DOT_BF16:
+            q = q.to(tl.bfloat16)
+        else:
+            q = q.to(tl.float32)
+
+        # running state: m = −inf, l = 0, o = 0
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # policy key blocks 0 .. the one holding this tile's last row (later ones are above the diagonal).
+        # (`while`, not range(): the interpreter cannot make a Python int of program-id arithmetic.)
+        q_last = tl.minimum(q_start + BLOCK_M, T) - 1
+        n_kblocks = q_last // BK + 1
+        j = 0
+        while j < n_kblocks:
+            kb_lo = j * BK
+            kb_hi = kb_lo + BK
+            # ---- rm = rowmax(S) over the policy block's visible keys ----------------------------------
+            if N_SUB == 1:
+                s, visible = _scores_tile(q, K, base, kb_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
+                                          SCORES_BF16, QK_DOT_BF16)
+                rm = tl.max(s, axis=1)
+            else:  # pass 1 over the block's tiles: the block's row max needs all of them
+                rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                for t in tl.static_range(N_SUB):
+                    if kb_lo + t * BLOCK_N <= q_last:
+                        s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T, scale,
+                                                  HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
+                        rm = tl.maximum(rm, tl.max(s, axis=1))
+            row_live = rm > float("-inf")  # rows with a visible key in this block
+
+            if USE_SFA:
+                # SFA (Eq. 6): thr = scores(rm − ε); rs = #{visible S ≥ thr}; where rs > 1:
+                #   m = scores(β·rm) if rm > 0,  0 if rm < 0  (rm == 0 stays)
+                thr = _rnd(rm - sfa_eps, SCORES_BF16)
+                if N_SUB == 1:
+                    rs = tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
+                else:  # pass 2: count against the block's final max
+                    rs = tl.zeros([BLOCK_M], dtype=tl.int32)
+                    for t in tl.static_range(N_SUB):
+                        if kb_lo + t * BLOCK_N <= q_last:
+                            s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T,
+                                                      scale, HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
+                            rs += tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
+                tied = rs > 1
+                beta_rm = _rnd(rm * sfa_beta, SCORES_BF16)
+                rm = tl.where(tied & (rm > 0), beta_rm, rm)
+                rm = tl.where(tied & (rm < 0), 0.0, rm)
+
+            # m_new = acc(max(m, rm)); rows without a visible key keep m
+            m_new = _rnd(tl.maximum(m_i, rm), ACC_BF16)
+            m_new = tl.where(row_live, m_new, m_i)
+
+            # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles --
+            block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            for t in tl.static_range(N_SUB):
+                k_lo = kb_lo + t * BLOCK_N
+                if k_lo <= q_last:
+                    if N_SUB > 1:  # recompute this tile's scores (pass 2 or 3)
+                        s, visible = _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
+                                                  SCORES_BF16, QK_DOT_BF16)
+                    diff = _rnd(s - m_new[:, None], SCORES_BF16)  # a BF16 op when S is BF16
+                    p = tl.where(visible & row_live[:, None], _exp(diff, PRECISE_MATH), 0.0)
+                    block_sum += tl.sum(p, axis=1)
+                    p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
+                    offs_n = k_lo + loc_n
+                    key_ok = (offs_n < kb_hi) & (offs_n < T)
+                    v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+                    if PV_DOT_BF16:
+                        o_blk += tl.dot(p_pv.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=tl.float32)
+                    else:
+                        o_blk += tl.dot(p_pv, v.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+            if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
+                block_sum = tl.where(row_live, tl.maximum(block_sum, clamp_val), block_sum)
+            o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
+
+            # c = exp(acc(m − m_new)): 0 on the first block (m = −inf), 1 in non-live rows
+            c = _exp(_rnd(m_i - m_new, ACC_BF16), PRECISE_MATH)
+            c = tl.where(row_live, c, 1.0)
+            # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
+            l_i = _rnd(c * l_i + block_sum, ACC_BF16)
+            acc = _rnd(acc * c[:, None], ACC_BF16)
+            acc = _rnd(acc + o_bar, ACC_BF16)
+            m_i = m_new
+            j += 1
+
+        # O = o_store(acc(o / l));  lse = log(l) + m
+        out = _rnd(_rnd(acc / l_i[:, None], ACC_BF16), OSTORE_BF16)
+        lse = _log(l_i, PRECISE_MATH) + m_i
+        # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
+        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+
+
+BLOCK_M_DEFAULT = 64
+BLOCK_N_DEFAULT = 64
+
+
+def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
+    """Clear errors for what the Triton kernels do not take (besides :func:`lpfa.attention.check_inputs`)."""
+    from lpfa.attention import check_inputs
+
+    if triton is None:
+        raise ImportError("the Triton attention kernels need the `triton` package")
+    if not causal:
+        raise ValueError("the Triton attention kernels are causal only (is_causal=False is not supported)")
+    if policy.fp32_heads:
+        raise ValueError(
+            f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
+            "split the FP32 heads off in the caller and run them with the fp32 policy"
+        )
+    check_inputs(q, k, v, head_dims=HEAD_DIMS)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+
+
+def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
+                  precise_math: bool | None = None, block_m: int = BLOCK_M_DEFAULT,
+                  block_n: int = BLOCK_N_DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal flash-attention forward with the rounding points of ``policy``.
+
+    q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
+    :class:`PrecisionPolicy` or a preset name. Returns ``(o, lse)``: O in ``policy.o_store``'s dtype
+    (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and the FP32
+    (B, H, T) log-sum-exp ``log(l) + m`` (the m actually used, SFA included).
+
+    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
+    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
+    ``block_m``/``block_n`` are compute tiles; the policy's blocks fix the rounding.
+    """
+    pol: PrecisionPolicy = get_policy(policy)
+    check_triton_inputs(q, k, v, pol, scale, causal)
+    B, H, T, D = q.shape
+    BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, "block_k", block_n)
+
+    interp = _interpreter()
+    if dot_bf16 is None:
+        dot_bf16 = not interp
+    if precise_math is None:
+        precise_math = (not interp) and libdevice is not None
+    inputs_bf16 = q.dtype == torch.bfloat16
+    if interp:  # the interpreter's BF16 is not faithful: hand it FP32 copies (same values)
+        q, k, v = (t.float() for t in (q, k, v))
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    o = torch.empty(B, H, T, D, device=q.device, dtype=torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32)
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    grid = (triton.cdiv(T, block_m), B * H)
+    _flash_fwd_kernel[grid](
+        q, k, v, o, lse,
+        T, float(scale),
+        float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
+        float(pol.sfa.beta) if pol.sfa is not None else 1.0,
+        float(pol.sfa.eps) if pol.sfa is not None else 0.0,
+        HEAD_DIM=D, BLOCK_M=block_m, BK=BK, BLOCK_N=BLOCK_N, N_SUB=N_SUB,
+        SCORES_BF16=pol.scores == BF16, PBAR_BF16=pol.p_bar == BF16, OBLOCK_BF16=pol.o_block == BF16,
+        ACC_BF16=pol.accumulator == BF16, OSTORE_BF16=pol.o_store == BF16,
+        USE_CLAMP=pol.row_sum_clamp is not None, USE_SFA=pol.sfa is not None,
+        QK_DOT_BF16=bool(dot_bf16 and inputs_bf16),
+        PV_DOT_BF16=bool(dot_bf16 and inputs_bf16 and pol.p_bar == BF16),
+        PRECISE_MATH=bool(precise_math),
+        enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
+        num_warps=4 if D <= 64 else 8,
+        num_stages=2,
+    )
+    if pol.o_store == BF16 and o.dtype != torch.bfloat16:
+        o = o.to(torch.bfloat16)  # exact: the values are BF16 already
+    return o, lse

@@ -1,0 +1,73 @@
+"""`attention(backend="triton")`: the torch.library op with autograd, FP32-head split and tie stats (interpreter)."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lpfa.attention import PRESETS, AttentionStats, attention  # noqa: E402
+from lpfa.attention.kernels import _fwd_op, policy_key  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _qkv(B=1, H=3, T=40, D=16):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    return [torch.randn(B, H, T, D, generator=g).bfloat16().requires_grad_() for _ in range(3)]
+
+
+def _close(a, b, min_same=0.98):
+    a, b = a.float(), b.float()
+    assert (a == b).double().mean() >= min_same
+    assert ((a - b).abs().max() / b.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("name", ["paper", "fa2", "paper_sfa"])
+def test_autograd_matches_reference(name):
+    pol = PRESETS[name].with_(block_q=16, block_k=16)
+    q, k, v = _qkv()
+    o = attention(q, k, v, policy=pol, backend="triton")
+    o_ref = attention(q, k, v, policy=pol, backend="reference")
+    assert o.dtype == o_ref.dtype == torch.bfloat16
+    _close(o, o_ref, 0.99)
+    do = torch.randn_like(o)
+    for g, g_ref in zip(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_ref, (q, k, v), do)):
+        _close(g, g_ref)
+
+
+def test_fp32_heads_through_the_op():
+    pol = PRESETS["paper"].with_(block_q=16, block_k=16, fp32_heads={0, 2})
+    q, k, v = _qkv(H=4)
+    o = attention(q, k, v, policy=pol, backend="triton")
+    o_ref = attention(q, k, v, policy=pol, backend="reference")
+    _close(o, o_ref, 0.99)
+    do = torch.randn_like(o)
+    for g, g_ref in zip(torch.autograd.grad(o, (q, k, v), do), torch.autograd.grad(o_ref, (q, k, v), do)):
+        _close(g, g_ref)
+
+
+def test_tie_stats_with_triton_backend():
+    q, k, v = _qkv()
+    st, st_ref = AttentionStats(eps=0.5), AttentionStats(eps=0.5)
+    attention(q, k, v, policy="fa2", backend="triton", stats=st)
+    attention(q, k, v, policy="fa2", backend="reference", stats=st_ref)
+    assert torch.equal(st.tied_rows, st_ref.tied_rows) and torch.equal(st.rs_sum, st_ref.rs_sum)
+    assert st.p_bar_ones is None
+
+
+def test_custom_op_registration():
+    q, k, v = (t.detach() for t in _qkv(T=32))
+    key = policy_key(PRESETS["fa2"].with_(block_q=16, block_k=16))
+    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_backend_errors():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="backend must be"):
+        attention(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match="causal only"):
+        attention(q, k, v, is_causal=False, backend="triton")

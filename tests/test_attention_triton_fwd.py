@@ -1,0 +1,145 @@
+"""The Triton forward kernel (run in Triton's CPU interpreter) against the PyTorch reference.
+
+Tolerance rule. The reference sums GEMMs and row sums in float64 and rounds once to FP32; the kernel
+accumulates in FP32 in its own order. An FP32 difference of an ulp can flip a later BF16 rounding by
+one BF16 ulp, so:
+
+* lse: close at rtol = atol = 1e-5 for every policy;
+* O of a policy that stores O in FP32 (``o_store == "fp32"``): close at rtol = atol = 1e-5;
+* O of a policy that stores O in BF16: at least 99% of the elements bit-identical to the reference,
+  and every other element within 2 BF16 ulps (relative difference <= 2**-6).
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: no GPU here
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lpfa.attention import PRESETS, SFA, AttentionStats  # noqa: E402
+from lpfa.attention.policy import BF16  # noqa: E402
+from lpfa.attention.reference import forward as ref_forward  # noqa: E402
+from lpfa.attention.triton_fwd import flash_forward  # noqa: E402
+
+# padded rows (query >= T) divide 0/0 and take log(0) in the interpreter; they are never stored
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _tiled(name):
+    pol = PRESETS[name]
+    return pol if pol.block_q is None else pol.with_(block_q=16, block_k=16)
+
+
+def _check(o, lse, ro, rlse, policy):
+    assert o.shape == ro.shape and o.dtype == (torch.bfloat16 if policy.o_store == BF16 else torch.float32)
+    o = o.float()
+    assert lse.shape == rlse.shape and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+    if policy.o_store != BF16:
+        torch.testing.assert_close(o, ro, rtol=1e-5, atol=1e-5)
+        return
+    same = (o == ro).double().mean().item()
+    assert same >= 0.99, f"only {same:.4%} of O bit-identical to the reference"
+    rel = ((o - ro).abs() / ro.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()
+    assert rel <= 2.0**-6, f"O differs from the reference by {rel:.3e} relative (> 2 BF16 ulps)"
+
+
+def _inputs(B, H, T, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, T, D, generator=g).to(dtype) for _ in range(3))
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("T,D,B", [(1, 16, 1), (17, 16, 2), (40, 64, 1)])
+def test_matches_reference(name, T, D, B):
+    pol = _tiled(name)
+    q, k, v = _inputs(B, 2, T, D, torch.bfloat16, seed=hash((name, T, D)) % 2**31)
+    scale = 1.0 / math.sqrt(D)
+    o, lse = flash_forward(q, k, v, pol, scale)
+    ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, scale)
+    _check(o, lse, ro, rlse, pol)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fa2", "paper"])
+def test_fp32_inputs_and_odd_blocks(name):
+    """FP32 inputs (not BF16-representable), non-power-of-two blocks, block_q != block_k, name lookup."""
+    pol = PRESETS[name].with_(block_q=12, block_k=20)
+    q, k, v = _inputs(1, 2, 45, 32, torch.float32, seed=7)
+    o, lse = flash_forward(q, k, v, pol, 0.2)
+    ro, rlse = ref_forward(q, k, v, pol, 0.2)
+    _check(o, lse, ro, rlse, pol)
+    if name == "fp32":  # a preset name works too (its own 128 blocks: one block here)
+        o2, lse2 = flash_forward(q, k, v, "fp32", 0.2)
+        ro2, rlse2 = ref_forward(q, k, v, PRESETS["fp32"], 0.2)
+        _check(o2, lse2, ro2, rlse2, PRESETS["fp32"])
+
+
+@pytest.mark.parametrize("name", ["paper_sfa", "fa2_sfa"])
+def test_sfa_on_constructed_ties(name):
+    """Keys repeated so that every row has exact ties at its max, with positive and negative maxima."""
+    pol = _tiled(name).with_(sfa=SFA(beta=2.0, eps=1e-2))
+    T, D = 33, 16
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(2, D, generator=g)
+    k = base[torch.arange(T) % 2].reshape(1, 1, T, D).repeat(1, 2, 1, 1)  # keys alternate between two vectors
+    q = torch.randn(1, 2, T, D, generator=g)
+    q[:, 1] = -q[:, 1].abs()  # head 1: mostly other signs of the max
+    v = torch.randn(1, 2, T, D, generator=g)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    stats = AttentionStats()
+    ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25, stats=stats)
+    assert stats.tied_rows.sum() > T  # the SFA branch really is exercised
+    o, lse = flash_forward(q, k, v, pol, 0.25)
+    _check(o, lse, ro, rlse, pol)
+    # the kernel followed the SFA branch: its running max is β·rm or 0, not rm, so its l changes
+    # (l = exp(lse - m)) while lse stays the same function of the scores
+    plain = pol.with_(sfa=None)
+    o_plain, lse_plain = flash_forward(q, k, v, plain, 0.25)
+    ro_plain, rlse_plain = ref_forward(q.float(), k.float(), v.float(), plain, 0.25)
+    _check(o_plain, lse_plain, ro_plain, rlse_plain, plain)
+    assert not torch.equal(o, o_plain)
+
+
+@pytest.mark.parametrize("name", ["paper", "paper_sfa", "fa2_sfa", "fp32"])
+@pytest.mark.parametrize("block, tile", [(32, 16), (64, 16)])
+def test_policy_blocks_split_into_tiles(name, block, tile):
+    """A policy block of several compute tiles: the block's row max (and SFA's count) come from a
+    first pass over all its tiles, then P̄ and P̄V accumulate over them: same result as one tile."""
+    pol = PRESETS[name].with_(block_q=block, block_k=block)
+    if pol.sfa is not None:
+        pol = pol.with_(sfa=SFA(beta=2.0, eps=1e-2))
+    T, D = 70, 16
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    base = torch.randn(3, D, generator=g)
+    k = base[torch.arange(T) % 3].reshape(1, 1, T, D).repeat(1, 2, 1, 1)  # ties in every row
+    k[:, 0] = torch.randn(T, D, generator=g)  # head 0: generic scores
+    q, v = torch.randn(1, 2, T, D, generator=g), torch.randn(1, 2, T, D, generator=g)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    o, lse = flash_forward(q, k, v, pol, 0.3, block_m=16, block_n=tile)
+    ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    _check(o, lse, ro, rlse, pol)
+
+
+def test_bad_inputs_raise():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(ValueError, match="shape"):
+        flash_forward(q[0], q[0], q[0], "fa2", 0.25)
+    q48 = torch.randn(1, 1, 8, 48)
+    with pytest.raises(ValueError, match="head_dim 48"):
+        flash_forward(q48, q48, q48, "fa2", 0.25)
+    with pytest.raises(ValueError, match="causal"):
+        flash_forward(q, q, q, "fa2", 0.25, causal=False)
+    with pytest.raises(ValueError, match="fp32_heads"):
+        flash_forward(q, q, q, PRESETS["paper"].with_(fp32_heads=frozenset({0})), 0.25)
+    with pytest.raises(ValueError, match="same shape"):
+        flash_forward(q, q[:, :1], q, "fa2", 0.25)
+    with pytest.raises(ValueError, match="unknown precision policy"):
+        flash_forward(q, q, q, "nope", 0.25)
+    big = torch.randn(1, 1, 1025, 16)
+    with pytest.raises(ValueError, match="at most 1024"):
+        flash_forward(big, big, big, "paper_untiled", 0.25)
