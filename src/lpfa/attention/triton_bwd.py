@@ -60,13 +60,13 @@ import torch
 from lpfa.attention.policy import BF16, FP32_POLICY, PrecisionPolicy, get_policy
 from lpfa.attention.triton_common import (
     HEAD_DIMS,
-    MAX_TILE,
     MIN_TILE,
     _exp,
     _interpreter,
     _next_pow2,
     _rnd,
     libdevice,
+    policy_tiles,
     tl,
     triton,
 )
@@ -301,18 +301,6 @@ if triton is not None:
         tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
 
 
-def _tiles(block: int | None, T: int, name: str) -> tuple[int, int, int]:
-    """(policy block size, compute tile, tiles per policy block) for a policy block size (None = T)."""
-    size = T if block is None else block
-    if size % COMPUTE_TILE == 0:
-        return size, COMPUTE_TILE, size // COMPUTE_TILE
-    tile = max(_next_pow2(size), MIN_TILE)
-    if tile > MAX_TILE:
-        what = f"policy.{name} is None (one block over T = {T})" if block is None else f"policy.{name} = {block}"
-        raise ValueError(f"{what} needs a tile of {tile}; the Triton backward supports at most {MAX_TILE}")
-    return size, tile, 1
-
-
 def _check_tensor(name, t, ndim, dtypes):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -323,7 +311,8 @@ def _check_tensor(name, t, ndim, dtypes):
 
 
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
-                   precise_math: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
+                   num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
@@ -334,6 +323,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
 
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
+    ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
+    the policy's blocks fix the rounding.
     """
     if triton is None:
         raise ImportError("lpfa.attention.triton_bwd needs triton")
@@ -366,8 +357,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         raise ValueError(f"batch, heads and seq_len must be >= 1, got shape {tuple(q.shape)}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    BQ, BLOCK_M, TPB_Q = _tiles(pol.block_q, T, "block_q")
-    BK, BLOCK_N, TPB_K = _tiles(pol.block_k, T, "block_k")
+    BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, "block_q", block_m)
+    BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, "block_k", block_n)
 
     interp = _interpreter()
     if dot_bf16 is None:
@@ -424,6 +415,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         HEAD_DIM=D, BQ=BQ, BK=BK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
         enable_fp_fusion=False,  # no FMA: P·scale·(dP − δ) rounds each product, as in the reference
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     n_ktiles = triton.cdiv(T, BK) * TPB_K
     _bwd_dkdv_kernel[(n_ktiles, B * H)](

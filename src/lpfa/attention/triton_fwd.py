@@ -225,7 +225,8 @@ def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None
 
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int = BLOCK_M_DEFAULT,
-                  block_n: int = BLOCK_N_DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_n: int = BLOCK_N_DEFAULT, num_warps: int | None = None,
+                  num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -235,7 +236,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
 
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
-    ``block_m``/``block_n`` are compute tiles; the policy's blocks fix the rounding.
+    ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
+    policy's blocks fix the rounding.
     """
     pol: PrecisionPolicy = get_policy(policy)
     check_triton_inputs(q, k, v, pol, scale, causal)
@@ -268,8 +270,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         PV_DOT_BF16=bool(dot_bf16 and inputs_bf16 and pol.p_bar == BF16),
         PRECISE_MATH=bool(precise_math),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
-        num_warps=4 if D <= 64 else 8,
-        num_stages=2,
+        num_warps=num_warps or (4 if D <= 64 else 8),
+        num_stages=num_stages,
     )
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
