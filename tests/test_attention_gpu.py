@@ -34,7 +34,11 @@ def test_gpt2_shapes_match_reference(name):
     pol, scale = PRESETS[name], 1 / math.sqrt(D)
     o, lse = flash_forward(q, k, v, pol, scale)
     ro, rlse = ref.forward(q.float(), k.float(), v.float(), pol, scale)
-    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+    if pol.accumulator == "bf16":  # l is BF16: an FP32-order flip of its rounding moves lse by log(1 + 2^-7)
+        _compare(lse, rlse, 0.999)
+        assert (lse - rlse).abs().max() <= math.log1p(2.0**-7) + 1e-6
+    else:
+        torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
     bf16_out = pol.o_store == "bf16"
     _compare(o, ro, 0.99 if bf16_out else 0.0)
     grads = flash_backward(do, q, k, v, o.float(), lse, pol, scale)

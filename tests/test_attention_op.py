@@ -12,7 +12,11 @@ pytest.importorskip("triton")
 from lpfa.attention import PRESETS, AttentionStats, attention  # noqa: E402
 from lpfa.attention.kernels import _fwd_op, policy_key  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    # the interpreter converts 1-element arrays with int(), which NumPy deprecates
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def _qkv(B=1, H=3, T=40, D=16):

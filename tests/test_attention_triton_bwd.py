@@ -35,7 +35,11 @@ from lpfa.attention.reference import forward as ref_forward  # noqa: E402
 from lpfa.attention.triton_bwd import flash_backward  # noqa: E402
 
 # padded rows/keys compute exp/log of garbage in the interpreter; they are masked and never stored
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    # the interpreter converts 1-element arrays with int(), which NumPy deprecates
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 BLOCKS = [(16, 16), (16, 32), (20, 20)]
 SHAPES = [(1, 16, 1), (17, 16, 2), (40, 64, 1)]  # (T, D, B)

@@ -27,7 +27,11 @@ from lpfa.attention.reference import forward as ref_forward  # noqa: E402
 from lpfa.attention.triton_fwd import flash_forward  # noqa: E402
 
 # padded rows (query >= T) divide 0/0 and take log(0) in the interpreter; they are never stored
-pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+    # the interpreter converts 1-element arrays with int(), which NumPy deprecates
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def _tiled(name):

@@ -128,8 +128,7 @@ if triton is not None:
         # keys 0 .. the last query of this tile (later keys are invisible to every row here); dP and P
         # are elementwise functions of (query, key), so the key sub-tiles need no policy alignment
         k_end = tl.minimum(q_start + BLOCK_M, T)
-        k0 = q_start * 0
-        while k0 < k_end:
+        for k0 in range(0, k_end, BLOCK_N):
             offs_n = k0 + loc_n
             key_ok = offs_n < T
             kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
@@ -145,7 +144,6 @@ if triton is not None:
             # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P)
             dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
             acc += tl.sum(dp * p, axis=1)
-            k0 += BLOCK_N
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
@@ -185,16 +183,14 @@ if triton is not None:
 
         # causal: the first policy query block that can see any key of this tile holds query k_start;
         # earlier blocks contribute exact zeros. Ascending i, as the reference accumulates.
-        i = k_start // BQ
-        while i * BQ < T:
+        for i in range(k_start // BQ, (T + BQ - 1) // BQ):
             q_blk = i * BQ
             q_hi = tl.minimum(q_blk + BQ, T)  # exclusive end of policy query block i
             # FP32 partials over ALL queries of block i: Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q
             dv_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
             dk_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
             # query sub-tiles from max(block start, first key): queries before it see none of the keys
-            q0 = tl.maximum(q_blk, k_start)
-            while q0 < q_hi:
+            for q0 in range(tl.maximum(q_blk, k_start), q_hi, BLOCK_M):
                 offs_m = q0 + loc_m
                 row_ok = offs_m < q_hi
                 # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
@@ -221,12 +217,10 @@ if triton is not None:
 
                 # dK partial += op(dS)ᵀ Q
                 dk_part += _dot(_rnd(dst, OP_BF16), tl.trans(qt), DSQ_DOT_BF16)
-                q0 += BLOCK_M
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
             dk = _rnd(dk + _rnd(dk_part, BW_BF16), BW_BF16)
-            i += 1
 
         tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
         tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
@@ -270,13 +264,11 @@ if triton is not None:
         k_end = tl.minimum(q_start + NQ, T)
         k_end = tl.where(q_start < T, k_end, 0)
         # policy key blocks j = 0, 1, ... up to the diagonal, ascending as in the reference
-        j = q_start * 0
-        while j * BK < k_end:
+        for j in range(0, (k_end + BK - 1) // BK):
             k_blk = j * BK
             k_hi = tl.minimum(k_blk + BK, k_end)
             dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            k0 = k_blk
-            while k0 < k_hi:
+            for k0 in range(k_blk, k_hi, BLOCK_N):
                 offs_n = k0 + loc_n
                 key_ok = offs_n < k_hi
                 kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
@@ -293,10 +285,8 @@ if triton is not None:
                 ds = p * scale * (dp - delta[:, None])
                 # dQ partial += op(dS) K
                 dq_part += _dot(_rnd(ds, OP_BF16), tl.trans(kt), DSK_DOT_BF16)
-                k0 += BLOCK_N
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
-            j += 1
 
         tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
 
@@ -312,7 +302,7 @@ def _check_tensor(name, t, ndim, dtypes):
 
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
-                   num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's

@@ -115,14 +115,14 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-        # policy key blocks 0 .. the one holding this tile's last row (later ones are above the diagonal).
-        # (`while`, not range(): the interpreter cannot make a Python int of program-id arithmetic.)
+        # policy key blocks 0 .. the one holding this tile's last row (later ones are above the diagonal)
         q_last = tl.minimum(q_start + BLOCK_M, T) - 1
         n_kblocks = q_last // BK + 1
-        j = 0
-        while j < n_kblocks:
+        for j in range(0, n_kblocks):
             kb_lo = j * BK
             kb_hi = kb_lo + BK
+            # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row)
+            n_sub = tl.minimum((q_last - kb_lo) // BLOCK_N + 1, N_SUB)
             # ---- rm = rowmax(S) over the policy block's visible keys ----------------------------------
             if N_SUB == 1:
                 s, visible = _scores_tile(q, K, base, kb_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
@@ -130,11 +130,10 @@ if triton is not None:
                 rm = tl.max(s, axis=1)
             else:  # pass 1 over the block's tiles: the block's row max needs all of them
                 rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for t in tl.static_range(N_SUB):
-                    if kb_lo + t * BLOCK_N <= q_last:
-                        s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T, scale,
-                                                  HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
-                        rm = tl.maximum(rm, tl.max(s, axis=1))
+                for t in range(0, n_sub):
+                    s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T, scale,
+                                              HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
+                    rm = tl.maximum(rm, tl.max(s, axis=1))
             row_live = rm > float("-inf")  # rows with a visible key in this block
 
             if USE_SFA:
@@ -145,11 +144,10 @@ if triton is not None:
                     rs = tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
                 else:  # pass 2: count against the block's final max
                     rs = tl.zeros([BLOCK_M], dtype=tl.int32)
-                    for t in tl.static_range(N_SUB):
-                        if kb_lo + t * BLOCK_N <= q_last:
-                            s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T,
-                                                      scale, HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
-                            rs += tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
+                    for t in range(0, n_sub):
+                        s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T,
+                                                  scale, HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
+                        rs += tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
                 tied = rs > 1
                 beta_rm = _rnd(rm * sfa_beta, SCORES_BF16)
                 rm = tl.where(tied & (rm > 0), beta_rm, rm)
@@ -162,23 +160,22 @@ if triton is not None:
             # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles --
             block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
             o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for t in tl.static_range(N_SUB):
+            for t in range(0, n_sub):
                 k_lo = kb_lo + t * BLOCK_N
-                if k_lo <= q_last:
-                    if N_SUB > 1:  # recompute this tile's scores (pass 2 or 3)
-                        s, visible = _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                                  SCORES_BF16, QK_DOT_BF16)
-                    diff = _rnd(s - m_new[:, None], SCORES_BF16)  # a BF16 op when S is BF16
-                    p = tl.where(visible & row_live[:, None], _exp(diff, PRECISE_MATH), 0.0)
-                    block_sum += tl.sum(p, axis=1)
-                    p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
-                    offs_n = k_lo + loc_n
-                    key_ok = (offs_n < kb_hi) & (offs_n < T)
-                    v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-                    if PV_DOT_BF16:
-                        o_blk += tl.dot(p_pv.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=tl.float32)
-                    else:
-                        o_blk += tl.dot(p_pv, v.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+                if N_SUB > 1:  # recompute this tile's scores (pass 2 or 3)
+                    s, visible = _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
+                                              SCORES_BF16, QK_DOT_BF16)
+                diff = _rnd(s - m_new[:, None], SCORES_BF16)  # a BF16 op when S is BF16
+                p = tl.where(visible & row_live[:, None], _exp(diff, PRECISE_MATH), 0.0)
+                block_sum += tl.sum(p, axis=1)
+                p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
+                offs_n = k_lo + loc_n
+                key_ok = (offs_n < kb_hi) & (offs_n < T)
+                v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
+                if PV_DOT_BF16:
+                    o_blk += tl.dot(p_pv.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=tl.float32)
+                else:
+                    o_blk += tl.dot(p_pv, v.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
             if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
                 block_sum = tl.where(row_live, tl.maximum(block_sum, clamp_val), block_sum)
             o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
@@ -191,7 +188,6 @@ if triton is not None:
             acc = _rnd(acc * c[:, None], ACC_BF16)
             acc = _rnd(acc + o_bar, ACC_BF16)
             m_i = m_new
-            j += 1
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd(_rnd(acc / l_i[:, None], ACC_BF16), OSTORE_BF16)
@@ -201,8 +197,7 @@ if triton is not None:
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
 
-BLOCK_M_DEFAULT = 64
-BLOCK_N_DEFAULT = 64
+BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
 
 
 def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
@@ -224,9 +219,9 @@ def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None
 
 
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
-                  precise_math: bool | None = None, block_m: int = BLOCK_M_DEFAULT,
+                  precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int = BLOCK_N_DEFAULT, num_warps: int | None = None,
-                  num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -243,6 +238,12 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     check_triton_inputs(q, k, v, pol, scale, causal)
     B, H, T, D = q.shape
     BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, "block_k", block_n)
+    # launch defaults from benchmarks/tune_attention.py on an H200 (GPT-2 shapes): one tile per policy
+    # block runs best at 64 rows and 4 warps, multi-tile blocks (the paper's 512) at 128 rows and 8 warps
+    if block_m is None:
+        block_m = 64 if N_SUB == 1 else 128
+    if num_warps is None:
+        num_warps = 4 if (N_SUB == 1 and D <= 64) else 8
 
     interp = _interpreter()
     if dot_bf16 is None:
@@ -270,7 +271,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         PV_DOT_BF16=bool(dot_bf16 and inputs_bf16 and pol.p_bar == BF16),
         PRECISE_MATH=bool(precise_math),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
-        num_warps=num_warps or (4 if D <= 64 else 8),
+        num_warps=num_warps,
         num_stages=num_stages,
     )
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
