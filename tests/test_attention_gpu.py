@@ -13,13 +13,17 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from lpfa.attention import PRESETS, attention  # noqa: E402
+from lpfa.attention.policy import BF16  # noqa: E402
 from lpfa.attention import reference as ref  # noqa: E402
 
 
 def _compare(x, y, min_same):
+    """At least `min_same` of the elements bit-identical, and every difference below 2% of the tensor's
+    scale (its max magnitude, at least 1: gradients that are pure rounding noise around 0, e.g. dq at T = 1,
+    are compared absolutely)."""
     x, y = x.float(), y.float()
     same = (x == y).double().mean().item()
-    rel = ((x - y).abs().max() / y.abs().max().clamp_min(1e-30)).item()
+    rel = ((x - y).abs().max() / y.abs().max().clamp_min(1.0)).item()
     assert same >= min_same and rel < 2e-2, (same, rel)
 
 
@@ -34,17 +38,19 @@ def test_gpt2_shapes_match_reference(name):
     pol, scale = PRESETS[name], 1 / math.sqrt(D)
     o, lse = flash_forward(q, k, v, pol, scale)
     ro, rlse = ref.forward(q.float(), k.float(), v.float(), pol, scale)
-    if pol.accumulator == "bf16":  # l is BF16: an FP32-order flip of its rounding moves lse by log(1 + 2^-7)
-        _compare(lse, rlse, 0.999)
-        assert (lse - rlse).abs().max() <= math.log1p(2.0**-7) + 1e-6
+    if BF16 in (pol.scores, pol.accumulator):
+        # an FP32-order difference can flip a BF16 rounding of S (its ulp at |S| ≈ 4 is 0.03) or of l
+        # (a relative 2^-7): rare elements of lse move by up to a few 1e-2
+        off = (lse - rlse).abs()
+        assert (off > 1e-5).double().mean() < 1e-3 and off.max() < 0.05, ((off > 1e-5).double().mean(), off.max())
     else:
         torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
-    bf16_out = pol.o_store == "bf16"
+    bf16_out = pol.o_store == BF16
     _compare(o, ro, 0.99 if bf16_out else 0.0)
     grads = flash_backward(do, q, k, v, o.float(), lse, pol, scale)
     rgrads = ref.backward(do.float(), q.float(), k.float(), v.float(), ro, rlse, pol, scale)
     for g, rg in zip(grads, rgrads):
-        _compare(g, rg, 0.95 if pol.backward == "bf16" else 0.0)
+        _compare(g, rg, 0.95 if pol.backward == BF16 else 0.0)
 
 
 @pytest.mark.parametrize("T", [1, 77, 1000])
