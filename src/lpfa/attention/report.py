@@ -1,0 +1,58 @@
+"""Tables and figures of the attention benchmark (``benchmarks/attention.py`` results)."""
+
+from __future__ import annotations
+
+
+def speed_table(bench: dict):
+    """DataFrame: TFLOP/s per implementation and pass, with the fwd+bwd ratio to SDPA-flash."""
+    import pandas as pd
+
+    rows = bench["rows"]
+    base = rows["sdpa_flash"]["fwd_bwd_tflops"]
+    df = pd.DataFrame(
+        [{"implementation": n, "fwd": r["fwd_tflops"], "bwd": r["bwd_tflops"], "fwd+bwd": r["fwd_bwd_tflops"],
+          "ratio to SDPA-flash": r["fwd_bwd_tflops"] / base} for n, r in rows.items()]
+    ).set_index("implementation")
+    return df.round(3)
+
+
+def plot_speed(bench: dict):
+    """Horizontal bars of fwd+bwd TFLOP/s, SDPA first."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    df = speed_table(bench)["fwd+bwd"]
+    colors = [COLORS["neutral"] if n.startswith("sdpa") else COLORS["sfa"] if "sfa" in n else
+              COLORS["fp32"] if "fp32" in n else COLORS["other"] if n.startswith("reference") else COLORS["bf16"]
+              for n in df.index]
+    fig, ax = plt.subplots(figsize=(7, 0.32 * len(df) + 1))
+    ax.barh(df.index[::-1], df.values[::-1], color=colors[::-1])
+    for y, v in enumerate(df.values[::-1]):
+        ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+    B, H, T, D = bench["shape"]
+    ax.set_xlabel(f"forward + backward TFLOP/s (causal, B={B}, H={H}, T={T}, D={D})")
+    return fig
+
+
+def plot_memory(memory: dict):
+    """Peak memory of forward + backward against sequence length."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    colors = {"sdpa_flash": COLORS["neutral"], "fa2": COLORS["bf16"], "fp32": COLORS["fp32"]}
+    rows = [r for r in memory["rows"].values() if "peak_mib" in r]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        pts = sorted((r["T"], r["peak_mib"]) for r in rows if r["name"] == name)
+        ax.plot(*zip(*pts), marker="o", label=name, color=colors.get(name))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("peak memory above inputs [MiB]")
+    ax.set_title(f"B=1, H={memory['H']}, D={memory['D']}", fontsize=9)
+    ax.legend()
+    return fig

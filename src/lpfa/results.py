@@ -1,0 +1,45 @@
+"""The results store: small artifacts of real runs under ``results/<experiment>/<run>/``.
+
+Each run folder holds JSON and text files plus a ``provenance.json`` (see :mod:`lpfa.provenance`).
+Notebooks read them through :func:`load`, so a figure always names the run it plots.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lpfa.paths import results_dir
+
+
+def runs(experiment: str, root: str | Path | None = None) -> list[Path]:
+    """Run folders of ``experiment``, sorted by name (names start with the device and the date)."""
+    base = Path(root) if root else results_dir()
+    folder = base / experiment
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no results for experiment {experiment!r} under {base} (expected {folder}/<run>/)")
+    return sorted(p for p in folder.iterdir() if p.is_dir())
+
+
+def run_dir(experiment: str, run: str | None = None, root: str | Path | None = None) -> Path:
+    """The folder of ``run`` (default: the last one by name)."""
+    all_runs = runs(experiment, root)
+    if not all_runs:
+        raise FileNotFoundError(f"experiment {experiment!r} has no runs yet")
+    if run is None:
+        return all_runs[-1]
+    for r in all_runs:
+        if r.name == run:
+            return r
+    raise FileNotFoundError(f"experiment {experiment!r} has no run {run!r}; runs: {[r.name for r in all_runs]}")
+
+
+def load(experiment: str, name: str, run: str | None = None, root: str | Path | None = None):
+    """A JSON file of a run, parsed; other files as text. Raises if the run has no provenance."""
+    d = run_dir(experiment, run, root)
+    if not (d / "provenance.json").is_file():
+        raise FileNotFoundError(f"{d} has no provenance.json: results without provenance are not used")
+    path = d / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; the run has {sorted(p.name for p in d.iterdir())}")
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
