@@ -102,7 +102,7 @@ def attention(
     if backend == "triton":
         from lpfa.attention.kernels import triton_attention
         from lpfa.attention.reference import fill_tie_stats
-        from lpfa.attention.triton_fwd import check_triton_inputs
+        from lpfa.attention.triton_common import check_triton_inputs
 
         check_triton_inputs(q, k, v, pol.with_(fp32_heads=frozenset()), scale, is_causal)
         if stats is not None:  # tie counts from the scores (P̄ == 1 counts need the reference backend)

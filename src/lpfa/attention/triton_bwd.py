@@ -59,12 +59,12 @@ import torch
 
 from lpfa.attention.policy import BF16, FP32_POLICY, PrecisionPolicy, get_policy
 from lpfa.attention.triton_common import (
-    HEAD_DIMS,
     MIN_TILE,
     _exp,
     _interpreter,
     _next_pow2,
     _rnd,
+    check_triton_inputs,
     libdevice,
     policy_tiles,
     tl,
@@ -291,15 +291,6 @@ if triton is not None:
         tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
 
 
-def _check_tensor(name, t, ndim, dtypes):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D tensor, got shape {tuple(t.shape)} ({t.dim()}-D)")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
-
-
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
                    num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -316,37 +307,21 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
     the policy's blocks fix the rounding.
     """
-    if triton is None:
-        raise ImportError("lpfa.attention.triton_bwd needs triton")
     pol: PrecisionPolicy = get_policy(policy)
-    if not causal:
-        raise ValueError("the Triton backward kernels are causal only (causal=False is not supported)")
-    if pol.fp32_heads:
-        raise ValueError(
-            f"policy.fp32_heads = {sorted(pol.fp32_heads)}: the Triton kernels run one policy for all heads; "
-            "split the FP32 heads off in the caller and run them with the fp32 policy"
-        )
-    fl = (torch.bfloat16, torch.float32)
-    for name, t in (("do", do), ("q", q), ("k", k), ("v", v), ("o_store", o_store)):
-        _check_tensor(name, t, 4, fl)
-    _check_tensor("lse", lse, 3, (torch.float32,))
-    if not (q.shape == k.shape == v.shape == do.shape == o_store.shape):
-        raise ValueError(
-            "do, q, k, v, o_store must have the same shape (B, H, T, D), got "
-            + ", ".join(str(tuple(t.shape)) for t in (do, q, k, v, o_store))
-        )
-    if lse.shape != q.shape[:-1]:
-        raise ValueError(f"lse must have shape (B, H, T) = {tuple(q.shape[:-1])}, got {tuple(lse.shape)}")
-    devs = {t.device for t in (do, q, k, v, o_store, lse)}
+    check_triton_inputs(q, k, v, pol, scale, causal)
+    for name, t, shape, dtypes in (("do", do, q.shape, (torch.bfloat16, torch.float32)),
+                                   ("o_store", o_store, q.shape, (torch.bfloat16, torch.float32)),
+                                   ("lse", lse, q.shape[:-1], (torch.float32,))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != shape:
+            raise ValueError(f"{name} must have shape {tuple(shape)} (from q), got {tuple(t.shape)}")
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} has dtype {t.dtype}; expected {' or '.join(str(d) for d in dtypes)}")
+    devs = {t.device for t in (do, q, o_store, lse)}
     if len(devs) != 1:
         raise ValueError(f"do, q, k, v, o_store, lse must be on one device, got {sorted(str(d) for d in devs)}")
     B, H, T, D = q.shape
-    if D not in HEAD_DIMS:
-        raise ValueError(f"head_dim {D} is not supported by the Triton kernels; supported: {HEAD_DIMS}")
-    if T < 1 or B < 1 or H < 1:
-        raise ValueError(f"batch, heads and seq_len must be >= 1, got shape {tuple(q.shape)}")
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, "block_q", block_m)
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, "block_k", block_n)
 

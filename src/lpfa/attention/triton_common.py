@@ -7,6 +7,7 @@ where BF16 casts and BF16 ``tl.dot`` are not faithful.
 
 from __future__ import annotations
 
+import math
 import os
 
 try:  # Triton is optional for the package as a whole
@@ -90,3 +91,21 @@ def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[
             f"that are multiples of {preferred} or at most {MAX_TILE} long"
         )
     return size, tile, 1
+
+
+def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
+    """Clear errors for what the Triton kernels do not take (besides :func:`lpfa.attention.check_inputs`)."""
+    from lpfa.attention import check_inputs
+
+    if triton is None:
+        raise ImportError("the Triton attention kernels need the `triton` package")
+    if not causal:
+        raise ValueError("the Triton attention kernels are causal only (is_causal=False is not supported)")
+    if policy.fp32_heads:
+        raise ValueError(
+            f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
+            "split the FP32 heads off in the caller and run them with the fp32 policy"
+        )
+    check_inputs(q, k, v, head_dims=HEAD_DIMS)
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")

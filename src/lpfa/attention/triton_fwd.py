@@ -50,11 +50,11 @@ import torch
 from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
 
 from lpfa.attention.triton_common import (
-    HEAD_DIMS,
     _exp,
     _interpreter,
     _log,
     _rnd,
+    check_triton_inputs,
     libdevice,
     policy_tiles,
     tl,
@@ -198,24 +198,6 @@ if triton is not None:
 
 
 BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
-
-
-def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
-    """Clear errors for what the Triton kernels do not take (besides :func:`lpfa.attention.check_inputs`)."""
-    from lpfa.attention import check_inputs
-
-    if triton is None:
-        raise ImportError("the Triton attention kernels need the `triton` package")
-    if not causal:
-        raise ValueError("the Triton attention kernels are causal only (is_causal=False is not supported)")
-    if policy.fp32_heads:
-        raise ValueError(
-            f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
-            "split the FP32 heads off in the caller and run them with the fp32 policy"
-        )
-    check_inputs(q, k, v, head_dims=HEAD_DIMS)
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
 
 
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
