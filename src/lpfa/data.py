@@ -197,3 +197,106 @@ def embedded_token_dir(tokenizer: str = "auto") -> Path:
             return out
     build_token_files(EMBEDDED_CORPUS_DIR, out, tokenizer=tok.name)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Deterministic batches and replay (paper Sec. 3.1: every run sees the same data in the same order)
+# --------------------------------------------------------------------------------------------
+_CHECKSUMS: dict[tuple, str] = {}
+
+
+def data_checksum(path: str | Path) -> str:
+    """SHA-256 of a token file (cached per path, size and modification time)."""
+    path = Path(path)
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _CHECKSUMS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+        _CHECKSUMS[key] = h.hexdigest()
+    return _CHECKSUMS[key]
+
+
+def batch_starts(seed: int, step: int, micro: int, batch_size: int, n_tokens: int, block_size: int) -> np.ndarray:
+    """Start offsets of the sequences of optimizer step ``step``, micro-step ``micro``.
+
+    A pure function of (seed, step, micro): independent of every model, precision or device setting,
+    so twin runs see identical batches, a resumed run continues the same stream, and any step can be
+    replayed on its own.
+    """
+    if n_tokens <= block_size + 1:
+        raise ValueError(f"the token file has {n_tokens} tokens; a block of {block_size} needs at least {block_size + 2}")
+    rng = np.random.default_rng([seed, step, micro])
+    return rng.integers(0, n_tokens - block_size - 1, size=batch_size, dtype=np.int64)
+
+
+def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device: str = "cpu"):
+    """Inputs and next-token targets ``(x, y)``, each (len(starts), block_size) int64."""
+    import torch
+
+    x = torch.from_numpy(np.stack([np.asarray(tokens[s : s + block_size], dtype=np.int64) for s in starts]))
+    y = torch.from_numpy(np.stack([np.asarray(tokens[s + 1 : s + 1 + block_size], dtype=np.int64) for s in starts]))
+    if device.startswith("cuda"):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+class ReplayLog:
+    """The batches a run used, one JSON line per optimizer step, headed by the data's checksum.
+
+    Writing: ``log = ReplayLog.create(path, data_file, header)``, then ``log.append(step, starts)``.
+    Reading: ``ReplayLog.open(path, data_file)`` refuses a log made for other data; ``starts(step)``
+    returns the recorded offsets (one array per micro-step).
+    """
+
+    def __init__(self, path: Path, header: dict, steps: dict[int, list[list[int]]]):
+        self.path, self.header, self.steps = path, header, steps
+
+    @classmethod
+    def create(cls, path: str | Path, data_file: str | Path, header: dict | None = None) -> "ReplayLog":
+        path = Path(path)
+        head = {"format": "lpfa replay v1", "data_file": Path(data_file).name, "data_sha256": data_checksum(data_file), **(header or {})}
+        if path.exists():  # appending to a resumed run's log: keep what is there if it matches
+            old = cls.open(path, data_file)
+            return old
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(head) + "\n")
+        return cls(path, head, {})
+
+    @classmethod
+    def open(cls, path: str | Path, data_file: str | Path) -> "ReplayLog":
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"replay file {path} does not exist")
+        lines = path.read_text().splitlines()
+        try:
+            head = json.loads(lines[0])
+        except (IndexError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path} is not an lpfa replay file (no JSON header line)") from e
+        if head.get("format") != "lpfa replay v1":
+            raise ValueError(f"{path} is not an lpfa replay file (format {head.get('format')!r})")
+        have = data_checksum(data_file)
+        if head.get("data_sha256") != have:
+            raise ValueError(
+                f"replay file {path} was recorded on data with SHA-256 {head.get('data_sha256', '?')[:16]}…, "
+                f"but {data_file} has {have[:16]}…: refusing to replay it on other data"
+            )
+        steps = {}
+        for ln in lines[1:]:
+            if ln.strip():
+                rec = json.loads(ln)
+                steps[int(rec["step"])] = rec["starts"]
+        return cls(path, head, steps)
+
+    def append(self, step: int, starts: list[np.ndarray]) -> None:
+        rec = {"step": int(step), "starts": [np.asarray(s).tolist() for s in starts]}
+        self.steps[int(step)] = rec["starts"]
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+    def starts(self, step: int) -> list[np.ndarray]:
+        if step not in self.steps:
+            raise KeyError(f"replay file {self.path} has no step {step} (it covers {min(self.steps, default=None)}..{max(self.steps, default=None)})")
+        return [np.asarray(s, dtype=np.int64) for s in self.steps[step]]
