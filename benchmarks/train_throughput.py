@@ -1,0 +1,101 @@
+"""GPT-2 small training throughput with lpfa attention against the same model on PyTorch SDPA (issue 4).
+
+One optimizer step = forward + backward + AdamW on B × 1024 tokens under BF16 autocast with FP32
+master weights (the paper's recipe), random token ids (throughput does not depend on the data).
+Eager mode (no torch.compile) for every backend, measured in the same run. MFU uses nanoGPT's
+FLOP estimate (6N + 12·L·H·D·T per token) against the H200's 989 TFLOP/s dense BF16 peak.
+
+Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from lpfa.model import GPT, GPTConfig
+from lpfa.provenance import provenance, write_json
+
+PEAK_BF16 = 989e12  # H200 SXM dense BF16 (datasheet)
+BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper", "lpfa", "paper"),
+            ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2")]
+
+
+def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024):
+    torch.manual_seed(0)
+    cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy)
+    model = GPT(cfg).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
+    x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(inp, tgt)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.time()
+    for _ in range(steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.time() - t0) / steps
+    n = model.num_params()
+    L, H, D = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    flops_per_token = 6 * n + 12 * L * H * D * T
+    tok_s = batch * T / dt
+    out = {"tokens_per_s": tok_s, "step_ms": dt * 1e3, "mfu": flops_per_token * tok_s / PEAK_BF16,
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    a = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = Path(a.out)
+    write_json(out / "provenance.json", provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
+                                                           "autocast": "bfloat16", "compile": False}))
+    rows = {}
+    for name, backend, policy in BACKENDS:
+        try:
+            rows[name] = measure(backend, policy, a.batch, a.steps)
+        except Exception as e:  # keep going: one backend failing must not lose the others
+            rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        r = rows[name]
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+    base = rows["sdpa"].get("tokens_per_s")
+    summary = {"model": "gpt2-s", "T": 1024, "batch": a.batch,
+               "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"),
+                                "ratio_to_sdpa": (r["tokens_per_s"] / base) if base and "tokens_per_s" in r else None}
+                            for n, r in rows.items()}}
+    write_json(out / "throughput.json", rows)
+    write_json(out / "summary.json", summary)
+    lines = [f"{'backend':16s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}"]
+    for n, r in rows.items():
+        if "tokens_per_s" in r:
+            lines.append(f"{n:16s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {r['tokens_per_s'] / base:6.3f} {r['peak_mem_gib']:8.1f}")
+        else:
+            lines.append(f"{n:16s} {r['error']}")
+    table = "\n".join(lines)
+    print(table)
+    (out / "table.txt").write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
