@@ -55,7 +55,7 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024):
     flops_per_token = 6 * n + 12 * L * H * D * T
     tok_s = batch * T / dt
     out = {"tokens_per_s": tok_s, "step_ms": dt * 1e3, "mfu": flops_per_token * tok_s / PEAK_BF16,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss)}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach())}
     del model, opt
     torch.cuda.empty_cache()
     return out

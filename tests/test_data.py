@@ -106,3 +106,21 @@ def test_embedded_corpus_is_small_and_documented():
     for f in files:
         assert f.name in sources
     assert "public domain" in sources
+
+
+def test_build_from_hf_dataset_on_a_local_dataset(tmp_path, no_bpe_cache):
+    datasets = pytest.importorskip("datasets")
+    texts = [f"document {i}: " + "word " * (i % 7 + 1) for i in range(10)]
+    datasets.Dataset.from_dict({"text": texts, "id": list(range(10))}).save_to_disk(str(tmp_path / "ds"))
+    meta = data.build_from_hf_dataset(tmp_path / "ds", tmp_path / "out", tokenizer="bytes", val_every=5)
+    train, _ = data.load_tokens(tmp_path / "out", "train")
+    val, _ = data.load_tokens(tmp_path / "out", "val")
+    assert meta["documents"] == 10 and meta["tokenizer"] == "bytes"
+    # documents 4 and 9 (every 5th) are validation, the rest training, each followed by end-of-text
+    want_val = b"".join(t.encode() + b"\x00" for t in (texts[4], texts[9]))
+    got_val = bytes(int(x) if x != 256 else 0 for x in val)
+    assert got_val == want_val
+    assert int((train == 256).sum()) == 8 and train.size + val.size == sum(len(t) + 1 for t in texts)
+    with pytest.raises(ValueError, match="no column 'content'"):
+        data.build_from_hf_dataset(tmp_path / "ds", tmp_path / "out2", tokenizer="bytes", text_field="content")
+    assert not (tmp_path / "out2" / "train.bin").exists()

@@ -36,6 +36,7 @@ __all__ = [
     "gpt2_bpe_available",
     "read_documents",
     "build_token_files",
+    "build_from_hf_dataset",
     "load_tokens",
     "embedded_token_dir",
 ]
@@ -126,6 +127,42 @@ def _sources_digest(folder: Path) -> list[dict]:
     return [{"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()} for p in files]
 
 
+class _TokenFileWriter:
+    """Streams token ids into ``.train.bin.tmp`` / ``.val.bin.tmp`` and renames them when finished, so an
+    interrupted build never leaves a file that looks complete."""
+
+    def __init__(self, out: Path, tok: Tokenizer):
+        if tok.vocab_size > 2**16:
+            raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids; uint16 token files hold at most 65536")
+        self.out, self.tok = out, tok
+        out.mkdir(parents=True, exist_ok=True)
+        self.files = {split: open(out / f".{split}.bin.tmp", "wb") for split in ("train", "val")}
+        self.counts = {"train": 0, "val": 0}
+
+    def write(self, split: str, ids) -> None:
+        a = np.asarray(ids, dtype=np.uint16)
+        a.tofile(self.files[split])
+        self.counts[split] += int(a.size)
+
+    def finish(self, meta: dict) -> dict:
+        for f in self.files.values():
+            f.close()
+        meta = {"format": "nanoGPT uint16 token ids", "tokenizer": self.tok.name, "vocab_size": self.tok.vocab_size,
+                "eot_token": self.tok.eot_token, **meta,
+                "train_tokens": self.counts["train"], "val_tokens": self.counts["val"]}
+        for split in ("train", "val"):
+            (self.out / f".{split}.bin.tmp").replace(self.out / f"{split}.bin")
+        tmp = self.out / ".meta.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1) + "\n")
+        tmp.replace(self.out / "meta.json")
+        return meta
+
+    def abort(self) -> None:
+        for split, f in self.files.items():
+            f.close()
+            (self.out / f".{split}.bin.tmp").unlink(missing_ok=True)
+
+
 def build_token_files(
     src: str | Path, out: str | Path, tokenizer: str = "auto", val_fraction: float = 0.05
 ) -> dict:
@@ -138,34 +175,55 @@ def build_token_files(
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
     src, out = Path(src), Path(out)
+    docs = read_documents(src)
     tok = get_tokenizer(tokenizer)
-    if tok.vocab_size > 2**16:
-        raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids; uint16 token files hold at most 65536")
-    train, val = [], []
-    for _, text in read_documents(src):
-        ids = tok.encode(text) + [tok.eot_token]
-        cut = len(ids) - max(1, int(round(len(ids) * val_fraction)))
-        train.append(np.asarray(ids[:cut], dtype=np.uint16))
-        val.append(np.asarray(ids[cut:], dtype=np.uint16))
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "format": "nanoGPT uint16 token ids",
-        "tokenizer": tok.name,
-        "vocab_size": tok.vocab_size,
-        "eot_token": tok.eot_token,
-        "val_fraction": val_fraction,
-        "sources": _sources_digest(src),
-        "train_tokens": int(sum(a.size for a in train)),
-        "val_tokens": int(sum(a.size for a in val)),
-    }
-    for split, parts in (("train", train), ("val", val)):
-        tmp = out / f".{split}.bin.tmp"
-        np.concatenate(parts).tofile(tmp)
-        tmp.replace(out / f"{split}.bin")
-    tmp = out / ".meta.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1) + "\n")
-    tmp.replace(out / "meta.json")
-    return meta
+    w = _TokenFileWriter(out, tok)
+    try:
+        for _, text in docs:
+            ids = tok.encode(text) + [tok.eot_token]
+            cut = len(ids) - max(1, int(round(len(ids) * val_fraction)))
+            w.write("train", ids[:cut])
+            w.write("val", ids[cut:])
+    except BaseException:
+        w.abort()
+        raise
+    return w.finish({"val_fraction": val_fraction, "sources": _sources_digest(src)})
+
+
+def build_from_hf_dataset(
+    dataset, out: str | Path, tokenizer: str = "gpt2", text_field: str = "text", split: str = "train",
+    val_every: int = 2000, num_proc: int | None = None,
+) -> dict:
+    """Tokenize a Hugging Face dataset (e.g. ``"openwebtext"``, as nanoGPT does) into nanoGPT token files.
+
+    ``dataset``: a hub name (downloaded by ``datasets.load_dataset``: needs network), a folder written by
+    ``Dataset.save_to_disk``, or a ``datasets.Dataset``. Every ``val_every``-th document goes to ``val.bin``.
+    """
+    import datasets
+    from tqdm.auto import tqdm
+
+    if isinstance(dataset, (str, Path)):
+        name = str(dataset)
+        ds = datasets.load_from_disk(name) if Path(name).is_dir() else datasets.load_dataset(name, split=split)
+    else:
+        ds, name = dataset, getattr(dataset, "info", None) and dataset.info.dataset_name
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds[split]
+    if text_field not in ds.column_names:
+        raise ValueError(f"the dataset has no column {text_field!r}; its columns are {ds.column_names}")
+    if val_every < 2:
+        raise ValueError(f"val_every must be >= 2, got {val_every}")
+    tok = get_tokenizer(tokenizer)
+    ids = ds.map(lambda ex: {"ids": tok.encode(ex[text_field]) + [tok.eot_token]},
+                 remove_columns=ds.column_names, num_proc=num_proc, desc="tokenizing")
+    w = _TokenFileWriter(Path(out), tok)
+    try:
+        for i, ex in enumerate(tqdm(ids, desc="writing", unit="doc")):
+            w.write("val" if i % val_every == val_every - 1 else "train", ex["ids"])
+    except BaseException:
+        w.abort()
+        raise
+    return w.finish({"source": str(name), "documents": len(ds), "val_every": val_every})
 
 
 def load_tokens(folder: str | Path, split: str = "train") -> tuple[np.memmap, dict]:

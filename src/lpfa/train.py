@@ -205,14 +205,25 @@ class Run:
 
     def __init__(self, out_dir: Path, rank: int):
         self.out_dir, self.rank = out_dir, rank
+        self.tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
+            try:  # TensorBoard when installed, next to metrics.jsonl
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            except Exception:
+                self.tb = None
         self.t0 = time.time()
 
     def metric(self, rec: dict) -> None:
         if self.rank == 0:
             with open(self.out_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(rec) + "\n")
+            if self.tb is not None:
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)):
+                        self.tb.add_scalar(k, v, rec["step"])
 
     def log(self, msg: str) -> None:
         if self.rank == 0:

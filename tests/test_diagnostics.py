@@ -1,0 +1,66 @@
+"""lpfa.diagnostics and QK-clip: exact on constructed weights."""
+
+import math
+
+import torch
+
+from lpfa.diagnostics import attention_probe, probe_record, wq_spectral_norms
+from lpfa.model import GPT, GPTConfig
+
+
+def _model(**kw):
+    torch.manual_seed(torch.seed() % 2**31)
+    return GPT(GPTConfig.from_size("debug", vocab_size=61, block_size=32, attn_backend="math", **kw)).eval()
+
+
+def test_wq_spectral_norms_match_svd():
+    m = _model()
+    norms = wq_spectral_norms(m)
+    D = m.config.n_embd // m.config.n_head
+    for layer in range(m.config.n_layer):
+        w = m.transformer.h[layer].attn.c_attn.weight[: m.config.n_embd]
+        for h in range(m.config.n_head):
+            want = torch.linalg.svdvals(w[h * D : (h + 1) * D].double())[0]
+            assert abs(norms[layer, h].item() - want.item()) < 1e-5 * want.item()
+
+
+def test_probe_counts_ties_and_max_logits():
+    m = _model()
+    with torch.no_grad():
+        m.transformer.h[0].attn.c_attn.weight[m.config.n_embd : 2 * m.config.n_embd] = 0.0  # W_K = 0: all scores 0
+    x = torch.randint(0, 61, (3, 32))
+    ties, maxes = attention_probe(m, x)
+    T = 32
+    assert torch.allclose(ties[0], torch.full_like(ties[0], (T - 1) / T, dtype=ties.dtype))  # every row but the first
+    assert torch.all(maxes[0] == 0)
+    # layer 1: the max logit equals a brute-force computation from the same activations
+    cap = {}
+    h = m.transformer.h[1].attn.c_attn.register_forward_hook(lambda mod, i, o: cap.setdefault("qkv", o.detach()))
+    with torch.no_grad():
+        m(x)
+    h.remove()
+    q, k, _ = cap["qkv"].split(m.config.n_embd, dim=2)
+    H, D = m.config.n_head, m.config.n_embd // m.config.n_head
+    q, k = (t.view(3, T, H, D).transpose(1, 2).double() for t in (q, k))
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(D)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    assert torch.allclose(maxes[1].double(), s.amax(dim=(-1, -2)).amax(0), rtol=1e-5)
+    assert all(a.attn.capture is None for a in m.transformer.h)  # probe leaves no hooks behind
+    rec = probe_record(m, x)
+    assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit"} and len(rec["tie_fraction"]) == 2
+
+
+def test_qk_clip_bounds_the_max_logit():
+    # one layer, so clipping cannot change any head's input
+    torch.manual_seed(torch.seed() % 2**31)
+    m = GPT(GPTConfig(vocab_size=61, block_size=32, n_layer=1, n_head=4, n_embd=64, attn_backend="math")).eval()
+    x = torch.randint(0, 61, (2, 32))
+    _, before = attention_probe(m, x)
+    tau = float(before.median())
+    n = m.qk_clip_(before, tau=tau)
+    _, after = attention_probe(m, x)
+    assert n == int((before > tau).sum())
+    assert torch.all(after <= tau * (1 + 1e-5))
+    assert torch.allclose(after[before > tau], torch.full_like(after[before > tau], tau), rtol=1e-5)
+    untouched = before <= tau
+    assert torch.allclose(after[untouched], before[untouched])
