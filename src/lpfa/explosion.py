@@ -1,0 +1,65 @@
+"""When has a run exploded? One criterion, stated and computed by code (paper Fig. 2).
+
+A run explodes at the first step where its training loss, smoothed over ``window`` steps, stays more
+than ``margin`` above the lowest smoothed loss seen so far for ``patience`` consecutive steps — or
+where the loss is not finite. The explosion step is the first step of that excursion.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ExplosionCriterion:
+    window: int = 50
+    margin: float = 1.0
+    patience: int = 50
+
+    def __post_init__(self):
+        if self.window < 1 or self.patience < 1 or not (self.margin > 0 and math.isfinite(self.margin)):
+            raise ValueError(f"need window >= 1, patience >= 1 and a finite margin > 0, got {self}")
+
+    def describe(self) -> str:
+        return (f"training loss, smoothed over {self.window} steps, more than {self.margin:g} above its running "
+                f"minimum for {self.patience} consecutive steps, or a non-finite loss")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "description": self.describe()}
+
+
+def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion()) -> int | None:
+    """The step at which ``loss`` (a pandas Series indexed by step) explodes, or None."""
+    import numpy as np
+
+    vals = loss.to_numpy(dtype=float)
+    steps = loss.index.to_numpy()
+    bad = ~np.isfinite(vals)
+    first_bad = int(steps[bad.argmax()]) if bad.any() else None
+    finite = loss[~bad] if first_bad is None else loss[loss.index < first_bad]
+    smooth = finite.rolling(criterion.window, min_periods=1).mean()
+    run_min = smooth.cummin()
+    above = (smooth - run_min > criterion.margin).to_numpy()
+    idx = finite.index.to_numpy()
+    streak = 0
+    for i, a in enumerate(above):
+        streak = streak + 1 if a else 0
+        if streak >= criterion.patience:
+            return int(idx[i - criterion.patience + 1])
+    return first_bad
+
+
+def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion()) -> dict:
+    """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step."""
+    import json
+    from pathlib import Path
+
+    from lpfa.runs import load_metrics
+
+    train, _, _ = load_metrics(run_dir)
+    conf = json.loads((Path(run_dir) / "config.json").read_text())["train"]
+    step = explosion_step(train["loss"], criterion)
+    return {"policy": conf["attn_policy"], "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
+            "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": int(train.index.max()) + 1,
+            "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict()}
