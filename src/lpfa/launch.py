@@ -1,0 +1,154 @@
+"""Run twin trainings in the background and bring back their small files (for time-boxed GPU machines).
+
+A GPU command may last at most a few minutes while a machine stays up longer, so runs must outlive
+the command that starts them. ``start`` launches each run as its own detached process (a new session,
+so it survives its parent), ``wait`` follows them until they finish or a deadline passes, ``status``
+prints where they are, and ``collect`` packs every run's small files (config, metrics, log, summary;
+never checkpoints) into one ``.tar.gz`` for the trip back. Runs stopped by their time budget continue
+with ``start --resume``.
+
+    python -m lpfa.launch start  --name twins --preset repro --set data=data/corpus time_budget_s=1500 \\
+        --run bf16 attn_policy=paper_untiled --run fp32 attn_policy=fp32
+    python -m lpfa.launch wait    --name twins --max-s 500
+    python -m lpfa.launch collect --name twins --out $OUT
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+SMALL_FILES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "stdout.txt")
+
+
+def _root(root: str | Path | None) -> Path:
+    return Path(root or os.environ.get("LPFA_RUNS", "runs"))
+
+
+def start(name: str, runs: dict[str, list[str]], preset: str | None = None, common: list[str] | None = None,
+          root: str | Path | None = None, resume: bool = False) -> dict:
+    """Launch one detached ``python -m lpfa.train`` per run; ``runs`` maps a label to its key=value overrides."""
+    base = _root(root) / name
+    base.mkdir(parents=True, exist_ok=True)
+    launch_file = base / "launch.json"
+    procs = json.loads(launch_file.read_text())["runs"] if launch_file.exists() else {}
+    for label, overrides in runs.items():
+        if label in procs and _alive(procs[label]["pid"]):
+            raise RuntimeError(f"run {label!r} of {name!r} is still running (pid {procs[label]['pid']})")
+        out_dir = base / label
+        cmd = [sys.executable, "-m", "lpfa.train", *(["--preset", preset] if preset else []), *(common or []),
+               *overrides, f"out_dir={out_dir}", "progress=false", *(["resume=true"] if resume else [])]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stdout = open(out_dir / "stdout.txt", "a")
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
+        procs[label] = {"pid": p.pid, "cmd": cmd, "started": time.time(), "out_dir": str(out_dir)}
+    launch_file.write_text(json.dumps({"name": name, "runs": procs}, indent=1) + "\n")
+    return procs
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a finished child that nobody reaped is a zombie: not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def status(name: str, root: str | Path | None = None) -> list[dict]:
+    """One dict per run: label, alive, last step and loss, and the final status once the run wrote it."""
+    base = _root(root) / name
+    launch_file = base / "launch.json"
+    if not launch_file.exists():
+        raise FileNotFoundError(f"no launch named {name!r} under {_root(root)} (expected {launch_file})")
+    out = []
+    for label, info in json.loads(launch_file.read_text())["runs"].items():
+        d = Path(info["out_dir"])
+        rec = {"label": label, "alive": _alive(info["pid"]), "step": None, "loss": None, "status": None}
+        m = d / "metrics.jsonl"
+        if m.exists():
+            for line in reversed(m.read_text().splitlines()):
+                r = json.loads(line)
+                if "loss" in r:
+                    rec["step"], rec["loss"] = r["step"], r["loss"]
+                    break
+        if (d / "summary.json").exists():
+            rec["status"] = json.loads((d / "summary.json").read_text())["status"]
+        out.append(rec)
+    return out
+
+
+def wait(name: str, max_s: float, root: str | Path | None = None, poll_s: float = 15.0) -> list[dict]:
+    """Print progress every ``poll_s`` until every run has ended or ``max_s`` has passed."""
+    t_end = time.time() + max_s
+    while True:
+        st = status(name, root)
+        print(time.strftime("%H:%M:%S"), "  ".join(
+            f"{r['label']}: step {r['step']} loss {r['loss']:.4f}" if r["loss"] is not None else f"{r['label']}: starting"
+            for r in st) + ("" if any(r["alive"] for r in st) else "  (all ended)"), flush=True)
+        if not any(r["alive"] for r in st) or time.time() >= t_end:
+            return st
+        time.sleep(min(poll_s, max(0.0, t_end - time.time())))
+
+
+def collect(name: str, out: str | Path, root: str | Path | None = None, extra: tuple[str, ...] = ()) -> Path:
+    """Pack the small files of every run (and ``launch.json``) into ``out/<name>.tar.gz``."""
+    base = _root(root) / name
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    archive = out / f"{name}.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(base / "launch.json", arcname=f"{name}/launch.json")
+        for d in sorted(p for p in base.iterdir() if p.is_dir()):
+            for f in (*SMALL_FILES, *extra):
+                if (d / f).exists():
+                    tar.add(d / f, arcname=f"{name}/{d.name}/{f}")
+    return archive
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m lpfa.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for c in ("start", "status", "wait", "collect"):
+        s = sub.add_parser(c)
+        s.add_argument("--name", required=True)
+        s.add_argument("--root", default=None, help="folder of launches (default $LPFA_RUNS or ./runs)")
+        if c == "start":
+            s.add_argument("--preset")
+            s.add_argument("--set", nargs="*", default=[], help="key=value for every run")
+            s.add_argument("--run", nargs="+", action="append", required=True, metavar=("LABEL", "KEY=VALUE"),
+                           help="a run: its label, then its own key=value overrides")
+            s.add_argument("--resume", action="store_true")
+        if c == "wait":
+            s.add_argument("--max-s", type=float, required=True)
+            s.add_argument("--poll-s", type=float, default=15.0)
+        if c == "collect":
+            s.add_argument("--out", required=True)
+            s.add_argument("--extra", nargs="*", default=[], help="more file names per run, e.g. replay.jsonl")
+    a = p.parse_args(argv)
+    if a.cmd == "start":
+        procs = start(a.name, {r[0]: r[1:] for r in a.run}, a.preset, a.set, a.root, a.resume)
+        for label, info in procs.items():
+            print(f"{label}: pid {info['pid']} -> {info['out_dir']}")
+    elif a.cmd == "status":
+        for r in status(a.name, a.root):
+            print(r)
+    elif a.cmd == "wait":
+        wait(a.name, a.max_s, a.root, a.poll_s)
+    else:
+        print(collect(a.name, a.out, a.root, tuple(a.extra)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
