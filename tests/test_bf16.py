@@ -211,3 +211,14 @@ def test_accumulation_bias_single_key_rows():
 def test_accumulation_bias_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         accumulation_bias(**kwargs)
+
+
+def test_round_to_bf16_matches_the_exact_reference():
+    rng = random.Random()
+    from lpfa.bf16 import round_to_bf16
+
+    for _ in range(5000):
+        x = rng.uniform(-1, 1) * 2.0 ** rng.randint(-140, 130)
+        assert round_to_bf16(x) == ref_round_bf16(Fraction(x)) or (x == 0)
+    for x in (1 + 2**-8, 1 + 3 * 2**-8, -(2.0**-134), 2.0**-134 + 2**-160, float(f32(0x7F7FFFFF))):
+        assert round_to_bf16(x) == ref_round_bf16(Fraction(x))

@@ -37,6 +37,7 @@ __all__ = [
     "to_fp32",
     "explain_add",
     "bf16_add",
+    "round_to_bf16",
     "accumulation_bias",
 ]
 
@@ -405,6 +406,19 @@ def explain_add(a: float, b: float) -> BF16Addition:
         alignment_shift=shift, normalisation_shift=norm_shift, guard=g, round_bit=rb, sticky=st,
         rounded_up=up, overflow=overflow, subnormal_result=sub, steps=tuple(steps),
     )
+
+
+def round_to_bf16(x: float) -> float:
+    """The BF16 value nearest to the double ``x`` (ties to even; ±inf beyond the finite range). Exact:
+    scaling by powers of two and Python's round-half-even on a double introduce no error."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    m, e = math.frexp(x)  # x = m·2^e, 0.5 <= |m| < 1
+    lsb = max(e - 1 - BF16_FRAC_BITS, BF16_MIN_LSB_EXP)  # exponent of the last kept bit
+    q = round(math.ldexp(x, -lsb))  # exact scaling, then round half to even
+    if abs(q).bit_length() + lsb - 1 >= OVERFLOW_EXP:  # the rounded magnitude reaches 2^128
+        return math.copysign(math.inf, x)
+    return math.ldexp(q, lsb) if q else math.copysign(0.0, x)
 
 
 def bf16_add(a: float, b: float) -> float:

@@ -1,0 +1,82 @@
+"""The paper's mechanism, measured on tensors (Sec. 3.3, Figs. 4–6).
+
+* :func:`delta_error` — δ_lp − δ_hp per token and O_lp − O_hp per feature for one attention call,
+  the low-precision side computed exactly as a policy's forward and backward do (Fig. 5);
+* :func:`rank1_similarity` — cosine similarity between the rank-1 matrices (PK)[T]ᵀ X[T] of
+  different tokens, whose sum weighted by δ_lp − δ_hp is the W_Q gradient error (Fig. 4), and
+  :func:`subspace_overlap` for comparing such matrices across steps;
+* :func:`pv_running_error` — the error of Ō[T, i] = Σ_t P̄[T, t] V[t, i] accumulated key by key with
+  every partial sum rounded to BF16, with the P̄ = 1 positions marked (Fig. 6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lpfa.attention import get_policy
+from lpfa.attention.policy import BF16
+from lpfa.attention.reference import _attention_fp32, _r, forward
+
+
+@torch.no_grad()
+def delta_error(q, k, v, do, policy="paper", scale: float | None = None) -> dict:
+    """δ = rowsum(dO ∘ O) with the policy's stored O (rounded as its backward rounds the product) against
+    the same with O in float64. Inputs (B, H, T, D); returns FP32/float64 tensors:
+    ``delta_lp``, ``delta_hp``, ``delta_err`` (B, H, T) and ``o_err`` = O_lp − O_hp (B, H, T, D)."""
+    pol = get_policy(policy)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    o_lp, _ = forward(qf, kf, vf, pol, scale, True)
+    o_hp = _attention_fp32(qf, kf, vf, scale, True).double()
+    prod = BF16 if (pol.backward == BF16 and pol.o_store == BF16) else "fp32"
+    delta_lp = _r(dof * o_lp, prod).double().sum(-1)
+    delta_hp = (dof.double() * o_hp).sum(-1)
+    return {"delta_lp": delta_lp, "delta_hp": delta_hp, "delta_err": delta_lp - delta_hp, "o_err": o_lp.double() - o_hp}
+
+
+def _cos(a: torch.Tensor) -> torch.Tensor:
+    a = a.double()
+    n = a / a.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    return n @ n.transpose(-1, -2)
+
+
+@torch.no_grad()
+def rank1_similarity(p: torch.Tensor, k: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of the rank-1 matrices M_T = (PK)[T]ᵀ X[T] between all token pairs.
+
+    ``p`` (T, T) attention probabilities of one head, ``k`` (T, D) its keys, ``x`` (T, C) the layer
+    input. Because ⟨uᵀx, u'ᵀx'⟩_F = ⟨u, u'⟩⟨x, x'⟩, the similarity is cos(PK_T, PK_T')·cos(X_T, X_T')."""
+    pk = p.double() @ k.double()
+    return _cos(pk) * _cos(x)
+
+
+@torch.no_grad()
+def subspace_overlap(a: torch.Tensor, b: torch.Tensor, r: int = 1) -> float:
+    """Overlap in [0, 1] of the top-``r`` left singular subspaces of matrices ``a`` and ``b`` (‖U_aᵀU_b‖²_F / r)."""
+    ua = torch.linalg.svd(a.double(), full_matrices=False)[0][:, :r]
+    ub = torch.linalg.svd(b.double(), full_matrices=False)[0][:, :r]
+    return float((ua.T @ ub).pow(2).sum() / r)
+
+
+@torch.no_grad()
+def pv_running_error(p_bar: torch.Tensor, v: torch.Tensor) -> dict:
+    """Accumulate Ō = Σ_t p_bar[t]·v[t] key by key with every partial sum rounded to BF16.
+
+    ``p_bar`` (T,) the row's P̄ as fed to P̄V (BF16 values), ``v`` (T,) one feature's values. Returns
+    float64 tensors ``exact`` (running exact sums), ``bf16`` (running BF16 sums), ``error`` (their
+    difference), ``step_error`` (error added at each key) and the bool mask ``p_bar_one``."""
+    from lpfa.bf16 import round_to_bf16
+
+    prod = (p_bar.double() * v.double()).tolist()  # exact: BF16 × BF16 has 16 significant bits
+    exact = torch.tensor(prod, dtype=torch.float64).cumsum(0)
+    s, run = 0.0, []
+    for x in prod:
+        # the double sum is exact whenever it can matter for the rounding (a BF16 value plus a 16-bit one)
+        s = round_to_bf16(s + x)
+        run.append(s)
+    bf = torch.tensor(run, dtype=torch.float64)
+    err = bf - exact
+    step = torch.diff(err, prepend=torch.zeros(1, dtype=torch.float64))
+    return {"exact": exact, "bf16": bf, "error": err, "step_error": step, "p_bar_one": p_bar == 1}

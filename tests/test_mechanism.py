@@ -1,0 +1,59 @@
+"""lpfa.mechanism against direct float64 computations and the bit-level BF16 adder."""
+
+import math
+
+import torch
+
+from lpfa.bf16 import bf16_add
+from lpfa.mechanism import delta_error, pv_running_error, rank1_similarity, subspace_overlap
+
+
+def _qkv(T=40, D=16):
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    return [torch.randn(1, 2, T, D, generator=g).bfloat16() for _ in range(4)]
+
+
+def test_delta_error_vanishes_in_fp32_and_is_consistent():
+    q, k, v, do = _qkv()
+    hp = delta_error(q, k, v, do, "fp32")
+    assert hp["delta_err"].abs().max() < 1e-5 and hp["o_err"].abs().max() < 1e-5
+    lp = delta_error(q, k, v, do, "paper")
+    assert torch.equal(lp["delta_err"], lp["delta_lp"] - lp["delta_hp"])
+    o64 = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    assert torch.allclose(lp["delta_hp"], (do.double() * o64).sum(-1), atol=1e-6)
+    assert 1e-4 < lp["o_err"].abs().max() < 0.1  # BF16 rounding, not garbage
+
+
+def test_rank1_similarity_equals_flattened_cosine():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T, D, C = 12, 4, 6
+    p = torch.softmax(torch.randn(T, T, generator=g).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1)
+    k, x = torch.randn(T, D, generator=g), torch.randn(T, C, generator=g)
+    sim = rank1_similarity(p, k, x)
+    pk = p.double() @ k.double()
+    m = torch.einsum("td,tc->tdc", pk, x.double()).reshape(T, -1)
+    want = torch.nn.functional.cosine_similarity(m[:, None], m[None], dim=-1)
+    assert torch.allclose(sim, want, atol=1e-12)
+
+
+def test_subspace_overlap():
+    u = torch.randn(8, 1, dtype=torch.float64)
+    a = u @ torch.randn(1, 5, dtype=torch.float64)
+    assert abs(subspace_overlap(a, 3 * a) - 1) < 1e-12
+    b = torch.linalg.qr(torch.cat([u, torch.randn(8, 1, dtype=torch.float64)], 1))[0][:, 1:] @ torch.randn(1, 5, dtype=torch.float64)
+    assert subspace_overlap(a, b) < 1e-12  # orthogonal column spaces
+
+
+def test_pv_running_error_matches_the_bit_level_adder():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    T = 30
+    p = torch.exp(-torch.rand(T, generator=g) * 3).bfloat16().float()
+    p[[3, 17]] = 1.0
+    v = (-torch.rand(T, generator=g) * 3).bfloat16().float()
+    r = pv_running_error(p, v)
+    s = 0.0
+    for t in range(T):
+        s = bf16_add(s, float(p[t] * v[t]))
+        assert r["bf16"][t].item() == s
+    assert torch.equal(r["p_bar_one"], p == 1) and int(r["p_bar_one"].sum()) == 2
+    assert torch.allclose(r["error"].cumsum(0) * 0 + r["step_error"].cumsum(0), r["error"])
