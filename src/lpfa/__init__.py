@@ -3,9 +3,17 @@
 Modules, one per concept:
 
 * :mod:`lpfa.bf16` — BF16 rounding made visible (paper Sec. 3.3.2) and the accumulation-bias statistic.
-* :mod:`lpfa.data` — tokenizers and nanoGPT-format token files (``train.bin`` / ``val.bin``).
-* :mod:`lpfa.plotting` — the one figure style of the book.
-* :mod:`lpfa.paths` — where the repository, the embedded corpus and the results live.
+* :mod:`lpfa.attention` — precision-policy flash attention: policies and presets, the exact PyTorch
+  reference, Triton forward/backward kernels, the ``torch.library`` op.
+* :mod:`lpfa.model` — GPT-2 (nanoGPT semantics) with attention precision chosen per layer.
+* :mod:`lpfa.data` — tokenizers, nanoGPT token files, deterministic batches and replay logs.
+* :mod:`lpfa.train` — the training loop and CLI; :mod:`lpfa.launch` — detached runs on time-boxed GPUs.
+* :mod:`lpfa.checkpoints` — our checkpoints, nanoGPT ``ckpt.pt`` and Hugging Face GPT-2 loaders.
+* :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
+* :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).
+* :mod:`lpfa.explosion` — the explosion criterion; :mod:`lpfa.runs` — reading and plotting runs.
+* :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
+* :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.
 * :mod:`lpfa.book` — execute the notebooks with papermill and build the Jupyter Book.
 """
 
