@@ -57,3 +57,20 @@ def test_pv_running_error_matches_the_bit_level_adder():
         assert r["bf16"][t].item() == s
     assert torch.equal(r["p_bar_one"], p == 1) and int(r["p_bar_one"].sum()) == 2
     assert torch.allclose(r["error"].cumsum(0) * 0 + r["step_error"].cumsum(0), r["error"])
+
+
+def test_layer_tensors_reproduce_the_layer_output():
+    from lpfa.mechanism import layer_tensors
+    from lpfa.model import GPT, GPTConfig
+
+    torch.manual_seed(torch.seed() % 2**31)
+    m = GPT(GPTConfig.from_size("debug", vocab_size=50, block_size=16, attn_backend="math")).eval()
+    idx = torch.randint(0, 50, (2, 16))
+    t = layer_tensors(m, idx, 1)
+    y = (t["p"] @ t["v"]).transpose(1, 2).reshape(2, 16, -1).float()
+    got = {}
+    h = m.transformer.h[1].attn.c_proj.register_forward_hook(lambda mod, i, o: got.__setitem__("in", i[0]))
+    with torch.no_grad():
+        m(idx)
+    h.remove()
+    assert torch.allclose(y, got["in"], atol=1e-5)

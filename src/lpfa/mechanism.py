@@ -80,3 +80,45 @@ def pv_running_error(p_bar: torch.Tensor, v: torch.Tensor) -> dict:
     err = bf - exact
     step = torch.diff(err, prepend=torch.zeros(1, dtype=torch.float64))
     return {"exact": exact, "bf16": bf, "error": err, "step_error": step, "p_bar_one": p_bar == 1}
+
+
+@torch.no_grad()
+def layer_tensors(model, idx: torch.Tensor, layer: int) -> dict:
+    """One forward pass of ``model`` on token ids ``idx``; returns float64 tensors of ``layer``: the block
+    input after LayerNorm ``x`` (B, T, C), ``q``, ``k``, ``v`` (B, H, T, D), the causal attention
+    probabilities ``p`` (B, H, T, T) and the scores ``s`` (B, H, T, T), both in float64."""
+    block = model.transformer.h[layer]
+    got = {}
+    h1 = block.ln_1.register_forward_hook(lambda m, i, o: got.__setitem__("x", o.detach()))
+    h2 = block.attn.c_attn.register_forward_hook(lambda m, i, o: got.__setitem__("qkv", o.detach()))
+    try:
+        model(idx)
+    finally:
+        h1.remove()
+        h2.remove()
+    B, T, C = got["x"].shape
+    H = model.config.n_head
+    q, k, v = (t.reshape(B, T, H, C // H).transpose(1, 2).double() for t in got["qkv"].split(C, dim=2))
+    attn = block.attn
+    if attn.q_norm is not None:
+        q, k = attn.q_norm(q.float()).double(), attn.k_norm(k.float()).double()
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(C // H)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return {"x": got["x"].double(), "q": q, "k": k, "v": v, "s": s, "p": torch.softmax(s, dim=-1)}
+
+
+@torch.no_grad()
+def tie_fractions(model, idx: torch.Tensor, policy="paper", eps: float = 1e-3) -> torch.Tensor:
+    """(n_layer, n_head) fraction of causal rows with more than one score within ``eps`` of the row max,
+    the scores rounded as ``policy`` rounds them (``"paper"``: BF16; ``"fp32"``: FP32), batch-averaged."""
+    from lpfa.attention import AttentionStats
+    from lpfa.attention.reference import fill_tie_stats
+
+    pol = get_policy(policy)
+    out = []
+    for layer in range(model.config.n_layer):
+        t = layer_tensors(model, idx, layer)
+        st = AttentionStats(eps=eps)
+        fill_tie_stats(st, t["q"].float(), t["k"].float(), 1.0 / math.sqrt(t["q"].shape[-1]), pol, True)
+        out.append(st.tie_fraction().mean(0))
+    return torch.stack(out)
