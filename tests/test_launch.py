@@ -1,26 +1,19 @@
 """lpfa.launch: detached twin runs, progress, resume after a time budget, and the archive that comes back."""
 
 import json
-import lzma
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from lpfa import data as lpfa_data
 from lpfa import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def tokens(tmp_path_factory):
-    src = tmp_path_factory.mktemp("texts")
-    text = lzma.decompress((ROOT / "src/lpfa/embedded_corpus/kjv.txt.xz").read_bytes())[:100_000].decode("utf-8", "ignore")
-    (src / "t.txt").write_text(text)
-    out = tmp_path_factory.mktemp("tok")
-    lpfa_data.build_token_files(src, out, tokenizer="bytes")
-    return out
+@pytest.fixture
+def tokens(byte_tokens):
+    return byte_tokens
 
 
 def test_start_wait_collect(tokens, tmp_path, monkeypatch):

@@ -16,17 +16,9 @@ from lpfa.train import PRESETS, TrainConfig, make_config, parse_overrides, train
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def token_dir(tmp_path_factory):
-    """A small byte-tokenized corpus from the embedded texts' first 200 kB."""
-    import lzma
-
-    src = tmp_path_factory.mktemp("texts")
-    text = lzma.decompress((ROOT / "src/lpfa/embedded_corpus/kjv.txt.xz").read_bytes())[:200_000].decode("utf-8", "ignore")
-    (src / "kjv.txt").write_text(text)
-    out = tmp_path_factory.mktemp("tokens")
-    lpfa_data.build_token_files(src, out, tokenizer="bytes", val_fraction=0.1)
-    return out
+@pytest.fixture
+def token_dir(byte_tokens):
+    return byte_tokens
 
 
 def cfg(token_dir, out_dir, **kw):
