@@ -43,3 +43,13 @@ def test_non_finite_loss_is_an_explosion():
 def test_bad_criterion():
     with pytest.raises(ValueError, match="margin"):
         ExplosionCriterion(margin=0)
+
+
+def test_rise_step():
+    from lpfa.explosion import rise_step
+
+    s = pd.Series([0.03] * 20 + [0.2] * 10, index=np.arange(30) * 100)
+    assert rise_step(s) == 2000
+    assert rise_step(pd.Series([0.03] * 30, index=np.arange(30))) is None
+    spike = pd.Series([0.03] * 10 + [0.5, 0.03] * 10, index=np.arange(30))
+    assert rise_step(spike) is None  # never three records in a row

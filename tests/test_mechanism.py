@@ -74,3 +74,20 @@ def test_layer_tensors_reproduce_the_layer_output():
         m(idx)
     h.remove()
     assert torch.allclose(y, got["in"], atol=1e-5)
+
+
+def test_run_frames_and_growth(tmp_path):
+    import json
+
+    from lpfa.runs import growth_table, head_metric_frame
+
+    d = tmp_path / "run"
+    d.mkdir()
+    recs = [{"step": s, "loss": 3.0} for s in range(3)]
+    recs += [{"step": s, "diag": {"wq_spectral_norm": [[1.0, 2.0], [1.0, 1.0 + s]], "tie_fraction": [[0, 0], [0, 0]],
+                                  "max_logit": [[1, 1], [1, 1]]}} for s in (0, 1, 2)]
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    f = head_metric_frame(d, "wq_spectral_norm")
+    assert len(f) == 12 and f[(f.step == 2) & (f.layer == 1) & (f["head"] == 1)].value.item() == 3.0
+    g = growth_table({"x": d})
+    assert (g.loc["x", "layer"], g.loc["x", "head"], g.loc["x", "growth"]) == (1, 1, 3.0)

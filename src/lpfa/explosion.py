@@ -63,3 +63,18 @@ def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion()) -
     return {"policy": conf["attn_policy"], "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
             "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": int(train.index.max()) + 1,
             "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict()}
+
+
+def rise_step(series, baseline_records: int = 5, factor: float = 3.0, patience: int = 3) -> int | None:
+    """First step where a diagnostic (a pandas Series indexed by step, e.g. a layer's tie fraction) stays
+    above ``factor`` × its mean over the first ``baseline_records`` records for ``patience`` records."""
+    base = float(series.iloc[:baseline_records].mean())
+    above = (series > factor * max(base, 1e-12)).to_numpy()
+    streak = 0
+    for i, a in enumerate(above):
+        if i < baseline_records:
+            continue
+        streak = streak + 1 if a else 0
+        if streak >= patience:
+            return int(series.index[i - patience + 1])
+    return None

@@ -63,3 +63,68 @@ def plot_head_metric(run_dir: str | Path, metric: str = "wq_spectral_norm", laye
         ax.set_xlabel("step")
     axes[0, 0].set_ylabel(metric.replace("_", " "))
     return fig
+
+
+def head_metric_frame(run_dir: str | Path, metric: str):
+    """Long DataFrame (step, layer, head, value) of a per-head diagnostic of a run."""
+    import numpy as np
+    import pandas as pd
+
+    _, _, diag = load_metrics(run_dir)
+    if diag.empty or metric not in diag:
+        raise ValueError(f"{run_dir} has no {metric!r} diagnostics (was diag_interval 0?)")
+    values = np.array(diag[metric].tolist())  # (records, layers, heads)
+    r, L, H = values.shape
+    return pd.DataFrame({"step": np.repeat(diag["step"].to_numpy(), L * H), "layer": np.tile(np.repeat(np.arange(L), H), r),
+                         "head": np.tile(np.arange(H), r * L), "value": values.reshape(-1)})
+
+
+def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
+    """Per run: the (layer, head) whose ``metric`` grew most between the first and last diagnostics record."""
+    import pandas as pd
+
+    rows = []
+    for label, d in runs.items():
+        f = head_metric_frame(d, metric)
+        first, last = f[f.step == f.step.min()].set_index(["layer", "head"]).value, f[f.step == f.step.max()].set_index(["layer", "head"]).value
+        g = (last / first).sort_values(ascending=False)
+        (layer, head), ratio = g.index[0], g.iloc[0]
+        rows.append({"run": label, "steps": int(f.step.max()), "layer": int(layer), "head": int(head),
+                     f"{metric} first": float(first[(layer, head)]), f"{metric} last": float(last[(layer, head)]),
+                     "growth": float(ratio), "largest last value": float(last.max())})
+    return pd.DataFrame(rows).set_index("run")
+
+
+def explorer(runs: dict, metric: str = "wq_spectral_norm"):
+    """An ipywidgets explorer (run, layer, heads, step range) of a per-head diagnostic, for JupyterLab.
+    Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    frames = {label: head_metric_frame(d, metric) for label, d in runs.items()}
+    first = next(iter(frames.values()))
+    n_layer, n_head = int(first.layer.max()) + 1, int(first["head"].max()) + 1
+    lo, hi = int(first.step.min()), int(max(f.step.max() for f in frames.values()))
+
+    def show(run, layer, heads, steps):
+        use_style()
+        f = frames[run]
+        f = f[(f.layer == layer) & f["head"].isin(heads) & f.step.between(*steps)]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        for h, g in f.groupby("head"):
+            ax.plot(g.step, g.value, label=f"head {h}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.set_title(f"{run}, layer {layer}", fontsize=9)
+        ax.legend(ncol=4, fontsize=7)
+        plt.show()
+
+    return w.interactive(
+        show,
+        run=w.Dropdown(options=list(frames)),
+        layer=w.IntSlider(min=0, max=n_layer - 1, value=min(1, n_layer - 1)),
+        heads=w.SelectMultiple(options=list(range(n_head)), value=tuple(range(n_head)), description="heads"),
+        steps=w.IntRangeSlider(min=lo, max=hi, value=(lo, hi), step=max(1, (hi - lo) // 100), description="steps"),
+    )
