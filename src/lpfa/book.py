@@ -24,6 +24,7 @@ import yaml
 from lpfa.paths import repo_root
 
 BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
+CELL_TIMEOUT_S = 1200  # the slowest default cell (300 CPU training steps) takes about 2 minutes
 
 
 def toc_files(root: Path) -> list[str]:
@@ -73,6 +74,7 @@ def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Pa
         kernel_name="python3",
         cwd=str(src.parent),
         progress_bar=False,
+        execution_timeout=CELL_TIMEOUT_S,  # a hung cell fails the build instead of blocking it forever
     )
     return dst
 
