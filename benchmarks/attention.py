@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from lpfa.attention import PRESETS, attention, get_policy
+from lpfa.attention import PRESETS, attention
 from lpfa.attention import reference as ref
 from lpfa.provenance import provenance, write_json
 

@@ -8,7 +8,6 @@ D=64) next to SDPA-flash measured in the same run. Usage: ``python benchmarks/tu
 from __future__ import annotations
 
 import argparse
-import itertools
 import math
 import time
 from pathlib import Path

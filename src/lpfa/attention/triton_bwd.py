@@ -53,7 +53,6 @@ BF16 accumulators). Only the interpreter path is tested here; the GPU path (nati
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -25,12 +25,13 @@ nearest even. So the kernel never holds a BF16 value in a BF16 register:
   to no extra instruction;
 * GEMMs are ``tl.dot`` on FP32 operands with ``input_precision="ieee"`` (no TF32): the operands
   already hold BF16-representable values where the policy rounds them, so an FP32 GEMM computes
-  the same products as a BF16 tensor-core GEMM with FP32 accumulation. On a GPU the constexpr
-  ``DOT_BF16`` may instead cast those (already exact) operands to ``tl.bfloat16`` for tensor-core
+  the same products as a BF16 tensor-core GEMM with FP32 accumulation. On a GPU the constexprs
+  ``QK_DOT_BF16``/``PV_DOT_BF16`` may instead cast those (already exact) operands to ``tl.bfloat16`` for tensor-core
   speed; it is applied only where the operands are BF16-representable by construction (Q, K, V
   given as bf16; P̄ rounded by ``policy.p_bar``). It defaults to ``not interpreter``.
 
-The wrapper converts q, k, v to contiguous FP32 (values unchanged), so the kernel only loads FP32.
+Under the interpreter the wrapper hands the kernel contiguous FP32 copies of q, k, v (values unchanged); on a GPU
+the kernel loads the native dtype and keeps BF16 operands for the tensor cores where they are exact.
 
 Differences from the reference that remain: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernel accumulates in FP32 in its own order, so an FP32 difference of an
@@ -42,8 +43,6 @@ instead, as PyTorch's CUDA kernels do, and FP contraction (FMA) is disabled at l
 
 from __future__ import annotations
 
-import math
-import os
 
 import torch
 
