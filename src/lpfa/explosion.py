@@ -29,19 +29,25 @@ class ExplosionCriterion:
         return {**asdict(self), "description": self.describe()}
 
 
-def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion()) -> int | None:
-    """The step at which ``loss`` (a pandas Series indexed by step) explodes, or None."""
+def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion(), steps=None) -> int | None:
+    """The step at which ``loss`` explodes, or None. ``loss``: a pandas Series indexed by step, or an
+    array of losses with their ``steps`` (NumPy only, so a GPU machine without pandas can call it)."""
     import numpy as np
 
-    vals = loss.to_numpy(dtype=float)
-    steps = loss.index.to_numpy()
+    if steps is None:
+        vals, steps = loss.to_numpy(dtype=float), loss.index.to_numpy()
+    else:
+        vals, steps = np.asarray(loss, dtype=float), np.asarray(steps)
     bad = ~np.isfinite(vals)
     first_bad = int(steps[bad.argmax()]) if bad.any() else None
-    finite = loss[~bad] if first_bad is None else loss[loss.index < first_bad]
-    smooth = finite.rolling(criterion.window, min_periods=1).mean()
-    run_min = smooth.cummin()
-    above = (smooth - run_min > criterion.margin).to_numpy()
-    idx = finite.index.to_numpy()
+    keep = ~bad if first_bad is None else steps < first_bad
+    vals, idx = vals[keep], steps[keep]
+    w = criterion.window
+    c = np.concatenate([[0.0], np.cumsum(vals)])
+    n = np.arange(1, len(vals) + 1)
+    lo = np.maximum(n - w, 0)
+    smooth = (c[n] - c[lo]) / (n - lo)  # rolling mean over the last `window` steps (fewer at the start)
+    above = smooth - np.minimum.accumulate(smooth) > criterion.margin
     streak = 0
     for i, a in enumerate(above):
         streak = streak + 1 if a else 0
@@ -50,18 +56,27 @@ def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion()) -
     return first_bad
 
 
+def attention_label(train_conf: dict) -> str:
+    """What a run's attention was: the lpfa policy preset, or the backend (``sdpa_fp32``, ...) otherwise."""
+    backend = train_conf.get("attn_backend", "lpfa")
+    return train_conf["attn_policy"] if backend == "lpfa" else backend
+
+
 def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion()) -> dict:
     """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step."""
     import json
     from pathlib import Path
 
-    from lpfa.runs import load_metrics
-
-    train, _, _ = load_metrics(run_dir)
+    recs = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line) if line.strip() else {}
+        if "loss" in r:
+            recs[int(r["step"])] = float(r["loss"])  # a resumed run may repeat steps: the last record wins
     conf = json.loads((Path(run_dir) / "config.json").read_text())["train"]
-    step = explosion_step(train["loss"], criterion)
-    return {"policy": conf["attn_policy"], "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
-            "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": int(train.index.max()) + 1,
+    steps = sorted(recs)
+    step = explosion_step([recs[s] for s in steps], criterion, steps=steps)
+    return {"policy": attention_label(conf), "attn_backend": conf.get("attn_backend", "lpfa"), "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
+            "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": (steps[-1] + 1) if steps else 0,
             "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict()}
 
 

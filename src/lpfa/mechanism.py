@@ -6,7 +6,12 @@
   different tokens, whose sum weighted by δ_lp − δ_hp is the W_Q gradient error (Fig. 4), and
   :func:`subspace_overlap` for comparing such matrices across steps;
 * :func:`pv_running_error` — the error of Ō[T, i] = Σ_t P̄[T, t] V[t, i] accumulated key by key with
-  every partial sum rounded to BF16, with the P̄ = 1 positions marked (Fig. 6).
+  every partial sum rounded to BF16, with the P̄ = 1 positions marked (Fig. 6);
+* :func:`p_bar_ones` — per row, how many P̄ entries are exactly 1 as fed to P̄V (the rows the paper blames);
+* :func:`delta_accounting` — the δ error split between rows with several P̄ = 1 entries and the rest, and
+  how often the V values at those positions share a sign (Sec. 3.3, what the paper shows by example);
+* :func:`sfa_attenuation` — for each SFA β, the fraction of rows whose output the authors' row-sum
+  clamp attenuates or silences (issue 5's β sweep).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import torch
 
 from lpfa.attention import get_policy
 from lpfa.attention.policy import BF16
-from lpfa.attention.reference import _attention_fp32, _r, forward
+from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, forward
 
 
 @torch.no_grad()
@@ -122,3 +127,87 @@ def tie_fractions(model, idx: torch.Tensor, policy="paper", eps: float = 1e-3) -
         fill_tie_stats(st, t["q"].float(), t["k"].float(), 1.0 / math.sqrt(t["q"].shape[-1]), pol, True)
         out.append(st.tie_fraction().mean(0))
     return torch.stack(out)
+
+
+def _causal_scores(q, k, policy, scale):
+    T = q.shape[-2]
+    s = _scores(q.float(), k.float(), scale, policy)
+    vis = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return s.masked_fill(~vis, -math.inf), vis
+
+
+@torch.no_grad()
+def p_bar_ones(q, k, policy="paper_untiled", scale: float | None = None) -> torch.Tensor:
+    """(B, H, T) number of P̄ entries exactly 1, as the policy feeds P̄ to the P̄V product, per causal row.
+
+    Exact for untiled policies (one key block: P̄ = exp(S − m) with m the row max, or SFA's m); for tiled
+    policies it counts against the whole-row max, which is what the last key block sees."""
+    pol = get_policy(policy)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s, vis = _causal_scores(q, k, pol, scale)
+    m = _sfa_row_max(s, vis, pol)
+    p_bar = _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar)
+    return (p_bar == 1.0).sum(dim=-1)
+
+
+@torch.no_grad()
+def delta_accounting(q, k, v, do, policy="paper_untiled", scale: float | None = None) -> dict:
+    """Where does δ_lp − δ_hp come from? Inputs (B, H, T, D). Returns plain numbers and per-token tensors:
+
+    * ``delta_err`` (B, H, T): δ_lp − δ_hp (:func:`delta_error`); ``ones`` (B, H, T): P̄ = 1 entries per row;
+    * ``sum_all``, ``sum_tied``, ``sum_untied``: Σ δ error over all rows, over rows with ≥ 2 P̄ = 1 entries
+      ("tied"), and over the others — the counterfactual "tied rows computed exactly" leaves ``sum_untied``;
+    * ``share_tied``: sum_tied / sum_all; ``tied_rows``, ``rows``; ``mean_tied``, ``mean_untied`` per row;
+    * ``same_sign``: over tied rows and features, the fraction where every V[t, i] at the row's P̄ = 1
+      positions has one sign (the condition for a biased BF16 sum, Sec. 3.3).
+    """
+    out = delta_error(q, k, v, do, policy, scale)
+    ones = p_bar_ones(q, k, policy, scale)
+    err = out["delta_err"]
+    tied = ones >= 2
+    sum_all, sum_tied = float(err.sum()), float(err[tied].sum())
+    # same-sign test: for each tied row, the V rows at its P̄ = 1 keys
+    pol = get_policy(policy)
+    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s, vis = _causal_scores(q, k, pol, sc)
+    m = _sfa_row_max(s, vis, pol)
+    is_one = _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar) == 1.0  # (B, H, T, T)
+    vf = v.double()
+    pos = torch.einsum("bhts,bhsd->bhtd", is_one.double(), (vf > 0).double())
+    neg = torch.einsum("bhts,bhsd->bhtd", is_one.double(), (vf < 0).double())
+    n = ones[..., None].double()
+    same = ((pos == n) | (neg == n))[tied]
+    n_t, n_u = int(tied.sum()), int((~tied).sum())
+    return {"delta_err": err, "ones": ones, "sum_all": sum_all, "sum_tied": sum_tied, "sum_untied": sum_all - sum_tied,
+            "share_tied": sum_tied / sum_all if sum_all != 0 else float("nan"), "tied_rows": n_t, "rows": n_t + n_u,
+            "mean_tied": sum_tied / n_t if n_t else float("nan"),
+            "mean_untied": (sum_all - sum_tied) / n_u if n_u else float("nan"),
+            "same_sign": float(same.double().mean()) if same.numel() else float("nan")}
+
+
+@torch.no_grad()
+def sfa_attenuation(q, k, betas=(1.5, 2.0, 4.0, 8.0), eps: float = 1e-3, clamp: float = 1e-10,
+                    scores: str = "bf16", scale: float | None = None) -> dict:
+    """For each SFA β: the fraction of causal rows that SFA touches (``sfa``: more than one score within
+    ``eps`` of the max), whose output the row-sum clamp ``l ≥ clamp`` attenuates (``attenuated``: factor
+    l / max(l, clamp) < 1), silences (``silenced``: factor < 1e-3) or whose P̄ all underflow (``zeroed``: l = 0).
+
+    The row sum is exact for one key block (untiled, or T ≤ the block size), as in the paper's code with
+    m = β·rm (rm > 0) or 0 (rm < 0): every P̄ = exp(S − m) < 1, so a large rm drives l towards 0."""
+    from lpfa.attention.policy import SFA
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    base = get_policy("paper_untiled").with_(scores=scores)
+    out = {}
+    for beta in betas:
+        pol = base.with_(sfa=SFA(beta=float(beta), eps=eps))
+        s, vis = _causal_scores(q, k, pol, scale)
+        m = _sfa_row_max(s, vis, pol)
+        rm = s.amax(dim=-1)
+        l = torch.exp(_r(s - m[..., None], pol.scores)).double().sum(dim=-1).float()
+        factor = l / l.clamp_min(clamp)
+        touched = m != rm
+        out[float(beta)] = {"sfa": float(touched.double().mean()), "attenuated": float((factor < 1).double().mean()),
+                            "silenced": float((factor < 1e-3).double().mean()), "zeroed": float((l == 0).double().mean()),
+                            "rows": int(l.numel())}
+    return out

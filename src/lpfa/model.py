@@ -10,6 +10,8 @@ Attention per layer (``GPTConfig.attn_backend``, ``attn_policy``, ``layer_polici
 * ``"lpfa"`` — :func:`lpfa.attention.attention` with a precision policy (a preset name), optionally
   a different policy in chosen layers and FP32 for chosen heads (the paper's Sec. 3.2 experiments);
 * ``"sdpa"`` — PyTorch's ``scaled_dot_product_attention`` (what nanoGPT users train with);
+* ``"sdpa_fp32"`` — the same on q, k, v cast to FP32 with autocast off (TF32 is off in training): a fast
+  FP32-attention twin, numerically the ``fp32`` policy up to FP32 summation order;
 * ``"math"`` — plain materialised softmax attention in the input precision.
 
 Stabilisers, for comparison with the paper's discussion: ``qk_norm`` (LayerNorm on q and k per head),
@@ -34,7 +36,7 @@ SIZES = {
     "tiny": (4, 4, 128),
     "debug": (2, 2, 64),
 }
-ATTN_BACKENDS = ("lpfa", "sdpa", "math")
+ATTN_BACKENDS = ("lpfa", "sdpa", "sdpa_fp32", "math")
 
 
 @dataclass
@@ -125,7 +127,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None
-        self.capture = None  # lpfa.diagnostics sets a dict here to receive q and k of the next forward
+        self.capture = None  # a dict here receives q and k of the next forward (x, v, o, do too with "all": True)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -133,18 +135,29 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.capture is not None:
-            self.capture["q"], self.capture["k"] = q.detach(), k.detach()
+        cap = self.capture
+        if cap is not None:
+            cap["q"], cap["k"] = q.detach(), k.detach()
+            if cap.get("all"):  # lpfa.replay: the layer input, v, the output O and (after backward) dO
+                cap["x"], cap["v"] = x.detach(), v.detach()
         if self.backend == "lpfa":
             from lpfa.attention import attention
 
             y = attention(q, k, v, is_causal=True, policy=self.policy)
         elif self.backend == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        elif self.backend == "sdpa_fp32":
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                                   dropout_p=self.dropout if self.training else 0.0)
         else:
             att = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
             att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
             y = F.softmax(att, dim=-1) @ v
+        if cap is not None and cap.get("all"):
+            cap["o"] = y.detach()
+            if y.requires_grad:
+                y.register_hook(lambda g: cap.__setitem__("do", g.detach()))
         y = y.to(x.dtype).transpose(1, 2).contiguous().view(B, T, C)
         if self.gate is not None:
             y = y * torch.sigmoid(self.gate(x))

@@ -14,8 +14,8 @@ Command line (a preset, a YAML config file, then ``key=value`` overrides, later 
 Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (every step; evals and diagnostics too),
 ``log.txt``, ``replay.jsonl``, ``ckpt/`` (the last good checkpoint, written atomically) and
 ``summary.json``. A non-finite loss stops the run and keeps the last good checkpoint and all logs; a
-wall-clock budget (``time_budget_s``) ends it cleanly with a checkpoint; ``resume=true`` continues
-exactly where the checkpoint left off.
+wall-clock budget (``time_budget_s``) or a file named ``STOP`` in ``out_dir`` ends it cleanly with a
+checkpoint; ``resume=true`` continues exactly where the checkpoint left off.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class TrainConfig:
     # model
     model: str = "tiny"  # a size from lpfa.model.SIZES
     block_size: int = 128
-    attn_backend: str = "lpfa"  # lpfa, sdpa or math
+    attn_backend: str = "lpfa"  # lpfa (attn_policy decides), sdpa, sdpa_fp32 (fast FP32 twin) or math
     attn_policy: str = "fa2"  # a preset of lpfa.attention.PRESETS
     layer_policies: dict = field(default_factory=dict)  # {layer: preset}
     fp32_heads: dict = field(default_factory=dict)  # {layer: [heads]}
@@ -79,6 +79,7 @@ class TrainConfig:
     eval_batches: int = 10
     log_interval: int = 10  # console; metrics.jsonl gets every step
     ckpt_interval: int = 500  # 0 = only at the end
+    ckpt_history: bool = False  # also keep every interval's checkpoint in ckpt_history/step_NNNNNN (for replays)
     diag_interval: int = 0  # W_Q norms, tie fractions, max logits every N steps; 0 = off
     diag_batch: int = 4
     tie_eps: float = 1e-3
@@ -252,6 +253,18 @@ def _dist_setup():
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
     return dist.get_rank(), world, int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def _stop_requested(out_dir: Path, world: int, device: str) -> bool:
+    """Whether ``out_dir/STOP`` exists; under DDP every rank gets the same answer (one tiny all-reduce)."""
+    stop = (out_dir / "STOP").exists()
+    if world > 1:
+        import torch.distributed as dist
+
+        t = torch.tensor(float(stop), device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        stop = bool(t.item())
+    return stop
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,9 +448,17 @@ def train(cfg: TrainConfig) -> dict:
                 run.log(f"step {done}: val loss {val:.4f}")
             if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_steps:
                 checkpoint(done)
+                if cfg.ckpt_history and rank == 0:
+                    import shutil
+
+                    shutil.copytree(ckpt_dir, out_dir / "ckpt_history" / f"step_{done:06d}", dirs_exist_ok=True)
             if cfg.time_budget_s and time.time() - t_start > cfg.time_budget_s:
                 status = "time_budget"
                 run.log(f"wall-clock budget of {cfg.time_budget_s:.0f} s reached after step {step}")
+                break
+            if _stop_requested(out_dir, world, device):  # `touch out_dir/STOP` ends a run cleanly, with a checkpoint
+                status = "stopped"
+                run.log(f"STOP file found after step {step}; resume=true continues (delete the file first)")
                 break
             if cfg.stop_at_step and done >= cfg.stop_at_step:
                 status = "stopped"
@@ -456,6 +477,12 @@ def train(cfg: TrainConfig) -> dict:
         run.metric({"step": step, "val_loss": final_val})
     summary = {"status": status, "steps": step, "last": last, "final_val_loss": final_val,
                "wall_s": time.time() - t_start, "out_dir": str(out_dir)}
+    if rank == 0:
+        from lpfa.explosion import run_verdict
+
+        verdict = run_verdict(out_dir)  # policy, seed, exploded, explosion_step, criterion
+        verdict.pop("steps")  # "steps" stays the number of completed steps
+        summary.update(verdict)
     run.summary(summary)
     run.log(f"{status} at step {step}; final val loss {final_val}")
     if world > 1:

@@ -1,0 +1,288 @@
+"""Instrumented replay (paper Figs. 4–6): continue a run from one of its checkpoints on its recorded
+batches and measure, in one layer, the low- and high-precision attention side by side.
+
+From the checkpoint at ``step`` the run's own training step is repeated for ``steps`` steps (same
+policy, optimizer state, learning rate and batches from ``replay.jsonl``), so the weights follow the
+original trajectory. At every step the chosen layer's input X, q, k, v and the gradient dO reaching
+its attention output are captured, and for each chosen head (on the first ``n_seq`` sequences):
+
+* :func:`lpfa.mechanism.delta_accounting`: δ_lp − δ_hp per token (Eq. 4, Fig. 5a), its split between
+  rows with several P̄ = 1 entries and the rest, and how often V has one sign at those positions;
+* the W_Q gradient error G = scale · Σ_T (δ_lp − δ_hp)[T] · (PK)[T]ᵀ X[T] (Sec. 3.3): its norm, how much
+  of it lies in its top singular direction, and how that direction overlaps across steps (the paper's
+  "recurring low-rank direction");
+* at two steps (first and last): the rank-1 matrices' cosine similarities among the tokens with the
+  largest |δ error| (Fig. 4), dO and O_lp − O_hp of the worst tokens (Fig. 5b, c) and the running P̄V
+  error along the key axis of the worst token and feature (Fig. 6).
+
+    python -m lpfa.replay --run runs/twins/bf16 --layer auto --steps 100 --out results/replay
+
+writes ``replay.json`` (numbers, provenance) and ``replay.npz`` (arrays for the figures).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def checkpoints_of(run_dir) -> dict[int, Path]:
+    """{step: folder} of a run's checkpoints: ``ckpt_history/step_N`` and the latest ``ckpt``."""
+    run_dir = Path(run_dir)
+    out = {}
+    for d in sorted((run_dir / "ckpt_history").glob("step_*")):
+        out[int(d.name.split("_")[1])] = d
+    if (run_dir / "ckpt" / "config.json").exists():
+        out.setdefault(int(json.loads((run_dir / "ckpt" / "config.json").read_text())["step"]), run_dir / "ckpt")
+    return dict(sorted(out.items()))
+
+
+def choose_checkpoint(run_dir, explosion_step: int | None) -> int:
+    """The last checkpoint before ``explosion_step`` (the paper's "shortly before"), else the latest one."""
+    cks = checkpoints_of(run_dir)
+    if not cks:
+        raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
+    before = [s for s in cks if explosion_step is None or s < explosion_step]
+    return max(before) if before else min(cks)
+
+
+def choose_layer_heads(run_dir, n_heads: int = 2) -> tuple[int, list[int]]:
+    """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first),
+    and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    w = np.array([r["diag"]["wq_spectral_norm"] for r in map(json.loads, filter(str.strip, lines)) if "diag" in r])
+    if not len(w):
+        raise ValueError(f"{run_dir} has no diagnostics records: pass --layer and --heads")
+    # w: (records, layers, heads)
+    growth = w[-1] / w[0]
+    layer = int(growth.max(axis=1).argmax())
+    heads = [int(h) for h in np.argsort(-growth[layer])[:n_heads]]
+    return layer, heads
+
+
+def _w_q_error(delta_err, p, k, x, scale):
+    """G = scale · Σ_T δerr[T] (PK)[T]ᵀ X[T] for one sequence and head: (D, C), float64."""
+    pk = p @ k  # (T, D)
+    return scale * (pk * delta_err[:, None]).T @ x
+
+
+def _top_direction(g):
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    return u[:, 0], vh[0], float(s[0] ** 2 / (s ** 2).sum())
+
+
+@torch.no_grad()
+def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, n_top: int = 64) -> tuple[dict, dict]:
+    from lpfa.mechanism import delta_accounting, pv_running_error
+
+    q, k, v, do = (cap[n][:n_seq, head : head + 1].float() for n in ("q", "k", "v", "do"))
+    x = cap["x"][:n_seq].double()  # (n, T, C): the layer's attention input (after ln_1)
+    D = q.shape[-1]
+    scale = 1.0 / math.sqrt(D)
+    acc = delta_accounting(q, k, v, do, policy, scale)
+    err = acc["delta_err"][:, 0]  # (n, T)
+    T = q.shape[2]
+    s = (q[:, 0].double() @ k[:, 0].double().transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    p = torch.softmax(s, dim=-1)  # (n, T, T) the high-precision P of the gradient formula
+    g = sum(_w_q_error(err[b], p[b], k[b, 0].double(), x[b], scale) for b in range(err.shape[0]))
+    u, vh, energy = _top_direction(g)
+    num = {key: acc[key] for key in ("sum_all", "sum_tied", "sum_untied", "share_tied", "tied_rows", "rows",
+                                     "mean_tied", "mean_untied", "same_sign")}
+    num.update({"g_norm": float(g.norm()), "g_top_energy": energy, "abs_err_mean": float(err.abs().mean())})
+    arrays = {"delta_err": err.float().cpu().numpy(), "g_u": u.cpu().numpy(), "g_v": vh.cpu().numpy()}
+    if detail:
+        flat = err.flatten()
+        top = torch.argsort(flat.abs(), descending=True)[:n_top]
+        b_idx, t_idx = top // T, top % T
+        pk = torch.stack([p[b] @ k[b, 0].double() for b in range(err.shape[0])])  # (n, T, D)
+        arrays["top_tokens"] = torch.stack([b_idx, t_idx], 1).cpu().numpy()
+        arrays["top_pk"] = pk[b_idx, t_idx].float().cpu().numpy()
+        arrays["top_x"] = x[b_idx, t_idx].float().cpu().numpy()
+        arrays["top_delta_err"] = flat[top].float().cpu().numpy()
+        wb, wt = int(b_idx[0]), int(t_idx[0])
+        from lpfa.mechanism import delta_error
+
+        o_err = delta_error(q[wb : wb + 1], k[wb : wb + 1], v[wb : wb + 1], do[wb : wb + 1], policy, scale)["o_err"][0, 0]
+        acc_o_err = o_err[wt]
+        arrays["worst_do"] = do[wb, 0, wt].cpu().numpy()
+        arrays["worst_o_err"] = acc_o_err.float().cpu().numpy()
+        # Fig. 6: the P̄ row of the worst token as P̄V sees it, and the feature with the largest |dO · O error|
+        from lpfa.attention import get_policy
+        from lpfa.attention.reference import _r, _scores, _sfa_row_max
+
+        pol = get_policy(policy)
+        srow = _scores(q[wb : wb + 1], k[wb : wb + 1], scale, pol)[0, 0, wt, : wt + 1]
+        m = _sfa_row_max(srow[None], None, pol)[0]
+        p_bar = _r(torch.exp(_r(srow - m, pol.scores)), pol.p_bar)
+        feat = int((do[wb, 0, wt].double() * acc_o_err).abs().argmax())
+        run = pv_running_error(p_bar.cpu(), v[wb, 0, : wt + 1, feat].cpu())
+        arrays["pv_p_bar"] = p_bar.cpu().numpy()
+        arrays["pv_v"] = v[wb, 0, : wt + 1, feat].cpu().numpy()
+        arrays["pv_error"] = run["error"].numpy()
+        num.update({"worst_token": [wb, wt], "worst_feature": feat, "worst_p_bar_ones": int((p_bar == 1).sum())})
+    return num, arrays
+
+
+def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", heads: list[int] | None = None,
+           steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
+           max_s: float = 0.0) -> dict:
+    """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
+    before its explosion, else the latest) and measure ``layer``/``heads``; writes ``out/replay.{json,npz}``.
+    ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed."""
+    import time
+
+    t_start = time.time()
+    from tqdm.auto import tqdm
+
+    from lpfa import data as lpfa_data
+    from lpfa.checkpoints import load_checkpoint
+    from lpfa.explosion import run_verdict
+    from lpfa.provenance import provenance, write_json
+    from lpfa.train import TrainConfig, _autocast, build_optimizers, lr_at
+
+    run_dir, out = Path(run_dir), Path(out)
+    conf = json.loads((run_dir / "config.json").read_text())
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
+    if cfg.attn_backend != "lpfa":
+        raise ValueError(f"{run_dir} trained with attn_backend={cfg.attn_backend!r}; a replay needs an lpfa policy run")
+    verdict = run_verdict(run_dir)
+    if step is None:
+        step = choose_checkpoint(run_dir, verdict["explosion_step"])
+    cks = checkpoints_of(run_dir)
+    if step not in cks:
+        raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has {sorted(cks)}")
+    if layer == "auto" or heads is None:
+        auto_layer, auto_heads = choose_layer_heads(run_dir)
+        layer = auto_layer if layer == "auto" else int(layer)
+        heads = auto_heads if heads is None else heads
+    layer = int(layer)
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
+    autocast = _autocast(device, dtype)
+    ck = load_checkpoint(cks[step], map_location=device)
+    model = ck.model.to(device)
+    model.train()
+    optimizers = build_optimizers(model, cfg)
+    for opt, st in zip(optimizers, ck.extra_state["optimizers"]):
+        opt.load_state_dict(st)
+    data_dir = Path(conf["data_dir"])
+    tokens, _ = lpfa_data.load_tokens(data_dir, "train")
+    log = lpfa_data.ReplayLog.open(run_dir / "replay.jsonl", data_dir / "train.bin")
+    policy = model.config.layer_policies.get(layer, model.config.attn_policy)
+    attn = model.transformer.h[layer].attn
+
+    per_step, series, details = [], {h: {"delta_err": [], "g_u": [], "g_v": []} for h in heads}, {}
+    last = step + steps - 1
+    for s in tqdm(range(step, step + steps), desc="replay", unit="step"):
+        if max_s and s > step + 1 and s < last and time.time() - t_start > max_s:
+            last = s  # out of time: measure this step in detail and stop
+        lr = lr_at(cfg, s)
+        for opt in optimizers:
+            for g in opt.param_groups:
+                g["lr"] = cfg.muon_lr * lr / cfg.lr if isinstance(opt, getattr(torch.optim, "Muon", ())) else lr
+        # the recorded batches; past the end of the record, the run's seeded order (the same function made them)
+        starts = log.starts(s) if s in log.steps else [
+            lpfa_data.batch_starts(cfg.seed, s, m, cfg.batch_size, len(tokens), cfg.block_size) for m in range(cfg.grad_accum)]
+        losses = []
+        for micro, st in enumerate(starts):
+            attn.capture = {"all": True} if micro == 0 else None
+            xb, yb = lpfa_data.get_batch(tokens, st, cfg.block_size, device)
+            with autocast:
+                _, loss = model(xb, yb)
+                (loss / len(starts)).backward()
+            losses.append(float(loss.detach()))
+            if micro == 0:
+                cap = attn.capture
+        attn.capture = None
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        rec = {"step": s, "loss": float(np.mean(losses)), "heads": {}}
+        for h in heads:
+            num, arr = _head_measures(cap, h, n_seq, policy, detail=s in (step, last))
+            rec["heads"][str(h)] = num
+            for key in ("delta_err", "g_u", "g_v"):
+                series[h][key].append(arr.pop(key))
+            if arr:
+                details[(h, s)] = arr
+        per_step.append(rec)
+        if s == last:
+            break
+
+    # the recurring direction: overlap of each step's top singular vectors with the first step's and the previous step's
+    summary_heads = {}
+    arrays: dict[str, np.ndarray] = {}
+    for h in heads:
+        U = np.stack(series[h]["g_u"])
+        V = np.stack(series[h]["g_v"])
+        first = (U @ U[0]) ** 2 * (V @ V[0]) ** 2  # squared cosines of the rank-1 directions u vᵀ
+        prev = np.r_[np.nan, ((U[1:] * U[:-1]).sum(1) ** 2) * ((V[1:] * V[:-1]).sum(1) ** 2)]
+        rng = np.random.default_rng(0)
+        ru = rng.standard_normal(U.shape)
+        rv = rng.standard_normal(V.shape)
+        ru /= np.linalg.norm(ru, axis=1, keepdims=True)
+        rv /= np.linalg.norm(rv, axis=1, keepdims=True)
+        chance = float(np.mean(((ru * U).sum(1) ** 2) * ((rv * V).sum(1) ** 2)))
+        d = np.stack(series[h]["delta_err"])  # (steps, n_seq, T)
+        arrays[f"h{h}_delta_err"] = d.astype(np.float32)
+        arrays[f"h{h}_overlap_first"] = first
+        arrays[f"h{h}_overlap_prev"] = prev
+        sums = np.array([r["heads"][str(h)]["sum_all"] for r in per_step])
+        tied = np.array([r["heads"][str(h)]["sum_tied"] for r in per_step])
+        summary_heads[str(h)] = {
+            "cum_delta_err": float(sums.sum()), "cum_delta_err_tied_rows": float(tied.sum()),
+            "share_tied": float(tied.sum() / sums.sum()) if sums.sum() != 0 else None,
+            "steps_with_positive_sum": int((sums > 0).sum()), "steps": len(sums),
+            "tied_row_fraction": float(np.mean([r["heads"][str(h)]["tied_rows"] / r["heads"][str(h)]["rows"] for r in per_step])),
+            "same_sign_fraction": float(np.nanmean([r["heads"][str(h)]["same_sign"] for r in per_step])),
+            "g_top_energy_median": float(np.median([r["heads"][str(h)]["g_top_energy"] for r in per_step])),
+            "overlap_prev_median": float(np.nanmedian(prev)), "overlap_first_median": float(np.median(first[1:])) if len(first) > 1 else None,
+            "overlap_chance": chance,
+        }
+    for (h, s), arr in details.items():
+        for key, val in arr.items():
+            arrays[f"h{h}_s{s}_{key}"] = np.asarray(val)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"run": str(run_dir), "verdict": verdict, "checkpoint_step": step, "steps": len(per_step), "layer": layer,
+              "heads": heads, "policy": policy, "n_seq": n_seq, "summary": summary_heads, "per_step": per_step,
+              "provenance": provenance(command=command)}
+    write_json(out / "replay.json", result)
+    np.savez_compressed(out / "replay.npz", **arrays)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m lpfa.replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="a training run folder (with config.json, replay.jsonl, checkpoints)")
+    p.add_argument("--out", required=True, help="folder for replay.json and replay.npz")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: last before the explosion, else latest)")
+    p.add_argument("--layer", default="auto", help="layer index, or auto (fastest W_Q norm growth)")
+    p.add_argument("--heads", type=int, nargs="*", default=None, help="heads (default: the layer's 2 fastest-growing)")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--n-seq", type=int, default=8, help="sequences of each batch to measure")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
+    a = p.parse_args(argv)
+    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(sys.argv), max_s=a.max_s)
+    print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,93 @@
+"""What SFA does to a model's rows, for several β (paper Sec. 4, Eq. 6; issue 5's β sweep).
+
+SFA replaces a tied row's max ``rm > 0`` by ``β·rm``, so every P̄ = exp(S − β·rm) < 1. The authors' code
+then clamps each row sum at ``l ≥ 1e-10``: once (β − 1)·rm exceeds about 23, the row's output is divided
+by 1e-10 instead of by l and so shrinks by the factor l / 1e-10 — "stable" can then mean "silenced".
+For each checkpoint of a run this module measures, per layer, the fraction of rows that SFA touches,
+that the clamp attenuates, that it silences (factor < 1e-3) and whose P̄ all underflow
+(:func:`lpfa.mechanism.sfa_attenuation`), on a fixed validation batch with the run's BF16 scores.
+
+    python -m lpfa.sfa_sweep --run runs/twins/sfa --out results/.../sfa_sweep_sfa.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+BETAS = (1.5, 2.0, 4.0, 8.0)
+
+
+@torch.no_grad()
+def sweep_model(model, x: torch.Tensor, betas=BETAS, eps: float = 1e-3, autocast=None) -> list[dict]:
+    """Per layer, :func:`lpfa.mechanism.sfa_attenuation` of the model's BF16 scores on token ids ``x``."""
+    from lpfa.mechanism import sfa_attenuation
+
+    attns = [b.attn for b in model.transformer.h]
+    for a in attns:
+        a.capture = {}
+    try:
+        with autocast or contextlib.nullcontext():
+            model(x)
+        return [sfa_attenuation(a.capture["q"].float(), a.capture["k"].float(), betas, eps) for a in attns]
+    finally:
+        for a in attns:
+            a.capture = None
+
+
+def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", command: str | None = None) -> dict:
+    """:func:`sweep_model` at every checkpoint of ``run_dir`` (``ckpt_history/`` and ``ckpt/``)."""
+    from tqdm.auto import tqdm
+
+    from lpfa import data as lpfa_data
+    from lpfa.checkpoints import load_checkpoint
+    from lpfa.provenance import provenance
+    from lpfa.replay import checkpoints_of
+    from lpfa.train import _autocast
+
+    run_dir = Path(run_dir)
+    conf = json.loads((run_dir / "config.json").read_text())
+    train = conf["train"]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    autocast = _autocast(device, "bfloat16" if device.startswith("cuda") else "float32")
+    val, _ = lpfa_data.load_tokens(Path(conf["data_dir"]), "val")
+    starts = lpfa_data.batch_starts(train["seed"] + 2, 0, 0, n_seq, len(val), train["block_size"])
+    x, _ = lpfa_data.get_batch(val, starts, train["block_size"], device)
+    cks = checkpoints_of(run_dir)
+    if not cks:
+        raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
+    result = {}
+    for step, folder in tqdm(cks.items(), desc="SFA sweep", unit="ckpt"):
+        model = load_checkpoint(folder, map_location=device).model.to(device).eval()
+        result[str(step)] = sweep_model(model, x, betas, autocast=autocast)
+    return {"run": str(run_dir), "betas": list(betas), "n_seq": n_seq, "clamp": 1e-10, "eps": 1e-3,
+            "scores": "bf16", "steps": result, "provenance": provenance(command=command)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from lpfa.provenance import write_json
+
+    p = argparse.ArgumentParser(prog="python -m lpfa.sfa_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True)
+    p.add_argument("--out", required=True, help="a .json file")
+    p.add_argument("--betas", type=float, nargs="*", default=list(BETAS))
+    p.add_argument("--n-seq", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    res = sweep_run(a.run, tuple(a.betas), a.n_seq, a.device, command=" ".join(sys.argv))
+    write_json(a.out, res)
+    last = list(res["steps"])[-1]
+    for layer, per_beta in enumerate(res["steps"][last]):
+        print(f"step {last} layer {layer}: " + "  ".join(f"β={b}: att {v['attenuated']:.3f} sil {v['silenced']:.3f}" for b, v in per_beta.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
