@@ -17,11 +17,7 @@ start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   $L start --name "$NAME" --preset "$PRESET" --set data="$DATA" time_budget_s="${BUDGET:?}" max_steps=40000 \
-      ckpt_interval=1000 ${EXTRA:-} \
-    --run bf16 attn_policy=paper_untiled ckpt_history=true \
-    --run fp32 attn_backend=sdpa_fp32 \
-    --run sfa attn_policy=paper_sfa ckpt_history=true \
-    --run fa2 attn_policy=fa2 || exit 1
+      ckpt_interval=1000 ${EXTRA:-} --twins || exit 1  # the runs of lpfa.launch.TWINS
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 60
   ;;
 wait)
@@ -31,6 +27,7 @@ wait)
 finish)
   [ "${STOP:-0}" = 1 ] && for d in "$ROOT/$NAME"/*/; do touch "$d/STOP"; done
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 20
+  [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ] && (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz)  # a re-sent tree drops them
   $PY -m lpfa.replay --run "$ROOT/$NAME/bf16" --out "$ROOT/$NAME/bf16_replay" --steps "${REPLAY_STEPS:-200}" \
       --max-s "${REPLAY_MAX_S:-150}" 2>&1 | grep -v "^replay:" | tail -40
   for r in bf16 sfa; do

@@ -25,6 +25,24 @@ from pathlib import Path
 
 SMALL_FILES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "stdout.txt")
 
+# The book's twin runs (issue 5, Figs. 2, 3, 7, 13): the same seeds and batches, only attention differs.
+TWINS: dict[str, list[str]] = {
+    "bf16": ["attn_policy=paper_untiled", "ckpt_history=true"],  # the authors' BF16 flash attention
+    "fp32": ["attn_backend=sdpa_fp32"],  # FP32 attention (fast SDPA twin of the fp32 policy)
+    "sfa": ["attn_policy=paper_sfa", "ckpt_history=true"],  # the paper's fix, β = 2
+    "fa2": ["attn_policy=fa2"],  # FlashAttention-2's rounding, what SDPA users train with
+}
+
+
+def run_twins(name: str, data: str, budget_s: float, preset: str = "repro", root: str | Path | None = None,
+              extra: list[str] | None = None) -> Path:
+    """Start :data:`TWINS` on this machine's GPU with a wall-clock budget each, wait for them, and return
+    their folder (what ``scripts/gpu/twins.sh`` does across several commands)."""
+    start(name, TWINS, preset, [f"data={data}", f"time_budget_s={budget_s}", "max_steps=40000", "ckpt_interval=1000",
+                                *(extra or [])], root)
+    wait(name, budget_s + 600, root, poll_s=60)
+    return _root(root) / name
+
 
 def _root(root: str | Path | None) -> Path:
     return Path(root or os.environ.get("LPFA_RUNS", "runs"))
@@ -126,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         if c == "start":
             s.add_argument("--preset")
             s.add_argument("--set", nargs="*", default=[], help="key=value for every run")
-            s.add_argument("--run", nargs="+", action="append", required=True, metavar=("LABEL", "KEY=VALUE"),
+            s.add_argument("--run", nargs="+", action="append", default=[], metavar=("LABEL", "KEY=VALUE"),
                            help="a run: its label, then its own key=value overrides")
+            s.add_argument("--twins", action="store_true", help="add the book's twins (lpfa.launch.TWINS)")
             s.add_argument("--resume", action="store_true")
         if c == "wait":
             s.add_argument("--max-s", type=float, required=True)
@@ -137,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--extra", nargs="*", default=[], help="more file names per run, e.g. replay.jsonl")
     a = p.parse_args(argv)
     if a.cmd == "start":
-        procs = start(a.name, {r[0]: r[1:] for r in a.run}, a.preset, a.set, a.root, a.resume)
+        runs = {**(TWINS if a.twins else {}), **{r[0]: r[1:] for r in a.run}}
+        if not runs:
+            p.error("start needs --twins or at least one --run LABEL [KEY=VALUE ...]")
+        procs = start(a.name, runs, a.preset, a.set, a.root, a.resume)
         for label, info in procs.items():
             print(f"{label}: pid {info['pid']} -> {info['out_dir']}")
     elif a.cmd == "status":

@@ -13,6 +13,7 @@ COLORS = {
     "bf16": "#D55E00",  # low precision, the failing mode
     "fp32": "#0072B2",  # high precision, the stable twin
     "sfa": "#009E73",  # the paper's softmax fix
+    "fa2": "#E69F00",  # FlashAttention-2 rounding (what SDPA users train with)
     "other": "#CC79A7",
     "neutral": "#7F7F7F",
     "accent": "#E69F00",

@@ -240,6 +240,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         arrays[f"h{h}_delta_err"] = d.astype(np.float32)
         arrays[f"h{h}_overlap_first"] = first
         arrays[f"h{h}_overlap_prev"] = prev
+        arrays[f"h{h}_g_u"], arrays[f"h{h}_g_v"] = U.astype(np.float32), V.astype(np.float32)  # G's top direction per step
         sums = np.array([r["heads"][str(h)]["sum_all"] for r in per_step])
         tied = np.array([r["heads"][str(h)]["sum_tied"] for r in per_step])
         summary_heads[str(h)] = {
@@ -286,3 +287,175 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a replay and drawing its figures (Figs. 4, 5, 6)
+# --------------------------------------------------------------------------------------------
+def load_replay(folder) -> tuple[dict, dict]:
+    """``(result, arrays)``: ``replay.json`` and the arrays of ``replay.npz`` in ``folder``."""
+    folder = Path(folder)
+    for f in ("replay.json", "replay.npz"):
+        if not (folder / f).is_file():
+            raise FileNotFoundError(f"{folder / f} does not exist: not a replay folder (python -m lpfa.replay writes one)")
+    with np.load(folder / "replay.npz") as z:
+        arrays = {k: z[k] for k in z.files}
+    return json.loads((folder / "replay.json").read_text()), arrays
+
+
+def detail_steps(arrays: dict, head: int) -> list[int]:
+    """The steps measured in detail for ``head`` (the replay's first and last)."""
+    return sorted({int(k.split("_")[1][1:]) for k in arrays if k.startswith(f"h{head}_s") and k.endswith("_top_pk")})
+
+
+def delta_bias_frame(result: dict):
+    """Per step and head: Σ δ error over all rows, over rows with ≥ 2 P̄ = 1 entries and over the rest,
+    with their running sums over steps (Fig. 5a)."""
+    import pandas as pd
+
+    rows = [{"step": r["step"], "head": int(h), "all": v["sum_all"], "tied rows": v["sum_tied"], "other rows": v["sum_untied"],
+             "tied row fraction": v["tied_rows"] / v["rows"], "same sign": v["same_sign"], "g_top_energy": v["g_top_energy"]}
+            for r in result["per_step"] for h, v in r["heads"].items()]
+    f = pd.DataFrame(rows).sort_values(["head", "step"])
+    for c in ("all", "tied rows", "other rows"):
+        f[f"cumulative {c}"] = f.groupby("head")[c].cumsum()
+    return f
+
+
+def bias_test(result: dict) -> dict:
+    """Per head: mean and standard error of the per-step Σ δ error, its t statistic, the fraction of positive
+    steps, and the share of the cumulative error from tied rows: is δ_lp − δ_hp biased, and where from?"""
+    f = delta_bias_frame(result)
+    out = {}
+    for h, g in f.groupby("head"):
+        x = g["all"].to_numpy()
+        se = x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else float("nan")
+        out[int(h)] = {"steps": len(x), "mean": float(x.mean()), "stderr": float(se), "t": float(x.mean() / se) if se else float("nan"),
+                       "positive_fraction": float((x > 0).mean()), "cumulative": float(x.sum()),
+                       "share_tied": float(g["tied rows"].sum() / x.sum()) if x.sum() else float("nan"),
+                       "tied_row_fraction": float(g["tied row fraction"].mean()), "same_sign": float(g["same sign"].mean())}
+    return out
+
+
+def plot_delta_bias(result: dict):
+    """Fig. 5a: the running sum over replayed steps of Σ_T (δ_lp − δ_hp)[T], split by row kind, per head."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    f = delta_bias_frame(result)
+    heads = sorted(f["head"].unique())
+    fig, axes = plt.subplots(1, len(heads), figsize=(4.4 * len(heads), 3.2), squeeze=False, sharey=True)
+    for ax, h in zip(axes[0], heads):
+        g = f[f["head"] == h]
+        ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="all rows")
+        ax.plot(g.step, g["cumulative tied rows"], color=COLORS["bf16"], ls="--", label="rows with ≥ 2 P̄ = 1")
+        ax.plot(g.step, g["cumulative other rows"], color=COLORS["neutral"], ls=":", label="other rows")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_title(f"layer {result['layer']}, head {h}", fontsize=9)
+        ax.set_xlabel("replayed step")
+    axes[0, 0].set_ylabel("cumulative Σ_T (δ_lp − δ_hp)[T]")
+    axes[0, 0].legend(fontsize=7)
+    return fig
+
+
+def plot_worst_token(arrays: dict, head: int, step: int):
+    """Figs. 5b, c: dO[T, :] and O_lp[T, :] − O_hp[T, :] per feature for the token with the largest |δ error|."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    do, err = arrays[f"h{head}_s{step}_worst_do"], arrays[f"h{head}_s{step}_worst_o_err"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    axes[0].bar(range(len(do)), do, color=COLORS["neutral"])
+    axes[0].set_title("dO[T, i]", fontsize=9)
+    axes[1].bar(range(len(err)), err, color=COLORS["bf16"])
+    axes[1].set_title("O_lp[T, i] − O_hp[T, i]", fontsize=9)
+    axes[2].bar(range(len(err)), do * err, color=COLORS["sfa"])
+    axes[2].set_title("dO ∘ (O_lp − O_hp): sums to δ_lp − δ_hp", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("feature i")
+        ax.axhline(0, color="black", lw=0.5)
+    return fig
+
+
+def _cos_matrix(a: np.ndarray) -> np.ndarray:
+    a = a.astype(np.float64)
+    a = a / np.linalg.norm(a, axis=1, keepdims=True)
+    return a @ a.T
+
+
+def rank1_stats(arrays: dict, head: int, seed: int = 0) -> dict:
+    """Cosine similarity of the rank-1 matrices (PK)[T]ᵀ X[T] among the tokens with the largest |δ error|
+    (cos(PK_T, PK_T')·cos(X_T, X_T')), within each detail step and across the two, against random vectors
+    of the same shapes. Returns the similarity arrays and their medians."""
+    steps = detail_steps(arrays, head)
+    pk = {s: arrays[f"h{head}_s{s}_top_pk"].astype(np.float64) for s in steps}
+    x = {s: arrays[f"h{head}_s{s}_top_x"].astype(np.float64) for s in steps}
+    out = {"steps": steps}
+    for s in steps:
+        c = _cos_matrix(pk[s]) * _cos_matrix(x[s])
+        out[f"within {s}"] = c[np.triu_indices(len(c), 1)]
+    if len(steps) == 2:
+        a, b = steps
+
+        def n(m):
+            return m / np.linalg.norm(m, axis=1, keepdims=True)
+
+        out[f"across {a}→{b}"] = ((n(pk[a]) @ n(pk[b]).T) * (n(x[a]) @ n(x[b]).T)).ravel()
+    rng = np.random.default_rng(seed)
+    s0 = steps[0]
+    r = _cos_matrix(rng.standard_normal(pk[s0].shape)) * _cos_matrix(rng.standard_normal(x[s0].shape))
+    out["random vectors"] = r[np.triu_indices(len(r), 1)]
+    out["medians"] = {k: float(np.median(v)) for k, v in out.items() if isinstance(v, np.ndarray)}
+    return out
+
+
+def plot_rank1(arrays: dict, head: int, n_show: int = 16):
+    """Fig. 4: PK and X of the tokens with the largest |δ error| at the first detail step (rows = tokens),
+    and the distributions of the rank-1 similarities (:func:`rank1_stats`)."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    use_style()
+    st = rank1_stats(arrays, head)
+    s0 = st["steps"][0]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1, 2, 1.4]})
+    for ax, name, title in ((axes[0], "top_pk", "(PK)[T] (rows: tokens)"), (axes[1], "top_x", "X[T] (rows: tokens)")):
+        m = arrays[f"h{head}_s{s0}_{name}"][:n_show]
+        v = np.abs(m).max()
+        ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("feature")
+    axes[0].set_ylabel(f"token (top {n_show} by |δ error|)")
+    for k, v in st.items():
+        if isinstance(v, np.ndarray):
+            axes[2].hist(v, bins=40, range=(-1, 1), histtype="step", density=True, label=f"{k} (median {np.median(v):.2f})")
+    axes[2].set_xlabel("cosine similarity of (PK)[T]ᵀX[T]")
+    axes[2].legend(fontsize=6)
+    return fig
+
+
+def plot_pv_error(arrays: dict, head: int, step: int):
+    """Fig. 6: for the worst token and feature, the running error of Ō = Σ_t P̄[T, t]·V[t, i] accumulated key
+    by key in BF16, with the P̄ = 1 positions marked, and V[:, i] coloured by sign."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    p_bar, v, err = (arrays[f"h{head}_s{step}_pv_{n}"] for n in ("p_bar", "v", "error"))
+    ones = np.flatnonzero(p_bar == 1)
+    fig, axes = plt.subplots(2, 1, figsize=(8, 4), sharex=True)
+    axes[0].plot(err, color=COLORS["bf16"], lw=1)
+    for t in ones:
+        axes[0].axvline(t, color=COLORS["sfa"], lw=0.8, ls="--")
+    axes[0].set_ylabel("running Ō error")
+    axes[0].set_title(f"{len(ones)} key(s) with P̄ = 1 (dashed)", fontsize=9)
+    axes[1].bar(range(len(v)), v, color=[COLORS["bf16"] if x < 0 else COLORS["fp32"] for x in v], width=1.0)
+    axes[1].set_ylabel("V[t, i]")
+    axes[1].set_xlabel("key t")
+    return fig

@@ -91,3 +91,35 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def sweep_frame(sweep: dict | str | Path):
+    """Long DataFrame (step, layer, beta, sfa, attenuated, silenced, zeroed) of a sweep (dict or JSON file)."""
+    import pandas as pd
+
+    if not isinstance(sweep, dict):
+        sweep = json.loads(Path(sweep).read_text())
+    rows = [{"step": int(step), "layer": layer, "beta": float(beta), **{k: v for k, v in r.items() if k != "rows"}}
+            for step, layers in sweep["steps"].items() for layer, per_beta in enumerate(layers) for beta, r in per_beta.items()]
+    return pd.DataFrame(rows).sort_values(["step", "layer", "beta"]).reset_index(drop=True)
+
+
+def plot_sweep(sweeps: dict, layer: int, what: str = "silenced"):
+    """``what`` (sfa, attenuated, silenced or zeroed) of ``layer`` over checkpoints, one line per β, one
+    panel per run (``{label: sweep dict or file}``)."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    use_style()
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 3.0), squeeze=False, sharey=True)
+    for ax, (label, sw) in zip(axes[0], sweeps.items()):
+        f = sweep_frame(sw)
+        f = f[f.layer == layer]
+        for beta, g in f.groupby("beta"):
+            ax.plot(g.step, g[what], marker="o", ms=3, label=f"β = {beta:g}")
+        ax.set_title(f"{label}: layer {layer}", fontsize=9)
+        ax.set_xlabel("checkpoint step")
+    axes[0, 0].set_ylabel(f"fraction of rows {what}")
+    axes[0, -1].legend(fontsize=7)
+    return fig

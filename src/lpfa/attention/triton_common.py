@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lpfa.attention.policy import PrecisionPolicy
 
 try:  # Triton is optional for the package as a whole
     import triton

@@ -1,0 +1,158 @@
+"""Running at scale: does a DDP run train the same model as one GPU, and how much faster is it?
+
+:func:`compare_runs` lines up two training runs of the same configuration and seed (typically one GPU
+against ``torchrun`` over several) step by step: how closely their losses and gradient norms agree,
+from which step they drift apart, and their throughput, speedup and scaling efficiency.
+:func:`plot_compare` draws the comparison. Both read only a run folder's ``metrics.jsonl`` (through
+:func:`lpfa.runs.load_metrics`) and ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
+    """The folder of a training run and its parsed ``config.json``; clear errors if either is missing."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise FileNotFoundError(f"run folder {d} does not exist")
+    conf = d / "config.json"
+    if not conf.is_file():
+        raise FileNotFoundError(f"{conf} does not exist: {d} is not a training run folder (has {sorted(p.name for p in d.iterdir())})")
+    return d, json.loads(conf.read_text())
+
+
+def _world_size(conf: dict, d: Path) -> int:
+    if "world_size" not in conf:
+        raise ValueError(f"{d / 'config.json'} has no 'world_size' (written by lpfa.train): cannot compute a scaling efficiency")
+    return int(conf["world_size"])
+
+
+def _window_stats(rel, windows) -> dict:
+    """``{"first N": {"max", "median"}, ..., "all": {...}}`` of a Series of relative differences."""
+    out = {}
+    for n in windows:
+        head = rel.iloc[:n]
+        out[f"first {n}"] = {"max": float(head.max()), "median": float(head.median())}
+    out["all"] = {"max": float(rel.max()), "median": float(rel.median())}
+    return out
+
+
+def compare_runs(run_a: str | Path, run_b: str | Path, skip: int = 50, windows=(10, 50), threshold: float = 1e-3) -> dict:
+    """Step-by-step agreement and throughput of two runs of one configuration (``run_b`` against ``run_a``).
+
+    Relative differences are ``|b - a| / |a|`` at every step both runs logged. Returns a dict:
+
+    * ``steps``: DataFrame indexed by step, columns loss_a, loss_b, rel_loss_diff, grad_norm_a,
+      grad_norm_b, rel_grad_diff;
+    * ``agreement``: ``n_steps``; ``loss`` and ``grad_norm``, each ``{"first N": {"max", "median"}, ...,
+      "all": {...}}`` for N in ``windows`` (the first N common steps); ``threshold`` and
+      ``first_step_above``, the first step whose relative loss difference exceeds it (None if none does),
+      and ``first_grad_step_above``, the same for the gradient norm;
+    * ``throughput``: ``skip``; tokens_per_s_a / _b, the median tokens/s of each run over steps >= ``skip``
+      (the first steps include start-up and warm-up); world_a / _b from each config.json's ``world_size``;
+      batch_a / _b (sequences per optimizer step, all processes together) and per_gpu_batch_a / _b where
+      the config records them, else None; ``speedup`` = b / a and ``efficiency`` = speedup / (world_b / world_a);
+    * ``val_loss``: ``{"step", "a", "b"}`` at the last evaluation both runs made, or None;
+    * ``run_a``, ``run_b``: the two folders.
+    """
+    import pandas as pd
+
+    from lpfa.runs import load_metrics
+
+    (da, ca), (db, cb) = _run_folder(run_a), _run_folder(run_b)
+    (ta, va, _), (tb, vb, _) = load_metrics(da), load_metrics(db)
+    for d, t in ((da, ta), (db, tb)):
+        missing = {"loss", "grad_norm", "tokens_per_s"} - set(t.columns)
+        if missing:
+            raise ValueError(f"{d / 'metrics.jsonl'} has no per-step {sorted(missing)}")
+    common = ta.index.intersection(tb.index).sort_values()
+    if not len(common):
+        raise ValueError(f"{da} and {db} have no step in common")
+    ta, tb = ta.loc[common], tb.loc[common]
+    steps = pd.DataFrame({"loss_a": ta["loss"], "loss_b": tb["loss"]})
+    steps["rel_loss_diff"] = (steps.loss_b - steps.loss_a).abs() / steps.loss_a.abs()
+    steps["grad_norm_a"], steps["grad_norm_b"] = ta["grad_norm"], tb["grad_norm"]
+    steps["rel_grad_diff"] = (steps.grad_norm_b - steps.grad_norm_a).abs() / steps.grad_norm_a.abs()
+    steps.index.name = "step"
+
+    def first_above(rel):
+        above = steps.index[rel > threshold]
+        return int(above[0]) if len(above) else None
+
+    agreement = {"n_steps": len(steps), "loss": _window_stats(steps.rel_loss_diff, windows),
+                 "grad_norm": _window_stats(steps.rel_grad_diff, windows), "threshold": threshold,
+                 "first_step_above": first_above(steps.rel_loss_diff),
+                 "first_grad_step_above": first_above(steps.rel_grad_diff)}
+
+    late = common[common >= skip]
+    if not len(late):
+        raise ValueError(f"no common step >= skip={skip} (the runs end at step {int(common[-1])}): lower skip")
+    wa, wb = _world_size(ca, da), _world_size(cb, db)
+    tok_a, tok_b = float(ta.loc[late, "tokens_per_s"].median()), float(tb.loc[late, "tokens_per_s"].median())
+    speedup = tok_b / tok_a
+
+    def batch(conf, world):
+        t = conf.get("train", {})
+        if "batch_size" not in t:
+            return None, None
+        return t["batch_size"] * t.get("grad_accum", 1), t["batch_size"] // world
+
+    (ba, pa), (bb, pb) = batch(ca, wa), batch(cb, wb)
+    throughput = {"skip": skip, "tokens_per_s_a": tok_a, "tokens_per_s_b": tok_b, "world_a": wa, "world_b": wb,
+                  "batch_a": ba, "batch_b": bb, "per_gpu_batch_a": pa, "per_gpu_batch_b": pb,
+                  "speedup": speedup, "efficiency": speedup / (wb / wa)}
+
+    val_loss = None
+    if len(va) and len(vb) and "val_loss" in va and "val_loss" in vb:
+        both = va.index.intersection(vb.index)
+        if len(both):
+            s = both.max()
+            val_loss = {"step": int(s), "a": float(va.loc[s, "val_loss"]), "b": float(vb.loc[s, "val_loss"])}
+    return {"steps": steps, "agreement": agreement, "throughput": throughput, "val_loss": val_loss, "run_a": da, "run_b": db}
+
+
+def agreement_table(cmp: dict):
+    """The agreement of :func:`compare_runs` as a DataFrame: one row per window of steps, the max and median
+    relative difference of the loss and of the gradient norm."""
+    import pandas as pd
+
+    ag = cmp["agreement"]
+    rows = {}
+    for window in ag["loss"]:
+        label = f"{window} steps" if window != "all" else f"all {ag['n_steps']} steps"
+        rows[label] = {"loss: max": ag["loss"][window]["max"], "loss: median": ag["loss"][window]["median"],
+                       "grad norm: max": ag["grad_norm"][window]["max"], "grad norm: median": ag["grad_norm"][window]["median"]}
+    return pd.DataFrame(rows).T.rename_axis("relative difference over")
+
+
+def plot_compare(cmp: dict, labels=("1 GPU", "2 GPUs"), threshold: float | None = None):
+    """Two panels of a :func:`compare_runs` result: the training loss of both runs (``labels``), and the
+    relative difference |b - a| / |a| of loss and gradient norm per step on a log axis (steps where the two
+    agree exactly have no point there). ``threshold`` (default: the comparison's) is drawn as a dotted line.
+    Both runs have one precision, so they take neutral colours, not the precision colours of :data:`COLORS`."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    s = cmp["steps"]
+    threshold = cmp["agreement"]["threshold"] if threshold is None else threshold
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.0, 3.6))
+    ax1.plot(s.index, s.loss_a, color=COLORS["neutral"], lw=1.8, label=labels[0])
+    ax1.plot(s.index, s.loss_b, color=COLORS["other"], lw=1.0, ls="--", label=labels[1])
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss")
+    ax1.legend()
+    for col, color, name in (("rel_loss_diff", COLORS["other"], "loss"), ("rel_grad_diff", COLORS["sky"], "grad norm")):
+        v = s[col].to_numpy(dtype=float)
+        ax2.plot(s.index, np.where(v > 0, v, np.nan), color=color, lw=1, label=name)
+    ax2.axhline(threshold, color=COLORS["neutral"], ls=":", lw=1, label=f"threshold {threshold:g}")
+    ax2.set_yscale("log")
+    ax2.set_xlabel("step")
+    ax2.set_ylabel(f"|{labels[1]} − {labels[0]}| / |{labels[0]}|")
+    ax2.legend()
+    return fig

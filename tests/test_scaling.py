@@ -1,0 +1,127 @@
+"""lpfa.scaling on synthetic run folders with known differences, and on the committed 1- vs 2-GPU run."""
+
+import json
+
+import matplotlib
+import pytest
+from conftest import ROOT
+
+from lpfa.scaling import agreement_table, compare_runs, plot_compare
+
+matplotlib.use("Agg")
+
+N, SKIP = 100, 60
+R = 3e-5  # relative loss difference at step s: R * s, so it first exceeds 1e-3 at step 34
+
+
+def tok_a(s):
+    return 1.0 if s < SKIP else (5000.0 if s % 10 == 0 else 1000.0)  # median over s >= SKIP: 1000
+
+
+def tok_b(s):
+    return 1e9 if s < SKIP else (10.0 if s % 10 == 0 else 1800.0)  # median over s >= SKIP: 1800
+
+
+def write_run(d, world, records, batch_size=32):
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"train": {"batch_size": batch_size, "grad_accum": 1}, "world_size": world}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return d
+
+
+@pytest.fixture
+def pair(tmp_path):
+    a = [{"step": s, "loss": 4.0, "lr": 1e-3, "grad_norm": 2.0, "step_s": 0.1, "tokens_per_s": tok_a(s)} for s in range(N)]
+    b = [{"step": s, "loss": 4.0 * (1 + R * s), "lr": 1e-3, "grad_norm": 2.0 * (1 - (1e-4 if s % 2 == 0 else 3e-4)),
+          "step_s": 0.1, "tokens_per_s": tok_b(s)} for s in range(N + 1)]  # one step more than a: not compared
+    a[50:50] = [{"step": 50, "val_loss": 3.9}]
+    b[50:50] = [{"step": 50, "val_loss": 3.8}]
+    a.append({"step": N, "val_loss": 3.5})
+    b.append({"step": N, "val_loss": 3.6})
+    return write_run(tmp_path / "one", 1, a), write_run(tmp_path / "two", 2, b)
+
+
+def test_per_step_frame(pair):
+    c = compare_runs(*pair, skip=SKIP)
+    s = c["steps"]
+    assert list(s.columns) == ["loss_a", "loss_b", "rel_loss_diff", "grad_norm_a", "grad_norm_b", "rel_grad_diff"]
+    assert list(s.index) == list(range(N))
+    assert s.rel_loss_diff.iloc[0] == 0
+    assert s.rel_loss_diff.iloc[20] == pytest.approx(20 * R, rel=1e-9)
+    assert s.rel_grad_diff.iloc[4] == pytest.approx(1e-4, rel=1e-9)  # b below a: the difference is absolute
+    assert s.rel_grad_diff.iloc[5] == pytest.approx(3e-4, rel=1e-9)
+    assert c["run_a"] == pair[0] and c["run_b"] == pair[1]
+
+
+def test_agreement_numbers(pair):
+    ag = compare_runs(*pair, skip=SKIP)["agreement"]
+    assert ag["n_steps"] == N and ag["threshold"] == 1e-3
+    assert ag["first_step_above"] == 34 and ag["first_grad_step_above"] is None
+    loss = ag["loss"]
+    assert list(loss) == ["first 10", "first 50", "all"]
+    assert loss["first 10"]["max"] == pytest.approx(9 * R, rel=1e-9)
+    assert loss["first 10"]["median"] == pytest.approx(4.5 * R, rel=1e-9)
+    assert loss["first 50"]["max"] == pytest.approx(49 * R, rel=1e-9)
+    assert loss["first 50"]["median"] == pytest.approx(24.5 * R, rel=1e-9)
+    assert loss["all"]["max"] == pytest.approx(99 * R, rel=1e-9)
+    assert loss["all"]["median"] == pytest.approx(49.5 * R, rel=1e-9)
+    for window in ("first 10", "first 50", "all"):
+        assert ag["grad_norm"][window]["max"] == pytest.approx(3e-4, rel=1e-9)
+        assert ag["grad_norm"][window]["median"] == pytest.approx(2e-4, rel=1e-9)
+    other = compare_runs(*pair, skip=SKIP, windows=(5,), threshold=1.0)["agreement"]
+    assert list(other["loss"]) == ["first 5", "all"] and other["first_step_above"] is None
+    assert compare_runs(*pair, skip=SKIP, threshold=2e-4)["agreement"]["first_grad_step_above"] == 1
+
+
+def test_throughput_and_val_loss(pair):
+    c = compare_runs(*pair, skip=SKIP)
+    t = c["throughput"]
+    assert t["skip"] == SKIP
+    assert t["tokens_per_s_a"] == 1000.0 and t["tokens_per_s_b"] == 1800.0
+    assert (t["world_a"], t["world_b"]) == (1, 2)
+    assert (t["batch_a"], t["batch_b"], t["per_gpu_batch_a"], t["per_gpu_batch_b"]) == (32, 32, 32, 16)
+    assert t["speedup"] == pytest.approx(1.8) and t["efficiency"] == pytest.approx(0.9)
+    assert c["val_loss"] == {"step": N, "a": 3.5, "b": 3.6}
+    t0 = compare_runs(*pair, skip=0)["throughput"]  # the start-up steps dominate the medians
+    assert (t0["tokens_per_s_a"], t0["tokens_per_s_b"]) == (1.0, 1e9)
+
+
+def test_table_and_plot(pair):
+    c = compare_runs(*pair, skip=SKIP)
+    tab = agreement_table(c)
+    assert list(tab.index) == ["first 10 steps", "first 50 steps", f"all {N} steps"]
+    assert tab.loc["first 10 steps", "loss: max"] == pytest.approx(9 * R, rel=1e-9)
+    assert tab.loc[f"all {N} steps", "grad norm: median"] == pytest.approx(2e-4, rel=1e-9)
+    fig = plot_compare(c)
+    assert len(fig.axes) == 2 and fig.axes[1].get_yscale() == "log"
+    assert len(fig.axes[0].lines) == 2 and len(fig.axes[1].lines) == 3  # loss, grad norm, threshold
+
+
+def test_clear_errors(pair, tmp_path):
+    a, b = pair
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        compare_runs(tmp_path / "nope", b)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        compare_runs(a, tmp_path / "empty")
+    (tmp_path / "noworld").mkdir()
+    (tmp_path / "noworld" / "config.json").write_text("{}")
+    (tmp_path / "noworld" / "metrics.jsonl").write_text((a / "metrics.jsonl").read_text())
+    with pytest.raises(ValueError, match="world_size"):
+        compare_runs(a, tmp_path / "noworld")
+    with pytest.raises(ValueError, match="skip"):
+        compare_runs(a, b, skip=N)
+    late = write_run(tmp_path / "late", 2, [{"step": 500, "loss": 1.0, "grad_norm": 1.0, "tokens_per_s": 1.0}])
+    with pytest.raises(ValueError, match="no step in common"):
+        compare_runs(a, late)
+
+
+def test_committed_ddp_run():
+    d = ROOT / "results" / "ddp" / "h200x2-2026-11-29"
+    assert (d / "provenance.json").is_file()
+    c = compare_runs(d / "one", d / "two")
+    assert (c["throughput"]["world_a"], c["throughput"]["world_b"]) == (1, 2)
+    assert c["throughput"]["batch_a"] == c["throughput"]["batch_b"] == 32
+    assert c["agreement"]["n_steps"] == 200 and list(c["steps"].index) == list(range(200))
+    assert c["steps"].notna().all().all()
+    assert c["throughput"]["speedup"] > 0 and c["val_loss"]["step"] == 200
