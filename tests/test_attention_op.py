@@ -75,3 +75,25 @@ def test_backend_errors():
         attention(q, k, v, backend="cuda")
     with pytest.raises(ValueError, match="causal only"):
         attention(q, k, v, is_causal=False, backend="triton")
+
+
+def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
+    """The model hands the op (B, H, T, D) views of a (B, T, H, D) tensor; the fake (meta) kernels must
+    predict the real outputs' strides, or ``torch.compile`` of the model fails at run time."""
+    from lpfa.attention.kernels import _bwd_op
+
+    B, T, H, D = 2, 32, 2, 16
+    q, k, v = (torch.randn(B, T, H, D).bfloat16().transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    key = policy_key(PRESETS["paper"].with_(block_q=16, block_k=16))
+    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+    o, lse = _fwd_op(q, k, v, key, 0.25)
+    do = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)
+    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse)]
+        fake_out = _bwd_op(*fake, key, 0.25)
+    for real, f in zip(_bwd_op(do, q, k, v, o, lse, key, 0.25), fake_out):
+        assert real.stride() == f.stride() and real.dtype == f.dtype
