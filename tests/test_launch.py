@@ -47,3 +47,34 @@ def test_start_wait_collect(tokens, tmp_path, monkeypatch):
 def test_status_of_unknown_launch(tmp_path):
     with pytest.raises(FileNotFoundError, match="no launch named"):
         launch.status("nope", tmp_path)
+
+
+def test_every_experiment_is_a_valid_repro_config():
+    """The runs of lpfa.launch.EXPERIMENTS parse into TrainConfigs and GPT configs of the repro preset."""
+    from lpfa.launch import EXPERIMENTS
+    from lpfa.model import GPTConfig
+    from lpfa.train import make_config, parse_overrides
+
+    for exp, runs in EXPERIMENTS.items():
+        assert runs, exp
+        for label, overrides in runs.items():
+            cfg = make_config("repro", None, parse_overrides(overrides))
+            m = GPTConfig.from_size(cfg.model, attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy,
+                                    layer_policies=cfg.layer_policies, fp32_heads=cfg.fp32_heads)
+            backends = {m.layer_backend(i) for i in range(m.n_layer)}
+            assert backends <= {"lpfa", "sdpa_fp32"}, (exp, label, backends)
+    iso = EXPERIMENTS["isolation"]
+    only = GPTConfig.from_size("repro", **{k: v for k, v in parse_overrides(iso["bf16_only_layer1"]).items()})
+    assert [only.layer_backend(i) for i in range(8)] == ["sdpa_fp32"] + ["lpfa"] + ["sdpa_fp32"] * 6 and only.policy(0) is None
+    assert only.policy(1).name == "paper_untiled"
+    fp32_l1 = GPTConfig.from_size("repro", **parse_overrides(iso["fp32_only_layer1"]))
+    assert fp32_l1.layer_backend(1) == "sdpa_fp32" and fp32_l1.policy(1) is None and fp32_l1.policy(0).name == "paper_untiled"
+    heads = GPTConfig.from_size("repro", **parse_overrides(iso["fp32_outlier_heads"]))
+    assert heads.policy(1).fp32_heads == frozenset({5, 2}) and not heads.policy(0).fp32_heads
+
+
+def test_start_needs_runs(tmp_path):
+    from lpfa.launch import main
+
+    with pytest.raises(SystemExit):
+        main(["start", "--name", "x", "--root", str(tmp_path)])

@@ -560,3 +560,33 @@ def test_sfa_sweep_run(tiny_run):
                 for key in ("sfa", "attenuated", "silenced", "zeroed"):
                     assert 0.0 <= f[key] <= 1.0, (step, key, f)
                 assert f["zeroed"] <= f["silenced"] <= f["attenuated"] <= f["sfa"]
+
+
+def test_layer_policies_can_name_a_backend_per_layer():
+    """``layer_policies`` may give one layer another backend (the isolation rows "BF16 / FP32 attention only in
+    one layer"): a model whose layer 0 is ``paper_untiled`` under a global ``sdpa_fp32`` equals, layer by layer,
+    the all-``sdpa_fp32`` model everywhere except in what layer 0's attention computes."""
+    from lpfa.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    mixed = GPT(GPTConfig.from_size("debug", vocab_size=64, block_size=16, attn_backend="sdpa_fp32",
+                                    layer_policies={0: "paper_untiled"}))
+    assert [b.attn.backend for b in mixed.transformer.h] == ["lpfa", "sdpa_fp32"]
+    assert mixed.transformer.h[0].attn.policy.name == "paper_untiled" and mixed.transformer.h[1].attn.policy is None
+    lp = GPT(GPTConfig.from_size("debug", vocab_size=64, block_size=16, attn_policy="paper_untiled"))
+    hp = GPT(GPTConfig.from_size("debug", vocab_size=64, block_size=16, attn_backend="sdpa_fp32"))
+    lp.load_state_dict(mixed.state_dict())
+    hp.load_state_dict(mixed.state_dict())
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    outs = {}
+    for name, m in (("mixed", mixed), ("lp", lp), ("hp", hp)):
+        got = []
+        hooks = [b.attn.register_forward_hook(lambda mod, i, o, got=got: got.append(o.detach())) for b in m.transformer.h]
+        m(idx)
+        for h in hooks:
+            h.remove()
+        outs[name] = got
+    assert torch.equal(outs["mixed"][0], outs["lp"][0])  # layer 0 as the BF16 policy computes it
+    assert not torch.equal(outs["lp"][0], outs["hp"][0])  # which differs from FP32 attention
+    with pytest.raises(ValueError, match="unknown"):
+        GPTConfig.from_size("debug", layer_policies={0: "no_such_thing"})

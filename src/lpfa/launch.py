@@ -25,27 +25,49 @@ from pathlib import Path
 
 SMALL_FILES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "stdout.txt")
 
-# The book's twin runs (issue 5, Figs. 2, 3, 7, 13): the same seeds and batches, only attention differs.
-TWINS: dict[str, list[str]] = {
+# The book's experiments (issue 5): each a set of runs on the same seeded batches, differing as named.
+TWINS: dict[str, list[str]] = {  # Figs. 2, 3, 7, 13: only the attention differs
     "bf16": ["attn_policy=paper_untiled", "ckpt_history=true"],  # the authors' BF16 flash attention
     "fp32": ["attn_backend=sdpa_fp32"],  # FP32 attention (fast SDPA twin of the fp32 policy)
     "sfa": ["attn_policy=paper_sfa", "ckpt_history=true"],  # the paper's fix, β = 2
     "fa2": ["attn_policy=fa2"],  # FlashAttention-2's rounding, what SDPA users train with
 }
-
-
-def run_twins(name: str, data: str, budget_s: float, preset: str = "repro", root: str | Path | None = None,
-              extra: list[str] | None = None) -> Path:
-    """Start :data:`TWINS` on this machine's GPU with a wall-clock budget each, wait for them, and return
-    their folder (what ``scripts/gpu/twins.sh`` does across several commands)."""
-    start(name, TWINS, preset, [f"data={data}", f"time_budget_s={budget_s}", "max_steps=40000", "ckpt_interval=1000",
-                                *(extra or [])], root)
-    wait(name, budget_s + 600, root, poll_s=60)
-    return _root(root) / name
+# The isolation table (Sec. 3.2): one change each from the bf16 twin. Layer 1 and its heads 5, 2 are where
+# our bf16 twin localised (results/repro_twins: fastest W_Q growth, tied rows and logits in layer 1).
+# At T = 512 the paper's 512-key blocks are one block, so the bf16 twin is also the "no tiling" row.
+ISOLATION: dict[str, list[str]] = {
+    "bf16_only_layer1": ["attn_backend=sdpa_fp32", "layer_policies={1: paper_untiled}"],
+    "fp32_only_layer1": ["attn_policy=paper_untiled", "layer_policies={1: sdpa_fp32}"],
+    "delta_dp": ["attn_policy=delta_dp"],  # δ = rowsum(dP∘P)
+    "delta_o_fp32": ["attn_policy=delta_o_fp32"],  # δ from O recomputed in FP32
+    "pv_fp32": ["attn_policy=pv_fp32"],  # P̄V in FP32
+    "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
+    "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
+}
+SEEDS: dict[str, list[str]] = {  # failure rate and spread of failure steps; seed 1337 is the twins'
+    f"{mode}_s{s}": [*TWINS[mode], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2)
+}
+SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon
+    "bf16_muon": [*TWINS["bf16"], "optimizer=muon"],
+    "sfa_muon": [*TWINS["sfa"], "optimizer=muon"],
+}
+EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON}
 
 
 def _root(root: str | Path | None) -> Path:
     return Path(root or os.environ.get("LPFA_RUNS", "runs"))
+
+
+def run_experiment(name: str, experiment: str, data: str, budget_s: float, preset: str = "repro",
+                   root: str | Path | None = None, extra: list[str] | None = None) -> Path:
+    """Start the runs of ``EXPERIMENTS[experiment]`` on this machine with a wall-clock budget each, wait for
+    them, and return their folder (what ``scripts/gpu/twins.sh`` does across several commands)."""
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {experiment!r}: choose one of {sorted(EXPERIMENTS)}")
+    start(name, EXPERIMENTS[experiment], preset, [f"data={data}", f"time_budget_s={budget_s}", "max_steps=40000",
+                                                  "ckpt_interval=1000", *(extra or [])], root)
+    wait(name, budget_s + 600, root, poll_s=60)
+    return _root(root) / name
 
 
 def start(name: str, runs: dict[str, list[str]], preset: str | None = None, common: list[str] | None = None,
@@ -146,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--set", nargs="*", default=[], help="key=value for every run")
             s.add_argument("--run", nargs="+", action="append", default=[], metavar=("LABEL", "KEY=VALUE"),
                            help="a run: its label, then its own key=value overrides")
-            s.add_argument("--twins", action="store_true", help="add the book's twins (lpfa.launch.TWINS)")
+            s.add_argument("--experiment", action="append", default=[], choices=sorted(EXPERIMENTS),
+                           help="add the runs of one of the book's experiments (lpfa.launch.EXPERIMENTS)")
             s.add_argument("--resume", action="store_true")
         if c == "wait":
             s.add_argument("--max-s", type=float, required=True)
@@ -156,9 +179,10 @@ def main(argv: list[str] | None = None) -> int:
             s.add_argument("--extra", nargs="*", default=[], help="more file names per run, e.g. replay.jsonl")
     a = p.parse_args(argv)
     if a.cmd == "start":
-        runs = {**(TWINS if a.twins else {}), **{r[0]: r[1:] for r in a.run}}
+        runs = {label: o for e in a.experiment for label, o in EXPERIMENTS[e].items()}
+        runs.update({r[0]: r[1:] for r in a.run})
         if not runs:
-            p.error("start needs --twins or at least one --run LABEL [KEY=VALUE ...]")
+            p.error("start needs --experiment NAME or at least one --run LABEL [KEY=VALUE ...]")
         procs = start(a.name, runs, a.preset, a.set, a.root, a.resume)
         for label, info in procs.items():
             print(f"{label}: pid {info['pid']} -> {info['out_dir']}")

@@ -8,7 +8,8 @@ weights load with nanoGPT's transposes (:mod:`lpfa.checkpoints`).
 Attention per layer (``GPTConfig.attn_backend``, ``attn_policy``, ``layer_policies``, ``fp32_heads``):
 
 * ``"lpfa"`` — :func:`lpfa.attention.attention` with a precision policy (a preset name), optionally
-  a different policy in chosen layers and FP32 for chosen heads (the paper's Sec. 3.2 experiments);
+  a different policy (or another backend) in chosen layers and FP32 for chosen heads (the paper's
+  Sec. 3.2 isolation experiments);
 * ``"sdpa"`` — PyTorch's ``scaled_dot_product_attention`` (what nanoGPT users train with);
 * ``"sdpa_fp32"`` — the same on q, k, v cast to FP32 with autocast off (TF32 is off in training): a fast
   FP32-attention twin, numerically the ``fp32`` policy up to FP32 summation order;
@@ -67,7 +68,8 @@ class GPTConfig:
         from lpfa.attention import get_policy
 
         for layer, name in [(None, self.attn_policy), *self.layer_policies.items()]:
-            get_policy(name)  # clear error for unknown presets
+            if layer is None or name not in ATTN_BACKENDS:
+                get_policy(name)  # clear error for unknown presets
             if layer is not None and not 0 <= layer < self.n_layer:
                 raise ValueError(f"layer_policies names layer {layer}; the model has layers 0..{self.n_layer - 1}")
         for layer, heads in self.fp32_heads.items():
@@ -92,10 +94,20 @@ class GPTConfig:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def layer_backend(self, layer: int) -> str:
+        """The attention backend of ``layer``: ``layer_policies`` may name a preset (the ``lpfa`` backend with
+        that policy) or another backend (``sdpa``, ``sdpa_fp32``, ``math``) for that layer alone."""
+        name = self.layer_policies.get(layer)
+        if name is None:
+            return self.attn_backend
+        return name if name in ATTN_BACKENDS else "lpfa"
+
     def policy(self, layer: int):
-        """The precision policy of ``layer`` (with its FP32 heads), for the ``lpfa`` backend."""
+        """The precision policy of ``layer`` (with its FP32 heads) when its backend is ``lpfa``, else None."""
         from lpfa.attention import get_policy
 
+        if self.layer_backend(layer) != "lpfa":
+            return None
         pol = get_policy(self.layer_policies.get(layer, self.attn_policy))
         heads = self.fp32_heads.get(layer)
         return pol.with_(fp32_heads=frozenset(heads), name=pol.name) if heads else pol
@@ -122,8 +134,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
         self.dropout = config.dropout
-        self.backend = config.attn_backend
-        self.policy = config.policy(layer) if config.attn_backend == "lpfa" else None
+        self.backend = config.layer_backend(layer)
+        self.policy = config.policy(layer)
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None

@@ -150,8 +150,6 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     conf = json.loads((run_dir / "config.json").read_text())
     known = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
-    if cfg.attn_backend != "lpfa":
-        raise ValueError(f"{run_dir} trained with attn_backend={cfg.attn_backend!r}; a replay needs an lpfa policy run")
     verdict = run_verdict(run_dir)
     if step is None:
         step = choose_checkpoint(run_dir, verdict["explosion_step"])
@@ -180,6 +178,9 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     data_dir = Path(conf["data_dir"])
     tokens, _ = lpfa_data.load_tokens(data_dir, "train")
     log = lpfa_data.ReplayLog.open(run_dir / "replay.jsonl", data_dir / "train.bin")
+    if model.config.layer_backend(layer) != "lpfa":
+        raise ValueError(f"layer {layer} of {run_dir} used attention backend {model.config.layer_backend(layer)!r}; "
+                         "the replay measures a layer that ran an lpfa precision policy")
     policy = model.config.layer_policies.get(layer, model.config.attn_policy)
     attn = model.transformer.h[layer].attn
 
@@ -206,7 +207,9 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
             if micro == 0:
                 cap = attn.capture
         attn.capture = None
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        if not (math.isfinite(float(np.mean(losses))) and math.isfinite(float(gnorm))):
+            break  # training stops here too (lpfa.train): nothing after a non-finite step is the run's trajectory
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -222,6 +225,8 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         if s == last:
             break
 
+    if not per_step:
+        raise RuntimeError(f"the first replayed step ({step}) of {run_dir} was non-finite: nothing to measure")
     # the recurring direction: overlap of each step's top singular vectors with the first step's and the previous step's
     summary_heads = {}
     arrays: dict[str, np.ndarray] = {}

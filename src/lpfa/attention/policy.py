@@ -136,6 +136,7 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "pv_fp32": replace(PAPER, p_bar=FP32, o_block=FP32, name="pv_fp32"),
     "delta_dp": replace(PAPER, delta="dp_p", name="delta_dp"),
     "o_fp32": replace(PAPER, o_block=FP32, accumulator=FP32, o_store=FP32, name="o_fp32"),
+    "delta_o_fp32": replace(PAPER, delta="o_fp32", name="delta_o_fp32"),  # O recomputed in FP32 for δ only
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
 }
 
