@@ -364,17 +364,16 @@ def test_sdpa_fp32_attention_is_fp32_under_bf16_autocast():
 # train: STOP file, checkpoint history, the verdict in summary.json
 # --------------------------------------------------------------------------------------------
 def _cfg(token_dir, out_dir, **kw):
-    from lpfa.train import TrainConfig
+    """test_train's small config, with 4 sequences per batch and one eval batch."""
+    from test_train import cfg
 
-    base = dict(data=str(token_dir), model="debug", block_size=32, batch_size=4, max_steps=12, lr=3e-3, min_lr=3e-4,
-                warmup_steps=3, eval_interval=0, eval_batches=1, ckpt_interval=0, out_dir=str(out_dir), progress=False,
-                attn_backend="lpfa", attn_policy="fa2", log_interval=100)
-    base.update(kw)
-    return TrainConfig(**base)
+    return cfg(token_dir, out_dir, **{"batch_size": 4, "eval_batches": 1, **kw})
 
 
 def _losses(out_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    from test_train import losses
+
+    return losses(out_dir)
 
 
 def test_stop_file_ends_the_run_with_a_checkpoint(byte_tokens, tmp_path, monkeypatch):

@@ -26,31 +26,39 @@ def wq_spectral_norms(model) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: contextlib.AbstractContextManager | None = None):
-    """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
-    (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
-    (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""
+def capture_qk(model, x: torch.Tensor, autocast: contextlib.AbstractContextManager | None = None) -> list[dict]:
+    """Run ``model`` on token ids ``x``; returns, per layer, ``{"q", "k"}`` (B, H, T, D) as its attention saw them."""
     attns = [b.attn for b in model.transformer.h]
     for a in attns:
         a.capture = {}
     try:
         with autocast or contextlib.nullcontext():
             model(x)
-        ties, maxes = [], []
-        for a in attns:
-            q, k = a.capture["q"].float(), a.capture["k"].float()
-            pol = a.policy if a.policy is not None else FP32_POLICY
-            st = AttentionStats(eps=eps)
-            fill_tie_stats(st, q, k, 1.0 / math.sqrt(a.head_dim), pol, True)
-            ties.append(st.tie_fraction().mean(0))
-            T = q.shape[2]
-            s = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
-            s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-            maxes.append(s.amax(dim=(-1, -2)).amax(0))
-        return torch.stack(ties).cpu(), torch.stack(maxes).cpu()
+        return [a.capture for a in attns]
     finally:
         for a in attns:
             a.capture = None
+
+
+@torch.no_grad()
+def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: contextlib.AbstractContextManager | None = None):
+    """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
+    (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
+    (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""
+    attns = [b.attn for b in model.transformer.h]
+    caps = capture_qk(model, x, autocast)
+    ties, maxes = [], []
+    for a, cap in zip(attns, caps):
+        q, k = cap["q"].float(), cap["k"].float()
+        pol = a.policy if a.policy is not None else FP32_POLICY
+        st = AttentionStats(eps=eps)
+        fill_tie_stats(st, q, k, 1.0 / math.sqrt(a.head_dim), pol, True)
+        ties.append(st.tie_fraction().mean(0))
+        T = q.shape[2]
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
+        maxes.append(s.amax(dim=(-1, -2)).amax(0))
+    return torch.stack(ties).cpu(), torch.stack(maxes).cpu()
 
 
 def probe_record(model, x=None, eps: float = 1e-3, autocast=None) -> dict:

@@ -7,7 +7,8 @@
   :func:`subspace_overlap` for comparing such matrices across steps;
 * :func:`pv_running_error` — the error of Ō[T, i] = Σ_t P̄[T, t] V[t, i] accumulated key by key with
   every partial sum rounded to BF16, with the P̄ = 1 positions marked (Fig. 6);
-* :func:`p_bar_ones` — per row, how many P̄ entries are exactly 1 as fed to P̄V (the rows the paper blames);
+* :func:`p_bar` and :func:`p_bar_ones` — P̄ as fed to P̄V, and per row how many entries are exactly 1
+  (the rows the paper blames);
 * :func:`delta_accounting` — the δ error split between rows with several P̄ = 1 entries and the rest, and
   how often the V values at those positions share a sign (Sec. 3.3, what the paper shows by example);
 * :func:`sfa_attenuation` — for each SFA β, the fraction of rows whose output the authors' row-sum
@@ -137,24 +138,30 @@ def _causal_scores(q, k, policy, scale):
 
 
 @torch.no_grad()
-def p_bar_ones(q, k, policy="paper_untiled", scale: float | None = None) -> torch.Tensor:
-    """(B, H, T) number of P̄ entries exactly 1, as the policy feeds P̄ to the P̄V product, per causal row.
+def p_bar(q, k, policy="paper_untiled", scale: float | None = None) -> torch.Tensor:
+    """(B, H, T, T) P̄ = exp(S − m) as the policy feeds it to the P̄V product (0 above the diagonal).
 
-    Exact for untiled policies (one key block: P̄ = exp(S − m) with m the row max, or SFA's m); for tiled
-    policies it counts against the whole-row max, which is what the last key block sees."""
+    Exact for untiled policies (one key block: m is the row max, or SFA's m); for tiled policies it uses
+    the whole-row max, which is what the last key block sees."""
     pol = get_policy(policy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s, vis = _causal_scores(q, k, pol, scale)
     m = _sfa_row_max(s, vis, pol)
-    p_bar = _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar)
-    return (p_bar == 1.0).sum(dim=-1)
+    return _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar)
+
+
+@torch.no_grad()
+def p_bar_ones(q, k, policy="paper_untiled", scale: float | None = None) -> torch.Tensor:
+    """(B, H, T) number of P̄ entries exactly 1 per causal row (:func:`p_bar`)."""
+    return (p_bar(q, k, policy, scale) == 1.0).sum(dim=-1)
 
 
 @torch.no_grad()
 def delta_accounting(q, k, v, do, policy="paper_untiled", scale: float | None = None) -> dict:
     """Where does δ_lp − δ_hp come from? Inputs (B, H, T, D). Returns plain numbers and per-token tensors:
 
-    * ``delta_err`` (B, H, T): δ_lp − δ_hp (:func:`delta_error`); ``ones`` (B, H, T): P̄ = 1 entries per row;
+    * ``delta_err`` (B, H, T): δ_lp − δ_hp and ``o_err`` (B, H, T, D): O_lp − O_hp (:func:`delta_error`);
+      ``ones`` (B, H, T): P̄ = 1 entries per row;
     * ``sum_all``, ``sum_tied``, ``sum_untied``: Σ δ error over all rows, over rows with ≥ 2 P̄ = 1 entries
       ("tied"), and over the others — the counterfactual "tied rows computed exactly" leaves ``sum_untied``;
     * ``share_tied``: sum_tied / sum_all; ``tied_rows``, ``rows``; ``mean_tied``, ``mean_untied`` per row;
@@ -162,23 +169,19 @@ def delta_accounting(q, k, v, do, policy="paper_untiled", scale: float | None = 
       positions has one sign (the condition for a biased BF16 sum, Sec. 3.3).
     """
     out = delta_error(q, k, v, do, policy, scale)
-    ones = p_bar_ones(q, k, policy, scale)
+    is_one = p_bar(q, k, policy, scale) == 1.0  # (B, H, T, T)
+    ones = is_one.sum(dim=-1)
     err = out["delta_err"]
     tied = ones >= 2
     sum_all, sum_tied = float(err.sum()), float(err[tied].sum())
     # same-sign test: for each tied row, the V rows at its P̄ = 1 keys
-    pol = get_policy(policy)
-    sc = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s, vis = _causal_scores(q, k, pol, sc)
-    m = _sfa_row_max(s, vis, pol)
-    is_one = _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar) == 1.0  # (B, H, T, T)
     vf = v.double()
     pos = torch.einsum("bhts,bhsd->bhtd", is_one.double(), (vf > 0).double())
     neg = torch.einsum("bhts,bhsd->bhtd", is_one.double(), (vf < 0).double())
     n = ones[..., None].double()
     same = ((pos == n) | (neg == n))[tied]
     n_t, n_u = int(tied.sum()), int((~tied).sum())
-    return {"delta_err": err, "ones": ones, "sum_all": sum_all, "sum_tied": sum_tied, "sum_untied": sum_all - sum_tied,
+    return {"delta_err": err, "o_err": out["o_err"], "ones": ones, "sum_all": sum_all, "sum_tied": sum_tied, "sum_untied": sum_all - sum_tied,
             "share_tied": sum_tied / sum_all if sum_all != 0 else float("nan"), "tied_rows": n_t, "rows": n_t + n_u,
             "mean_tied": sum_tied / n_t if n_t else float("nan"),
             "mean_untied": (sum_all - sum_tied) / n_u if n_u else float("nan"),

@@ -78,7 +78,7 @@ def _top_direction(g):
 
 @torch.no_grad()
 def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, n_top: int = 64) -> tuple[dict, dict]:
-    from lpfa.mechanism import delta_accounting, pv_running_error
+    from lpfa.mechanism import delta_accounting, p_bar, pv_running_error
 
     q, k, v, do = (cap[n][:n_seq, head : head + 1].float() for n in ("q", "k", "v", "do"))
     x = cap["x"][:n_seq].double()  # (n, T, C): the layer's attention input (after ln_1)
@@ -106,26 +106,17 @@ def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, 
         arrays["top_x"] = x[b_idx, t_idx].float().cpu().numpy()
         arrays["top_delta_err"] = flat[top].float().cpu().numpy()
         wb, wt = int(b_idx[0]), int(t_idx[0])
-        from lpfa.mechanism import delta_error
-
-        o_err = delta_error(q[wb : wb + 1], k[wb : wb + 1], v[wb : wb + 1], do[wb : wb + 1], policy, scale)["o_err"][0, 0]
-        acc_o_err = o_err[wt]
+        acc_o_err = acc["o_err"][wb, 0, wt]
         arrays["worst_do"] = do[wb, 0, wt].cpu().numpy()
         arrays["worst_o_err"] = acc_o_err.float().cpu().numpy()
         # Fig. 6: the P̄ row of the worst token as P̄V sees it, and the feature with the largest |dO · O error|
-        from lpfa.attention import get_policy
-        from lpfa.attention.reference import _r, _scores, _sfa_row_max
-
-        pol = get_policy(policy)
-        srow = _scores(q[wb : wb + 1], k[wb : wb + 1], scale, pol)[0, 0, wt, : wt + 1]
-        m = _sfa_row_max(srow[None], None, pol)[0]
-        p_bar = _r(torch.exp(_r(srow - m, pol.scores)), pol.p_bar)
+        p_row = p_bar(q[wb : wb + 1], k[wb : wb + 1], policy, scale)[0, 0, wt, : wt + 1]
         feat = int((do[wb, 0, wt].double() * acc_o_err).abs().argmax())
-        run = pv_running_error(p_bar.cpu(), v[wb, 0, : wt + 1, feat].cpu())
-        arrays["pv_p_bar"] = p_bar.cpu().numpy()
+        run = pv_running_error(p_row.cpu(), v[wb, 0, : wt + 1, feat].cpu())
+        arrays["pv_p_bar"] = p_row.cpu().numpy()
         arrays["pv_v"] = v[wb, 0, : wt + 1, feat].cpu().numpy()
         arrays["pv_error"] = run["error"].numpy()
-        num.update({"worst_token": [wb, wt], "worst_feature": feat, "worst_p_bar_ones": int((p_bar == 1).sum())})
+        num.update({"worst_token": [wb, wt], "worst_feature": feat, "worst_p_bar_ones": int((p_row == 1).sum())})
     return num, arrays
 
 
@@ -285,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
     a = p.parse_args(argv)
-    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(sys.argv), max_s=a.max_s)
+    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s)
     print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
     return 0
 

@@ -12,7 +12,6 @@ that the clamp attenuates, that it silences (factor < 1e-3) and whose P̄ all un
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 
@@ -24,18 +23,10 @@ BETAS = (1.5, 2.0, 4.0, 8.0)
 @torch.no_grad()
 def sweep_model(model, x: torch.Tensor, betas=BETAS, eps: float = 1e-3, autocast=None) -> list[dict]:
     """Per layer, :func:`lpfa.mechanism.sfa_attenuation` of the model's BF16 scores on token ids ``x``."""
+    from lpfa.diagnostics import capture_qk
     from lpfa.mechanism import sfa_attenuation
 
-    attns = [b.attn for b in model.transformer.h]
-    for a in attns:
-        a.capture = {}
-    try:
-        with autocast or contextlib.nullcontext():
-            model(x)
-        return [sfa_attenuation(a.capture["q"].float(), a.capture["k"].float(), betas, eps) for a in attns]
-    finally:
-        for a in attns:
-            a.capture = None
+    return [sfa_attenuation(c["q"].float(), c["k"].float(), betas, eps) for c in capture_qk(model, x, autocast)]
 
 
 def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", command: str | None = None) -> dict:
@@ -81,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-seq", type=int, default=8)
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
-    res = sweep_run(a.run, tuple(a.betas), a.n_seq, a.device, command=" ".join(sys.argv))
+    res = sweep_run(a.run, tuple(a.betas), a.n_seq, a.device, command=" ".join(["python -m lpfa.sfa_sweep", *(sys.argv[1:] if argv is None else argv)]))
     write_json(a.out, res)
     last = list(res["steps"])[-1]
     for layer, per_beta in enumerate(res["steps"][last]):
