@@ -78,3 +78,22 @@ def test_start_needs_runs(tmp_path):
 
     with pytest.raises(SystemExit):
         main(["start", "--name", "x", "--root", str(tmp_path)])
+
+
+def test_only_and_gpus_place_runs(tokens, tmp_path, monkeypatch):
+    """``--only`` picks runs of an experiment; ``--gpus`` gives each run its own CUDA_VISIBLE_DEVICES, round-robin."""
+    from lpfa.launch import main
+
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    with pytest.raises(SystemExit):  # a label the experiment does not define
+        main(["start", "--name", "x", "--root", str(tmp_path), "--experiment", "twins", "--only", "bf16", "nope"])
+    with pytest.raises(ValueError, match="empty"):
+        launch.start("x", {"a": []}, None, [], tmp_path, gpus=[])
+    common = [f"data={tokens}", "model=debug", "block_size=32", "batch_size=4", "max_steps=2", "eval_interval=0",
+              "eval_batches=1", "ckpt_interval=0", "warmup_steps=1", "diag_interval=0", "device=cpu"]
+    assert main(["start", "--name", "g", "--root", str(tmp_path), "--preset", "repro", "--set", *common,
+                 "--experiment", "twins", "--only", "bf16", "fp32", "sfa", "--gpus", "1", "0"]) == 0
+    runs = json.loads((tmp_path / "g" / "launch.json").read_text())["runs"]
+    assert {k: v["gpu"] for k, v in runs.items()} == {"bf16": "1", "fp32": "0", "sfa": "1"}
+    st = launch.wait("g", max_s=240, root=tmp_path, poll_s=1)
+    assert all(r["status"] == "completed" for r in st), st

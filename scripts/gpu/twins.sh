@@ -7,8 +7,10 @@
 #                                                                 # replay the BF16 run, SFA β sweep, collect
 # Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon: lpfa.launch.EXPERIMENTS), NAME (twins),
 # ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
-# REPLAY_STEPS (200), REPLAY_MAX_S (150). Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200
-# busy; runs started together share it (each gets about 1/n of the steps).
+# ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
+# round-robin), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run tests/test_attention_gpu.py in finish).
+# Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200 busy; runs sharing a GPU each get about 1/n
+# of its steps, so on a machine with several GPUs give each run its own.
 set -u
 NAME=${NAME:-twins}; ROOT=${ROOT:-/tmp/runs}; PRESET=${PRESET:-repro}; DATA=${DATA:-data/corpus}
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LPFA_RUNS=$ROOT
@@ -17,9 +19,11 @@ L="$PY -m lpfa.launch"
 case ${PHASE:?PHASE must be start, wait or finish} in
 start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
-  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}
   $L start --name "$NAME" --preset "$PRESET" --set data="$DATA" time_budget_s="${BUDGET:?}" max_steps=40000 \
-      ckpt_interval=1000 ${EXTRA:-} --experiment "${EXPERIMENT:-twins}" || exit 1  # lpfa.launch.EXPERIMENTS
+      ckpt_interval=1000 ${EXTRA:-} --experiment "${EXPERIMENT:-twins}" ${ONLY:+--only $ONLY} \
+      ${GPUS:+--gpus $GPUS} || exit 1  # lpfa.launch.EXPERIMENTS
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 60
   ;;
 wait)
@@ -30,13 +34,24 @@ finish)
   [ "${STOP:-0}" = 1 ] && for d in "$ROOT/$NAME"/*/; do touch "$d/STOP"; done
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 20
   [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ] && (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz)  # a re-sent tree drops them
+  LAST=$(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )); [ "$LAST" -lt 0 ] && LAST=0  # replay on GPU 0, the rest on the last
   if [ -d "$ROOT/$NAME/bf16" ]; then  # the instrumented replay of the failing run (mechanism pages)
-    $PY -m lpfa.replay --run "$ROOT/$NAME/bf16" --out "$ROOT/$NAME/bf16_replay" --steps "${REPLAY_STEPS:-200}" \
-        --max-s "${REPLAY_MAX_S:-150}" 2>&1 | grep -v "^replay:" | tail -40
+    CUDA_VISIBLE_DEVICES=0 $PY -m lpfa.replay --run "$ROOT/$NAME/bf16" --out "$ROOT/$NAME/bf16_replay" \
+        --steps "${REPLAY_STEPS:-200}" --max-s "${REPLAY_MAX_S:-150}" >"$ROOT/$NAME/replay.log" 2>&1 &
   fi
-  for d in "$ROOT/$NAME"/*/; do  # the SFA β sweep wherever checkpoints were kept
-    [ -d "$d/ckpt_history" ] && $PY -m lpfa.sfa_sweep --run "$d" --out "$d/sfa_sweep.json" 2>&1 | grep -v "SFA sweep:" | tail -8
-  done
+  (
+    for d in "$ROOT/$NAME"/*/; do  # the SFA β sweep wherever checkpoints were kept
+      [ -d "$d/ckpt_history" ] && CUDA_VISIBLE_DEVICES=$LAST $PY -m lpfa.sfa_sweep --run "$d" --out "$d/sfa_sweep.json" 2>&1 \
+          | grep -v "SFA sweep:" | tail -8
+    done
+    if [ "${GPU_TESTS:-1}" = 1 ]; then  # the kernels at full shapes on this GPU
+      mkdir -p "${OUT:-/tmp/out}"
+      CUDA_VISIBLE_DEVICES=$LAST $PY -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py >"${OUT:-/tmp/out}/gpu_tests.txt" 2>&1
+      tail -3 "${OUT:-/tmp/out}/gpu_tests.txt"
+    fi
+  ) &
+  wait
+  [ -f "$ROOT/$NAME/replay.log" ] && grep -v "^replay:" "$ROOT/$NAME/replay.log" | tail -40
   $L status --name "$NAME"
   $L collect --name "$NAME" --out "${OUT:-/tmp/out}" --extra sfa_sweep.json replay.json replay.npz
   ;;

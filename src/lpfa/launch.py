@@ -71,13 +71,18 @@ def run_experiment(name: str, experiment: str, data: str, budget_s: float, prese
 
 
 def start(name: str, runs: dict[str, list[str]], preset: str | None = None, common: list[str] | None = None,
-          root: str | Path | None = None, resume: bool = False) -> dict:
-    """Launch one detached ``python -m lpfa.train`` per run; ``runs`` maps a label to its key=value overrides."""
+          root: str | Path | None = None, resume: bool = False, gpus: list[str] | None = None) -> dict:
+    """Launch one detached ``python -m lpfa.train`` per run; ``runs`` maps a label to its key=value overrides.
+
+    ``gpus`` places the runs round-robin on those devices (``CUDA_VISIBLE_DEVICES`` per run), so on a
+    machine with two GPUs two runs each get a whole GPU; without it every run sees every GPU and uses the first."""
+    if gpus is not None and not gpus:
+        raise ValueError("gpus is an empty list: give at least one device index, or None for the default device")
     base = _root(root) / name
     base.mkdir(parents=True, exist_ok=True)
     launch_file = base / "launch.json"
     procs = json.loads(launch_file.read_text())["runs"] if launch_file.exists() else {}
-    for label, overrides in runs.items():
+    for i, (label, overrides) in enumerate(runs.items()):
         if label in procs and _alive(procs[label]["pid"]):
             raise RuntimeError(f"run {label!r} of {name!r} is still running (pid {procs[label]['pid']})")
         out_dir = base / label
@@ -85,8 +90,12 @@ def start(name: str, runs: dict[str, list[str]], preset: str | None = None, comm
                *overrides, f"out_dir={out_dir}", "progress=false", *(["resume=true"] if resume else [])]
         out_dir.mkdir(parents=True, exist_ok=True)
         stdout = open(out_dir / "stdout.txt", "a")
-        p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True, env=os.environ.copy())
-        procs[label] = {"pid": p.pid, "cmd": cmd, "started": time.time(), "out_dir": str(out_dir)}
+        env = os.environ.copy()
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpus[i % len(gpus)])
+        p = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        procs[label] = {"pid": p.pid, "cmd": cmd, "started": time.time(), "out_dir": str(out_dir),
+                        "gpu": env.get("CUDA_VISIBLE_DEVICES")}
     launch_file.write_text(json.dumps({"name": name, "runs": procs}, indent=1) + "\n")
     return procs
 
@@ -170,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
                            help="a run: its label, then its own key=value overrides")
             s.add_argument("--experiment", action="append", default=[], choices=sorted(EXPERIMENTS),
                            help="add the runs of one of the book's experiments (lpfa.launch.EXPERIMENTS)")
+            s.add_argument("--only", nargs="+", default=None, metavar="LABEL", help="start only these runs of the experiments")
+            s.add_argument("--gpus", nargs="+", default=None, metavar="INDEX",
+                           help="place the runs round-robin on these GPUs (CUDA_VISIBLE_DEVICES per run)")
             s.add_argument("--resume", action="store_true")
         if c == "wait":
             s.add_argument("--max-s", type=float, required=True)
@@ -181,11 +193,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "start":
         runs = {label: o for e in a.experiment for label, o in EXPERIMENTS[e].items()}
         runs.update({r[0]: r[1:] for r in a.run})
+        if a.only:
+            unknown = sorted(set(a.only) - set(runs))
+            if unknown:
+                p.error(f"--only names runs that are not defined: {unknown}; defined: {sorted(runs)}")
+            runs = {k: v for k, v in runs.items() if k in a.only}
         if not runs:
             p.error("start needs --experiment NAME or at least one --run LABEL [KEY=VALUE ...]")
-        procs = start(a.name, runs, a.preset, a.set, a.root, a.resume)
+        procs = start(a.name, runs, a.preset, a.set, a.root, a.resume, a.gpus)
         for label, info in procs.items():
-            print(f"{label}: pid {info['pid']} -> {info['out_dir']}")
+            print(f"{label}: pid {info['pid']} gpu {info.get('gpu')} -> {info['out_dir']}")
     elif a.cmd == "status":
         for r in status(a.name, a.root):
             print(r)
