@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from lpfa.diagnostics import attention_probe, probe_record, wq_spectral_norms
@@ -64,3 +65,30 @@ def test_qk_clip_bounds_the_max_logit():
     assert torch.allclose(after[before > tau], torch.full_like(after[before > tau], tau), rtol=1e-5)
     untouched = before <= tau
     assert torch.allclose(after[untouched], before[untouched])
+
+
+def test_metrics_read_plain_or_gzip(tmp_path):
+    """Long runs are committed as metrics.jsonl.gz: every reader takes either."""
+    import gzip
+    import json
+
+    from lpfa.explosion import run_verdict
+    from lpfa.runs import load_metrics, metrics_path, read_records
+
+    recs = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(20)] + [{"step": 19, "val_loss": 2.9},
+                                                                      {"step": 10, "diag": {"wq_spectral_norm": [[1.0]]}}]
+    text = "\n".join(json.dumps(r) for r in recs) + "\n"
+    conf = {"train": {"attn_policy": "paper", "optimizer": "adamw", "seed": 1, "init_seed": 2}}
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    for d in (plain, packed):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(conf))
+    (plain / "metrics.jsonl").write_text(text)
+    (packed / "metrics.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert metrics_path(packed).name == "metrics.jsonl.gz"
+    assert read_records(plain) == read_records(packed) == recs
+    (tp, vp, dp), (tz, vz, dz) = load_metrics(plain), load_metrics(packed)
+    assert tp.equals(tz) and vp.equals(vz) and dp.equals(dz) and len(tp) == 20
+    assert run_verdict(plain) == run_verdict(packed) and run_verdict(packed)["steps"] == 20
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl.gz"):
+        read_records(tmp_path)

@@ -510,7 +510,8 @@ def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, 
         assert 0 <= sm["tied_row_fraction"] <= 1 and 0 <= sm["overlap_chance"] <= 1
     npz = np.load(tmp_path / "rep" / "replay.npz")
     for h in js["heads"]:
-        assert npz[f"h{h}_delta_err"].shape == (10, 4, T)
+        assert npz[f"h{h}_delta_err"].shape == (2, 4, T)  # every 10th replayed step and the last
+        assert npz[f"h{h}_delta_err_steps"].tolist() == [10, 19]
         assert npz[f"h{h}_overlap_first"].shape == (10,) and npz[f"h{h}_overlap_first"][0] == pytest.approx(1.0)
         assert np.isnan(npz[f"h{h}_overlap_prev"][0]) and (npz[f"h{h}_overlap_prev"][1:] <= 1 + 1e-9).all()
         for s in (10, 19):
@@ -532,7 +533,7 @@ def test_replay_cli_max_s_stops_early_and_still_writes(tiny_run, tmp_path, capsy
     assert [p["step"] for p in js["per_step"]] == [10, 11, 12]
     assert js["steps"] == 3 and js["layer"] == 1 and js["heads"] == [0] and js["n_seq"] == 2
     npz = np.load(out / "replay.npz")
-    assert npz["h0_delta_err"].shape == (3, 2, 32)
+    assert npz["h0_delta_err"].shape == (2, 2, 32) and npz["h0_delta_err_steps"].tolist() == [10, 12]
     assert "h0_s10_pv_error" in npz.files and "h0_s12_pv_error" in npz.files
     assert "checkpoint_step" in capsys.readouterr().out
 
@@ -589,3 +590,23 @@ def test_layer_policies_can_name_a_backend_per_layer():
     assert not torch.equal(outs["lp"][0], outs["hp"][0])  # which differs from FP32 attention
     with pytest.raises(ValueError, match="unknown"):
         GPTConfig.from_size("debug", layer_policies={0: "no_such_thing"})
+
+
+def test_thin_delta_err():
+    from lpfa.replay import thin_delta_err
+
+    rng = np.random.default_rng()
+    n = int(rng.integers(1, 40))
+    steps = np.arange(100, 100 + n)
+    arrays = {"h3_delta_err": rng.standard_normal((n, 2, 5)).astype(np.float32), "h3_g_u": rng.standard_normal((n, 4))}
+    t = thin_delta_err(arrays, steps, 7)
+    keep = sorted(set(range(0, n, 7)) | {n - 1})
+    assert t["h3_delta_err_steps"].tolist() == [100 + i for i in keep]
+    assert np.array_equal(t["h3_delta_err"], arrays["h3_delta_err"][keep])
+    assert t["h3_g_u"] is arrays["h3_g_u"]  # only the per-token δ errors are thinned
+    assert thin_delta_err(t, steps, 3)["h3_delta_err"] is t["h3_delta_err"]  # already thinned: left alone
+    assert np.array_equal(thin_delta_err(arrays, steps, 1)["h3_delta_err"], arrays["h3_delta_err"])
+    with pytest.raises(ValueError, match="every must be"):
+        thin_delta_err(arrays, steps, 0)
+    with pytest.raises(ValueError, match="step numbers"):
+        thin_delta_err(arrays, steps[:-1], 2) if n > 1 else thin_delta_err(arrays, np.arange(2), 2)

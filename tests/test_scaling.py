@@ -125,3 +125,22 @@ def test_committed_ddp_run():
     assert c["agreement"]["n_steps"] == 200 and list(c["steps"].index) == list(range(200))
     assert c["steps"].notna().all().all()
     assert c["throughput"]["speedup"] > 0 and c["val_loss"]["step"] == 200
+
+
+def test_log_throughput_reads_train_logs(tmp_path):
+    from lpfa.scaling import compare_throughput, log_throughput
+
+    a, b = tmp_path / "a.log", tmp_path / "b.log"
+    a.write_text("[00:00 + 1s] model x\n" + "".join(
+        f"[00:00 + 1s] step {s}: loss {5 - s / 1000:.4f}, lr 2.00e-03, grad norm 0.5, {1000 + s:,} tok/s\n" for s in range(0, 1000, 100)))
+    b.write_text("".join(f"[t] step {s}: loss nan, lr 1e-3, grad norm 0.1, {3000 + s:,} tok/s\n" for s in range(0, 500, 100)))
+    t = log_throughput(a)
+    assert t.index.tolist() == list(range(0, 1000, 100)) and t.loc[300, "tokens_per_s"] == 1300 and t.loc[300, "loss"] == pytest.approx(4.7)
+    f = compare_throughput({"eager": a, "compiled": b}, skip=200)
+    assert f.loc["eager", "median tokens/s"] == 1000 + 550 and f.loc["compiled", "median tokens/s"] == 3300
+    assert f.loc["compiled", "ratio"] == pytest.approx(3300 / 1550) and f.loc["compiled", "last logged step"] == 400
+    (tmp_path / "c.log").write_text("hello\n")
+    with pytest.raises(ValueError, match="not an lpfa.train log"):
+        log_throughput(tmp_path / "c.log")
+    with pytest.raises(FileNotFoundError):
+        log_throughput(tmp_path / "none.log")

@@ -67,9 +67,10 @@ def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion()) -
     import json
     from pathlib import Path
 
+    from lpfa.runs import read_records
+
     recs = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line) if line.strip() else {}
+    for r in read_records(run_dir):
         if "loss" in r:
             recs[int(r["step"])] = float(r["loss"])  # a resumed run may repeat steps: the last record wins
     conf = json.loads((Path(run_dir) / "config.json").read_text())["train"]

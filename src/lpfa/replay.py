@@ -54,8 +54,9 @@ def choose_checkpoint(run_dir, explosion_step: int | None) -> int:
 def choose_layer_heads(run_dir, n_heads: int = 2) -> tuple[int, list[int]]:
     """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first),
     and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
-    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-    w = np.array([r["diag"]["wq_spectral_norm"] for r in map(json.loads, filter(str.strip, lines)) if "diag" in r])
+    from lpfa.runs import read_records
+
+    w = np.array([r["diag"]["wq_spectral_norm"] for r in read_records(run_dir) if "diag" in r])
     if not len(w):
         raise ValueError(f"{run_dir} has no diagnostics records: pass --layer and --heads")
     # w: (records, layers, heads)
@@ -120,12 +121,35 @@ def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, 
     return num, arrays
 
 
+def thin_delta_err(arrays: dict, steps, every: int) -> dict:
+    """Keep the per-token δ errors ``h<head>_delta_err`` (replayed steps × sequences × tokens) of every
+    ``every``-th replayed step and the last, recording which in ``h<head>_delta_err_steps``. The per-step
+    sums of every step stay in ``replay.json``; this only keeps ``replay.npz`` small. Arrays already
+    thinned (with their ``_steps`` key) are left as they are."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    steps = np.asarray(steps)
+    keep = np.unique(np.r_[np.arange(0, len(steps), every), len(steps) - 1]) if len(steps) else np.arange(0)
+    out = dict(arrays)
+    import re
+
+    for key in [k for k in arrays if re.fullmatch(r"h\d+_delta_err", k)]:
+        if f"{key}_steps" in arrays:
+            continue
+        if len(arrays[key]) != len(steps):
+            raise ValueError(f"{key} has {len(arrays[key])} steps but {len(steps)} step numbers were given")
+        out[key] = arrays[key][keep]
+        out[f"{key}_steps"] = steps[keep].astype(np.int64)
+    return out
+
+
 def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", heads: list[int] | None = None,
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
-           max_s: float = 0.0) -> dict:
+           max_s: float = 0.0, delta_err_every: int = 10) -> dict:
     """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
     before its explosion, else the latest) and measure ``layer``/``heads``; writes ``out/replay.{json,npz}``.
-    ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed."""
+    ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed.
+    ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`)."""
     import time
 
     t_start = time.time()
@@ -257,7 +281,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
               "heads": heads, "policy": policy, "n_seq": n_seq, "summary": summary_heads, "per_step": per_step,
               "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)
-    np.savez_compressed(out / "replay.npz", **arrays)
+    np.savez_compressed(out / "replay.npz", **thin_delta_err(arrays, [r["step"] for r in per_step], delta_err_every))
     return result
 
 
@@ -275,8 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-seq", type=int, default=8, help="sequences of each batch to measure")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
+    p.add_argument("--delta-err-every", type=int, default=10, help="keep per-token δ errors of every N-th step in replay.npz")
     a = p.parse_args(argv)
-    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s)
+    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s,
+               delta_err_every=a.delta_err_every)
     print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
     return 0
 

@@ -6,15 +6,30 @@ import json
 from pathlib import Path
 
 
+def metrics_path(run_dir: str | Path) -> Path:
+    """A run's ``metrics.jsonl``, or the ``metrics.jsonl.gz`` that long runs are committed as."""
+    d = Path(run_dir)
+    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
+        if (d / name).is_file():
+            return d / name
+    raise FileNotFoundError(f"{d} has no metrics.jsonl or metrics.jsonl.gz: not a training run folder")
+
+
+def read_records(run_dir: str | Path) -> list[dict]:
+    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library."""
+    import gzip
+
+    path = metrics_path(run_dir)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
 def load_metrics(run_dir: str | Path):
     """``(train, val, diag)``: DataFrames of the per-step records and the evaluations, and a DataFrame with
     one row per diagnostics record (columns step, wq_spectral_norm, tie_fraction, max_logit as lists)."""
     import pandas as pd
 
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: not a training run folder")
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    recs = read_records(run_dir)
     train = pd.DataFrame([r for r in recs if "loss" in r]).drop_duplicates("step", keep="last").set_index("step")
     val = pd.DataFrame([r for r in recs if "val_loss" in r]).drop_duplicates("step", keep="last")
     diag = pd.DataFrame([{"step": r["step"], **r["diag"]} for r in recs if "diag" in r])

@@ -156,3 +156,39 @@ def plot_compare(cmp: dict, labels=("1 GPU", "2 GPUs"), threshold: float | None 
     ax2.set_ylabel(f"|{labels[1]} − {labels[0]}| / |{labels[0]}|")
     ax2.legend()
     return fig
+
+
+_LOG_STEP = r"step (\d+): loss ([-+\d.eEnaif]+), lr [^,]+, grad norm [^,]+, ([\d,]+) tok/s"
+
+
+def log_throughput(log: str | Path):
+    """Per logged step of an ``lpfa.train`` log (``log.txt``): DataFrame indexed by step with the loss and the
+    tokens/s of that step, for runs whose ``metrics.jsonl`` did not come back (e.g. short speed trials)."""
+    import re
+
+    import pandas as pd
+
+    path = Path(log)
+    if not path.is_file():
+        raise FileNotFoundError(f"log file {path} does not exist")
+    rows = [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in re.finditer(_LOG_STEP, path.read_text())]
+    if not rows:
+        raise ValueError(f"{path} has no 'step N: loss ..., N tok/s' lines: not an lpfa.train log")
+    return pd.DataFrame(rows, columns=["step", "loss", "tokens_per_s"]).drop_duplicates("step", keep="last").set_index("step")
+
+
+def compare_throughput(logs: dict, skip: int = 200):
+    """One row per named log: steps logged, median tokens/s over logged steps >= ``skip`` (after compilation
+    and warm-up) and the ratio to the first log's median."""
+    import pandas as pd
+
+    rows = []
+    for name, log in logs.items():
+        t = log_throughput(log)
+        late = t[t.index >= skip]
+        if not len(late):
+            raise ValueError(f"{log} logs no step >= skip={skip}")
+        rows.append({"run": name, "last logged step": int(t.index.max()), "median tokens/s": float(late.tokens_per_s.median())})
+    f = pd.DataFrame(rows).set_index("run")
+    f["ratio"] = f["median tokens/s"] / f["median tokens/s"].iloc[0]
+    return f
