@@ -92,3 +92,41 @@ def test_metrics_read_plain_or_gzip(tmp_path):
     assert run_verdict(plain) == run_verdict(packed) and run_verdict(packed)["steps"] == 20
     with pytest.raises(FileNotFoundError, match="metrics.jsonl.gz"):
         read_records(tmp_path)
+
+
+def _fake_run(d, steps, logit, tie, wq, losses, vals):
+    import json
+
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"train": {"attn_policy": "paper", "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
+    recs = [{"step": s, "loss": l} for s, l in enumerate(losses)] + [{"step": s, "val_loss": v} for s, v in vals]
+    for i, s in enumerate(steps):  # 2 layers x 3 heads; layer 1 head 2 carries the values, the rest are smaller
+        rec = {m: [[0.1, 0.2, 0.3], [0.0, 0.0, x[i]]] for m, x in (("max_logit", logit), ("tie_fraction", tie), ("wq_spectral_norm", wq))}
+        recs.append({"step": s, "diag": rec})
+    (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
+
+
+def test_precursor_table_and_divergence(tmp_path):
+    import numpy as np
+
+    from lpfa.runs import divergence_step, layer_max, plot_precursors, precursor_table
+
+    rng = np.random.default_rng()
+    base = rng.uniform(1, 2, size=6)
+    _fake_run(tmp_path / "a", [0, 100, 200, 300, 400, 500], base * [1, 1, 3, 5, 8, 9], [0.1] * 6, base, [3.0] * 600, [(500, 2.5)])
+    _fake_run(tmp_path / "b", [0, 100, 200, 300], base[:4], [0.01] * 4, base[:4] * 2, [3.0] * 400, [(300, 2.6)])
+    runs = {"bf16": tmp_path / "a", "fp32": tmp_path / "b"}
+    table, step = precursor_table(runs, layer=1)
+    assert step == 300  # the last step both reached
+    assert table.loc["bf16", "largest attention logit @ 300"] == pytest.approx(base[3] * 5)
+    assert table.loc["fp32", "largest per-head ‖W_Q[h]‖₂ @ 300"] == pytest.approx(base[3] * 2)
+    assert table.loc["bf16", "steps"] == 600 and table.loc["fp32", "final eval loss"] == pytest.approx(2.6)
+    assert not table.loc["bf16", "exploded"]
+    t2, s2 = precursor_table(runs, layer=1, step=250)  # each run's last record at or before 250
+    assert s2 == 250 and t2.loc["bf16", "largest attention logit @ 250"] == pytest.approx(base[2] * 3)
+    la, lb = layer_max(runs["bf16"], "max_logit", 1), layer_max(runs["fp32"], "max_logit", 1)
+    assert divergence_step(la, lb, 2.0, patience=2) == 200
+    assert divergence_step(la, lb, 100.0) is None
+    with pytest.raises(ValueError, match="no layer 5"):
+        layer_max(runs["bf16"], "max_logit", 5)
+    assert len(plot_precursors(runs, 1).axes) == 3

@@ -143,3 +143,77 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         heads=w.SelectMultiple(options=list(range(n_head)), value=tuple(range(n_head)), description="heads"),
         steps=w.IntRangeSlider(min=lo, max=hi, value=(lo, hi), step=max(1, (hi - lo) // 100), description="steps"),
     )
+
+
+PRECURSORS = {"max_logit": "largest attention logit", "tie_fraction": "largest per-head tie fraction",
+              "wq_spectral_norm": "largest per-head ‖W_Q[h]‖₂"}
+
+
+def layer_max(run_dir: str | Path, metric: str, layer: int):
+    """Series indexed by step: the largest value over heads of a per-head diagnostic in one layer."""
+    f = head_metric_frame(run_dir, metric)
+    if layer not in set(f.layer):
+        raise ValueError(f"{run_dir} has no layer {layer} (layers {sorted(set(f.layer))})")
+    return f[f.layer == layer].groupby("step").value.max()
+
+
+def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=None):
+    """One row per run (``{label: run_dir}``): steps, explosion verdict (:func:`lpfa.explosion.run_verdict`),
+    final eval loss, and in ``layer`` the largest attention logit, tie fraction and W_Q norm at ``step``
+    (default: the last diagnostics step that every run reached; each run's last record at or before it).
+    Returns ``(table, step)``."""
+    import pandas as pd
+
+    from lpfa.explosion import ExplosionCriterion, run_verdict
+
+    criterion = criterion or ExplosionCriterion()
+    verdicts = {label: run_verdict(d, criterion) for label, d in runs.items()}
+    series = {label: {m: layer_max(d, m, layer) for m in PRECURSORS} for label, d in runs.items()}
+    if step is None:
+        step = min(int(s["max_logit"].index.max()) for s in series.values())
+    rows = {}
+    for label, d in runs.items():
+        _, val, _ = load_metrics(d)
+        row = {"steps": verdicts[label]["steps"], "exploded": verdicts[label]["exploded"],
+               "explosion step": verdicts[label]["explosion_step"],
+               "final eval loss": float(val["val_loss"].iloc[-1]) if len(val) else float("nan")}
+        for m, name in PRECURSORS.items():
+            s = series[label][m]
+            before = s[s.index <= step]
+            row[f"{name} @ {step}"] = float(before.iloc[-1]) if len(before) else float("nan")
+        rows[label] = row
+    return pd.DataFrame(rows).T, step
+
+
+def plot_precursors(runs: dict, layer: int):
+    """The three precursors of one layer over training, one panel each, every run in its colour."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
+    for i, (label, d) in enumerate(runs.items()):
+        color = COLORS.get(label, list(COLORS.values())[i % len(COLORS)])
+        for ax, metric in zip(axes, PRECURSORS):
+            s = layer_max(d, metric, layer)
+            ax.plot(s.index, s.values, color=color, label=label, lw=1.2)
+    for ax, name in zip(axes, PRECURSORS.values()):
+        ax.set_title(f"layer {layer}: {name}", fontsize=9)
+        ax.set_xlabel("step")
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=7)
+    return fig
+
+
+def divergence_step(a, b, ratio: float, patience: int = 3) -> int | None:
+    """First step from which Series ``a`` stays above ``ratio`` × Series ``b`` (both indexed by step) for
+    ``patience`` consecutive common records: when one run's precursor leaves its twin's behind."""
+    common = a.index.intersection(b.index).sort_values()
+    above = (a.loc[common] > ratio * b.loc[common]).to_numpy()
+    streak = 0
+    for i, x in enumerate(above):
+        streak = streak + 1 if x else 0
+        if streak >= patience:
+            return int(common[i - patience + 1])
+    return None
