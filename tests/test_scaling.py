@@ -3,6 +3,7 @@
 import json
 
 import matplotlib
+import numpy as np
 import pytest
 from conftest import ROOT
 
@@ -144,3 +145,22 @@ def test_log_throughput_reads_train_logs(tmp_path):
         log_throughput(tmp_path / "c.log")
     with pytest.raises(FileNotFoundError):
         log_throughput(tmp_path / "none.log")
+
+
+def test_first_difference(tmp_path):
+    from lpfa.scaling import first_difference
+
+    rng = np.random.default_rng()
+    loss = rng.uniform(2, 5, size=30)
+    k = int(rng.integers(1, 30))
+    other = loss.copy()
+    other[k:] += 1e-7  # differs from step k on
+    for name, l in (("a", loss), ("b", other), ("c", loss[:20])):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"train": {}, "world_size": 1}))
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "loss": float(x)}) for s, x in enumerate(l)))
+    assert first_difference(tmp_path / "a", tmp_path / "b") == {"common_steps": 30, "identical_steps": k, "first_differing_step": k}
+    assert first_difference(tmp_path / "a", tmp_path / "c") == {"common_steps": 20, "identical_steps": 20, "first_differing_step": None}
+    with pytest.raises(ValueError, match="grad_norm"):
+        first_difference(tmp_path / "a", tmp_path / "c", "grad_norm")

@@ -192,3 +192,20 @@ def compare_throughput(logs: dict, skip: int = 200):
     f = pd.DataFrame(rows).set_index("run")
     f["ratio"] = f["median tokens/s"] / f["median tokens/s"].iloc[0]
     return f
+
+
+def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss") -> dict:
+    """Are two runs of one configuration and seed bit-identical? ``common_steps`` (steps both logged),
+    ``identical_steps`` (how many of them have exactly equal ``column``) and ``first_differing_step``
+    (None when every common step agrees): run-to-run determinism, e.g. the same run on another GPU."""
+    from lpfa.runs import load_metrics
+
+    (da, _), (db, _) = _run_folder(run_a), _run_folder(run_b)
+    ta, tb = load_metrics(da)[0], load_metrics(db)[0]
+    for d, t in ((da, ta), (db, tb)):
+        if column not in t.columns:
+            raise ValueError(f"{d} logs no per-step {column!r}")
+    common = ta.index.intersection(tb.index).sort_values()
+    same = ta.loc[common, column].to_numpy() == tb.loc[common, column].to_numpy()
+    return {"common_steps": int(len(common)), "identical_steps": int(same.sum()),
+            "first_differing_step": int(common[~same][0]) if (~same).any() else None}
