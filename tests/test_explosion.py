@@ -53,3 +53,44 @@ def test_rise_step():
     assert rise_step(pd.Series([0.03] * 30, index=np.arange(30))) is None
     spike = pd.Series([0.03] * 10 + [0.5, 0.03] * 10, index=np.arange(30))
     assert rise_step(spike) is None  # never three records in a row
+
+
+def test_logit_runaway():
+    import numpy as np
+
+    from lpfa.explosion import RunawayCriterion, logit_runaway
+
+    rng = np.random.default_rng()
+    n, L, H = 40, 4, 3
+    m = rng.uniform(10, 400, size=(n, L, H))
+    steps = np.arange(n) * 100
+    assert logit_runaway(m, steps) is None
+    m[20:23, 1, 0] = 5000  # a spike of three records is not a runaway
+    assert logit_runaway(m, steps) is None
+    m[30:, 2, 1] = 2000  # layer 2 from record 30 on
+    assert logit_runaway(m, steps) == (3000, 2)
+    assert logit_runaway(m.max(axis=2), steps) == (3000, 2)
+    assert logit_runaway(m, steps, RunawayCriterion(logit=3000, patience=3)) == (2000, 1)
+    m[25:, 3, :] = np.nan  # a non-finite logit is not "above"
+    assert logit_runaway(m, steps) == (3000, 2)
+    with pytest.raises(ValueError, match="one record per step"):
+        logit_runaway(m, steps[:-1])
+    with pytest.raises(ValueError, match="patience"):
+        RunawayCriterion(patience=0)
+
+
+def test_committed_runs_runaway_verdicts():
+    """The criterion's stated separation holds on the committed runs (results/repro_pair, repro_twins)."""
+    from conftest import ROOT
+
+    from lpfa.explosion import run_verdict
+
+    pair, twins = ROOT / "results/repro_pair/h200x2-2026-11-29", ROOT / "results/repro_twins/h200-2026-11-29"
+    from lpfa.runs import read_records
+
+    for d in (pair / "bf16", twins / "bf16"):  # the two BF16 runs are bit-identical up to step 7,338
+        v = run_verdict(d)
+        assert (v["runaway_step"], v["runaway_layer"]) == (6400, 1) and not v["exploded"], d
+    for d in (pair / "fp32", twins / "fp32", twins / "sfa", twins / "fa2"):
+        assert run_verdict(d)["runaway_step"] is None, d
+        assert max(np.max(r["diag"]["max_logit"]) for r in read_records(d) if "diag" in r) < 400, d

@@ -3,6 +3,13 @@
 A run explodes at the first step where its training loss, smoothed over ``window`` steps, stays more
 than ``margin`` above the lowest smoothed loss seen so far for ``patience`` consecutive steps — or
 where the loss is not finite. The explosion step is the first step of that excursion.
+
+Runs of the book's reproduction config did not explode within 30k steps, but one layer's attention
+logits ran away in BF16 only. :class:`RunawayCriterion` states that precursor as a verdict too, so
+shorter runs (the isolation table, the seeds) can be compared by it: the first diagnostics record
+from which some layer's largest attention logit stays above ``logit`` for ``patience`` records. With
+the default 1000 it separates the committed runs (``tests/test_explosion.py`` checks this): the BF16
+runs' layer 1 stays above it from step 6,400, while no layer of the FP32, SFA or FA2 runs ever exceeded 400.
 """
 
 from __future__ import annotations
@@ -56,29 +63,76 @@ def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion(), s
     return first_bad
 
 
+@dataclass(frozen=True)
+class RunawayCriterion:
+    logit: float = 1000.0
+    patience: int = 5
+
+    def __post_init__(self):
+        if self.patience < 1 or not (self.logit > 0 and math.isfinite(self.logit)):
+            raise ValueError(f"need patience >= 1 and a finite logit > 0, got {self}")
+
+    def describe(self) -> str:
+        return (f"largest attention logit of a layer (over its heads, on the diagnostics batch) above {self.logit:g} "
+                f"for {self.patience} consecutive diagnostics records")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "description": self.describe()}
+
+
+def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriterion()) -> tuple[int, int] | None:
+    """``(step, layer)`` of the first logit runaway, or None. ``max_logit``: (records, layers, heads) or
+    (records, layers) largest attention logits, one record per entry of ``steps``. NumPy only."""
+    import numpy as np
+
+    m = np.asarray(max_logit, dtype=float)
+    if m.ndim == 3:
+        m = m.max(axis=2)
+    if m.ndim != 2 or len(m) != len(steps):
+        raise ValueError(f"max_logit must be (records, layers[, heads]) with one record per step, got shape "
+                         f"{np.asarray(max_logit).shape} for {len(steps)} steps")
+    above = m > criterion.logit  # non-finite logits (NaN) never count as above
+    streak = np.zeros(m.shape[1], dtype=int)
+    for i in range(len(m)):
+        streak = np.where(above[i], streak + 1, 0)
+        hit = np.flatnonzero(streak >= criterion.patience)
+        if len(hit):
+            layer = int(hit[np.argmax(m[i - criterion.patience + 1, hit])])
+            return int(steps[i - criterion.patience + 1]), layer
+    return None
+
+
 def attention_label(train_conf: dict) -> str:
     """What a run's attention was: the lpfa policy preset, or the backend (``sdpa_fp32``, ...) otherwise."""
     backend = train_conf.get("attn_backend", "lpfa")
     return train_conf["attn_policy"] if backend == "lpfa" else backend
 
 
-def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion()) -> dict:
-    """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step."""
+def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),
+                runaway: RunawayCriterion = RunawayCriterion()) -> dict:
+    """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step,
+    and the logit runaway (``runaway_step``, ``runaway_layer``; None without one or without diagnostics)."""
     import json
     from pathlib import Path
 
     from lpfa.runs import read_records
 
-    recs = {}
+    recs, diag = {}, {}
     for r in read_records(run_dir):
         if "loss" in r:
             recs[int(r["step"])] = float(r["loss"])  # a resumed run may repeat steps: the last record wins
+        if "diag" in r and "max_logit" in r["diag"]:
+            diag[int(r["step"])] = r["diag"]["max_logit"]
     conf = json.loads((Path(run_dir) / "config.json").read_text())["train"]
     steps = sorted(recs)
     step = explosion_step([recs[s] for s in steps], criterion, steps=steps)
+    d_steps = sorted(diag)
+    ra = logit_runaway([diag[s] for s in d_steps], d_steps, runaway) if d_steps else None
     return {"policy": attention_label(conf), "attn_backend": conf.get("attn_backend", "lpfa"), "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
             "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": (steps[-1] + 1) if steps else 0,
-            "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict()}
+            "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict(),
+            "runaway_step": ra[0] if ra else None, "runaway_layer": ra[1] if ra else None,
+            "runaway_criterion": runaway.to_dict() if d_steps else None}
 
 
 def rise_step(series, baseline_records: int = 5, factor: float = 3.0, patience: int = 3) -> int | None:

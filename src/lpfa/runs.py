@@ -175,7 +175,8 @@ def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=N
     for label, d in runs.items():
         _, val, _ = load_metrics(d)
         row = {"steps": verdicts[label]["steps"], "exploded": verdicts[label]["exploded"],
-               "explosion step": verdicts[label]["explosion_step"],
+               "explosion step": verdicts[label]["explosion_step"], "runaway step": verdicts[label]["runaway_step"],
+               "runaway layer": verdicts[label]["runaway_layer"],
                "final eval loss": float(val["val_loss"].iloc[-1]) if len(val) else float("nan")}
         for m, name in PRECURSORS.items():
             s = series[label][m]
