@@ -130,3 +130,36 @@ def test_precursor_table_and_divergence(tmp_path):
     with pytest.raises(ValueError, match="no layer 5"):
         layer_max(runs["bf16"], "max_logit", 5)
     assert len(plot_precursors(runs, 1).axes) == 3
+
+
+def test_experiment_table_and_seeds_summary(tmp_path):
+    import json
+
+    import numpy as np
+
+    from lpfa.runs import experiment_table, seeds_summary
+
+    rng = np.random.default_rng()
+    steps = [s * 100 for s in range(12)]
+    exp = tmp_path / "seeds"
+    exp.mkdir()
+    runaway = {"bf16_s1": 300, "bf16_s2": 600, "fp32_s1": None, "fp32_s2": None}
+    for label, start in runaway.items():
+        logit = rng.uniform(10, 300, size=12)
+        if start is not None:
+            logit[start // 100:] = 5000
+        _fake_run(exp / label, steps, logit, [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
+        conf = {"train": {"attn_policy": "paper_untiled", "attn_backend": "lpfa" if label.startswith("bf16") else "sdpa_fp32",
+                          "optimizer": "adamw", "seed": int(label[-1]), "init_seed": int(label[-1])}}
+        (exp / label / "config.json").write_text(json.dumps(conf))
+    (exp / "not_a_run").mkdir()
+    table, step = experiment_table(exp)
+    assert list(table.index) == sorted(runaway) and step == 1100
+    assert table.loc["fp32_s2", "change"] == "FP32 attention, seed 2 (data order and init)"
+    assert table.loc["fp32_s1", "attention"] == "sdpa_fp32" and table.loc["bf16_s2", "seed"] == 2
+    assert table.loc["bf16_s1", "runaway step"] == 300 and table.loc["fp32_s1", "runaway step"] is None
+    s = seeds_summary(table)
+    assert s.loc["bf16", "ran away"] == 2 and s.loc["bf16", "first runaway"] == 300 and s.loc["bf16", "last runaway"] == 600
+    assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2
+    with pytest.raises(FileNotFoundError, match="no run folders"):
+        experiment_table(tmp_path / "nothing")

@@ -73,6 +73,16 @@ def test_every_experiment_is_a_valid_repro_config():
     assert heads.policy(1).fp32_heads == frozenset({5, 2}) and not heads.policy(0).fp32_heads
 
 
+def test_every_run_is_described():
+    from lpfa.launch import DESCRIPTIONS, EXPERIMENTS
+
+    for exp, runs in EXPERIMENTS.items():
+        for label in runs:
+            assert DESCRIPTIONS.get(label), (exp, label)
+    assert DESCRIPTIONS["fp32_s3"] == "FP32 attention, seed 3 (data order and init)"
+    assert EXPERIMENTS["seeds"]["bf16_s2"] == ["attn_policy=paper_untiled", "seed=2", "init_seed=2"]
+
+
 def test_start_needs_runs(tmp_path):
     from lpfa.launch import main
 

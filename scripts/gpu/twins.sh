@@ -8,7 +8,9 @@
 # Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon: lpfa.launch.EXPERIMENTS), NAME (twins),
 # ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
 # ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
-# round-robin), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run tests/test_attention_gpu.py in finish).
+# round-robin), REPLAY (1: replay the bf16 run in finish), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run
+# tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (1.5x faster,
+# results/compile_throughput), e.g. EXPERIMENT=isolation or EXPERIMENT=seeds, judged by the logit-runaway verdict.
 # Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200 busy; runs sharing a GPU each get about 1/n
 # of its steps, so on a machine with several GPUs give each run its own.
 set -u
@@ -35,7 +37,7 @@ finish)
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 20
   [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ] && (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz)  # a re-sent tree drops them
   LAST=$(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )); [ "$LAST" -lt 0 ] && LAST=0  # replay on GPU 0, the rest on the last
-  if [ -d "$ROOT/$NAME/bf16" ]; then  # the instrumented replay of the failing run (mechanism pages)
+  if [ "${REPLAY:-1}" = 1 ] && [ -d "$ROOT/$NAME/bf16" ]; then  # the instrumented replay of the failing run (mechanism pages)
     CUDA_VISIBLE_DEVICES=0 $PY -m lpfa.replay --run "$ROOT/$NAME/bf16" --out "$ROOT/$NAME/bf16_replay" \
         --steps "${REPLAY_STEPS:-200}" --max-s "${REPLAY_MAX_S:-150}" >"$ROOT/$NAME/replay.log" 2>&1 &
   fi

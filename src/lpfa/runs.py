@@ -218,3 +218,39 @@ def divergence_step(a, b, ratio: float, patience: int = 3) -> int | None:
         if streak >= patience:
             return int(common[i - patience + 1])
     return None
+
+
+def experiment_table(folder: str | Path, labels=None, layer: int = 1, step: int | None = None):
+    """:func:`precursor_table` of every run in an experiment folder (``folder/<label>/``; default: every
+    subfolder with a ``config.json``), with what each run changes (:data:`lpfa.launch.DESCRIPTIONS`), its
+    attention label and seed in front. Returns ``(table, step)``: the isolation table, the seeds table."""
+    from lpfa.explosion import attention_label
+    from lpfa.launch import DESCRIPTIONS
+
+    folder = Path(folder)
+    if labels is None:
+        labels = sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+    if not labels:
+        raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
+    runs = {label: folder / label for label in labels}
+    table, step = precursor_table(runs, layer, step)
+    confs = {label: json.loads((d / "config.json").read_text())["train"] for label, d in runs.items()}
+    table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
+    table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
+    table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
+    return table, step
+
+
+def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
+    """Per mode (``mode(label)``, default the part before ``_s<seed>``): runs, how many exploded and how many
+    ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run."""
+    import pandas as pd
+
+    rows = {}
+    for m, g in table.groupby([mode(label) for label in table.index]):
+        ra = pd.to_numeric(g["runaway step"], errors="coerce").dropna()
+        rows[m] = {"runs": len(g), "seeds": ", ".join(str(s) for s in g["seed"]), "exploded": int(g["exploded"].sum()),
+                   "ran away": len(ra), "first runaway": ra.min() if len(ra) else None,
+                   "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None,
+                   "fewest steps run": int(g["steps"].min())}
+    return pd.DataFrame(rows).T
