@@ -455,6 +455,8 @@ def test_choose_checkpoint(tiny_run):
     assert choose_checkpoint(tiny_run, 20) == 10  # strictly before the explosion
     assert choose_checkpoint(tiny_run, 21) == 20
     assert choose_checkpoint(tiny_run, 3) == 10  # none before: the earliest
+    assert choose_checkpoint(tiny_run, None, 15) == 10  # no explosion: before the logit runaway
+    assert choose_checkpoint(tiny_run, 21, 15) == 20  # an explosion comes first
     with pytest.raises(FileNotFoundError):
         choose_checkpoint(tiny_run / "nothing", None)
 
@@ -489,7 +491,7 @@ def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, 
     assert [p["loss"] for p in r["per_step"]] == [run_losses[s] for s in range(10, 20)]
 
     js = json.loads((tmp_path / "rep" / "replay.json").read_text())
-    for key in ("run", "verdict", "checkpoint_step", "steps", "layer", "heads", "policy", "n_seq", "summary",
+    for key in ("run", "verdict", "checkpoint_step", "steps", "layer", "heads", "choice", "policy", "n_seq", "summary",
                 "per_step", "provenance"):
         assert key in js, key
     assert js["checkpoint_step"] == 10 and js["steps"] == 10 and js["policy"] == "paper_untiled"
@@ -610,3 +612,19 @@ def test_thin_delta_err():
         thin_delta_err(arrays, steps, 0)
     with pytest.raises(ValueError, match="step numbers"):
         thin_delta_err(arrays, steps[:-1], 2) if n > 1 else thin_delta_err(arrays, np.arange(2), 2)
+
+
+def test_describe_replay():
+    from lpfa.replay import describe
+
+    prov = {"git_commit": "abc", "date_utc": "2026-11-29"}
+    base = {"run": "/x/runs/bf16", "steps": 200, "layer": 1, "heads": [5, 2], "n_seq": 8, "provenance": prov}
+    v = {"policy": "paper_untiled", "exploded": False, "explosion_step": None, "steps": 30168, "runaway_step": 6400}
+    t = describe({**base, "verdict": v, "checkpoint_step": 6000, "choice": {"layer": "runaway", "heads": "wq_growth"}})
+    assert "before its logit runaway at step 6,400" in t and "did not explode in its 30,168 steps" in t
+    assert "layer 1 (the layer whose logits ran away)" in t and "heads 5, 2 (its fastest-growing W_Q heads)" in t
+    t = describe({**base, "verdict": v, "checkpoint_step": 30168})  # an older replay: no "choice" recorded
+    assert "23,768 steps after its logit runaway" in t and "grew most" in t
+    t = describe({**base, "verdict": {**v, "exploded": True, "explosion_step": 9000}, "checkpoint_step": 8000,
+                  "choice": {"layer": "given", "heads": "given"}})
+    assert "before its explosion at step 9,000" in t and "chosen by hand" in t and "heads chosen by hand" in t

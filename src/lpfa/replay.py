@@ -42,18 +42,20 @@ def checkpoints_of(run_dir) -> dict[int, Path]:
     return dict(sorted(out.items()))
 
 
-def choose_checkpoint(run_dir, explosion_step: int | None) -> int:
-    """The last checkpoint before ``explosion_step`` (the paper's "shortly before"), else the latest one."""
+def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | None = None) -> int:
+    """The last checkpoint before ``explosion_step`` (the paper's "shortly before"); without an explosion,
+    the last before the logit runaway (:class:`lpfa.explosion.RunawayCriterion`); else the latest one."""
     cks = checkpoints_of(run_dir)
     if not cks:
         raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
-    before = [s for s in cks if explosion_step is None or s < explosion_step]
+    event = explosion_step if explosion_step is not None else runaway_step
+    before = [s for s in cks if event is None or s < event]
     return max(before) if before else min(cks)
 
 
-def choose_layer_heads(run_dir, n_heads: int = 2) -> tuple[int, list[int]]:
-    """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first),
-    and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
+def choose_layer_heads(run_dir, n_heads: int = 2, layer: int | None = None) -> tuple[int, list[int]]:
+    """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first), or
+    ``layer`` if given, and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
     from lpfa.runs import read_records
 
     w = np.array([r["diag"]["wq_spectral_norm"] for r in read_records(run_dir) if "diag" in r])
@@ -61,7 +63,7 @@ def choose_layer_heads(run_dir, n_heads: int = 2) -> tuple[int, list[int]]:
         raise ValueError(f"{run_dir} has no diagnostics records: pass --layer and --heads")
     # w: (records, layers, heads)
     growth = w[-1] / w[0]
-    layer = int(growth.max(axis=1).argmax())
+    layer = int(growth.max(axis=1).argmax()) if layer is None else int(layer)
     heads = [int(h) for h in np.argsort(-growth[layer])[:n_heads]]
     return layer, heads
 
@@ -167,12 +169,15 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
     verdict = run_verdict(run_dir)
     if step is None:
-        step = choose_checkpoint(run_dir, verdict["explosion_step"])
+        step = choose_checkpoint(run_dir, verdict["explosion_step"], verdict.get("runaway_step"))
     cks = checkpoints_of(run_dir)
     if step not in cks:
         raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has {sorted(cks)}")
+    choice = {"layer": "given" if layer != "auto" else ("runaway" if verdict.get("runaway_layer") is not None else "wq_growth"),
+              "heads": "given" if heads is not None else "wq_growth"}
     if layer == "auto" or heads is None:
-        auto_layer, auto_heads = choose_layer_heads(run_dir)
+        auto_layer, auto_heads = choose_layer_heads(  # the layer that ran away, if one did
+            run_dir, layer=verdict.get("runaway_layer") if layer == "auto" else int(layer))
         layer = auto_layer if layer == "auto" else int(layer)
         heads = auto_heads if heads is None else heads
     layer = int(layer)
@@ -278,7 +283,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
             arrays[f"h{h}_s{s}_{key}"] = np.asarray(val)
     out.mkdir(parents=True, exist_ok=True)
     result = {"run": str(run_dir), "verdict": verdict, "checkpoint_step": step, "steps": len(per_step), "layer": layer,
-              "heads": heads, "policy": policy, "n_seq": n_seq, "summary": summary_heads, "per_step": per_step,
+              "heads": heads, "choice": choice, "policy": policy, "n_seq": n_seq, "summary": summary_heads, "per_step": per_step,
               "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)
     np.savez_compressed(out / "replay.npz", **thin_delta_err(arrays, [r["step"] for r in per_step], delta_err_every))
@@ -292,8 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m lpfa.replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a training run folder (with config.json, replay.jsonl, checkpoints)")
     p.add_argument("--out", required=True, help="folder for replay.json and replay.npz")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: last before the explosion, else latest)")
-    p.add_argument("--layer", default="auto", help="layer index, or auto (fastest W_Q norm growth)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: last before the explosion, else before the logit runaway, else latest)")
+    p.add_argument("--layer", default="auto", help="layer index, or auto (the layer that ran away, else fastest W_Q norm growth)")
     p.add_argument("--heads", type=int, nargs="*", default=None, help="heads (default: the layer's 2 fastest-growing)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--n-seq", type=int, default=8, help="sequences of each batch to measure")
@@ -323,6 +328,31 @@ def load_replay(folder) -> tuple[dict, dict]:
     with np.load(folder / "replay.npz") as z:
         arrays = {k: z[k] for k in z.files}
     return json.loads((folder / "replay.json").read_text()), arrays
+
+
+def describe(result: dict) -> str:
+    """One paragraph (Markdown) saying what a replay measured: which run, from which checkpoint relative to the
+    run's explosion or logit runaway, which layer and heads and why, with its commit and date."""
+    v, ck = result["verdict"], result["checkpoint_step"]
+    ra = v.get("runaway_step")
+    if v["exploded"]:
+        where = (f"before its explosion at step {v['explosion_step']:,}" if ck < v["explosion_step"]
+                 else f"after its explosion at step {v['explosion_step']:,}")
+    else:
+        where = ("" if ra is None else (f"before its logit runaway at step {ra:,}; " if ck < ra else
+                                        f"{ck - ra:,} steps after its logit runaway at step {ra:,}; "))
+        where += f"the run did not explode in its {v['steps']:,} steps"
+    choice = result.get("choice", {"layer": "wq_growth", "heads": "wq_growth"})  # replays before the field: automatic
+    why_layer = {"runaway": "the layer whose logits ran away", "wq_growth": "the layer whose W_Q norm grew most",
+                 "given": "chosen by hand"}[choice["layer"]]
+    why_heads = "its fastest-growing W_Q heads" if choice["heads"] == "wq_growth" else "heads chosen by hand"
+    prov = result["provenance"]
+    return (f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}): {result['steps']} training steps from its "
+            f"checkpoint at step {ck:,} ({where}), measuring layer {result['layer']} ({why_layer}) and heads "
+            f"{', '.join(map(str, result['heads']))} ({why_heads}) on {result['n_seq']} sequences of each batch. "
+            f"Commit `{prov['git_commit']}`, {prov['date_utc']}. Regenerate with `python -m lpfa.replay --run <run folder> --out "
+            f"<folder>` on the GPU that trained the run (about a minute for 200 steps on an H200; `scripts/gpu/twins.sh` runs it "
+            f"after the twins).")
 
 
 def detail_steps(arrays: dict, head: int) -> list[int]:
