@@ -158,6 +158,7 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert table.loc["fp32_s2", "change"] == "FP32 attention, seed 2 (data order and init)"
     assert table.loc["fp32_s1", "attention"] == "sdpa_fp32" and table.loc["bf16_s2", "seed"] == 2
     assert table.loc["bf16_s1", "runaway step"] == 300 and table.loc["fp32_s1", "runaway step"] is None
+    assert table.loc["bf16_s1", "outcome"] == "ran away" and table.loc["fp32_s1", "outcome"] == "stable"
     s = seeds_summary(table)
     assert s.loc["bf16", "ran away"] == 2 and s.loc["bf16", "first runaway"] == 300 and s.loc["bf16", "last runaway"] == 600
     assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2

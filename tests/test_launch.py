@@ -107,3 +107,10 @@ def test_only_and_gpus_place_runs(tokens, tmp_path, monkeypatch):
     assert {k: v["gpu"] for k, v in runs.items()} == {"bf16": "1", "fp32": "0", "sfa": "1"}
     st = launch.wait("g", max_s=240, root=tmp_path, poll_s=1)
     assert all(r["status"] == "completed" for r in st), st
+
+
+def test_paper_isolation_covers_the_table():
+    from lpfa.launch import ISOLATION, PAPER_ISOLATION
+
+    assert set(PAPER_ISOLATION) == set(ISOLATION)
+    assert set(PAPER_ISOLATION.values()) <= {"fails", "stable", "not reported"}

@@ -62,3 +62,36 @@ def test_papermill_parameters_override(tmp_path):
     out = execute_notebook(nb, tmp_path / nb.name, params)
     text = str(nbformat.read(out, as_version=4).cells)
     assert "-2.75" in text  # -1.5 + -1.25, exact in BF16
+
+
+def _text(nb_path) -> str:
+    return "\n".join(
+        str(o.get("text", "")) + "".join(str(o.get("data", {}).get(k, "")) for k in ("text/plain", "text/markdown"))
+        for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
+
+
+def test_isolation_and_seeds_pages_with_results(tmp_path, monkeypatch):
+    """Pages 14 and 15 render their results branch once an experiment folder exists (here a stand-in built
+    from the committed twins: LPFA_ROOT points the pages at it)."""
+    root = tmp_path / "root"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "_toc.yml").write_text("format: jb-book\n")
+    res = root / "results"
+    res.mkdir()
+    for exp in ("repro_pair", "repro_twins", "compile_throughput"):
+        (res / exp).symlink_to(ROOT / "results" / exp)
+    pair, twins = ROOT / "results/repro_pair/h200x2-2026-11-29", ROOT / "results/repro_twins/h200-2026-11-29"
+    for exp, rows in {"isolation": {"bf16": pair / "bf16", "fp32": pair / "fp32", "pv_fp32": twins / "sfa"},
+                      "seeds": {"bf16_s1": twins / "bf16", "fp32_s1": twins / "fp32"}}.items():
+        d = res / exp / "h200-test"
+        d.mkdir(parents=True)
+        for label, src in rows.items():
+            (d / label).symlink_to(src)
+    monkeypatch.setenv("LPFA_ROOT", str(root))
+    iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14.ipynb"))
+    assert "Not run yet" not in iso and "Precursors at step 7,300" in iso
+    assert "ran away" in iso and "pv_fp32" in iso and "P̄V accumulated and kept in FP32" in iso
+    seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15.ipynb"))
+    assert "Not run yet" not in seeds and "bf16_s1" in seeds
+    assert "**bf16**: 2 of 2 seeds ran away (steps 6,400 to 6,400), 0 exploded" in seeds
+    assert "**fp32**: 0 of 2 seeds ran away" in seeds

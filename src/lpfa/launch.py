@@ -47,6 +47,12 @@ ISOLATION: dict[str, list[str]] = {
     "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
     "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
 }
+# What the paper reports for each isolation row (Sec. 3.2): "fails" (the loss explodes) or "stable".
+PAPER_ISOLATION: dict[str, str] = {
+    "bf16": "fails", "fp32": "stable", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
+    "delta_dp": "stable", "delta_o_fp32": "stable", "pv_fp32": "stable", "fp32_outlier_heads": "stable",
+    "fp32_worst_head": "not reported",
+}
 SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
     f"{mode}_s{s}": [ISOLATION[mode][0], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2, 3)
 }

@@ -223,7 +223,9 @@ def divergence_step(a, b, ratio: float, patience: int = 3) -> int | None:
 def experiment_table(folder: str | Path, labels=None, layer: int = 1, step: int | None = None):
     """:func:`precursor_table` of every run in an experiment folder (``folder/<label>/``; default: every
     subfolder with a ``config.json``), with what each run changes (:data:`lpfa.launch.DESCRIPTIONS`), its
-    attention label and seed in front. Returns ``(table, step)``: the isolation table, the seeds table."""
+    attention label, seed and outcome in front (``exploded``; else ``ran away`` if its logits ran away,
+    :class:`lpfa.explosion.RunawayCriterion`; else ``stable``). Returns ``(table, step)``: the isolation
+    table, the seeds table."""
     from lpfa.explosion import attention_label
     from lpfa.launch import DESCRIPTIONS
 
@@ -238,6 +240,8 @@ def experiment_table(folder: str | Path, labels=None, layer: int = 1, step: int 
     table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
     table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
     table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
+    table.insert(3, "outcome", ["exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None else "stable"
+                                for _, r in table.iterrows()])
     return table, step
 
 
