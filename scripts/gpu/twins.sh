@@ -5,12 +5,15 @@
 #   PHASE=wait   WAIT=570 bash scripts/gpu/twins.sh               # follow them; a partial copy goes to $OUT
 #   PHASE=finish WAIT=240 bash scripts/gpu/twins.sh               # wait for the end (STOP=1 ends them now),
 #                                                                 # replay the BF16 run, SFA β sweep, collect
-# Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon: lpfa.launch.EXPERIMENTS), NAME (twins),
+# Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon: lpfa.launch.EXPERIMENTS; several: "isolation seeds"), NAME (twins),
 # ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
 # ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
 # round-robin), REPLAY (1: replay the bf16 run in finish), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run
 # tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (1.5x faster,
 # results/compile_throughput), e.g. EXPERIMENT=isolation or EXPERIMENT=seeds, judged by the logit-runaway verdict.
+# RUNAWAY_STEPS=6500 adds a run bf16_runaway: the BF16 twin again, eager (BF16 runs are deterministic, so it retraces
+# the committed twin exactly) with every 1000-step checkpoint kept; finish then replays it from the checkpoint
+# before its logit runaway (instead of the bf16 run), for the mechanism pages.
 # Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200 busy; runs sharing a GPU each get about 1/n
 # of its steps, so on a machine with several GPUs give each run its own.
 set -u
@@ -23,9 +26,12 @@ start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr '\n' ' ')}
+  EXPS=(); for e in ${EXPERIMENT:-twins}; do EXPS+=(--experiment "$e"); done  # lpfa.launch.EXPERIMENTS
+  RA=(); [ -n "${RUNAWAY_STEPS:-}" ] && RA=(--run bf16_runaway attn_policy=paper_untiled ckpt_history=true compile=false \
+      max_steps="$RUNAWAY_STEPS")
   $L start --name "$NAME" --preset "$PRESET" --set data="$DATA" time_budget_s="${BUDGET:?}" max_steps=40000 \
-      ckpt_interval=1000 ${EXTRA:-} --experiment "${EXPERIMENT:-twins}" ${ONLY:+--only $ONLY} \
-      ${GPUS:+--gpus $GPUS} || exit 1  # lpfa.launch.EXPERIMENTS
+      ckpt_interval=1000 ${EXTRA:-} "${EXPS[@]}" ${ONLY:+--only $ONLY ${RUNAWAY_STEPS:+bf16_runaway}} "${RA[@]}" \
+      ${GPUS:+--gpus $GPUS} || exit 1
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 60
   ;;
 wait)
@@ -37,8 +43,9 @@ finish)
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 20
   [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ] && (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz)  # a re-sent tree drops them
   LAST=$(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )); [ "$LAST" -lt 0 ] && LAST=0  # replay on GPU 0, the rest on the last
-  if [ "${REPLAY:-1}" = 1 ] && [ -d "$ROOT/$NAME/bf16" ]; then  # the instrumented replay of the failing run (mechanism pages)
-    CUDA_VISIBLE_DEVICES=0 $PY -m lpfa.replay --run "$ROOT/$NAME/bf16" --out "$ROOT/$NAME/bf16_replay" \
+  R=bf16; [ -d "$ROOT/$NAME/bf16_runaway" ] && R=bf16_runaway
+  if [ "${REPLAY:-1}" = 1 ] && [ -d "$ROOT/$NAME/$R" ]; then  # the instrumented replay of the failing run (mechanism pages)
+    CUDA_VISIBLE_DEVICES=0 $PY -m lpfa.replay --run "$ROOT/$NAME/$R" --out "$ROOT/$NAME/${R}_replay" \
         --steps "${REPLAY_STEPS:-200}" --max-s "${REPLAY_MAX_S:-150}" >"$ROOT/$NAME/replay.log" 2>&1 &
   fi
   (

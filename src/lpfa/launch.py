@@ -75,6 +75,7 @@ DESCRIPTIONS: dict[str, str] = {
     "fp32_worst_head": "FP32 O for only the worst head (5) of layer 1",
     "bf16_muon": "BF16 attention, Muon optimizer",
     "sfa_muon": "BF16 attention with SFA (β = 2), Muon optimizer",
+    "bf16_runaway": "the BF16 twin again, eager, every checkpoint kept: replayed before its logit runaway",
     **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)" for k in SEEDS},
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON}
