@@ -164,3 +164,18 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2
     with pytest.raises(FileNotFoundError, match="no run folders"):
         experiment_table(tmp_path / "nothing")
+
+
+def test_precursor_events_on_committed_pair():
+    """The order of events in the committed 30k-step pair: worst-head ties, then mean ties, then the runaway;
+    the FP32 twin has none of them (its own columns against itself are absent)."""
+    from conftest import ROOT
+
+    from lpfa.runs import precursor_events
+
+    d = ROOT / "results/repro_pair/h200x2-2026-11-29"
+    ev = precursor_events({"bf16": d / "bf16", "fp32": d / "fp32"}, layer=1, reference="fp32")
+    b, f = ev.loc["bf16"], ev.loc["fp32"]
+    assert b["worst-head ties rise"] < b["mean ties rise"] < b["logit runaway"] == 6400 and b["explosion"] is None
+    assert b["logit > 10× fp32"] is not None and b["W_Q > 1.25× fp32"] is not None
+    assert f[["worst-head ties rise", "mean ties rise", "logit runaway", "explosion", "logit > 10× fp32"]].isna().all()

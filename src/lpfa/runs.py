@@ -258,3 +258,32 @@ def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
                    "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None,
                    "fewest steps run": int(g["steps"].min())}
     return pd.DataFrame(rows).T
+
+
+def precursor_events(runs: dict, layer: int, reference: str | None = None, logit_ratio: float = 10.0,
+                     wq_ratio: float = 1.25):
+    """When did each precursor start, per run (``{label: run_dir}``)? Columns: the rise of the layer's worst-head
+    and mean-over-heads tie fraction (:func:`lpfa.explosion.rise_step`), the logit runaway and the explosion
+    (:func:`lpfa.explosion.run_verdict`) and, against the ``reference`` run (e.g. the FP32 twin), the step from
+    which the layer's largest logit stays above ``logit_ratio`` × and its largest W_Q norm above ``wq_ratio`` ×
+    the reference's (:func:`divergence_step`). Steps are None where the event did not happen."""
+    import pandas as pd
+
+    from lpfa.explosion import rise_step, run_verdict
+
+    rows = {}
+    for label, d in runs.items():
+        v = run_verdict(d)
+        ties = head_metric_frame(d, "tie_fraction")
+        ties = ties[ties.layer == layer].groupby("step").value
+        row = {"worst-head ties rise": rise_step(ties.max()), "mean ties rise": rise_step(ties.mean()),
+               "logit runaway": v["runaway_step"] if v["runaway_layer"] in (None, layer) else None,
+               "explosion": v["explosion_step"]}
+        if reference is not None and label != reference:
+            row[f"logit > {logit_ratio:g}× {reference}"] = divergence_step(
+                layer_max(d, "max_logit", layer), layer_max(runs[reference], "max_logit", layer), logit_ratio)
+            row[f"W_Q > {wq_ratio:g}× {reference}"] = divergence_step(
+                layer_max(d, "wq_spectral_norm", layer), layer_max(runs[reference], "wq_spectral_norm", layer), wq_ratio)
+        rows[label] = row
+    cols = list(dict.fromkeys(k for r in rows.values() for k in r))
+    return pd.DataFrame([[r.get(c) for c in cols] for r in rows.values()], index=list(rows), columns=cols, dtype=object)
