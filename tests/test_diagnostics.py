@@ -127,6 +127,12 @@ def test_precursor_table_and_divergence(tmp_path):
     la, lb = layer_max(runs["bf16"], "max_logit", 1), layer_max(runs["fp32"], "max_logit", 1)
     assert divergence_step(la, lb, 2.0, patience=2) == 200
     assert divergence_step(la, lb, 100.0) is None
+    import pandas as pd
+
+    x, y = pd.Series([1, 5, 5, 5, 1, 5, 5], index=range(7)), pd.Series([1.0] * 7, index=range(7))
+    assert divergence_step(x, y, 2.0, patience=3, permanent=False) == 1  # the first stretch, though it falls back
+    assert divergence_step(x, y, 2.0, patience=2) == 5  # for good only from step 5
+    assert divergence_step(x, y, 2.0, patience=3) is None  # that last stretch is too short
     with pytest.raises(ValueError, match="no layer 5"):
         layer_max(runs["bf16"], "max_logit", 5)
     assert len(plot_precursors(runs, 1).axes) == 3
@@ -176,6 +182,6 @@ def test_precursor_events_on_committed_pair():
     d = ROOT / "results/repro_pair/h200x2-2026-11-29"
     ev = precursor_events({"bf16": d / "bf16", "fp32": d / "fp32"}, layer=1, reference="fp32")
     b, f = ev.loc["bf16"], ev.loc["fp32"]
-    assert b["worst-head ties rise"] < b["mean ties rise"] < b["logit runaway"] == 6400 and b["explosion"] is None
-    assert b["logit > 10× fp32"] is not None and b["W_Q > 1.25× fp32"] is not None
+    assert b["worst-head ties rise"] < b["mean ties rise"] < b["logit > 10× fp32"] < b["W_Q > 1.25× fp32"] < b["logit runaway"] == 6400
+    assert b["explosion"] is None and b["W_Q first > 1.25× fp32"] < b["worst-head ties rise"]  # an early lead that closed again
     assert f[["worst-head ties rise", "mean ties rise", "logit runaway", "explosion", "logit > 10× fp32"]].isna().all()

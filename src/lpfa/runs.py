@@ -207,11 +207,18 @@ def plot_precursors(runs: dict, layer: int):
     return fig
 
 
-def divergence_step(a, b, ratio: float, patience: int = 3) -> int | None:
-    """First step from which Series ``a`` stays above ``ratio`` × Series ``b`` (both indexed by step) for
-    ``patience`` consecutive common records: when one run's precursor leaves its twin's behind."""
+def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = True) -> int | None:
+    """When does one run's precursor leave its twin's behind? ``a`` and ``b``: Series indexed by step.
+
+    ``permanent`` (default): the first step from which ``a > ratio × b`` at every later common record, provided
+    that stretch holds at least ``patience`` records (None if ``a`` is not above at the end). Otherwise: the
+    first step where ``a > ratio × b`` for ``patience`` consecutive common records, even if it falls back later."""
     common = a.index.intersection(b.index).sort_values()
     above = (a.loc[common] > ratio * b.loc[common]).to_numpy()
+    if permanent:
+        below = [i for i, x in enumerate(above) if not x]
+        start = below[-1] + 1 if below else 0
+        return int(common[start]) if len(common) - start >= patience else None
     streak = 0
     for i, x in enumerate(above):
         streak = streak + 1 if x else 0
@@ -266,7 +273,8 @@ def precursor_events(runs: dict, layer: int, reference: str | None = None, logit
     and mean-over-heads tie fraction (:func:`lpfa.explosion.rise_step`), the logit runaway and the explosion
     (:func:`lpfa.explosion.run_verdict`) and, against the ``reference`` run (e.g. the FP32 twin), the step from
     which the layer's largest logit stays above ``logit_ratio`` × and its largest W_Q norm above ``wq_ratio`` ×
-    the reference's (:func:`divergence_step`). Steps are None where the event did not happen."""
+    the reference's for good, and when the W_Q norm first did so for a while (:func:`divergence_step`).
+    Steps are None where the event did not happen."""
     import pandas as pd
 
     from lpfa.explosion import rise_step, run_verdict
@@ -282,8 +290,9 @@ def precursor_events(runs: dict, layer: int, reference: str | None = None, logit
         if reference is not None and label != reference:
             row[f"logit > {logit_ratio:g}× {reference}"] = divergence_step(
                 layer_max(d, "max_logit", layer), layer_max(runs[reference], "max_logit", layer), logit_ratio)
-            row[f"W_Q > {wq_ratio:g}× {reference}"] = divergence_step(
-                layer_max(d, "wq_spectral_norm", layer), layer_max(runs[reference], "wq_spectral_norm", layer), wq_ratio)
+            wa, wb = layer_max(d, "wq_spectral_norm", layer), layer_max(runs[reference], "wq_spectral_norm", layer)
+            row[f"W_Q > {wq_ratio:g}× {reference}"] = divergence_step(wa, wb, wq_ratio)
+            row[f"W_Q first > {wq_ratio:g}× {reference}"] = divergence_step(wa, wb, wq_ratio, permanent=False)
         rows[label] = row
     cols = list(dict.fromkeys(k for r in rows.values() for k in r))
     return pd.DataFrame([[r.get(c) for c in cols] for r in rows.values()], index=list(rows), columns=cols, dtype=object)
