@@ -94,3 +94,11 @@ def test_committed_runs_runaway_verdicts():
     for d in (pair / "fp32", twins / "fp32", twins / "sfa", twins / "fa2"):
         assert run_verdict(d)["runaway_step"] is None, d
         assert max(np.max(r["diag"]["max_logit"]) for r in read_records(d) if "diag" in r) < 400, d
+
+
+def test_first_sustained():
+    from lpfa.explosion import first_sustained
+
+    a = [False, True, True, False, True, True, True, False]
+    assert first_sustained(a, 3) == 4 and first_sustained(a, 2) == 1 and first_sustained(a, 4) is None
+    assert first_sustained([], 1) is None

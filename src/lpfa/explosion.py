@@ -36,6 +36,19 @@ class ExplosionCriterion:
         return {**asdict(self), "description": self.describe()}
 
 
+def first_sustained(above, patience: int) -> int | None:
+    """Position where the first run of at least ``patience`` consecutive True values in ``above`` starts, or
+    None: the "for N records in a row" rule shared by every verdict here. NumPy only."""
+    import numpy as np
+
+    streak = 0
+    for i, a in enumerate(np.asarray(above, dtype=bool)):
+        streak = streak + 1 if a else 0
+        if streak >= patience:
+            return i - patience + 1
+    return None
+
+
 def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion(), steps=None) -> int | None:
     """The step at which ``loss`` explodes, or None. ``loss``: a pandas Series indexed by step, or an
     array of losses with their ``steps`` (NumPy only, so a GPU machine without pandas can call it)."""
@@ -54,13 +67,8 @@ def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion(), s
     n = np.arange(1, len(vals) + 1)
     lo = np.maximum(n - w, 0)
     smooth = (c[n] - c[lo]) / (n - lo)  # rolling mean over the last `window` steps (fewer at the start)
-    above = smooth - np.minimum.accumulate(smooth) > criterion.margin
-    streak = 0
-    for i, a in enumerate(above):
-        streak = streak + 1 if a else 0
-        if streak >= criterion.patience:
-            return int(idx[i - criterion.patience + 1])
-    return first_bad
+    start = first_sustained(smooth - np.minimum.accumulate(smooth) > criterion.margin, criterion.patience)
+    return int(idx[start]) if start is not None else first_bad
 
 
 @dataclass(frozen=True)
@@ -92,14 +100,13 @@ def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriteri
         raise ValueError(f"max_logit must be (records, layers[, heads]) with one record per step, got shape "
                          f"{np.asarray(max_logit).shape} for {len(steps)} steps")
     above = m > criterion.logit  # non-finite logits (NaN) never count as above
-    streak = np.zeros(m.shape[1], dtype=int)
-    for i in range(len(m)):
-        streak = np.where(above[i], streak + 1, 0)
-        hit = np.flatnonzero(streak >= criterion.patience)
-        if len(hit):
-            layer = int(hit[np.argmax(m[i - criterion.patience + 1, hit])])
-            return int(steps[i - criterion.patience + 1]), layer
-    return None
+    starts = {layer: first_sustained(above[:, layer], criterion.patience) for layer in range(m.shape[1])}
+    starts = {layer: s for layer, s in starts.items() if s is not None}
+    if not starts:
+        return None
+    first = min(starts.values())
+    tied = [layer for layer, s in starts.items() if s == first]
+    return int(steps[first]), max(tied, key=lambda layer: m[first, layer])  # several at once: the largest logit
 
 
 def attention_label(train_conf: dict) -> str:
@@ -139,12 +146,7 @@ def rise_step(series, baseline_records: int = 5, factor: float = 3.0, patience: 
     """First step where a diagnostic (a pandas Series indexed by step, e.g. a layer's tie fraction) stays
     above ``factor`` × its mean over the first ``baseline_records`` records for ``patience`` records."""
     base = float(series.iloc[:baseline_records].mean())
-    above = (series > factor * max(base, 1e-12)).to_numpy()
-    streak = 0
-    for i, a in enumerate(above):
-        if i < baseline_records:
-            continue
-        streak = streak + 1 if a else 0
-        if streak >= patience:
-            return int(series.index[i - patience + 1])
-    return None
+    above = (series > factor * max(base, 1e-12)).to_numpy(copy=True)
+    above[:baseline_records] = False  # the baseline itself cannot rise above itself
+    start = first_sustained(above, patience)
+    return int(series.index[start]) if start is not None else None

@@ -219,12 +219,10 @@ def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = Tru
         below = [i for i, x in enumerate(above) if not x]
         start = below[-1] + 1 if below else 0
         return int(common[start]) if len(common) - start >= patience else None
-    streak = 0
-    for i, x in enumerate(above):
-        streak = streak + 1 if x else 0
-        if streak >= patience:
-            return int(common[i - patience + 1])
-    return None
+    from lpfa.explosion import first_sustained
+
+    start = first_sustained(above, patience)
+    return int(common[start]) if start is not None else None
 
 
 def experiment_table(folder: str | Path, labels=None, layer: int = 1, step: int | None = None):
