@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -16,12 +17,21 @@ def metrics_path(run_dir: str | Path) -> Path:
 
 
 def read_records(run_dir: str | Path) -> list[dict]:
-    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library."""
+    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library.
+    A file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the
+    records are shared, so treat them as read-only."""
+    path = metrics_path(run_dir)
+    st = path.stat()
+    return list(_parse_records(str(path.resolve()), st.st_mtime_ns, st.st_size))
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
     import gzip
 
-    path = metrics_path(run_dir)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    raw = Path(path).read_bytes()
+    text = gzip.decompress(raw).decode() if path.endswith(".gz") else raw.decode()
+    return tuple(json.loads(line) for line in text.splitlines() if line.strip())
 
 
 def load_metrics(run_dir: str | Path):
