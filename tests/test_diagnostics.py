@@ -136,6 +136,10 @@ def test_precursor_table_and_divergence(tmp_path):
     with pytest.raises(ValueError, match="no layer 5"):
         layer_max(runs["bf16"], "max_logit", 5)
     assert len(plot_precursors(runs, 1).axes) == 3
+    from lpfa.runs import plot_logit_runaway
+
+    ax = plot_logit_runaway({"bf16_s2": runs["bf16"], "x": runs["fp32"]}, 1).axes[0]
+    assert [l.get_label() for l in ax.get_lines()] == ["bf16_s2", "x", "runaway threshold 1000"]
 
 
 def test_experiment_table_and_seeds_summary(tmp_path):

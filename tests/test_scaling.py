@@ -164,3 +164,14 @@ def test_first_difference(tmp_path):
     assert first_difference(tmp_path / "a", tmp_path / "c") == {"common_steps": 20, "identical_steps": 20, "first_differing_step": None}
     with pytest.raises(ValueError, match="grad_norm"):
         first_difference(tmp_path / "a", tmp_path / "c", "grad_norm")
+
+
+def test_cost_helpers():
+    from lpfa.scaling import committed_speed, tokens_per_step, wall_minutes
+    from lpfa.train import PRESETS
+
+    assert tokens_per_step(PRESETS["repro"]) == 32 * 512 and tokens_per_step(PRESETS["gpt2-s"]) == 16 * 1024 * 4
+    assert wall_minutes(600, 16384 * 10, PRESETS["repro"]) == pytest.approx(1.0)  # 10 steps/s
+    assert wall_minutes(600, 16384 * 10, PRESETS["repro"], runs=4, gpus=2) == pytest.approx(2.0)
+    speed = committed_speed()
+    assert list(speed.index) == ["eager", "compiled"] and speed.loc["compiled", "ratio"] > 1

@@ -9,7 +9,7 @@
 # ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
 # ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
 # round-robin), REPLAY (1: replay the bf16 run in finish), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run
-# tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (1.5x faster,
+# tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (faster:
 # results/compile_throughput), e.g. EXPERIMENT=isolation or EXPERIMENT=seeds, judged by the logit-runaway verdict.
 # RUNAWAY_STEPS=6500 adds a run bf16_runaway: the BF16 twin again, eager (BF16 runs are deterministic, so it retraces
 # the committed twin exactly) with every 1000-step checkpoint kept; finish then replays it from the checkpoint

@@ -304,3 +304,28 @@ def precursor_events(runs: dict, layer: int, reference: str | None = None, logit
         rows[label] = row
     cols = list(dict.fromkeys(k for r in rows.values() for k in r))
     return pd.DataFrame([[r.get(c) for c in cols] for r in rows.values()], index=list(rows), columns=cols, dtype=object)
+
+
+def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
+    """The largest attention logit of ``layer`` over training for every run (``{label: run_dir}``), with the
+    runaway threshold of :class:`lpfa.explosion.RunawayCriterion`. A label's colour is its mode's
+    (``bf16_s2`` → ``bf16``) where :data:`lpfa.plotting.COLORS` has one, else a cycle colour."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.explosion import RunawayCriterion
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    criterion = criterion or RunawayCriterion()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, (label, d) in enumerate(runs.items()):
+        s = layer_max(d, "max_logit", layer)
+        color = COLORS.get(label, COLORS.get(label.split("_s")[0], plt.cm.tab10(i % 10)))
+        ax.plot(s.index, s.values, lw=1.1, label=label, color=color)
+    ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"layer {layer}: largest attention logit")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, ncol=2)
+    return fig

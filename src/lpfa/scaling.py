@@ -209,3 +209,22 @@ def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss")
     same = ta.loc[common, column].to_numpy() == tb.loc[common, column].to_numpy()
     return {"common_steps": int(len(common)), "identical_steps": int(same.sum()),
             "first_differing_step": int(common[~same][0]) if (~same).any() else None}
+
+
+def committed_speed(experiment: str = "compile_throughput", run: str | None = None):
+    """:func:`compare_throughput` of the committed eager and compiled logs of ``results/<experiment>/<run>``."""
+    from lpfa.results import run_dir
+
+    d = run_dir(experiment, run)
+    return compare_throughput({"eager": d / "compile_false.log", "compiled": d / "compile_true.log"})
+
+
+def tokens_per_step(train_conf: dict) -> int:
+    """Tokens per optimizer step of a training config (a ``config.json`` "train" dict or a preset)."""
+    return int(train_conf["batch_size"] * train_conf["block_size"] * train_conf.get("grad_accum", 1))
+
+
+def wall_minutes(steps: int, tokens_per_s: float, train_conf: dict, runs: int = 1, gpus: int = 1) -> float:
+    """Minutes for ``runs`` runs of ``steps`` steps at ``tokens_per_s`` per GPU, spread over ``gpus`` GPUs
+    (runs sharing a GPU gain no total throughput, so only the total work counts)."""
+    return runs * steps * tokens_per_step(train_conf) / tokens_per_s / 60 / gpus
