@@ -77,3 +77,10 @@ def test_fp32_heads_and_compile():
     _compare(o, o_ref, 0.99)
     f = torch.compile(lambda q, k, v: attention(q, k, v, policy="fa2", backend="triton"), fullgraph=True)
     assert torch.equal(f(q, k, v), attention(q, k, v, policy="fa2", backend="triton"))
+    # FP32 heads under compile (the isolation rows fp32_outlier_heads / fp32_worst_head): registered first, as GPT does
+    from lpfa.attention.kernels import register
+
+    heads = PRESETS["paper_untiled"].with_(fp32_heads={1}, name="paper_untiled")
+    register(heads)
+    g = torch.compile(lambda q, k, v: attention(q, k, v, policy=heads, backend="triton"), fullgraph=True)
+    assert torch.equal(g(q, k, v), attention(q, k, v, policy=heads, backend="triton"))

@@ -70,6 +70,32 @@ def test_custom_op_registration():
     torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25), test_utils=("test_schema", "test_faketensor"))
 
 
+def test_custom_policies_under_torch_compile():
+    """A custom policy with FP32 heads splits into two policies the op must know by key. Under torch.compile
+    a key made while Dynamo traces reaches the fake kernel before Dynamo applies the registration (the
+    isolation runs 'fp32_outlier_heads' failed so on the GPU); policy_key now registers through a graph
+    break, and ``register`` beforehand (what GPT does) allows fullgraph."""
+    import torch._dynamo
+
+    from lpfa.attention.kernels import register
+
+    blocks = 8 + int(torch.randint(1, 1000, ()))  # a policy no other test registered
+    pol = PRESETS["paper"].with_(block_q=blocks, block_k=blocks, fp32_heads={1}, name="paper")
+    q, k, v = (t.detach() for t in _qkv(H=3, T=24))
+    eager = attention(q, k, v, policy=pol, backend="reference")
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: attention(q, k, v, policy=pol, backend="triton"), backend="eager")
+    _close(f(q, k, v), eager, 0.99)
+    pol2 = pol.with_(block_q=blocks + 1, block_k=blocks + 1, name="paper")
+    key = register(pol2)
+    assert key == policy_key(pol2) and register(pol2) == key  # idempotent
+    torch._dynamo.reset()
+    g = torch.compile(lambda q, k, v: attention(q, k, v, policy=pol2, backend="triton"), backend="eager", fullgraph=True)
+    _close(g(q, k, v), attention(q, k, v, policy=pol2, backend="reference"), 0.99)
+    with pytest.raises(KeyError, match="no precision policy is registered under 'nonsense'"):
+        _fwd_op(q, k, v, "nonsense", 0.25)
+
+
 def test_backend_errors():
     q, k, v = _qkv()
     with pytest.raises(ValueError, match="backend must be"):

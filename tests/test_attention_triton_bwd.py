@@ -11,9 +11,9 @@ accumulate in FP32 in their own order. With ``m = max|ref|`` per gradient:
   reference and every element within |diff| <= 2**-6·|ref| + 2**-6·m (an FP32 ulp can flip one BF16
   rounding by an ulp, which then propagates through the BF16 accumulators). Seen: 100% identical at
   T <= 45 with small blocks, >= 99.9% at T = 130;
-* ``delta = "o_fp32"``: the reference recomputes O in float64, the kernels in FP32 (the Triton forward
-  with the FP32 twin policy), so δ differs by FP32 noise: the same rules, with the BF16 bound doubled
-  (>= 95% identical, |diff| <= 2**-5·|ref| + 2**-5·m).
+* ``delta = "o_fp32"`` / ``"o_exact"``: the reference recomputes O with its own forward (float64 for
+  ``o_exact``), the kernels with the Triton forward, both under ``delta_o_policy``, so δ differs by FP32
+  noise: the same rules, with the BF16 bound doubled (>= 95% identical, |diff| <= 2**-5·|ref| + 2**-5·m).
 """
 
 import os
@@ -92,14 +92,17 @@ def test_matches_reference(name, blocks, T, D, B):
     _check(grads, refs, pol)
 
 
+@pytest.mark.parametrize("formula", ["o_fp32", "o_exact"])
 @pytest.mark.parametrize("name,blocks,T,D", [
     ("paper", (16, 16), 40, 16),
     ("paper", None, 40, 64),  # the preset's own 512 blocks: one block, compute tiles of 64 inside it
     ("fa2", None, 40, 64),
+    ("paper_sfa", (16, 16), 40, 16),  # o_fp32 keeps SFA's row max in the recomputed O
 ])
-def test_delta_o_fp32(name, blocks, T, D):
-    """δ = rowsum(dO∘O_hp), O_hp recomputed in FP32 (the Triton forward, FP32 twin policy)."""
-    pol = PRESETS[name].with_(delta="o_fp32")
+def test_delta_o_fp32(formula, name, blocks, T, D):
+    """δ = rowsum(dO∘O_hp), O_hp recomputed by the Triton forward under ``delta_o_policy`` (the forward's
+    scores with FP32 P̄V and O, or all FP32)."""
+    pol = PRESETS[name].with_(delta=formula)
     if blocks is not None:
         pol = pol.with_(block_q=blocks[0], block_k=blocks[1])
     grads, refs = _run(pol, 1, T, D, seed=11)

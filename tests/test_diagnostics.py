@@ -174,6 +174,31 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2
     with pytest.raises(FileNotFoundError, match="no run folders"):
         experiment_table(tmp_path / "nothing")
+    # against a reference run: a logit that leaves it behind for good (but stays under the runaway threshold)
+    # is a precursor; the per-label reference here is the FP32 run of the same seed
+    pre = rng.uniform(10, 20, size=12)
+    pre[7:] *= 40
+    _fake_run(tmp_path / "pre", steps, pre, [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
+    _fake_run(tmp_path / "ref", steps, rng.uniform(10, 20, size=12), [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
+    (tmp_path / "ref" / "config.json").write_text((exp / "fp32_s1" / "config.json").read_text())
+    attn = {"attn_policy": "paper_untiled", "attn_backend": "lpfa", "layer_policies": {"1": "sdpa_fp32"}, "fp32_heads": {"0": [5, 2]}}
+    (tmp_path / "pre" / "config.json").write_text(json.dumps({
+        "train": {**attn, "optimizer": "adamw", "seed": 1, "init_seed": 1, "compile": True},
+        "model": {"n_layer": 2, "n_head": 8, "n_embd": 64, **attn}}))
+    t2, _ = experiment_table({"pre": tmp_path / "pre", "ref": tmp_path / "ref", "bf16_s2": exp / "bf16_s2"},
+                             reference=lambda label: tmp_path / "ref" if label in ("pre", "ref") else exp / f"fp32_s{label[-1]}")
+    assert t2.loc["pre", "outcome"] == "precursor" and t2.loc["pre", "precursor from"] == 700
+    assert t2.loc["ref", "outcome"] == "clean" and t2.loc["ref", "precursor from"] is None
+    assert t2.loc["bf16_s2", "outcome"] == "ran away"  # the stronger verdict wins
+    assert t2.loc["pre", "attention"] == "paper_untiled; layer 1: sdpa_fp32; FP32 heads 2, 5 of layer 0"
+    assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
+    assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None  # no model config: unknown
+    t0, _ = experiment_table({"pre": tmp_path / "pre"}, layer=0)
+    assert t0.loc["pre", "layer 0 scores"] == "bf16; fp32 in heads 2, 5"
+    s2 = seeds_summary(t2, mode=lambda label: "x")
+    assert s2.loc["x", "precursor or worse"] == 2 and s2.loc["x", "ran away"] == 1
+    assert s2.loc["x", "first precursor"] == 600 and s2.loc["x", "last precursor"] == 700  # bf16_s2 leaves ref behind as it runs away
+    assert "precursor or worse" not in seeds_summary(table).columns  # no reference, no precursor columns
 
 
 def test_precursor_events_on_committed_pair():

@@ -91,3 +91,23 @@ def test_run_frames_and_growth(tmp_path):
     assert len(f) == 12 and f[(f.step == 2) & (f.layer == 1) & (f["head"] == 1)].value.item() == 3.0
     g = growth_table({"x": d})
     assert (g.loc["x", "layer"], g.loc["x", "head"], g.loc["x", "growth"]) == (1, 1, 3.0)
+
+
+def test_delta_formulas_o_exact_is_inconsistent_with_bf16_scores():
+    """δ* = rowsum(dP∘P) with the backward's own P. In FP32 every formula agrees with it to FP32 noise. With the
+    paper's BF16 scores and logits of the size our runs reach early (max ~150), δ from an O recomputed from
+    FP32 scores ('o_exact') is far noisier than the BF16 δ it replaces (seen ~10×), while O recomputed from
+    the same BF16 scores ('o_fp32') is not."""
+    from lpfa.mechanism import delta_formulas
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, H, T, D = 1, 4, 128, 64
+    k, v, do = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(3))
+    q = torch.randn(B, H, T, D, generator=g)
+    fp32 = delta_formulas(q.bfloat16(), k, v, do, policy="fp32")
+    for f in ("o_stored", "dp_p", "o_fp32", "o_exact"):
+        assert fp32[f]["rms"] < 1e-5 and abs(fp32[f]["bias"]) < 1e-6, (f, fp32[f])
+    high = delta_formulas((q * 50).bfloat16(), k, v, do, policy="paper_untiled")
+    assert high["max_logit"] > 100
+    assert high["o_exact"]["rms"] > 4 * max(high["o_fp32"]["rms"], high["o_stored"]["rms"]), high
+    assert high["o_fp32"]["rms"] < 1e-2 and high["o_stored"]["rms"] < 1e-2, high

@@ -622,9 +622,34 @@ def test_describe_replay():
     v = {"policy": "paper_untiled", "exploded": False, "explosion_step": None, "steps": 30168, "runaway_step": 6400}
     t = describe({**base, "verdict": v, "checkpoint_step": 6000, "choice": {"layer": "runaway", "heads": "wq_growth"}})
     assert "before its logit runaway at step 6,400" in t and "did not explode in its 30,168 steps" in t
-    assert "layer 1 (the layer whose logits ran away)" in t and "heads 5, 2 (its fastest-growing W_Q heads)" in t
+    assert "layer 1 (the layer whose logits ran away (or began to))" in t and "heads 5, 2 (its fastest-growing W_Q heads)" in t
     t = describe({**base, "verdict": v, "checkpoint_step": 30168})  # an older replay: no "choice" recorded
     assert "23,768 steps after its logit runaway" in t and "grew most" in t
     t = describe({**base, "verdict": {**v, "exploded": True, "explosion_step": 9000}, "checkpoint_step": 8000,
                   "choice": {"layer": "given", "heads": "given"}})
     assert "before its explosion at step 9,000" in t and "chosen by hand" in t and "heads chosen by hand" in t
+    # a run that stopped before the runaway verdict: relative to the first record above the threshold
+    quiet = {**v, "steps": 6500, "runaway_step": None}
+    t = describe({**base, "verdict": quiet, "checkpoint_step": 6000, "choice": {"layer": "runaway", "heads": "wq_growth",
+                                                                              "checkpoint": "onset", "onset": [6400, 1]}})
+    assert "before layer 1's largest logit first passed 1000 at step 6,400, too late in the run for the runaway verdict" in t
+
+
+def test_runaway_onset(tmp_path):
+    """The first record above the runaway threshold, sustained or not; the replay starts before it."""
+    from lpfa.explosion import RunawayCriterion, run_verdict, runaway_onset
+    from lpfa.replay import describe
+
+    conf = {"attn_policy": "paper", "optimizer": "adamw", "seed": 5, "init_seed": 6}
+    logits = {0: 10.0, 100: 900.0, 200: 1200.0, 300: 800.0, 400: 1500.0, 500: 1600.0}
+    extra = [json.dumps({"step": s, "diag": {"max_logit": [[5.0, 6.0], [x, 7.0]]}}) for s, x in logits.items()]
+    _write_run(tmp_path / "r", {s: 3.0 for s in range(501)}, conf, extra)
+    assert run_verdict(tmp_path / "r")["runaway_step"] is None  # never 5 records in a row
+    assert runaway_onset(tmp_path / "r") == (200, 1)
+    assert runaway_onset(tmp_path / "r", RunawayCriterion(logit=1550)) == (500, 1)
+    assert runaway_onset(tmp_path / "r", RunawayCriterion(logit=1e4)) is None
+    prov = {"git_commit": "abc", "date_utc": "2026-11-29"}
+    old = {"run": "/x/r", "steps": 20, "layer": 1, "heads": [0], "n_seq": 8, "provenance": prov, "checkpoint_step": 400,
+           "verdict": run_verdict(tmp_path / "r")}  # a replay made before "choice" recorded the onset, beside its run
+    assert "200 steps after layer 1's largest logit first passed 1000 at step 200" in describe(old, tmp_path / "r_replay")
+    assert "first passed" not in describe(old) and "first passed" not in describe(old, tmp_path / "elsewhere" / "r_replay")

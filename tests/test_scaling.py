@@ -173,5 +173,6 @@ def test_cost_helpers():
     assert tokens_per_step(PRESETS["repro"]) == 32 * 512 and tokens_per_step(PRESETS["gpt2-s"]) == 16 * 1024 * 4
     assert wall_minutes(600, 16384 * 10, PRESETS["repro"]) == pytest.approx(1.0)  # 10 steps/s
     assert wall_minutes(600, 16384 * 10, PRESETS["repro"], runs=4, gpus=2) == pytest.approx(2.0)
+    assert wall_minutes(600, 16384 * 10, PRESETS["repro"], runs=5, gpus=4) == pytest.approx(2.0)  # one GPU holds two
     speed = committed_speed()
     assert list(speed.index) == ["eager", "compiled"] and speed.loc["compiled", "ratio"] > 1

@@ -12,8 +12,11 @@
 # tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (faster:
 # results/compile_throughput), e.g. EXPERIMENT=isolation or EXPERIMENT=seeds, judged by the logit-runaway verdict.
 # RUNAWAY_STEPS=6500 adds a run bf16_runaway: the BF16 twin again, eager (BF16 runs are deterministic, so it retraces
-# the committed twin exactly) with every 1000-step checkpoint kept; finish then replays it from the checkpoint
-# before its logit runaway (instead of the bf16 run), for the mechanism pages.
+# the committed twin exactly: results/repro_runaway) with every 1000-step checkpoint kept; finish then replays it from
+# the checkpoint before its logit runaway, or before its first logit above the runaway threshold when the run ends
+# too early for the verdict (instead of the bf16 run), for the mechanism pages.
+# The committed isolation table and seeds were one launch on a 4-GPU machine (results/isolation/*/provenance.json):
+# EXPERIMENT="isolation seeds" NAME=iso_seeds EXTRA="compile=true max_steps=8000" RUNAWAY_STEPS=6500 BUDGET=1100.
 # Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200 busy; runs sharing a GPU each get about 1/n
 # of its steps, so on a machine with several GPUs give each run its own.
 set -u

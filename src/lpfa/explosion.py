@@ -109,10 +109,27 @@ def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriteri
     return int(steps[first]), max(tied, key=lambda layer: m[first, layer])  # several at once: the largest logit
 
 
+def runaway_onset(run_dir, criterion: RunawayCriterion = RunawayCriterion()) -> tuple[int, int] | None:
+    """``(step, layer)`` of the first diagnostics record where a layer's largest logit exceeded ``criterion.logit``,
+    sustained or not: where a run that stopped too early for the runaway verdict was heading. None if never."""
+    from lpfa.runs import read_records
+
+    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
+    if not recs:
+        return None
+    return logit_runaway([m for _, m in recs], [s for s, _ in recs], RunawayCriterion(criterion.logit, patience=1))
+
+
 def attention_label(train_conf: dict) -> str:
-    """What a run's attention was: the lpfa policy preset, or the backend (``sdpa_fp32``, ...) otherwise."""
+    """What a run's attention was: the lpfa policy preset, or the backend (``sdpa_fp32``, ...) otherwise, then
+    any per-layer policies and FP32 heads, e.g. ``sdpa_fp32; layer 1: paper_untiled`` or
+    ``paper_untiled; FP32 heads 2, 5 of layer 1``."""
     backend = train_conf.get("attn_backend", "lpfa")
-    return train_conf["attn_policy"] if backend == "lpfa" else backend
+    parts = [train_conf["attn_policy"] if backend == "lpfa" else backend]
+    parts += [f"layer {layer}: {pol}" for layer, pol in sorted((train_conf.get("layer_policies") or {}).items(), key=lambda kv: int(kv[0]))]
+    parts += [f"FP32 head{'s' if len(heads) > 1 else ''} {', '.join(str(h) for h in sorted(heads))} of layer {layer}"
+              for layer, heads in sorted((train_conf.get("fp32_heads") or {}).items(), key=lambda kv: int(kv[0])) if heads]
+    return "; ".join(parts)
 
 
 def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),

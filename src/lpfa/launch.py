@@ -42,16 +42,19 @@ ISOLATION: dict[str, list[str]] = {
     "bf16_only_layer1": ["attn_backend=sdpa_fp32", "layer_policies={1: paper_untiled}"],
     "fp32_only_layer1": ["attn_policy=paper_untiled", "layer_policies={1: sdpa_fp32}"],
     "delta_dp": ["attn_policy=delta_dp"],  # δ = rowsum(dP∘P)
-    "delta_o_fp32": ["attn_policy=delta_o_fp32"],  # δ from O recomputed in FP32
+    "delta_o_fp32": ["attn_policy=delta_o_fp32"],  # δ from O recomputed in FP32 (from the forward's BF16 S)
+    "delta_o_exact": ["attn_policy=delta_o_exact"],  # δ from O recomputed from FP32 scores (inconsistent with P)
+    "o_fp32": ["attn_policy=o_fp32"],  # Ō, the accumulators and the stored O in FP32
     "pv_fp32": ["attn_policy=pv_fp32"],  # P̄V in FP32
+    "scores_fp32": ["attn_policy=scores_fp32"],  # only S in FP32 (not in the paper)
     "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
     "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
 }
 # What the paper reports for each isolation row (Sec. 3.2): "fails" (the loss explodes) or "stable".
 PAPER_ISOLATION: dict[str, str] = {
     "bf16": "fails", "fp32": "stable", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
-    "delta_dp": "stable", "delta_o_fp32": "stable", "pv_fp32": "stable", "fp32_outlier_heads": "stable",
-    "fp32_worst_head": "not reported",
+    "delta_dp": "stable", "delta_o_fp32": "stable", "delta_o_exact": "not reported", "o_fp32": "stable",
+    "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable", "fp32_worst_head": "not reported",
 }
 SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
     f"{mode}_s{s}": [ISOLATION[mode][0], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2, 3)
@@ -59,6 +62,9 @@ SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds 
 SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon
     "bf16_muon": [*TWINS["bf16"], "optimizer=muon"],
     "sfa_muon": [*TWINS["sfa"], "optimizer=muon"],
+}
+SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
+    f"{mode}_gpt2s": [TWINS[mode][0], "model=gpt2-s"] for mode in ("bf16", "fp32", "sfa")
 }
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
@@ -69,16 +75,23 @@ DESCRIPTIONS: dict[str, str] = {
     "bf16_only_layer1": "BF16 attention only in the localised layer 1, FP32 elsewhere",
     "fp32_only_layer1": "FP32 attention only in the localised layer 1, BF16 elsewhere",
     "delta_dp": "δ = rowsum(dP∘P) instead of rowsum(dO∘O)",
-    "delta_o_fp32": "δ from O recomputed in FP32 in the backward",
-    "pv_fp32": "P̄V accumulated and kept in FP32",
+    "delta_o_fp32": "δ from O recomputed in FP32 in the backward, from the forward's BF16 scores",
+    "delta_o_exact": "δ from O recomputed in FP32 from FP32 scores (not the P the backward differentiates)",
+    "o_fp32": "O in FP32: Ō, the running output and the stored O (P̄ still BF16)",
+    "pv_fp32": "P̄ and P̄V in FP32 (the running and stored O still BF16)",
+    "scores_fp32": "only the scores S in FP32, every later rounding as the BF16 run",
     "fp32_outlier_heads": "FP32 O for only the outlier heads 5 and 2 of layer 1",
     "fp32_worst_head": "FP32 O for only the worst head (5) of layer 1",
     "bf16_muon": "BF16 attention, Muon optimizer",
     "sfa_muon": "BF16 attention with SFA (β = 2), Muon optimizer",
     "bf16_runaway": "the BF16 twin again, eager, every checkpoint kept: replayed before its logit runaway",
+    "bf16_gpt2s": "BF16 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
+    "fp32_gpt2s": "FP32 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
+    "sfa_gpt2s": "BF16 attention with SFA (β = 2), at GPT-2 S size (12 layers, 12 heads, d = 768)",
     **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)" for k in SEEDS},
 }
-EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON}
+EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
+                                                 "sizes": SIZES}
 
 
 def _root(root: str | Path | None) -> Path:

@@ -11,6 +11,8 @@
   (the rows the paper blames);
 * :func:`delta_accounting` — the δ error split between rows with several P̄ = 1 entries and the rest, and
   how often the V values at those positions share a sign (Sec. 3.3, what the paper shows by example);
+* :func:`delta_formulas` — each δ formula of the isolation table against the δ that matches the P the
+  backward differentiates (why "O recomputed from FP32 scores" is not a clean isolation);
 * :func:`sfa_attenuation` — for each SFA β, the fraction of rows whose output the authors' row-sum
   clamp attenuates or silences (issue 5's β sweep).
 """
@@ -23,7 +25,7 @@ import torch
 
 from lpfa.attention import get_policy
 from lpfa.attention.policy import BF16
-from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, forward
+from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, backward_delta, forward
 
 
 @torch.no_grad()
@@ -40,6 +42,34 @@ def delta_error(q, k, v, do, policy="paper", scale: float | None = None) -> dict
     delta_lp = _r(dof * o_lp, prod).double().sum(-1)
     delta_hp = (dof.double() * o_hp).sum(-1)
     return {"delta_lp": delta_lp, "delta_hp": delta_hp, "delta_err": delta_lp - delta_hp, "o_err": o_lp.double() - o_hp}
+
+
+DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")  # lpfa.attention.policy.DELTA_FORMULAS, in table order
+
+
+@torch.no_grad()
+def delta_formulas(q, k, v, do, policy="paper_untiled", scale: float | None = None) -> dict:
+    """How far each δ formula of Sec. 3.2 lies from δ* = rowsum(dP∘P) in float64, with dP = dO Vᵀ and
+    P = exp(S − lse) exactly as ``policy``'s backward recomputes it (its scores S, its forward's lse): the
+    δ for which dS = P∘(dP − δ) differentiates that P. Inputs (B, H, T, D).
+
+    Returns ``{formula: {"bias": mean(δ − δ*) / mean|δ*|, "rms": rms(δ − δ*) / mean|δ*|}}`` for
+    ``o_stored`` (the policy's own δ), ``dp_p``, ``o_fp32`` (O from the same S, the rest FP32) and
+    ``o_exact`` (O from FP32 scores), plus ``"max_logit"``. With BF16 scores ``o_exact`` is the odd one out:
+    its O is not built from the P the backward uses."""
+    pol = get_policy(policy).with_(fp32_heads=frozenset(), name="probe")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
+    o, lse = forward(qf, kf, vf, pol, scale, True)
+    s = _causal_scores(qf, kf, pol, scale)[0].double()
+    p = torch.exp(s - lse.double()[..., None])  # -inf above the diagonal gives 0
+    exact = (torch.matmul(dof.double(), vf.double().transpose(-1, -2)) * p).sum(-1)
+    ref = float(exact.abs().mean())
+    out: dict = {"max_logit": float(s.amax())}
+    for f in DELTA_FORMULAS:
+        err = backward_delta(dof, qf, kf, vf, o, lse, pol.with_(delta=f, name="probe"), scale, True).double() - exact
+        out[f] = {"bias": float(err.mean()) / ref, "rms": float(err.pow(2).mean().sqrt()) / ref}
+    return out
 
 
 def _cos(a: torch.Tensor) -> torch.Tensor:

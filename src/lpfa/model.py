@@ -136,6 +136,10 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.backend = config.layer_backend(layer)
         self.policy = config.policy(layer)
+        if self.policy is not None:  # a key for the Triton op before torch.compile traces it
+            from lpfa.attention.kernels import register
+
+            register(self.policy)
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None

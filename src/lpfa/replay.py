@@ -149,17 +149,20 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
            max_s: float = 0.0, delta_err_every: int = 10) -> dict:
     """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
-    before its explosion, else the latest) and measure ``layer``/``heads``; writes ``out/replay.{json,npz}``.
+    before its explosion, else before its logit runaway, else before the first record above the runaway
+    threshold, else the latest; ``choice`` in the result says which) and measure ``layer``/``heads``;
+    writes ``out/replay.{json,npz}``.
     ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed.
     ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`)."""
     import time
 
     t_start = time.time()
+    given_step = step is not None
     from tqdm.auto import tqdm
 
     from lpfa import data as lpfa_data
     from lpfa.checkpoints import load_checkpoint
-    from lpfa.explosion import run_verdict
+    from lpfa.explosion import run_verdict, runaway_onset
     from lpfa.provenance import provenance, write_json
     from lpfa.train import TrainConfig, _autocast, build_optimizers, lr_at
 
@@ -168,16 +171,23 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     known = {f.name for f in fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
     verdict = run_verdict(run_dir)
+    # without an explosion or a confirmed runaway: the first record above the runaway threshold, if any
+    quiet = verdict["explosion_step"] is None and verdict.get("runaway_step") is None
+    onset = runaway_onset(run_dir) if quiet else None
+    event = ("explosion" if verdict["explosion_step"] is not None else "runaway" if verdict.get("runaway_step") is not None
+             else "onset" if onset else "latest")
     if step is None:
-        step = choose_checkpoint(run_dir, verdict["explosion_step"], verdict.get("runaway_step"))
+        step = choose_checkpoint(run_dir, verdict["explosion_step"], verdict.get("runaway_step") or (onset[0] if onset else None))
     cks = checkpoints_of(run_dir)
     if step not in cks:
         raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has {sorted(cks)}")
-    choice = {"layer": "given" if layer != "auto" else ("runaway" if verdict.get("runaway_layer") is not None else "wq_growth"),
-              "heads": "given" if heads is not None else "wq_growth"}
+    ra_layer = verdict.get("runaway_layer") if verdict.get("runaway_layer") is not None else (onset[1] if onset else None)
+    choice = {"layer": "given" if layer != "auto" else ("runaway" if ra_layer is not None else "wq_growth"),
+              "heads": "given" if heads is not None else "wq_growth",
+              "checkpoint": "given" if given_step else event, "onset": list(onset) if onset else None}
     if layer == "auto" or heads is None:
-        auto_layer, auto_heads = choose_layer_heads(  # the layer that ran away, if one did
-            run_dir, layer=verdict.get("runaway_layer") if layer == "auto" else int(layer))
+        auto_layer, auto_heads = choose_layer_heads(  # the layer that ran away (or began to), if one did
+            run_dir, layer=ra_layer if layer == "auto" else int(layer))
         layer = auto_layer if layer == "auto" else int(layer)
         heads = auto_heads if heads is None else heads
     layer = int(layer)
@@ -330,20 +340,33 @@ def load_replay(folder) -> tuple[dict, dict]:
     return json.loads((folder / "replay.json").read_text()), arrays
 
 
-def describe(result: dict) -> str:
+def describe(result: dict, replay_folder=None) -> str:
     """One paragraph (Markdown) saying what a replay measured: which run, from which checkpoint relative to the
-    run's explosion or logit runaway, which layer and heads and why, with its commit and date."""
+    run's explosion or logit runaway (or, for a run that stopped before the runaway verdict, relative to the
+    first record above its threshold: from the replay, or for replays made before it was recorded from the
+    replayed run's metrics when they sit beside ``replay_folder``), which layer and heads and why, with its
+    commit and date."""
+    from lpfa.explosion import RunawayCriterion, runaway_onset
+
     v, ck = result["verdict"], result["checkpoint_step"]
     ra = v.get("runaway_step")
+    choice = result.get("choice", {"layer": "wq_growth", "heads": "wq_growth"})  # replays before the field: automatic
+    onset = choice.get("onset")
+    if onset is None and ra is None and not v["exploded"] and replay_folder is not None:
+        run_dir = Path(replay_folder).parent / Path(result["run"]).name
+        onset = runaway_onset(run_dir) if (run_dir / "config.json").is_file() else None
     if v["exploded"]:
         where = (f"before its explosion at step {v['explosion_step']:,}" if ck < v["explosion_step"]
                  else f"after its explosion at step {v['explosion_step']:,}")
     else:
         where = ("" if ra is None else (f"before its logit runaway at step {ra:,}; " if ck < ra else
                                         f"{ck - ra:,} steps after its logit runaway at step {ra:,}; "))
+        if ra is None and onset:
+            logit = RunawayCriterion().logit
+            where += (f"{'before' if ck < onset[0] else f'{ck - onset[0]:,} steps after'} layer {onset[1]}'s largest logit first "
+                      f"passed {logit:g} at step {onset[0]:,}, too late in the run for the runaway verdict; ")
         where += f"the run did not explode in its {v['steps']:,} steps"
-    choice = result.get("choice", {"layer": "wq_growth", "heads": "wq_growth"})  # replays before the field: automatic
-    why_layer = {"runaway": "the layer whose logits ran away", "wq_growth": "the layer whose W_Q norm grew most",
+    why_layer = {"runaway": "the layer whose logits ran away (or began to)", "wq_growth": "the layer whose W_Q norm grew most",
                  "given": "chosen by hand"}[choice["layer"]]
     why_heads = "its fastest-growing W_Q heads" if choice["heads"] == "wq_growth" else "heads chosen by hand"
     prov = result["provenance"]

@@ -43,3 +43,19 @@ def load(experiment: str, name: str, run: str | None = None, root: str | Path | 
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; the run has {sorted(p.name for p in d.iterdir())}")
     return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+
+
+def experiment_rows(experiment: str, labels=None, root: str | Path | None = None) -> dict[str, Path]:
+    """``{label: run folder}`` for an experiment whose rows were run over several sessions (the isolation
+    table): each label from the latest run (by name) that has it, in the order of ``labels`` (default:
+    every label found, sorted). Empty if the experiment has no results."""
+    try:
+        all_runs = runs(experiment, root)
+    except FileNotFoundError:
+        return {}
+    found: dict[str, Path] = {}
+    for r in all_runs:  # later runs overwrite earlier ones
+        for d in sorted(p for p in r.iterdir() if (p / "config.json").is_file()):
+            found[d.name] = d
+    order = sorted(found) if labels is None else [label for label in labels if label in found]
+    return {label: found[label] for label in order}

@@ -235,43 +235,90 @@ def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = Tru
     return int(common[start]) if start is not None else None
 
 
-def experiment_table(folder: str | Path, labels=None, layer: int = 1, step: int | None = None):
-    """:func:`precursor_table` of every run in an experiment folder (``folder/<label>/``; default: every
-    subfolder with a ``config.json``), with what each run changes (:data:`lpfa.launch.DESCRIPTIONS`), its
-    attention label, seed and outcome in front (``exploded``; else ``ran away`` if its logits ran away,
-    :class:`lpfa.explosion.RunawayCriterion`; else ``stable``). Returns ``(table, step)``: the isolation
-    table, the seeds table."""
+def score_precision(model_conf: dict, layer: int) -> str:
+    """How a run's attention scores S = QKᵀ·scale of ``layer`` are rounded (``model_conf``: the ``model`` part of a
+    run's config.json): ``bf16`` or ``fp32``, and the heads that differ, e.g. ``bf16; fp32 in heads 2, 5``.
+    SDPA's kernels and ``sdpa_fp32`` keep S in FP32; the ``math`` backend under BF16 autocast rounds it to BF16."""
+    from lpfa.model import GPTConfig
+
+    cfg = GPTConfig.from_dict(model_conf)
+    backend = cfg.layer_backend(layer)
+    if backend != "lpfa":
+        return "bf16" if backend == "math" else "fp32"
+    pol = cfg.policy(layer)
+    heads = sorted(pol.fp32_heads)
+    if heads and pol.scores != "fp32":
+        return f"{pol.scores}; fp32 in head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}"
+    return pol.scores
+
+
+def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
+                     logit_ratio: float = 10.0):
+    """:func:`precursor_table` of the runs of an experiment, with what each run changes
+    (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed and outcome in front. Returns
+    ``(table, step)``: the isolation table, the seeds table.
+
+    ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
+    ``config.json``) or a dict ``{label: run_dir}``. ``reference``: the stable run each row is held against,
+    a run folder or a function ``label -> run folder`` (e.g. the FP32 run of the same seed); then the column
+    ``precursor from`` is the step from which the layer's largest logit stays above ``logit_ratio`` × the
+    reference's (:func:`divergence_step`). Outcome: ``exploded`` (:class:`lpfa.explosion.ExplosionCriterion`),
+    else ``ran away`` (:class:`lpfa.explosion.RunawayCriterion`), else ``precursor`` (when a reference is
+    given and the logit left it behind for good), else ``clean`` (``stable`` without a reference)."""
+    import pandas as pd
+
     from lpfa.explosion import attention_label
     from lpfa.launch import DESCRIPTIONS
 
-    folder = Path(folder)
-    if labels is None:
-        labels = sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
-    if not labels:
+    if isinstance(folder, dict):
+        runs = {label: Path(d) for label, d in folder.items() if labels is None or label in labels}
+    else:
+        folder = Path(folder)
+        if labels is None:
+            labels = sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+        runs = {label: folder / label for label in labels}
+    if not runs:
         raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
-    runs = {label: folder / label for label in labels}
     table, step = precursor_table(runs, layer, step)
     confs = {label: json.loads((d / "config.json").read_text())["train"] for label, d in runs.items()}
     table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
     table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
     table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
-    table.insert(3, "outcome", ["exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None else "stable"
-                                for _, r in table.iterrows()])
+    table.insert(3, "compiled", [bool(confs[label].get("compile", False)) for label in table.index])
+    models = {label: json.loads((d / "config.json").read_text()).get("model") for label, d in runs.items()}
+    table.insert(4, f"layer {layer} scores", pd.Series([score_precision(models[label], layer) if models[label] else None
+                                                         for label in table.index], index=table.index, dtype=object))
+    if reference is not None:
+        ref_of = reference if callable(reference) else (lambda label: reference)
+        table.insert(5, "precursor from", pd.Series([
+            divergence_step(layer_max(runs[label], "max_logit", layer), layer_max(ref_of(label), "max_logit", layer), logit_ratio)
+            for label in table.index], index=table.index, dtype=object))
+    quiet = "stable" if reference is None else "clean"
+    table.insert(5, "outcome", [
+        "exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None
+        else "precursor" if reference is not None and r["precursor from"] is not None else quiet
+        for _, r in table.iterrows()])
     return table, step
 
 
 def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
     """Per mode (``mode(label)``, default the part before ``_s<seed>``): runs, how many exploded and how many
-    ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run."""
+    ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run;
+    when the table has a ``precursor from`` column (:func:`experiment_table` with a reference), also how many
+    showed the precursor or worse and the spread of the precursor steps."""
     import pandas as pd
 
     rows = {}
     for m, g in table.groupby([mode(label) for label in table.index]):
         ra = pd.to_numeric(g["runaway step"], errors="coerce").dropna()
-        rows[m] = {"runs": len(g), "seeds": ", ".join(str(s) for s in g["seed"]), "exploded": int(g["exploded"].sum()),
-                   "ran away": len(ra), "first runaway": ra.min() if len(ra) else None,
-                   "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None,
-                   "fewest steps run": int(g["steps"].min())}
+        row = {"runs": len(g), "seeds": ", ".join(str(s) for s in g["seed"]), "exploded": int(g["exploded"].sum()),
+               "ran away": len(ra), "first runaway": ra.min() if len(ra) else None,
+               "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None}
+        if "precursor from" in g:
+            pre = pd.to_numeric(g["precursor from"], errors="coerce").dropna()
+            row.update({"precursor or worse": int(g["outcome"].isin(["precursor", "ran away", "exploded"]).sum()),
+                        "first precursor": pre.min() if len(pre) else None, "last precursor": pre.max() if len(pre) else None})
+        rows[m] = {**row, "fewest steps run": int(g["steps"].min())}
     return pd.DataFrame(rows).T
 
 

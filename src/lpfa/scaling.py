@@ -10,6 +10,7 @@ from which step they drift apart, and their throughput, speedup and scaling effi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 
@@ -225,6 +226,6 @@ def tokens_per_step(train_conf: dict) -> int:
 
 
 def wall_minutes(steps: int, tokens_per_s: float, train_conf: dict, runs: int = 1, gpus: int = 1) -> float:
-    """Minutes for ``runs`` runs of ``steps`` steps at ``tokens_per_s`` per GPU, spread over ``gpus`` GPUs
-    (runs sharing a GPU gain no total throughput, so only the total work counts)."""
-    return runs * steps * tokens_per_step(train_conf) / tokens_per_s / 60 / gpus
+    """Minutes for ``runs`` runs of ``steps`` steps at ``tokens_per_s`` per GPU, placed round-robin on ``gpus``
+    GPUs: the busiest GPU holds ceil(runs / gpus) of them, and runs sharing a GPU gain no total throughput."""
+    return math.ceil(runs / gpus) * steps * tokens_per_step(train_conf) / tokens_per_s / 60

@@ -15,26 +15,62 @@ from lpfa.attention.policy import BF16, FP32_POLICY, PRESETS, PrecisionPolicy
 _BY_KEY: dict[str, PrecisionPolicy] = dict(PRESETS)
 
 
-def policy_key(policy: PrecisionPolicy) -> str:
-    """A string naming ``policy`` for the custom op (registers custom policies on first use)."""
+def _split(policy: PrecisionPolicy) -> tuple[PrecisionPolicy, PrecisionPolicy]:
+    """The two policies a policy with ``fp32_heads`` runs: itself without them, and the FP32 twin."""
+    base = policy.with_(fp32_heads=frozenset(), name=policy.name)
+    twin = FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+    return base, twin
+
+
+def _lookup(policy: PrecisionPolicy) -> str | None:
     for key, p in _BY_KEY.items():
         if p == policy:
             return key
-    key = f"custom{len(_BY_KEY)}:{policy.name}"
-    _BY_KEY[key] = policy
-    return key
+    return None
+
+
+def register(policy: PrecisionPolicy) -> str:
+    """Give ``policy`` (and the two policies its FP32 heads split into) a key for the custom op; returns its key.
+
+    Call it before ``torch.compile`` traces attention with a custom policy (:class:`lpfa.model.GPT` does
+    for every layer): while Dynamo traces, a new key would reach the op's fake kernel before Dynamo
+    applies the registration. :func:`policy_key` registers on first use eagerly, and from compiled code
+    through a graph break."""
+    for p in (policy, *(_split(policy) if policy.fp32_heads else ())):
+        if _lookup(p) is None:
+            _BY_KEY[f"custom{len(_BY_KEY)}:{p.name}"] = p
+    return _lookup(policy)
+
+
+def policy_key(policy: PrecisionPolicy) -> str:
+    """A string naming ``policy`` for the custom op (a registered policy; see :func:`register`)."""
+    key = _lookup(policy)
+    return key if key is not None else _register_eagerly(policy)
+
+
+@torch.compiler.disable
+def _register_eagerly(policy: PrecisionPolicy) -> str:  # runs outside the traced graph (a graph break)
+    return register(policy)
+
+
+def _policy(key: str) -> PrecisionPolicy:
+    try:
+        return _BY_KEY[key]
+    except KeyError:
+        raise KeyError(f"no precision policy is registered under {key!r}: the op takes keys from "
+                       "lpfa.attention.kernels.policy_key(policy) or register(policy)") from None
 
 
 @torch.library.custom_op("lpfa::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     from lpfa.attention.triton_fwd import flash_forward
 
-    return flash_forward(q, k, v, _BY_KEY[key], scale)
+    return flash_forward(q, k, v, _policy(key), scale)
 
 
 @_fwd_op.register_fake
 def _(q, k, v, key, scale):
-    pol = _BY_KEY[key]
+    pol = _policy(key)
     o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
     return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
@@ -45,7 +81,7 @@ def _bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from lpfa.attention.triton_bwd import flash_backward
 
-    dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, _BY_KEY[key], scale)
+    dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, _policy(key), scale)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -81,8 +117,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
         raise ValueError(f"fp32_heads {sorted(policy.fp32_heads)} name heads >= H = {H}")
     hp = sorted(policy.fp32_heads)
     lp = [h for h in range(H) if h not in policy.fp32_heads]
-    base = policy.with_(fp32_heads=frozenset(), name=policy.name)
-    twin = FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+    base, twin = _split(policy)
     out_dtype = torch.bfloat16 if policy.o_store == BF16 else torch.float32
     parts = {}
     for heads, pol in ((lp, base), (hp, twin)):

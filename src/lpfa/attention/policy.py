@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 
 BF16, FP32 = "bf16", "fp32"
 _PRECISIONS = (BF16, FP32)
-DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32")
+DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,11 @@ class PrecisionPolicy:
     * ``accumulator``: storage of the running o, l and m (BF16 tensors in the paper's code).
     * ``o_store``: precision of the output O returned and saved for the backward.
     * ``delta``: ``"o_stored"`` = rowsum(dO∘O) with the stored O; ``"dp_p"`` = rowsum(dP∘P);
-      ``"o_fp32"`` = rowsum(dO∘O) with O recomputed in FP32 in the backward.
+      ``"o_fp32"`` = rowsum(dO∘O) with O recomputed in the backward from the forward's scores S, with P̄,
+      P̄V, row sums and O in FP32 (:func:`delta_o_policy`: only the rounding of P̄V and O is gone);
+      ``"o_exact"`` = the same with O recomputed from FP32 scores as well. With BF16 scores that O is not
+      the one whose P the backward differentiates (P = exp(S − lse) from the BF16 S), so this δ is
+      inconsistent with P (:func:`lpfa.mechanism.delta_formulas` measures it).
     * ``backward``: BF16 GEMM outputs and gradient accumulators (the paper's code) or FP32 (FA2).
     * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
     * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
@@ -136,9 +140,24 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "pv_fp32": replace(PAPER, p_bar=FP32, o_block=FP32, name="pv_fp32"),
     "delta_dp": replace(PAPER, delta="dp_p", name="delta_dp"),
     "o_fp32": replace(PAPER, o_block=FP32, accumulator=FP32, o_store=FP32, name="o_fp32"),
+    # not in the paper: only S = QKᵀ·scale in FP32, every later rounding as `paper` (do BF16 scores make the ties?)
+    "scores_fp32": replace(PAPER, scores=FP32, name="scores_fp32"),
     "delta_o_fp32": replace(PAPER, delta="o_fp32", name="delta_o_fp32"),  # O recomputed in FP32 for δ only
+    # the same from FP32 scores: what "delta_o_fp32" computed up to commit 60e6089 (results/isolation says why it moved)
+    "delta_o_exact": replace(PAPER, delta="o_exact", name="delta_o_exact"),
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
 }
+
+
+def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
+    """The policy whose forward recomputes O for δ when ``policy.delta`` is ``"o_fp32"`` (the same scores S,
+    SFA, clamp and blocks; P̄, Ō, the accumulators and O in FP32) or ``"o_exact"`` (everything FP32)."""
+    if policy.delta == "o_exact":
+        return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+    if policy.delta != "o_fp32":
+        raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
+    return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
+                   fp32_heads=frozenset(), name=f"{policy.name}:o_fp32")
 
 
 def get_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:

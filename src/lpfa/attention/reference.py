@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32, FP32_POLICY, PrecisionPolicy
+from lpfa.attention.policy import BF16, FP32, FP32_POLICY, PrecisionPolicy, delta_o_policy
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -163,12 +163,39 @@ def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, 
 
 
 def _attention_fp32(q, k, v, scale, causal):
-    """Plain softmax attention in float64, rounded to FP32 (the high-precision O of ``delta="o_fp32"``)."""
+    """Plain softmax attention in float64, rounded to FP32 (the high-precision O of ``delta="o_exact"``)."""
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
     if causal:
         T = q.shape[-2]
         s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
     return torch.matmul(torch.softmax(s, dim=-1), v.double()).float()
+
+
+def backward_delta(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool = True):
+    """δ per row (B, H, T), FP32, by ``policy.delta``: rowsum(dO ∘ O) (Eq. 4) or an isolation variant (Sec. 3.2).
+    Arguments as :func:`backward`."""
+    bw = policy.backward
+    if policy.delta == "o_stored":
+        prod_prec = BF16 if (bw == BF16 and policy.o_store == BF16) else FP32
+        return _r(do * o_store, prod_prec).double().sum(dim=-1).float()
+    if policy.delta == "o_fp32":  # O recomputed from the forward's S, everything after S in FP32
+        o_hp, _ = forward(q, k, v, delta_o_policy(policy), scale, causal)
+        return (do.double() * o_hp.double()).sum(dim=-1).float()
+    if policy.delta == "o_exact":
+        return (do.double() * _attention_fp32(q, k, v, scale, causal).double()).sum(dim=-1).float()
+    # "dp_p": rowsum(dP ∘ P) over all key blocks, dP and P as the backward computes them
+    B, H, T, _ = q.shape
+    delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
+    for qs, qe in _blocks(T, policy.block_q):
+        for ks, ke in _blocks(T, policy.block_k):
+            if causal and ks > qe - 1:
+                break
+            vis = _mask(qs, qe, ks, ke, causal, q.device)
+            p = torch.exp(_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy) - lse[:, :, qs:qe, None])
+            p = p if vis is None else p.masked_fill(~vis, 0.0)
+            dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
+            delta64[:, :, qs:qe] += (dp.double() * p.double()).sum(dim=-1)
+    return delta64.float()
 
 
 def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool = True):
@@ -198,18 +225,7 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
                     break
                 yield qs, qe, ks, ke
 
-    # delta = rowsum(dO ∘ O) (Eq. 4) or one of the isolation variants (Sec. 3.2)
-    if policy.delta == "o_stored":
-        prod_prec = BF16 if (bw == BF16 and policy.o_store == BF16) else FP32
-        delta = _r(do * o_store, prod_prec).double().sum(dim=-1).float()
-    elif policy.delta == "o_fp32":
-        delta = (do.double() * _attention_fp32(q, k, v, scale, causal).double()).sum(dim=-1).float()
-    else:  # "dp_p": rowsum(dP ∘ P) over all key blocks, dP and P as the backward computes them
-        delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
-        for qs, qe, ks, ke in pairs():
-            dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
-            delta64[:, :, qs:qe] += (dp.double() * p_block(qs, qe, ks, ke).double()).sum(dim=-1)
-        delta = delta64.float()
+    delta = backward_delta(do, q, k, v, o_store, lse, policy, scale, causal)
 
     for qs, qe, ks, ke in pairs():
         p = p_block(qs, qe, ks, ke)

@@ -14,12 +14,13 @@ policy key block j up to the diagonal::
     dK_j = bw(dK_j + bw(op(dS)ᵀ Q_i))
 
 with δ per row from ``policy.delta``: ``"o_stored"`` = rowsum(prod(dO∘O)) (prod = BF16 iff
-bw == o_store == BF16), ``"o_fp32"`` = rowsum(dO∘O_hp) with O_hp recomputed in FP32 (by the Triton
-forward with the FP32 twin policy), ``"dp_p"`` = rowsum(dP∘P) over every visible key.
+bw == o_store == BF16), ``"o_fp32"`` / ``"o_exact"`` = rowsum(dO∘O_hp) with O_hp recomputed by the Triton
+forward under :func:`lpfa.attention.policy.delta_o_policy` (the forward's S, the rest FP32 / all FP32),
+``"dp_p"`` = rowsum(dP∘P) over every visible key.
 
 Kernels
 -------
-* ``_bwd_delta_kernel``: δ = rowsum(prod(dO∘O)) for ``o_stored`` / ``o_fp32``.
+* ``_bwd_delta_kernel``: δ = rowsum(prod(dO∘O)) for ``o_stored`` / ``o_fp32`` / ``o_exact``.
 * ``_bwd_delta_dpp_kernel``: δ = rowsum(dP∘P) for ``dp_p`` (a preprocessing pass: it needs every key).
 * ``_bwd_dkdv_kernel``: one program per (key compute tile, batch·head). It loops over the policy query
   blocks i that can see the tile's keys, in ascending order; inside a block it loops over sub-tiles
@@ -56,7 +57,7 @@ from __future__ import annotations
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32_POLICY, PrecisionPolicy, get_policy
+from lpfa.attention.policy import BF16, PrecisionPolicy, delta_o_policy, get_policy
 from lpfa.attention.triton_common import (
     MIN_TILE,
     _exp,
@@ -355,11 +356,10 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
             enable_fp_fusion=False,
         )
     else:
-        if pol.delta == "o_fp32":
-            from lpfa.attention.triton_fwd import flash_forward  # O recomputed with the FP32 twin policy
+        if pol.delta in ("o_fp32", "o_exact"):
+            from lpfa.attention.triton_fwd import flash_forward  # O recomputed: S as the forward (o_fp32) or FP32
 
-            twin = FP32_POLICY.with_(block_q=pol.block_q, block_k=pol.block_k, name="fp32")
-            o_src, _ = flash_forward(q, k, v, twin, scale, dot_bf16=dot_bf16, precise_math=precise_math)
+            o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math)
             prod_bf16 = False
         else:  # "o_stored"
             o_src = o_

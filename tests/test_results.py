@@ -1,0 +1,49 @@
+"""The results store (lpfa.results) and properties of the committed GPU results that the book relies on."""
+
+import json
+
+import pytest
+from conftest import ROOT
+
+from lpfa import results
+
+
+def _row(d, label):
+    (d / label).mkdir(parents=True)
+    (d / label / "config.json").write_text(json.dumps({"train": {}}))
+
+
+def test_run_dir_load_and_experiment_rows(tmp_path):
+    exp = tmp_path / "isolation"
+    _row(exp / "h200-2026-01-01", "bf16")
+    _row(exp / "h200-2026-01-01", "fp32")
+    _row(exp / "h200-2026-01-01", "pv_fp32")
+    _row(exp / "h200-2026-02-01", "bf16")
+    _row(exp / "h200-2026-02-01", "o_fp32")
+    (exp / "h200-2026-02-01" / "provenance.json").write_text("{}")
+    (exp / "h200-2026-02-01" / "not_a_row").mkdir()
+    assert results.run_dir("isolation", root=tmp_path).name == "h200-2026-02-01"
+    assert results.run_dir("isolation", "h200-2026-01-01", root=tmp_path).name == "h200-2026-01-01"
+    with pytest.raises(FileNotFoundError, match="has no run 'x'"):
+        results.run_dir("isolation", "x", root=tmp_path)
+    with pytest.raises(FileNotFoundError, match="no provenance.json"):
+        results.load("isolation", "bf16/config.json", "h200-2026-01-01", root=tmp_path)
+    rows = results.experiment_rows("isolation", ["fp32", "bf16", "o_fp32", "never_run"], root=tmp_path)
+    assert list(rows) == ["fp32", "bf16", "o_fp32"]  # the order asked for; rows never run are left out
+    assert rows["bf16"].parent.name == "h200-2026-02-01" and rows["fp32"].parent.name == "h200-2026-01-01"
+    assert list(results.experiment_rows("isolation", root=tmp_path)) == ["bf16", "fp32", "o_fp32", "pv_fp32"]
+    assert results.experiment_rows("nothing", root=tmp_path) == {}
+
+
+def test_committed_eager_bf16_runs_are_bit_identical():
+    """The eager BF16 twin rerun on another machine (repro_runaway, 4 runs sharing its GPU) retraces the committed
+    30k-step twin exactly: every loss, and the SFA sweep computed from their checkpoints."""
+    from lpfa.scaling import first_difference
+
+    rerun = results.run_dir("repro_runaway", root=ROOT / "results") / "bf16_runaway"
+    twin = results.run_dir("repro_pair", root=ROOT / "results") / "bf16"
+    d = first_difference(rerun, twin)
+    assert d["common_steps"] == d["identical_steps"] == 6500 and d["first_differing_step"] is None
+    a, b = (json.loads((r / "sfa_sweep.json").read_text())["steps"] for r in (rerun, twin))
+    shared = sorted(set(a) & set(b), key=int)
+    assert len(shared) == 6 and all(a[s] == b[s] for s in shared)
