@@ -255,8 +255,9 @@ def score_precision(model_conf: dict, layer: int) -> str:
 def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
                      logit_ratio: float = 10.0):
     """:func:`precursor_table` of the runs of an experiment, with what each run changes
-    (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed and outcome in front. Returns
-    ``(table, step)``: the isolation table, the seeds table.
+    (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
+    scores were rounded (:func:`score_precision`) and its outcome in front. Returns ``(table, step)``: the
+    isolation table, the seeds table.
 
     ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
     ``config.json``) or a dict ``{label: run_dir}``. ``reference``: the stable run each row is held against,
@@ -280,12 +281,12 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     if not runs:
         raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
     table, step = precursor_table(runs, layer, step)
-    confs = {label: json.loads((d / "config.json").read_text())["train"] for label, d in runs.items()}
+    full = {label: json.loads((d / "config.json").read_text()) for label, d in runs.items()}
+    confs, models = {label: c["train"] for label, c in full.items()}, {label: c.get("model") for label, c in full.items()}
     table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
     table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
     table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
     table.insert(3, "compiled", [bool(confs[label].get("compile", False)) for label in table.index])
-    models = {label: json.loads((d / "config.json").read_text()).get("model") for label, d in runs.items()}
     table.insert(4, f"layer {layer} scores", pd.Series([score_precision(models[label], layer) if models[label] else None
                                                          for label in table.index], index=table.index, dtype=object))
     if reference is not None:
