@@ -77,7 +77,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
     assert "* **clean**: `fp32`, `fp32_only_layer1`, `fp32_outlier_heads`, `fp32_worst_head`" in iso
     assert "it reports `delta_dp`, `pv_fp32` stable, and here they are not" in iso and "one pattern fits every row run" in iso
-    assert "**Not run yet**: `delta_o_fp32`, `o_fp32`, `scores_fp32`" in iso
+    assert "**Not run yet**: `bf16_tiled`, `delta_o_fp32`, `o_fp32`, `scores_fp32`" in iso
     seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15.ipynb"))
     assert "* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or worse" in seeds
     assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
@@ -92,6 +92,6 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
         (res / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
     iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14b.ipynb"))
-    assert "**Not run yet**: `bf16`, `fp32`, `bf16_only_layer1`" in iso and "Measured" not in iso.split("delta_formulas")[0]
+    assert "**Not run yet**: `bf16`, `fp32`, `bf16_tiled`, `bf16_only_layer1`" in iso and "Measured" not in iso.split("delta_formulas")[0]
     seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15b.ipynb"))
     assert "**Not run yet**: only seed 1337 is in the table" in seeds and "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds

@@ -39,6 +39,7 @@ TWINS: dict[str, list[str]] = {  # Figs. 2, 3, 7, 13: only the attention differs
 ISOLATION: dict[str, list[str]] = {
     "bf16": ["attn_policy=paper_untiled"],
     "fp32": ["attn_backend=sdpa_fp32"],
+    "bf16_tiled": ["attn_policy=paper_tiled"],  # 128 × 128 blocks: does tiling matter?
     "bf16_only_layer1": ["attn_backend=sdpa_fp32", "layer_policies={1: paper_untiled}"],
     "fp32_only_layer1": ["attn_policy=paper_untiled", "layer_policies={1: sdpa_fp32}"],
     "delta_dp": ["attn_policy=delta_dp"],  # δ = rowsum(dP∘P)
@@ -52,7 +53,7 @@ ISOLATION: dict[str, list[str]] = {
 }
 # What the paper reports for each isolation row (Sec. 3.2): "fails" (the loss explodes) or "stable".
 PAPER_ISOLATION: dict[str, str] = {
-    "bf16": "fails", "fp32": "stable", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
+    "bf16": "fails", "fp32": "stable", "bf16_tiled": "fails", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
     "delta_dp": "stable", "delta_o_fp32": "stable", "delta_o_exact": "not reported", "o_fp32": "stable",
     "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable", "fp32_worst_head": "not reported",
 }
@@ -70,6 +71,7 @@ SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 l
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
     "fp32": "FP32 attention everywhere",
+    "bf16_tiled": "BF16 flash attention tiled in 128 × 128 blocks (the paper finds tiling irrelevant)",
     "sfa": "BF16 attention with SFA (β = 2)",
     "fa2": "FlashAttention-2's rounding (FP32 scores, BF16 P̄)",
     "bf16_only_layer1": "BF16 attention only in the localised layer 1, FP32 elsewhere",

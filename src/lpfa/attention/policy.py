@@ -146,6 +146,8 @@ PRESETS: dict[str, PrecisionPolicy] = {
     # the same from FP32 scores: what "delta_o_fp32" computed up to commit 60e6089 (results/isolation says why it moved)
     "delta_o_exact": replace(PAPER, delta="o_exact", name="delta_o_exact"),
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
+    # tiled at T = 512: 4 × 4 blocks of 128 (the isolation table's "tiling" comparison with paper_untiled)
+    "paper_tiled": replace(PAPER, block_q=128, block_k=128, name="paper_tiled"),
 }
 
 
