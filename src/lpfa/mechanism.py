@@ -24,7 +24,7 @@ import math
 import torch
 
 from lpfa.attention import get_policy
-from lpfa.attention.policy import BF16
+from lpfa.attention.policy import BF16, DELTA_FORMULAS
 from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, backward_delta, forward
 
 
@@ -42,9 +42,6 @@ def delta_error(q, k, v, do, policy="paper", scale: float | None = None) -> dict
     delta_lp = _r(dof * o_lp, prod).double().sum(-1)
     delta_hp = (dof.double() * o_hp).sum(-1)
     return {"delta_lp": delta_lp, "delta_hp": delta_hp, "delta_err": delta_lp - delta_hp, "o_err": o_lp.double() - o_hp}
-
-
-DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")  # lpfa.attention.policy.DELTA_FORMULAS, in table order
 
 
 @torch.no_grad()

@@ -171,6 +171,22 @@ def _attention_fp32(q, k, v, scale, causal):
     return torch.matmul(torch.softmax(s, dim=-1), v.double()).float()
 
 
+def _block_pairs(T: int, policy: PrecisionPolicy, causal: bool):
+    """(qs, qe, ks, ke) of every policy block pair with a visible key, query blocks outer."""
+    for qs, qe in _blocks(T, policy.block_q):
+        for ks, ke in _blocks(T, policy.block_k):
+            if causal and ks > qe - 1:
+                break
+            yield qs, qe, ks, ke
+
+
+def _p_block(q, k, lse, qs, qe, ks, ke, scale, policy: PrecisionPolicy, causal: bool):
+    """P = exp(S − lse) of one block pair, as the backward recomputes it; 0 where the key is invisible."""
+    vis = _mask(qs, qe, ks, ke, causal, q.device)
+    p = torch.exp(_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy) - lse[:, :, qs:qe, None])
+    return p if vis is None else p.masked_fill(~vis, 0.0)
+
+
 def backward_delta(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool = True):
     """δ per row (B, H, T), FP32, by ``policy.delta``: rowsum(dO ∘ O) (Eq. 4) or an isolation variant (Sec. 3.2).
     Arguments as :func:`backward`."""
@@ -186,15 +202,10 @@ def backward_delta(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: fl
     # "dp_p": rowsum(dP ∘ P) over all key blocks, dP and P as the backward computes them
     B, H, T, _ = q.shape
     delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
-    for qs, qe in _blocks(T, policy.block_q):
-        for ks, ke in _blocks(T, policy.block_k):
-            if causal and ks > qe - 1:
-                break
-            vis = _mask(qs, qe, ks, ke, causal, q.device)
-            p = torch.exp(_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy) - lse[:, :, qs:qe, None])
-            p = p if vis is None else p.masked_fill(~vis, 0.0)
-            dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
-            delta64[:, :, qs:qe] += (dp.double() * p.double()).sum(dim=-1)
+    for qs, qe, ks, ke in _block_pairs(T, policy, causal):
+        p = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
+        delta64[:, :, qs:qe] += (dp.double() * p.double()).sum(dim=-1)
     return delta64.float()
 
 
@@ -205,30 +216,17 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
     (FlashAttention-2 feeds P and dS to tensor cores in BF16); GEMM outputs and the dq/dk/dv
     accumulators are rounded to ``policy.backward``.
     """
-    B, H, T, D = q.shape
+    T = q.shape[2]
     bw = policy.backward
     op = BF16 if (bw == BF16 or policy.p_bar == BF16) else FP32
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
 
-    def p_block(qs, qe, ks, ke):
-        vis = _mask(qs, qe, ks, ke, causal, q.device)
-        s = _scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy)
-        p = torch.exp(s - lse[:, :, qs:qe, None])
-        return p if vis is None else p.masked_fill(~vis, 0.0)
-
-    def pairs():
-        for qs, qe in _blocks(T, policy.block_q):
-            for ks, ke in _blocks(T, policy.block_k):
-                if causal and ks > qe - 1:
-                    break
-                yield qs, qe, ks, ke
-
     delta = backward_delta(do, q, k, v, o_store, lse, policy, scale, causal)
 
-    for qs, qe, ks, ke in pairs():
-        p = p_block(qs, qe, ks, ke)
+    for qs, qe, ks, ke in _block_pairs(T, policy, causal):
+        p = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
         do_b = do[:, :, qs:qe]
         # dV_j += Pᵀ dO
         dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm(_r(p, op).transpose(-1, -2), _r(do_b, op)), bw), bw)
