@@ -7,7 +7,11 @@ one BF16 ulp, so:
 * lse: close at rtol = atol = 1e-5 for every policy;
 * O of a policy that stores O in FP32 (``o_store == "fp32"``): close at rtol = atol = 1e-5;
 * O of a policy that stores O in BF16: at least 99% of the elements bit-identical to the reference,
-  and every other element within 2 BF16 ulps (relative difference <= 2**-6).
+  and every element within 2 BF16 ulps of itself plus 2**-8 of the largest |O| (|diff| <= 2**-6·|ref| +
+  2**-8·max|ref|). The second term is for elements near 0 by cancellation: a flipped BF16 rounding of
+  one P̄ entry moves Ō[T, i] by up to 2**-8·P̄·|V[t, i]|, which is small against the row's scale but not
+  against such an element (seen with fa2_sfa at T = 40: |diff| = 8.5e-4 at |ref| = 4.8e-3, i.e. 6.4e-4 of
+  max|ref|, in 2 of 60 seeds).
 """
 
 import os
@@ -49,8 +53,8 @@ def _check(o, lse, ro, rlse, policy):
         return
     same = (o == ro).double().mean().item()
     assert same >= 0.99, f"only {same:.4%} of O bit-identical to the reference"
-    rel = ((o - ro).abs() / ro.abs().clamp_min(torch.finfo(torch.float32).tiny)).max().item()
-    assert rel <= 2.0**-6, f"O differs from the reference by {rel:.3e} relative (> 2 BF16 ulps)"
+    bad = (o - ro).abs() > 2.0**-6 * ro.abs() + 2.0**-8 * ro.abs().max()
+    assert not bad.any(), f"{int(bad.sum())} elements of O beyond 2 BF16 ulps + 2**-8·max|O| from the reference"
 
 
 def _inputs(B, H, T, D, dtype, seed):
