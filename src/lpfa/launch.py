@@ -60,8 +60,9 @@ PAPER_ISOLATION: dict[str, str] = {
 SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
     f"{mode}_s{s}": [ISOLATION[mode][0], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2, 3)
 }
-SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon
+SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon; the FP32 twin is the precursor verdict's reference
     "bf16_muon": [*TWINS["bf16"], "optimizer=muon"],
+    "fp32_muon": [*TWINS["fp32"], "optimizer=muon"],
     "sfa_muon": [*TWINS["sfa"], "optimizer=muon"],
 }
 SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
@@ -85,6 +86,7 @@ DESCRIPTIONS: dict[str, str] = {
     "fp32_outlier_heads": "FP32 O for only the outlier heads 5 and 2 of layer 1",
     "fp32_worst_head": "FP32 O for only the worst head (5) of layer 1",
     "bf16_muon": "BF16 attention, Muon optimizer",
+    "fp32_muon": "FP32 attention, Muon optimizer",
     "sfa_muon": "BF16 attention with SFA (β = 2), Muon optimizer",
     "bf16_runaway": "the BF16 twin again, eager, every checkpoint kept: replayed before its logit runaway",
     "bf16_gpt2s": "BF16 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
