@@ -193,8 +193,10 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t2.loc["pre", "attention"] == "paper_untiled; layer 1: sdpa_fp32; FP32 heads 2, 5 of layer 0"
     assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
     assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None  # no model config: unknown
+    assert t2.loc["pre", "layer 1 δ from"] == "fp32 O"  # layer 1 runs sdpa_fp32
     t0, _ = experiment_table({"pre": tmp_path / "pre"}, layer=0)
     assert t0.loc["pre", "layer 0 scores"] == "bf16; fp32 in heads 2, 5"
+    assert t0.loc["pre", "layer 0 δ from"] == "bf16 O; fp32 O in heads 2, 5"
     s2 = seeds_summary(t2, mode=lambda label: "x")
     assert s2.loc["x", "precursor or worse"] == 2 and s2.loc["x", "ran away"] == 1
     assert s2.loc["x", "first precursor"] == 600 and s2.loc["x", "last precursor"] == 700  # bf16_s2 leaves ref behind as it runs away
@@ -214,3 +216,26 @@ def test_precursor_events_on_committed_pair():
     assert b["worst-head ties rise"] < b["mean ties rise"] < b["logit > 10× fp32"] < b["W_Q > 1.25× fp32"] < b["logit runaway"] == 6400
     assert b["explosion"] is None and b["W_Q first > 1.25× fp32"] < b["worst-head ties rise"]  # an early lead that closed again
     assert f[["worst-head ties rise", "mean ties rise", "logit runaway", "explosion", "logit > 10× fp32"]].isna().all()
+
+
+def test_delta_source_of_every_isolation_row():
+    """What each isolation row's layer-1 δ is computed from, from its overrides alone (the column the
+    isolation page tests its pattern with)."""
+    from lpfa.launch import ISOLATION
+    from lpfa.model import GPTConfig
+    from lpfa.runs import delta_source, score_precision
+    from lpfa.train import parse_overrides
+
+    want = {"bf16": "bf16 O", "fp32": "fp32 O", "bf16_tiled": "bf16 O", "bf16_only_layer1": "bf16 O", "fp32_only_layer1": "fp32 O",
+            "delta_dp": "dP∘P", "delta_o_fp32": "fp32 O", "delta_o_exact": "exact O", "o_fp32": "fp32 O", "pv_fp32": "bf16 O",
+            "scores_fp32": "bf16 O", "fp32_outlier_heads": "bf16 O; fp32 O in heads 2, 5", "fp32_worst_head": "bf16 O; fp32 O in head 5"}
+    assert set(want) == set(ISOLATION)
+    for label, overrides in ISOLATION.items():
+        o = parse_overrides(overrides)
+        conf = GPTConfig(n_layer=2, n_head=8, n_embd=64, **{k: o[k] for k in ("attn_policy", "attn_backend", "layer_policies",
+                                                                               "fp32_heads") if k in o}).to_dict()
+        assert delta_source(conf, 1) == want[label], label
+        assert delta_source(conf, 0) in ("bf16 O", "fp32 O", "dP∘P", "exact O"), label
+    assert score_precision(GPTConfig(attn_policy="scores_fp32").to_dict(), 1) == "fp32"
+    assert delta_source(GPTConfig(attn_backend="math").to_dict(), 0) == "dP∘P"
+    assert delta_source(GPTConfig(attn_backend="sdpa").to_dict(), 0) == "bf16 O"

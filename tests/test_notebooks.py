@@ -75,9 +75,15 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     and their 'not run yet' branches on a stand-in results tree without them (LPFA_ROOT points the pages at it)."""
     iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14.ipynb"))
     assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
-    assert "* **clean**: `fp32`, `fp32_only_layer1`, `fp32_outlier_heads`, `fp32_worst_head`" in iso
-    assert "it reports `delta_dp`, `pv_fp32` stable, and here they are not" in iso and "one pattern fits every row run" in iso
-    assert "**Not run yet**: `bf16_tiled`, `delta_o_fp32`, `o_fp32`, `scores_fp32`" in iso
+    assert "* **ran away**: `scores_fp32` (step 7,600)" in iso
+    assert "* **clean**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, `fp32_worst_head`" in iso
+    assert "it reports `delta_dp`, `pv_fp32` stable, and here they are not" in iso
+    assert ("in every head' predicts a precursor or worse**: it fits 9 of 12 rows; not `delta_o_fp32` (layer 1 scores bf16, clean)" in iso
+            and "fits 10 of 12 rows; not `delta_dp` (layer 1 δ from dP∘P, precursor), `delta_o_exact`" in iso)
+    assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso  # a second launch
+    assert "**Failing without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
+    assert "the row is clean, as the paper reports." in iso
+    assert "**Not run yet**: `bf16_tiled`." in iso
     seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15.ipynb"))
     assert "* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or worse" in seeds
     assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
@@ -88,10 +94,32 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     (root / "_toc.yml").write_text("format: jb-book\n")
     res = root / "results"
     res.mkdir()
-    for exp in ("repro_pair", "compile_throughput"):
+    for exp in ("repro_pair", "repro_twins", "compile_throughput"):
         (res / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
     iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14b.ipynb"))
     assert "**Not run yet**: `bf16`, `fp32`, `bf16_tiled`, `bf16_only_layer1`" in iso and "Measured" not in iso.split("delta_formulas")[0]
     seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15b.ipynb"))
     assert "**Not run yet**: only seed 1337 is in the table" in seeds and "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
+
+
+def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
+    """Page 07's Muon and second-size sections on the committed results (verdicts computed there), and their
+    'not run yet' branch with its cost on a results tree without them."""
+    sfa = _text(execute_notebook(ROOT / "notebooks" / "07_sfa.ipynb", tmp_path / "07.ipynb"))
+    assert ("the BF16 run did not explode, but its layer-1 logits ran away from step 1,600; the FP32 run stayed clean; "
+            "the SFA run stayed clean") in sfa
+    assert "from step 1,400 with Muon against 7,300 with AdamW" in sfa
+    assert "At β = 2 it silenced between 21.5% and 24.9% of layer 1's rows" in sfa
+    assert "the BF16 run exploded at step 1,296 (its logits ran away in layer 6 from step 800); the FP32 run exploded at step 1,609" in sfa
+    assert "Both precisions explode" in sfa and "Not run yet" not in sfa
+    root = tmp_path / "root"
+    (root / "notebooks").mkdir(parents=True)
+    (root / "_toc.yml").write_text("format: jb-book\n")
+    (root / "results").mkdir()
+    for exp in ("repro_pair", "repro_twins", "compile_throughput"):
+        (root / "results" / exp).symlink_to(ROOT / "results" / exp)
+    monkeypatch.setenv("LPFA_ROOT", str(root))
+    sfa = _text(execute_notebook(ROOT / "notebooks" / "07_sfa.ipynb", tmp_path / "07b.ipynb"))
+    assert "**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)" in sfa and "**Not run yet** (`sizes`" in sfa
+    assert "With Muon** (" not in sfa

@@ -53,6 +53,11 @@ def test_exact_resume(token_dir, tmp_path):
     assert s["status"] == "completed"
     full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert [full[i] for i in range(12)] == [part[i] for i in range(12)]  # bit-identical losses
+    conf = json.loads((tmp_path / "part" / "config.json").read_text())  # the first start's record stays, the resume is added
+    assert conf["train"]["resume"] is False and conf["train"]["stop_at_step"] == 6
+    (resume,) = conf["resumes"]
+    assert resume["step"] == 6 and resume["changed"] == {"resume": True, "stop_at_step": 0}
+    assert resume["provenance"]["command"]
 
 
 def test_refuses_to_overwrite_a_run(token_dir, tmp_path):

@@ -5,7 +5,7 @@
 #   PHASE=wait   WAIT=570 bash scripts/gpu/twins.sh               # follow them; a partial copy goes to $OUT
 #   PHASE=finish WAIT=240 bash scripts/gpu/twins.sh               # wait for the end (STOP=1 ends them now),
 #                                                                 # replay the BF16 run, SFA β sweep, collect
-# Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon: lpfa.launch.EXPERIMENTS; several: "isolation seeds"), NAME (twins),
+# Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon, sizes: lpfa.launch.EXPERIMENTS; several: "isolation seeds"), NAME (twins),
 # ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
 # ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
 # round-robin), REPLAY (1: replay the bf16 run in finish), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run

@@ -252,11 +252,34 @@ def score_precision(model_conf: dict, layer: int) -> str:
     return pol.scores
 
 
+def delta_source(model_conf: dict, layer: int) -> str:
+    """What the backward's δ of ``layer`` is computed from (``model_conf``: the ``model`` part of a run's
+    config.json), the step of the paper's chain that the isolation rows change (Sec. 3.1, Eq. 3):
+    ``bf16 O`` (rowsum(dO∘O) with O rounded to BF16, the paper's failing δ), ``fp32 O`` (with an O kept or
+    recomputed in FP32 from the forward's scores), ``exact O`` (O recomputed from FP32 scores, inconsistent with
+    the backward's P when the scores are BF16) or ``dP∘P`` (rowsum(dP∘P), which needs no O; also autograd's
+    softmax backward, the ``math`` backend); and the heads that differ, e.g. ``bf16 O; fp32 O in head 5``.
+    SDPA's flash kernels store a BF16 O under autocast and take δ from it; ``sdpa_fp32`` an FP32 O."""
+    from lpfa.model import GPTConfig
+
+    cfg = GPTConfig.from_dict(model_conf)
+    backend = cfg.layer_backend(layer)
+    if backend != "lpfa":
+        return {"sdpa": "bf16 O", "sdpa_fp32": "fp32 O", "math": "dP∘P"}[backend]
+    pol = cfg.policy(layer)
+    src = {"dp_p": "dP∘P", "o_fp32": "fp32 O", "o_exact": "exact O"}.get(pol.delta, f"{pol.o_store} O")
+    heads = sorted(pol.fp32_heads)
+    if heads and src != "fp32 O":
+        return f"{src}; fp32 O in head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}"
+    return src
+
+
 def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
                      logit_ratio: float = 10.0):
     """:func:`precursor_table` of the runs of an experiment, with what each run changes
     (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
-    scores were rounded (:func:`score_precision`) and its outcome in front. Returns ``(table, step)``: the
+    scores were rounded (:func:`score_precision`), what its δ is computed from (:func:`delta_source`) and its
+    outcome in front. Returns ``(table, step)``: the
     isolation table, the seeds table.
 
     ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
@@ -289,13 +312,15 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     table.insert(3, "compiled", [bool(confs[label].get("compile", False)) for label in table.index])
     table.insert(4, f"layer {layer} scores", pd.Series([score_precision(models[label], layer) if models[label] else None
                                                          for label in table.index], index=table.index, dtype=object))
+    table.insert(5, f"layer {layer} δ from", pd.Series([delta_source(models[label], layer) if models[label] else None
+                                                       for label in table.index], index=table.index, dtype=object))
     if reference is not None:
         ref_of = reference if callable(reference) else (lambda label: reference)
-        table.insert(5, "precursor from", pd.Series([
+        table.insert(6, "precursor from", pd.Series([
             divergence_step(layer_max(runs[label], "max_logit", layer), layer_max(ref_of(label), "max_logit", layer), logit_ratio)
             for label in table.index], index=table.index, dtype=object))
     quiet = "stable" if reference is None else "clean"
-    table.insert(5, "outcome", [
+    table.insert(6, "outcome", [
         "exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None
         else "precursor" if reference is not None and r["precursor from"] is not None else quiet
         for _, r in table.iterrows()])

@@ -346,9 +346,14 @@ def train(cfg: TrainConfig) -> dict:
         )
         from lpfa.provenance import provenance, write_json
 
-        write_json(out_dir / "config.json", {"train": asdict(cfg), "model": mcfg.to_dict(), "data_dir": str(data_dir),
-                                             "data_meta": meta, "world_size": world, "device": device, "dtype": dtype,
-                                             "provenance": provenance()})
+        conf = {"train": asdict(cfg), "model": mcfg.to_dict(), "data_dir": str(data_dir), "data_meta": meta,
+                "world_size": world, "device": device, "dtype": dtype, "provenance": provenance()}
+        if cfg.resume and (out_dir / "config.json").exists():  # keep the run's first start; add this one to its resumes
+            first = json.loads((out_dir / "config.json").read_text())
+            changed = {k: v for k, v in conf["train"].items() if first.get("train", {}).get(k) != v}
+            first.setdefault("resumes", []).append({"step": start_step, "changed": changed, "provenance": conf["provenance"]})
+            conf = first
+        write_json(out_dir / "config.json", conf)
         run.log(f"model {cfg.model}: {raw_model.num_params() / 1e6:.2f}M parameters, attention {cfg.attn_backend}/"
                 f"{cfg.attn_policy}, device {device} × {world}, autocast {dtype}, data {data_dir} ({meta.get('tokenizer', '?')})")
 
