@@ -1,6 +1,10 @@
 """lpfa.launch: detached twin runs, progress, resume after a time budget, and the archive that comes back."""
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -114,3 +118,25 @@ def test_paper_isolation_covers_the_table():
 
     assert set(PAPER_ISOLATION) == set(ISOLATION)
     assert set(PAPER_ISOLATION.values()) <= {"fails", "stable", "not reported"}
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/gpu/twins.sh needs bash")
+def test_gpu_script_end_to_end_on_cpu(tokens, tmp_path):
+    """scripts/gpu/twins.sh's start and finish phases on tiny runs: the twins train, the BF16 run is replayed, the
+    SFA β sweep and the structure statistics are computed on its checkpoints, and everything lands in the archive."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PY": sys.executable, "ROOT": str(tmp_path / "runs"),
+           "OUT": str(tmp_path / "out"), "DATA": str(tokens), "NAME": "t", "POLL": "1", "GPU_TESTS": "0"}
+    extra = "model=debug block_size=32 batch_size=4 max_steps=8 ckpt_interval=4 diag_interval=2 eval_interval=0 eval_batches=1"
+    run = lambda **kw: subprocess.run(["bash", str(ROOT / "scripts/gpu/twins.sh")], env={**env, **kw}, cwd=ROOT,
+                                      capture_output=True, text=True, timeout=600)
+    r = run(PHASE="start", EXPERIMENT="twins", ONLY="bf16 fp32", EXTRA=extra, BUDGET="300", WAIT="300")
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = run(PHASE="finish", WAIT="60", REPLAY_STEPS="2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    with tarfile.open(tmp_path / "out" / "t.tar.gz") as tar:
+        names = set(tar.getnames())
+    for f in ("t/launch.json", "t/bf16/summary.json", "t/bf16/sfa_sweep.json", "t/bf16/structure.json", "t/fp32/structure.json",
+              "t/bf16_replay/replay.json", "t/bf16_replay/replay.npz"):
+        assert f in names, (f, sorted(names))
+    s = json.loads((tmp_path / "runs" / "t" / "fp32" / "structure.json").read_text())
+    assert s["step"] == 8 and s["attn_backend"] == "sdpa_fp32" and len(s["ties"]["bf16"]) == 2  # the debug model's 2 layers

@@ -6,10 +6,12 @@
 #   PHASE=finish WAIT=240 bash scripts/gpu/twins.sh               # wait for the end (STOP=1 ends them now),
 #                                                                 # replay the BF16 run, SFA β sweep, collect
 # Variables: EXPERIMENT (twins; or isolation, seeds, sfa_muon, sizes: lpfa.launch.EXPERIMENTS; several: "isolation seeds"), NAME (twins),
-# ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run),
+# ROOT (/tmp/runs), PRESET (repro), DATA (data/corpus), EXTRA (more key=value for every run), POLL (seconds between
+# progress lines; 60, 20 in finish),
 # ONLY (labels of the experiment to start; default all), GPUS (device indices; default every GPU, runs placed
 # round-robin), REPLAY (1: replay the bf16 run in finish), REPLAY_STEPS (200), REPLAY_MAX_S (150), GPU_TESTS (1: run
-# tests/test_attention_gpu.py in finish). Shorter experiments: EXTRA="compile=true max_steps=8000" (faster:
+# tests/test_attention_gpu.py in finish), STRUCTURE (1: python -m lpfa.structure on every run's last checkpoint in
+# finish: Figs. 8, 9 of the structure page). Shorter experiments: EXTRA="compile=true max_steps=8000" (faster:
 # results/compile_throughput), e.g. EXPERIMENT=isolation or EXPERIMENT=seeds, judged by the logit-runaway verdict.
 # RUNAWAY_STEPS=6500 adds a run bf16_runaway: the BF16 twin again, eager (BF16 runs are deterministic, so it retraces
 # the committed twin exactly: results/repro_runaway) with every 1000-step checkpoint kept; finish then replays it from
@@ -35,15 +37,15 @@ start)
   $L start --name "$NAME" --preset "$PRESET" --set data="$DATA" time_budget_s="${BUDGET:?}" max_steps=40000 \
       ckpt_interval=1000 ${EXTRA:-} "${EXPS[@]}" ${ONLY:+--only $ONLY ${RUNAWAY_STEPS:+bf16_runaway}} "${RA[@]}" \
       ${GPUS:+--gpus $GPUS} || exit 1
-  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 60
+  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
   ;;
 wait)
-  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 60
+  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
   $L collect --name "$NAME" --out "${OUT:-/tmp/out}"
   ;;
 finish)
   [ "${STOP:-0}" = 1 ] && for d in "$ROOT/$NAME"/*/; do touch "$d/STOP"; done
-  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s 20
+  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-20}"
   [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ] && (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz)  # a re-sent tree drops them
   LAST=$(( $(nvidia-smi -L 2>/dev/null | wc -l) - 1 )); [ "$LAST" -lt 0 ] && LAST=0  # replay on GPU 0, the rest on the last
   R=bf16; [ -d "$ROOT/$NAME/bf16_runaway" ] && R=bf16_runaway
@@ -56,6 +58,11 @@ finish)
       [ -d "$d/ckpt_history" ] && CUDA_VISIBLE_DEVICES=$LAST $PY -m lpfa.sfa_sweep --run "$d" --out "$d/sfa_sweep.json" 2>&1 \
           | grep -v "SFA sweep:" | tail -8
     done
+    if [ "${STRUCTURE:-1}" = 1 ]; then  # Figs. 8, 9 on every run's last checkpoint (the structure page)
+      for d in "$ROOT/$NAME"/*/; do
+        [ -d "$d/ckpt" ] && CUDA_VISIBLE_DEVICES=$LAST $PY -m lpfa.structure --run "$d" --out "$d/structure.json" 2>&1 | tail -1
+      done
+    fi
     if [ "${GPU_TESTS:-1}" = 1 ]; then  # the kernels at full shapes on this GPU
       mkdir -p "${OUT:-/tmp/out}"
       CUDA_VISIBLE_DEVICES=$LAST $PY -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py >"${OUT:-/tmp/out}/gpu_tests.txt" 2>&1
@@ -65,6 +72,6 @@ finish)
   wait
   [ -f "$ROOT/$NAME/replay.log" ] && grep -v "^replay:" "$ROOT/$NAME/replay.log" | tail -40
   $L status --name "$NAME"
-  $L collect --name "$NAME" --out "${OUT:-/tmp/out}" --extra sfa_sweep.json replay.json replay.npz
+  $L collect --name "$NAME" --out "${OUT:-/tmp/out}" --extra sfa_sweep.json structure.json replay.json replay.npz
   ;;
 esac

@@ -1,0 +1,186 @@
+"""Ties and low-rank structure in a trained model (paper Figs. 8, 9).
+
+The mechanism needs two ingredients that the paper shows in a pretrained GPT-2: rows of scores with
+several (near-)tied maxima (Fig. 8), and rank-1 matrices (PK)[T]ᵀX[T] that point the same way for many
+tokens T (Fig. 9), so that per-token δ errors add up instead of cancelling.
+
+* :func:`summarize` — both, for one model on one batch of token ids: the tie fraction of every layer and
+  head with the scores rounded to BF16 (as the paper's attention computes them) and in FP32, and for the
+  most tied head the cosine similarities of the tokens' rank-1 matrices against random vectors of the
+  same sizes; a JSON-ready dict;
+* :func:`summarize_run` — the same for a checkpoint of an ``lpfa.train`` run, on its validation data (what
+  a GPU machine computes for the book, since checkpoints cannot travel);
+* :func:`plot_ties`, :func:`plot_similarity`, :func:`describe` — the page's figures and text from a summary.
+
+    python -m lpfa.structure --run runs/twins/fp32 --out runs/twins/fp32/structure.json
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BINS = np.linspace(-1.0, 1.0, 41)  # the similarity histograms' bin edges
+MATRIX_TOKENS = 128  # the similarity matrix kept in a summary covers at most this many tokens
+
+
+def _sim_stats(sim: np.ndarray) -> dict:
+    off = sim[~np.eye(len(sim), dtype=bool)]
+    return {"median": float(np.median(off)), "above_0.5": float((off > 0.5).mean()),
+            "hist": np.histogram(off, bins=BINS)[0].tolist()}
+
+
+@torch.no_grad()
+def summarize(model, idx: torch.Tensor, eps: float = 1e-3, seed: int = 0, autocast=None) -> dict:
+    """Figs. 8 and 9 for ``model`` on token ids ``idx`` (B, T).
+
+    ``ties``: {"bf16", "fp32"} → (n_layer × n_head) fraction of causal rows with more than one score within
+    ``eps`` of the row max (:func:`lpfa.mechanism.tie_fractions`, batch-averaged). ``head``: the (layer, head)
+    most tied with BF16 scores. ``similarity``: for that head and the first sequence, the cosine similarity of
+    the rank-1 matrices (PK)[T]ᵀX[T] of all token pairs (:func:`lpfa.mechanism.rank1_similarity`) — median,
+    share above 0.5 and a histogram over ``BINS`` — for the model and for random Gaussian vectors of the same
+    sizes (seeded by ``seed``), and the matrix of the first ``MATRIX_TOKENS`` tokens. ``autocast``: the context
+    the model runs in (BF16 on a GPU, as in training)."""
+    import contextlib
+
+    from lpfa.mechanism import layer_tensors, rank1_similarity, tie_fractions
+
+    if idx.ndim != 2 or idx.shape[1] < 2:
+        raise ValueError(f"idx must be (batch, tokens) token ids with at least 2 tokens, got shape {tuple(idx.shape)}")
+    ctx = autocast or contextlib.nullcontext()
+    with ctx:
+        ties = {"bf16": tie_fractions(model, idx, "paper", eps), "fp32": tie_fractions(model, idx, "fp32", eps)}
+    layer, head = (int(i) for i in np.unravel_index(int(ties["bf16"].argmax()), tuple(ties["bf16"].shape)))
+    with ctx:
+        t = layer_tensors(model, idx[:1], layer)
+    sim = rank1_similarity(t["p"][0, head], t["k"][0, head], t["x"][0]).cpu().numpy()
+    T = sim.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    rand = rank1_similarity(torch.eye(T), torch.randn(T, t["k"].shape[-1], generator=g),
+                            torch.randn(T, t["x"].shape[-1], generator=g)).numpy()
+    cfg = model.config
+    return {"model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd},
+            "batch": list(idx.shape), "eps": eps, "seed": seed,
+            "ties": {k: v.cpu().tolist() for k, v in ties.items()}, "head": [layer, head],
+            "similarity": {"model": _sim_stats(sim), "random": _sim_stats(rand), "bins": BINS.tolist(),
+                           "matrix": np.round(sim[:MATRIX_TOKENS, :MATRIX_TOKENS], 4).tolist()}}
+
+
+def summarize_run(run_dir, step: int | None = None, n_seq: int = 4, seq_len: int | None = None, device: str = "auto",
+                  command: str | None = None) -> dict:
+    """:func:`summarize` for a checkpoint of ``run_dir`` (default: its last, ``ckpt/``; ``step``: one of
+    ``ckpt_history/``) on ``n_seq`` sequences of its validation data (the batch :mod:`lpfa.sfa_sweep` uses, cut
+    to ``seq_len`` tokens; default the run's block size), in BF16 autocast on a GPU as in training."""
+    from lpfa import data as lpfa_data
+    from lpfa.checkpoints import load_checkpoint
+    from lpfa.provenance import provenance
+    from lpfa.replay import checkpoints_of
+    from lpfa.train import _autocast
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} is not an lpfa.train run folder (no config.json)")
+    conf = json.loads((run_dir / "config.json").read_text())
+    train = conf["train"]
+    cks = checkpoints_of(run_dir)
+    if not cks:
+        raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
+    if step is None:
+        step = max(cks)
+    if step not in cks:
+        raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has steps {sorted(cks)}")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    seq_len = seq_len or train["block_size"]
+    val, _ = lpfa_data.load_tokens(Path(conf["data_dir"]), "val")
+    starts = lpfa_data.batch_starts(train["seed"] + 2, 0, 0, n_seq, len(val), train["block_size"])
+    idx, _ = lpfa_data.get_batch(val, starts, train["block_size"], device)
+    model = load_checkpoint(cks[step], map_location=device).model.to(device).eval()
+    autocast = _autocast(device, "bfloat16" if device.startswith("cuda") else "float32")
+    out = summarize(model, idx[:, :seq_len], autocast=autocast)
+    return {"run": str(run_dir), "step": step, "policy": train.get("attn_policy"), "attn_backend": train.get("attn_backend"),
+            **out, "provenance": provenance(command=command)}
+
+
+def _load(summary) -> dict:
+    return summary if isinstance(summary, dict) else json.loads(Path(summary).read_text())
+
+
+def plot_ties(summary, title: str = ""):
+    """Fig. 8: the tie fraction of every layer (rows) and head (columns), BF16 scores next to FP32 scores."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    use_style()
+    s = _load(summary)
+    b, f = np.asarray(s["ties"]["bf16"]), np.asarray(s["ties"]["fp32"])
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    for ax, t, name in zip(axes, (b, f), ("BF16 scores", "FP32 scores")):
+        im = ax.imshow(t, cmap="viridis", vmin=0, vmax=max(b.max(), f.max(), 1e-3), aspect="auto")
+        ax.set_xlabel("head"); ax.set_ylabel("layer"); ax.set_title(f"{title}{': ' if title else ''}{name}", fontsize=9)
+    fig.colorbar(im, ax=list(axes), label="rows with tied maxima")
+    return fig
+
+
+def plot_similarity(summary, title: str = ""):
+    """Fig. 9: the rank-1 similarity matrix of the most tied head and its distribution against random vectors."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    s = _load(summary)
+    sim, (layer, head) = s["similarity"], s["head"]
+    fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
+    axes[0].imshow(np.asarray(sim["matrix"]), cmap="RdBu_r", vmin=-1, vmax=1)
+    axes[0].set_title(f"{title}{': ' if title else ''}layer {layer}, head {head}", fontsize=9)
+    axes[0].set_xlabel("token T'"); axes[0].set_ylabel("token T")
+    edges = np.asarray(sim["bins"])
+    for key, color in (("model", COLORS["bf16"]), ("random", COLORS["neutral"])):
+        counts = np.asarray(sim[key]["hist"], dtype=float)
+        axes[1].stairs(counts / counts.sum() / np.diff(edges), edges, color=color, fill=True, alpha=0.6,
+                       label="model" if key == "model" else "random vectors")
+    axes[1].set_xlabel("cosine similarity of rank-1 matrices"); axes[1].legend()
+    return fig
+
+
+def describe(summary) -> str:
+    """The numbers of both figures in one paragraph (Markdown)."""
+    s = _load(summary)
+    b, f = np.asarray(s["ties"]["bf16"]), np.asarray(s["ties"]["fp32"])
+    layer, head = s["head"]
+    m, r = s["similarity"]["model"], s["similarity"]["random"]
+    return (f"With BF16 scores, {b.mean():.1%} of rows have tied maxima on average over layers and heads, {b.max():.1%} in the "
+            f"most tied head (layer {layer}, head {head}); with FP32 scores {f.mean():.2%} on average and {f.max():.2%} at most. "
+            f"In that head, the median cosine similarity between tokens' rank-1 matrices is **{m['median']:.2f}** "
+            f"({m['above_0.5']:.0%} of pairs above 0.5); for random vectors of the same sizes {r['median']:.2f} "
+            f"({r['above_0.5']:.0%} above 0.5).")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from lpfa.provenance import write_json
+
+    p = argparse.ArgumentParser(prog="python -m lpfa.structure", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="an lpfa.train run folder with checkpoints")
+    p.add_argument("--out", required=True, help="a .json file")
+    p.add_argument("--step", type=int, default=None, help="a checkpoint step (default: the last)")
+    p.add_argument("--n-seq", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's block size)")
+    p.add_argument("--device", default="auto")
+    a = p.parse_args(argv)
+    res = summarize_run(a.run, a.step, a.n_seq, a.seq_len, a.device,
+                        command=" ".join(["python -m lpfa.structure", *(sys.argv[1:] if argv is None else argv)]))
+    write_json(a.out, res)
+    print(f"{a.run} step {res['step']}: " + describe(res).replace("**", ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
