@@ -279,8 +279,7 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     """:func:`precursor_table` of the runs of an experiment, with what each run changes
     (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
     scores were rounded (:func:`score_precision`), what its δ is computed from (:func:`delta_source`) and its
-    outcome in front. Returns ``(table, step)``: the
-    isolation table, the seeds table.
+    outcome in front. Returns ``(table, step)``: the isolation table, the seeds table.
 
     ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
     ``config.json``) or a dict ``{label: run_dir}``. ``reference``: the stable run each row is held against,

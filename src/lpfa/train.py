@@ -15,7 +15,8 @@ Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (every step; evals an
 ``log.txt``, ``replay.jsonl``, ``ckpt/`` (the last good checkpoint, written atomically) and
 ``summary.json``. A non-finite loss stops the run and keeps the last good checkpoint and all logs; a
 wall-clock budget (``time_budget_s``) or a file named ``STOP`` in ``out_dir`` ends it cleanly with a
-checkpoint; ``resume=true`` continues exactly where the checkpoint left off.
+checkpoint; ``resume=true`` continues exactly where the checkpoint left off (``config.json`` keeps the first
+start's record and lists each resume, with what it changed, under ``resumes``).
 """
 
 from __future__ import annotations
