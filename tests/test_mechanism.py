@@ -47,7 +47,9 @@ def test_subspace_overlap():
 def test_pv_running_error_matches_the_bit_level_adder():
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     T = 30
-    p = torch.exp(-torch.rand(T, generator=g) * 3).bfloat16().float()
+    # exponents at least 0.01 below 0: no P̄ rounds to 1 by chance (exp(−x) does in BF16 for x < 2^-9, seen once
+    # in a fresh seed), so the two set below are the only ones
+    p = torch.exp(-(torch.rand(T, generator=g) * 3 + 0.01)).bfloat16().float()
     p[[3, 17]] = 1.0
     v = (-torch.rand(T, generator=g) * 3).bfloat16().float()
     r = pv_running_error(p, v)
