@@ -194,6 +194,11 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
     assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None  # no model config: unknown
     assert t2.loc["pre", "layer 1 δ from"] == "fp32 O"  # layer 1 runs sdpa_fp32
+    from lpfa.runs import outcome_text
+
+    assert outcome_text(t2, "pre") == "showed the precursor from step 700" and outcome_text(t2, "ref") == "stayed clean"
+    assert outcome_text(t2, "bf16_s2") == "did not explode, but its layer-1 logits ran away from step 600"
+    assert outcome_text(table, "fp32_s1") == "stayed stable"  # no reference: no precursor verdict
     t0, _ = experiment_table({"pre": tmp_path / "pre"}, layer=0)
     assert t0.loc["pre", "layer 0 scores"] == "bf16; fp32 in heads 2, 5"
     assert t0.loc["pre", "layer 0 δ from"] == "bf16 O; fp32 O in heads 2, 5"

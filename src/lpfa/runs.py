@@ -326,6 +326,20 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     return table, step
 
 
+def outcome_text(table, label: str) -> str:
+    """One row of :func:`experiment_table` in words, e.g. "did not explode, but its layer-1 logits ran away from
+    step 1,600" (the verdicts strongest first, as in the table's ``outcome``)."""
+    r = table.loc[label]
+    if r["outcome"] == "exploded":
+        return (f"exploded at step {r['explosion step']:,}" + (f" (its logits ran away in layer {r['runaway layer']} from step "
+                f"{r['runaway step']:,})" if r["runaway step"] is not None else ""))
+    if r["outcome"] == "ran away":
+        return f"did not explode, but its layer-{r['runaway layer']} logits ran away from step {r['runaway step']:,}"
+    if r["outcome"] == "precursor":
+        return f"showed the precursor from step {r['precursor from']:,}"
+    return "stayed clean" if r["outcome"] == "clean" else "stayed stable"
+
+
 def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
     """Per mode (``mode(label)``, default the part before ``_s<seed>``): runs, how many exploded and how many
     ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run;
