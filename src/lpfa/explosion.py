@@ -120,6 +120,12 @@ def runaway_onset(run_dir, criterion: RunawayCriterion = RunawayCriterion()) -> 
     return logit_runaway([m for _, m in recs], [s for s, _ in recs], RunawayCriterion(criterion.logit, patience=1))
 
 
+def heads_text(heads) -> str:
+    """``head 5`` or ``heads 2, 5``: head indices in words, sorted."""
+    heads = sorted(int(h) for h in heads)
+    return f"head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}"
+
+
 def attention_label(train_conf: dict) -> str:
     """What a run's attention was: the lpfa policy preset, or the backend (``sdpa_fp32``, ...) otherwise, then
     any per-layer policies and FP32 heads, e.g. ``sdpa_fp32; layer 1: paper_untiled`` or
@@ -127,7 +133,7 @@ def attention_label(train_conf: dict) -> str:
     backend = train_conf.get("attn_backend", "lpfa")
     parts = [train_conf["attn_policy"] if backend == "lpfa" else backend]
     parts += [f"layer {layer}: {pol}" for layer, pol in sorted((train_conf.get("layer_policies") or {}).items(), key=lambda kv: int(kv[0]))]
-    parts += [f"FP32 head{'s' if len(heads) > 1 else ''} {', '.join(str(h) for h in sorted(heads))} of layer {layer}"
+    parts += [f"FP32 {heads_text(heads)} of layer {layer}"
               for layer, heads in sorted((train_conf.get("fp32_heads") or {}).items(), key=lambda kv: int(kv[0])) if heads]
     return "; ".join(parts)
 

@@ -239,6 +239,7 @@ def score_precision(model_conf: dict, layer: int) -> str:
     """How a run's attention scores S = QKᵀ·scale of ``layer`` are rounded (``model_conf``: the ``model`` part of a
     run's config.json): ``bf16`` or ``fp32``, and the heads that differ, e.g. ``bf16; fp32 in heads 2, 5``.
     SDPA's kernels and ``sdpa_fp32`` keep S in FP32; the ``math`` backend under BF16 autocast rounds it to BF16."""
+    from lpfa.explosion import heads_text
     from lpfa.model import GPTConfig
 
     cfg = GPTConfig.from_dict(model_conf)
@@ -246,9 +247,8 @@ def score_precision(model_conf: dict, layer: int) -> str:
     if backend != "lpfa":
         return "bf16" if backend == "math" else "fp32"
     pol = cfg.policy(layer)
-    heads = sorted(pol.fp32_heads)
-    if heads and pol.scores != "fp32":
-        return f"{pol.scores}; fp32 in head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}"
+    if pol.fp32_heads and pol.scores != "fp32":
+        return f"{pol.scores}; fp32 in {heads_text(pol.fp32_heads)}"
     return pol.scores
 
 
@@ -260,6 +260,7 @@ def delta_source(model_conf: dict, layer: int) -> str:
     the backward's P when the scores are BF16) or ``dP∘P`` (rowsum(dP∘P), which needs no O; also autograd's
     softmax backward, the ``math`` backend); and the heads that differ, e.g. ``bf16 O; fp32 O in head 5``.
     SDPA's flash kernels store a BF16 O under autocast and take δ from it; ``sdpa_fp32`` an FP32 O."""
+    from lpfa.explosion import heads_text
     from lpfa.model import GPTConfig
 
     cfg = GPTConfig.from_dict(model_conf)
@@ -268,9 +269,8 @@ def delta_source(model_conf: dict, layer: int) -> str:
         return {"sdpa": "bf16 O", "sdpa_fp32": "fp32 O", "math": "dP∘P"}[backend]
     pol = cfg.policy(layer)
     src = {"dp_p": "dP∘P", "o_fp32": "fp32 O", "o_exact": "exact O"}.get(pol.delta, f"{pol.o_store} O")
-    heads = sorted(pol.fp32_heads)
-    if heads and src != "fp32 O":
-        return f"{src}; fp32 O in head{'s' if len(heads) > 1 else ''} {', '.join(map(str, heads))}"
+    if pol.fp32_heads and src != "fp32 O":
+        return f"{src}; fp32 O in {heads_text(pol.fp32_heads)}"
     return src
 
 

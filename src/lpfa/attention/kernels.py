@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32_POLICY, PRESETS, PrecisionPolicy
+from lpfa.attention.policy import BF16, PRESETS, PrecisionPolicy, fp32_twin
 
 _BY_KEY: dict[str, PrecisionPolicy] = dict(PRESETS)
 
 
 def _split(policy: PrecisionPolicy) -> tuple[PrecisionPolicy, PrecisionPolicy]:
     """The two policies a policy with ``fp32_heads`` runs: itself without them, and the FP32 twin."""
-    base = policy.with_(fp32_heads=frozenset(), name=policy.name)
-    twin = FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
-    return base, twin
+    return policy.with_(fp32_heads=frozenset(), name=policy.name), fp32_twin(policy)
 
 
 def _lookup(policy: PrecisionPolicy) -> str | None:

@@ -151,11 +151,16 @@ PRESETS: dict[str, PrecisionPolicy] = {
 }
 
 
+def fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
+    """The all-FP32 policy with ``policy``'s blocks: what its FP32 heads run, and the O of ``delta="o_exact"``."""
+    return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+
+
 def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
     """The policy whose forward recomputes O for δ when ``policy.delta`` is ``"o_fp32"`` (the same scores S,
     SFA, clamp and blocks; P̄, Ō, the accumulators and O in FP32) or ``"o_exact"`` (everything FP32)."""
     if policy.delta == "o_exact":
-        return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+        return fp32_twin(policy)
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32, FP32_POLICY, PrecisionPolicy, delta_o_policy
+from lpfa.attention.policy import BF16, FP32, PrecisionPolicy, delta_o_policy, fp32_twin
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -250,10 +250,6 @@ def _split_heads(policy: PrecisionPolicy, H: int):
     return lp, hp
 
 
-def _fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
-    return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
-
-
 class ReferenceAttention(torch.autograd.Function):
     """Autograd wrapper: forward and backward both follow the policy (not autograd of the forward)."""
 
@@ -266,7 +262,7 @@ class ReferenceAttention(torch.autograd.Function):
         sub_stats = []
         if stats is not None and stats.eps is None:
             stats.eps = policy.sfa.eps if policy.sfa else 1e-3  # one eps for both head groups
-        for heads, pol in ((lp, policy), (hp, _fp32_twin(policy))):
+        for heads, pol in ((lp, policy), (hp, fp32_twin(policy))):
             if not heads:
                 continue
             st = AttentionStats(eps=stats.eps) if stats is not None else None
@@ -294,7 +290,7 @@ class ReferenceAttention(torch.autograd.Function):
         dof = do.float()
         dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
         lp, hp = ctx.heads
-        for heads, pol in ((lp, ctx.policy), (hp, _fp32_twin(ctx.policy))):
+        for heads, pol in ((lp, ctx.policy), (hp, fp32_twin(ctx.policy))):
             if heads:
                 dq[:, heads], dk[:, heads], dv[:, heads] = backward(
                     dof[:, heads], qf[:, heads], kf[:, heads], vf[:, heads], o[:, heads], lse[:, heads], pol, ctx.scale, ctx.causal
