@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from lpfa.diagnostics import attention_probe, probe_record, wq_spectral_norms
+from lpfa.diagnostics import attention_probe, probe_record, v_sign_dominance, wq_spectral_norms
 from lpfa.model import GPT, GPTConfig
 
 
@@ -48,7 +48,34 @@ def test_probe_counts_ties_and_max_logits():
     assert torch.allclose(maxes[1].double(), s.amax(dim=(-1, -2)).amax(0), rtol=1e-5)
     assert all(a.attn.capture is None for a in m.transformer.h)  # probe leaves no hooks behind
     rec = probe_record(m, x)
-    assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit"} and len(rec["tie_fraction"]) == 2
+    assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit", "v_sign_dominance"} and len(rec["tie_fraction"]) == 2
+    assert torch.equal(torch.tensor(rec["tie_fraction"], dtype=ties.dtype), ties) and torch.equal(torch.tensor(rec["max_logit"], dtype=maxes.dtype), maxes)
+    v = cap["qkv"].split(m.config.n_embd, dim=2)[2].view(3, T, H, D).transpose(1, 2)
+    assert torch.equal(torch.tensor(rec["v_sign_dominance"][1]), v_sign_dominance(v))  # layer 1's V, as captured above
+
+
+def test_v_sign_dominance_counts_one_signed_columns():
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, T, D = 3, 5, 37, 11
+    v = torch.randn(B, H, T, D, generator=g)
+    v = torch.where(torch.rand(B, H, 1, D, generator=g) < 0.4, v.abs(), v)  # about 40% of the columns one-signed
+    v[0, 0, :4, :] = 0.0  # zeros count for neither sign: 33/37 < 0.9 of these columns can share one
+    v[1, 2, :, 3] = -v[1, 2, :, 3].abs()
+    v[1, 2, :3, 3] = 1.0  # 34/37 ≥ 0.9 negative: still dominant
+    for threshold in (0.9, 1.0, 0.6):
+        got = v_sign_dominance(v, threshold)
+        counts = torch.zeros(H, dtype=torch.float64)
+        for b in range(B):
+            for h in range(H):
+                for i in range(D):
+                    col = v[b, h, :, i].tolist()
+                    counts[h] += max(sum(x > 0 for x in col), sum(x < 0 for x in col)) / T >= threshold
+        assert torch.equal((got.double() * B * D).round(), counts)
+    assert v_sign_dominance(v)[2] > 0
+    with pytest.raises(ValueError, match="batch, heads, keys, features"):
+        v_sign_dominance(v[0])
+    with pytest.raises(ValueError, match="threshold must be in"):
+        v_sign_dominance(v, 0.5)
 
 
 def test_qk_clip_bounds_the_max_logit():

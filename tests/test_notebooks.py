@@ -127,10 +127,14 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
 
 def test_structure_page_on_committed_gpu_results(tmp_path):
     """Page 08's GPU sections: the logged ties of the 30k twins, the replay's rank-1 similarity and the structure
-    statistics of the GPU-trained FP32 checkpoint (results/structure), computed on the page."""
+    statistics of the GPU-trained checkpoints (results/structure, results/repro_runaway), computed on the page."""
     nb = ROOT / "notebooks" / "08_structure.ipynb"
     text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["08_structure"]))
     assert "`bf16` at step 30,100: 7.2% of rows tied on average over layers and heads, 83.4% in its most tied head (layer 1, head 6)" in text
-    assert "head 5: median 0.98 to 0.99 within a step" in text
-    assert "`fp32` (`sdpa_fp32`) at step 4,179" in text and "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
-    assert "multiplies its tied rows 18-fold (0.12% → 2.3% on average)" in text and "Not run yet" not in text
+    assert "head 5: median 0.99 to 0.99 within a step, 0.98 across 6000→6499" in text  # the replay from before the runaway
+    assert "`structure/fp32` (`sdpa_fp32`) at step 4,179" in text and "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
+    assert "`structure/fp32` at step 4,179: 18-fold (0.12% → 2.3% on average" in text and "Not run yet" not in text
+    # the eager twins at step 6,500 (results/repro_runaway): the BF16-trained model against its FP32 twin
+    assert "`repro_runaway/fp32` at step 6,500: 19-fold" in text
+    assert "with BF16 scores 76% of the rows of its most tied head (layer 1, head 5) are tied" in text
+    assert "the FP32 twin at the same step: 5.6% in its most tied head and 0.37. Training with BF16 attention built both" in text

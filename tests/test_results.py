@@ -35,15 +35,44 @@ def test_run_dir_load_and_experiment_rows(tmp_path):
     assert results.experiment_rows("nothing", root=tmp_path) == {}
 
 
+def test_runs_are_ordered_by_their_provenance_date(tmp_path):
+    """The latest run is the one made last, not the last name: "h200x2-…" sorts before "h200x4-…" of the same day."""
+    exp = tmp_path / "replays"
+    for name, date in (("h200x4-2026-03-01", "2026-03-01T18:54:03+00:00"), ("h200x2-2026-03-01", "2026-03-01T23:10:20+00:00")):
+        _row(exp / name, "bf16")
+        (exp / name / "provenance.json").write_text(json.dumps({"date_utc": date}))
+    assert [r.name for r in results.runs("replays", root=tmp_path)] == ["h200x4-2026-03-01", "h200x2-2026-03-01"]
+    assert results.run_dir("replays", root=tmp_path).name == "h200x2-2026-03-01"
+    assert results.experiment_rows("replays", root=tmp_path)["bf16"].parent.name == "h200x2-2026-03-01"
+
+
 def test_committed_eager_bf16_runs_are_bit_identical():
-    """The eager BF16 twin rerun on another machine (repro_runaway, 4 runs sharing its GPU) retraces the committed
-    30k-step twin exactly: every loss, and the SFA sweep computed from their checkpoints."""
+    """The eager BF16 twin rerun on two other machines (repro_runaway: 4 runs sharing a GPU of an x4 machine, then
+    alone on an x2 machine) retraces the committed 30k-step twin exactly: every loss, and the SFA sweep computed
+    from their checkpoints."""
     from lpfa.scaling import first_difference
 
-    rerun = results.run_dir("repro_runaway", root=ROOT / "results") / "bf16_runaway"
     twin = results.run_dir("repro_pair", root=ROOT / "results") / "bf16"
-    d = first_difference(rerun, twin)
-    assert d["common_steps"] == d["identical_steps"] == 6500 and d["first_differing_step"] is None
-    a, b = (json.loads((r / "sfa_sweep.json").read_text())["steps"] for r in (rerun, twin))
-    shared = sorted(set(a) & set(b), key=int)
-    assert len(shared) == 6 and all(a[s] == b[s] for s in shared)
+    reruns = [r / "bf16_runaway" for r in results.runs("repro_runaway", root=ROOT / "results")]
+    assert len(reruns) == 2
+    for rerun in reruns:
+        d = first_difference(rerun, twin)
+        assert d["common_steps"] == d["identical_steps"] == 6500 and d["first_differing_step"] is None
+        a, b = (json.loads((r / "sfa_sweep.json").read_text())["steps"] for r in (rerun, twin))
+        shared = sorted(set(a) & set(b), key=int)
+        assert len(shared) == 6 and all(a[s] == b[s] for s in shared)
+
+
+def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
+    """The default replay of the mechanism pages (04-06): from the last checkpoint before layer 1's largest logit
+    first passed the runaway threshold, through that step, with δ_lp − δ_hp positive on average in both heads."""
+    from lpfa.explosion import runaway_onset
+    from lpfa.replay import bias_test, load_replay
+
+    run = results.run_dir("repro_runaway", root=ROOT / "results")
+    result, _ = load_replay(run / "bf16_runaway_replay")
+    onset_step, onset_layer = runaway_onset(run / "bf16_runaway")
+    assert result["checkpoint_step"] < onset_step < result["checkpoint_step"] + result["steps"]
+    assert result["layer"] == onset_layer and result["choice"]["checkpoint"] == "onset"
+    for r in bias_test(result).values():
+        assert r["t"] > 10 and r["positive_fraction"] > 0.9

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from lpfa.diagnostics import DOMINANT_SIGN, v_sign_dominance
 from lpfa.mechanism import layer_tensors, rank1_similarity, tie_fractions
 from lpfa.model import GPT, GPTConfig
 from lpfa.structure import BINS, MATRIX_TOKENS, describe, main, plot_similarity, plot_ties, summarize, summarize_run
@@ -37,7 +38,14 @@ def test_summarize_matches_its_parts():
     assert mat.shape == (MATRIX_TOKENS, MATRIX_TOKENS) and np.abs(mat - sim[:MATRIX_TOKENS, :MATRIX_TOKENS]).max() <= 5e-5
     assert abs(s["similarity"]["random"]["median"]) < 0.05  # random vectors: no shared direction
     json.dumps(s)  # JSON-ready
-    assert "most tied head (layer" in describe(s)
+    vd = np.asarray(s["v_sign_dominance"])
+    assert vd.shape == (2, 4) and s["dominant_sign"] == DOMINANT_SIGN
+    for lay in range(2):
+        v = layer_tensors(model, idx, lay)["v"]
+        assert np.allclose(vd[lay], v_sign_dominance(v).numpy(), atol=1e-6)
+    assert "most tied head (layer" in describe(s) and "V's feature columns with one sign on at least 90%" in describe(s)
+    old = {k: v for k, v in s.items() if k not in ("v_sign_dominance", "dominant_sign")}
+    assert "V's feature columns" not in describe(old)  # summaries made before it was measured
     with pytest.raises(ValueError, match="idx must be"):
         summarize(model, idx[0])
 

@@ -3,9 +3,11 @@
 * :func:`wq_spectral_norms` — the spectral norm of every head's W_Q in every layer (Figs. 3, 11);
 * :func:`attention_probe` — for one batch, per layer and head: the fraction of rows whose pre-softmax
   scores have more than one value within ε of the row max (the tie frequency of Fig. 13), and the
-  largest attention logit.
+  largest attention logit;
+* :func:`v_sign_dominance` — per head, the share of V's feature columns with one sign on nearly all keys
+  (the other ingredient of a biased Ō = P̄V, Sec. 3.3).
 
-Both return plain tensors; :func:`probe_record` turns them into the JSON the training log stores.
+They return plain tensors; :func:`probe_record` turns them into the JSON the training log stores.
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def wq_spectral_norms(model) -> torch.Tensor:
     return torch.stack([torch.linalg.matrix_norm(model.w_q(i).float(), ord=2) for i in range(model.config.n_layer)])
 
 
+DOMINANT_SIGN = 0.9  # a V column has a dominant sign when at least this share of its keys' values share one sign
+
+
 @torch.no_grad()
-def capture_qk(model, x: torch.Tensor, autocast: contextlib.AbstractContextManager | None = None) -> list[dict]:
-    """Run ``model`` on token ids ``x``; returns, per layer, ``{"q", "k"}`` (B, H, T, D) as its attention saw them."""
+def capture_qkv(model, x: torch.Tensor, autocast: contextlib.AbstractContextManager | None = None) -> list[dict]:
+    """Run ``model`` on token ids ``x``; returns, per layer, ``{"q", "k", "v"}`` (B, H, T, D) as its attention saw them."""
     attns = [b.attn for b in model.transformer.h]
     for a in attns:
         a.capture = {}
@@ -41,12 +46,22 @@ def capture_qk(model, x: torch.Tensor, autocast: contextlib.AbstractContextManag
 
 
 @torch.no_grad()
-def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: contextlib.AbstractContextManager | None = None):
-    """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
-    (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
-    (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""
+def v_sign_dominance(v: torch.Tensor, threshold: float = DOMINANT_SIGN) -> torch.Tensor:
+    """(H,) for values ``v`` (B, H, T, D): the fraction of feature columns V[:, i] (of each sequence) in which at
+    least ``threshold`` of the T keys' values have one sign (zeros count for neither). Where such a column meets
+    a row with several P̄ = 1 entries, the summed V values share a sign, the condition for the biased BF16 sum
+    of Ō = P̄V (Sec. 3.3, Fig. 6)."""
+    if v.ndim != 4:
+        raise ValueError(f"v must be (batch, heads, keys, features), got shape {tuple(v.shape)}")
+    if not 0.5 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0.5, 1] (a share of keys with one sign), got {threshold}")
+    pos, neg = (v > 0).float().mean(2), (v < 0).float().mean(2)  # (B, H, D): each sign's share of the keys
+    return (torch.maximum(pos, neg) >= threshold).float().mean(dim=(0, 2))
+
+
+def _scores_probe(model, caps: list[dict], eps: float):
+    """``(tie_fraction, max_logit)`` of :func:`attention_probe` from captured q, k of every layer."""
     attns = [b.attn for b in model.transformer.h]
-    caps = capture_qk(model, x, autocast)
     ties, maxes = [], []
     for a, cap in zip(attns, caps):
         q, k = cap["q"].float(), cap["k"].float()
@@ -61,11 +76,22 @@ def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: context
     return torch.stack(ties).cpu(), torch.stack(maxes).cpu()
 
 
+@torch.no_grad()
+def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: contextlib.AbstractContextManager | None = None):
+    """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
+    (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
+    (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""
+    return _scores_probe(model, capture_qkv(model, x, autocast), eps)
+
+
 def probe_record(model, x=None, eps: float = 1e-3, autocast=None) -> dict:
-    """JSON-ready diagnostics: W_Q spectral norms, and (when ``x`` is given) tie fractions and max logits."""
+    """JSON-ready diagnostics: W_Q spectral norms, and (when ``x`` is given, from one forward pass) tie fractions,
+    max logits and the V sign dominance (:func:`v_sign_dominance`), each (n_layer, n_head)."""
     rec = {"wq_spectral_norm": wq_spectral_norms(model).cpu().tolist()}
     if x is not None:
-        ties, maxes = attention_probe(model, x, eps, autocast)
+        caps = capture_qkv(model, x, autocast)
+        ties, maxes = _scores_probe(model, caps, eps)
         rec["tie_fraction"] = ties.tolist()
         rec["max_logit"] = maxes.tolist()
+        rec["v_sign_dominance"] = torch.stack([v_sign_dominance(c["v"]) for c in caps]).cpu().tolist()
     return rec

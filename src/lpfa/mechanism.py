@@ -146,11 +146,11 @@ def tie_fractions(model, idx: torch.Tensor, policy="paper", eps: float = 1e-3) -
     the scores rounded as ``policy`` rounds them (``"paper"``: BF16; ``"fp32"``: FP32), batch-averaged."""
     from lpfa.attention import AttentionStats
     from lpfa.attention.reference import fill_tie_stats
-    from lpfa.diagnostics import capture_qk
+    from lpfa.diagnostics import capture_qkv
 
     pol = get_policy(policy)
     out = []
-    for cap in capture_qk(model, idx):  # q and k of every layer, from one forward pass
+    for cap in capture_qkv(model, idx):  # q and k of every layer, from one forward pass
         st = AttentionStats(eps=eps)
         fill_tie_stats(st, cap["q"].float(), cap["k"].float(), 1.0 / math.sqrt(cap["q"].shape[-1]), pol, True)
         out.append(st.tie_fraction().mean(0))

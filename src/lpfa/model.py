@@ -143,7 +143,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None
-        self.capture = None  # a dict here receives q and k of the next forward (x, v, o, do too with "all": True)
+        self.capture = None  # a dict here receives q, k and v of the next forward (x, o, do too with "all": True)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -153,9 +153,9 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cap = self.capture
         if cap is not None:
-            cap["q"], cap["k"] = q.detach(), k.detach()
-            if cap.get("all"):  # lpfa.replay: the layer input, v, the output O and (after backward) dO
-                cap["x"], cap["v"] = x.detach(), v.detach()
+            cap["q"], cap["k"], cap["v"] = q.detach(), k.detach(), v.detach()
+            if cap.get("all"):  # lpfa.replay: the layer input, the output O and (after backward) dO
+                cap["x"] = x.detach()
         if self.backend == "lpfa":
             from lpfa.attention import attention
 

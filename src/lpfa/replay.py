@@ -374,7 +374,7 @@ def describe(result: dict, replay_folder=None) -> str:
             f"checkpoint at step {ck:,} ({where}), measuring layer {result['layer']} ({why_layer}) and heads "
             f"{', '.join(map(str, result['heads']))} ({why_heads}) on {result['n_seq']} sequences of each batch. "
             f"Commit `{prov['git_commit']}`, {prov['date_utc']}. Regenerate with `python -m lpfa.replay --run <run folder> --out "
-            f"<folder>` on the GPU that trained the run (about a minute for 200 steps on an H200; `scripts/gpu/twins.sh` runs it "
+            f"<folder>` on the GPU that trained the run (about 30 s for 500 steps of the `repro` model on an H200; `scripts/gpu/twins.sh` runs it "
             f"after the twins).")
 
 

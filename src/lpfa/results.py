@@ -12,17 +12,26 @@ from pathlib import Path
 from lpfa.paths import results_dir
 
 
+def run_date(run: Path) -> str:
+    """When a run was made: ``date_utc`` of its ``provenance.json`` (ISO 8601, so it sorts), "" without one."""
+    try:
+        return str(json.loads((Path(run) / "provenance.json").read_text()).get("date_utc") or "")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return ""
+
+
 def runs(experiment: str, root: str | Path | None = None) -> list[Path]:
-    """Run folders of ``experiment``, sorted by name (names start with the device and the date)."""
+    """Run folders of ``experiment``, oldest first: by the date in their provenance, then by name (names start
+    with the device and the date, so a 2-GPU run of the same day would sort before a 4-GPU one by name alone)."""
     base = Path(root) if root else results_dir()
     folder = base / experiment
     if not folder.is_dir():
         raise FileNotFoundError(f"no results for experiment {experiment!r} under {base} (expected {folder}/<run>/)")
-    return sorted(p for p in folder.iterdir() if p.is_dir())
+    return sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: (run_date(p), p.name))
 
 
 def run_dir(experiment: str, run: str | None = None, root: str | Path | None = None) -> Path:
-    """The folder of ``run`` (default: the last one by name)."""
+    """The folder of ``run`` (default: the latest, :func:`runs`)."""
     all_runs = runs(experiment, root)
     if not all_runs:
         raise FileNotFoundError(f"experiment {experiment!r} has no runs yet")
@@ -47,7 +56,7 @@ def load(experiment: str, name: str, run: str | None = None, root: str | Path | 
 
 def experiment_rows(experiment: str, labels=None, root: str | Path | None = None) -> dict[str, Path]:
     """``{label: run folder}`` for an experiment whose rows were run over several sessions (the isolation
-    table): each label from the latest run (by name) that has it, in the order of ``labels`` (default:
+    table): each label from the latest run (:func:`runs`) that has it, in the order of ``labels`` (default:
     every label found, sorted). Empty if the experiment has no results."""
     try:
         all_runs = runs(experiment, root)

@@ -23,10 +23,10 @@ BETAS = (1.5, 2.0, 4.0, 8.0)
 @torch.no_grad()
 def sweep_model(model, x: torch.Tensor, betas=BETAS, eps: float = 1e-3, autocast=None) -> list[dict]:
     """Per layer, :func:`lpfa.mechanism.sfa_attenuation` of the model's BF16 scores on token ids ``x``."""
-    from lpfa.diagnostics import capture_qk
+    from lpfa.diagnostics import capture_qkv
     from lpfa.mechanism import sfa_attenuation
 
-    return [sfa_attenuation(c["q"].float(), c["k"].float(), betas, eps) for c in capture_qk(model, x, autocast)]
+    return [sfa_attenuation(c["q"].float(), c["k"].float(), betas, eps) for c in capture_qkv(model, x, autocast)]
 
 
 def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", command: str | None = None) -> dict:

@@ -43,9 +43,12 @@ def summarize(model, idx: torch.Tensor, eps: float = 1e-3, seed: int = 0, autoca
     the rank-1 matrices (PK)[T]ᵀX[T] of all token pairs (:func:`lpfa.mechanism.rank1_similarity`) — median,
     share above 0.5 and a histogram over ``BINS`` — for the model and for random Gaussian vectors of the same
     sizes (seeded by ``seed``), and the matrix of the first ``MATRIX_TOKENS`` tokens. ``autocast``: the context
-    the model runs in (BF16 on a GPU, as in training)."""
+    the model runs in (BF16 on a GPU, as in training). ``v_sign_dominance``: (n_layer × n_head) share of V's
+    feature columns with one sign on at least :data:`lpfa.diagnostics.DOMINANT_SIGN` of the keys
+    (:func:`lpfa.diagnostics.v_sign_dominance`), the other ingredient of a biased Ō = P̄V."""
     import contextlib
 
+    from lpfa.diagnostics import DOMINANT_SIGN, capture_qkv, v_sign_dominance
     from lpfa.mechanism import layer_tensors, rank1_similarity, tie_fractions
 
     if idx.ndim != 2 or idx.shape[1] < 2:
@@ -53,6 +56,7 @@ def summarize(model, idx: torch.Tensor, eps: float = 1e-3, seed: int = 0, autoca
     ctx = autocast or contextlib.nullcontext()
     with ctx:
         ties = {"bf16": tie_fractions(model, idx, "paper", eps), "fp32": tie_fractions(model, idx, "fp32", eps)}
+        v_dom = torch.stack([v_sign_dominance(c["v"]) for c in capture_qkv(model, idx)])
     layer, head = (int(i) for i in np.unravel_index(int(ties["bf16"].argmax()), tuple(ties["bf16"].shape)))
     with ctx:
         t = layer_tensors(model, idx[:1], layer)
@@ -65,6 +69,7 @@ def summarize(model, idx: torch.Tensor, eps: float = 1e-3, seed: int = 0, autoca
     return {"model": {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_embd": cfg.n_embd},
             "batch": list(idx.shape), "eps": eps, "seed": seed,
             "ties": {k: v.cpu().tolist() for k, v in ties.items()}, "head": [layer, head],
+            "v_sign_dominance": v_dom.cpu().tolist(), "dominant_sign": DOMINANT_SIGN,
             "similarity": {"model": _sim_stats(sim), "random": _sim_stats(rand), "bins": BINS.tolist(),
                            "matrix": np.round(sim[:MATRIX_TOKENS, :MATRIX_TOKENS], 4).tolist()}}
 
@@ -157,8 +162,16 @@ def describe(summary) -> str:
     return (f"With BF16 scores, {b.mean():.1%} of rows have tied maxima on average over layers and heads, {b.max():.1%} in the "
             f"most tied head (layer {layer}, head {head}); with FP32 scores {f.mean():.2%} on average and {f.max():.2%} at most. "
             f"In that head, the median cosine similarity between tokens' rank-1 matrices is **{m['median']:.2f}** "
-            f"({m['above_0.5']:.0%} of pairs above 0.5); for random vectors of the same sizes {r['median']:.2f} "
-            f"({r['above_0.5']:.0%} above 0.5).")
+            f"({m['above_0.5']:.0%} of pairs above 0.5); for random vectors of the same sizes {round(r['median'], 2) + 0.0:.2f} "
+            f"({r['above_0.5']:.0%} above 0.5)." + _v_sign_text(s))
+
+
+def _v_sign_text(s: dict) -> str:
+    if "v_sign_dominance" not in s:  # summaries made before it was measured
+        return ""
+    d, (layer, head) = np.asarray(s["v_sign_dominance"]), s["head"]
+    return (f" V's feature columns with one sign on at least {s['dominant_sign']:.0%} of the keys: {d.mean():.1%} on average, "
+            f"{d[layer, head]:.1%} in that head, {d.max():.1%} at most.")
 
 
 def main(argv: list[str] | None = None) -> int:
