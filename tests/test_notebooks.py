@@ -135,6 +135,16 @@ def test_structure_page_on_committed_gpu_results(tmp_path):
     assert "`structure/fp32` (`sdpa_fp32`) at step 4,179" in text and "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
     assert "`structure/fp32` at step 4,179: 18-fold (0.12% → 2.3% on average" in text and "Not run yet" not in text
     # the eager twins at step 6,500 (results/repro_runaway): the BF16-trained model against its FP32 twin
-    assert "`repro_runaway/fp32` at step 6,500: 19-fold" in text
+    assert "`repro_runaway/fp32` at step 6,500: 15-fold" in text
     assert "with BF16 scores 76% of the rows of its most tied head (layer 1, head 5) are tied" in text
-    assert "the FP32 twin at the same step: 5.6% in its most tied head and 0.37. Training with BF16 attention built both" in text
+    assert "the FP32 twin at the same step: 7.1% in its most tied head and 0.40. Training with BF16 attention built both" in text
+
+
+def test_tie_frequency_page_shows_v_sign_dominance(tmp_path):
+    """Page 13's V section on the committed eager twins (results/repro_runaway), which log it with their diagnostics."""
+    nb = ROOT / "notebooks" / "13_tie_frequency.ipynb"
+    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["13_tie_frequency"]))
+    assert "**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer 1" in text
+    assert "**fp32** at step 6,500: 1.6% of V's columns one-signed" in text
+    assert "the BF16 run has 1.4 times the FP32 twin's share of one-signed V columns: about the same" in text
+    assert "Not logged" not in text
