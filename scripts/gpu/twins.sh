@@ -19,6 +19,9 @@
 # too early for the verdict (instead of the bf16 run), for the mechanism pages.
 # The committed isolation table and seeds were one launch on a 4-GPU machine (results/isolation/*/provenance.json):
 # EXPERIMENT="isolation seeds" NAME=iso_seeds EXTRA="compile=true max_steps=8000" RUNAWAY_STEPS=6500 BUDGET=1100.
+# The device tool carries at most 64 MiB: the tracked results/ (about 40 MB) and the corpus (31 MB) are over it together,
+# so leave results/ out of the call's tree (nothing here reads it): add /results/ to .git/info/exclude and
+# `git rm -r -q --cached results` for the call, then `git reset -q` and remove the line (results/repro_runaway/h200x2-*).
 # Results land in $OUT/$NAME.tar.gz. One run alone keeps an H200 busy; runs sharing a GPU each get about 1/n
 # of its steps, so on a machine with several GPUs give each run its own.
 set -u
