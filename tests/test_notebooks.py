@@ -145,6 +145,7 @@ def test_tie_frequency_page_shows_v_sign_dominance(tmp_path):
     nb = ROOT / "notebooks" / "13_tie_frequency.ipynb"
     text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["13_tie_frequency"]))
     assert "**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer 1" in text
+    assert "5.9% over the run's second half" in text and "4.2% over the run's second half" in text
     assert "**fp32** at step 6,500: 1.6% of V's columns one-signed" in text
-    assert "the BF16 run has 1.4 times the FP32 twin's share of one-signed V columns: about the same" in text
+    assert "over the second half of the runs, the BF16 run has 1.4 times the FP32 twin's share of one-signed V columns: about the same" in text
     assert "Not logged" not in text
