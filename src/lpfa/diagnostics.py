@@ -59,16 +59,23 @@ def v_sign_dominance(v: torch.Tensor, threshold: float = DOMINANT_SIGN) -> torch
     return (torch.maximum(pos, neg) >= threshold).float().mean(dim=(0, 2))
 
 
+@torch.no_grad()
+def tie_fraction(cap: dict, policy, eps: float = 1e-3) -> torch.Tensor:
+    """(H,) for one layer's captured ``{"q", "k"}`` (:func:`capture_qkv`): the fraction of causal rows with more
+    than one score within ``eps`` of the row max, the scores rounded as ``policy`` rounds them, batch-averaged."""
+    q, k = cap["q"].float(), cap["k"].float()
+    st = AttentionStats(eps=eps)
+    fill_tie_stats(st, q, k, 1.0 / math.sqrt(q.shape[-1]), policy, True)
+    return st.tie_fraction().mean(0)
+
+
 def _scores_probe(model, caps: list[dict], eps: float):
     """``(tie_fraction, max_logit)`` of :func:`attention_probe` from captured q, k of every layer."""
     attns = [b.attn for b in model.transformer.h]
     ties, maxes = [], []
     for a, cap in zip(attns, caps):
+        ties.append(tie_fraction(cap, a.policy if a.policy is not None else FP32_POLICY, eps))
         q, k = cap["q"].float(), cap["k"].float()
-        pol = a.policy if a.policy is not None else FP32_POLICY
-        st = AttentionStats(eps=eps)
-        fill_tie_stats(st, q, k, 1.0 / math.sqrt(a.head_dim), pol, True)
-        ties.append(st.tie_fraction().mean(0))
         T = q.shape[2]
         s = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))

@@ -141,20 +141,15 @@ def layer_tensors(model, idx: torch.Tensor, layer: int) -> dict:
 
 
 @torch.no_grad()
-def tie_fractions(model, idx: torch.Tensor, policy="paper", eps: float = 1e-3) -> torch.Tensor:
+def tie_fractions(model, idx: torch.Tensor, policy="paper", eps: float = 1e-3, caps: list[dict] | None = None) -> torch.Tensor:
     """(n_layer, n_head) fraction of causal rows with more than one score within ``eps`` of the row max,
-    the scores rounded as ``policy`` rounds them (``"paper"``: BF16; ``"fp32"``: FP32), batch-averaged."""
-    from lpfa.attention import AttentionStats
-    from lpfa.attention.reference import fill_tie_stats
-    from lpfa.diagnostics import capture_qkv
+    the scores rounded as ``policy`` rounds them (``"paper"``: BF16; ``"fp32"``: FP32), batch-averaged.
+    ``caps``: q and k of every layer already captured on ``idx`` (:func:`lpfa.diagnostics.capture_qkv`), to
+    reuse one forward pass."""
+    from lpfa.diagnostics import capture_qkv, tie_fraction
 
     pol = get_policy(policy)
-    out = []
-    for cap in capture_qkv(model, idx):  # q and k of every layer, from one forward pass
-        st = AttentionStats(eps=eps)
-        fill_tie_stats(st, cap["q"].float(), cap["k"].float(), 1.0 / math.sqrt(cap["q"].shape[-1]), pol, True)
-        out.append(st.tie_fraction().mean(0))
-    return torch.stack(out)
+    return torch.stack([tie_fraction(cap, pol, eps) for cap in (caps if caps is not None else capture_qkv(model, idx))])
 
 
 def _causal_scores(q, k, policy, scale):

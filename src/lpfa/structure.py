@@ -55,8 +55,9 @@ def summarize(model, idx: torch.Tensor, eps: float = 1e-3, seed: int = 0, autoca
         raise ValueError(f"idx must be (batch, tokens) token ids with at least 2 tokens, got shape {tuple(idx.shape)}")
     ctx = autocast or contextlib.nullcontext()
     with ctx:
-        ties = {"bf16": tie_fractions(model, idx, "paper", eps), "fp32": tie_fractions(model, idx, "fp32", eps)}
-        v_dom = torch.stack([v_sign_dominance(c["v"]) for c in capture_qkv(model, idx)])
+        caps = capture_qkv(model, idx)  # q, k and v of every layer, from one forward pass
+        ties = {"bf16": tie_fractions(model, idx, "paper", eps, caps), "fp32": tie_fractions(model, idx, "fp32", eps, caps)}
+        v_dom = torch.stack([v_sign_dominance(c["v"]) for c in caps])
     layer, head = (int(i) for i in np.unravel_index(int(ties["bf16"].argmax()), tuple(ties["bf16"].shape)))
     with ctx:
         t = layer_tensors(model, idx[:1], layer)
