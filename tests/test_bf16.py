@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lpfa.bf16 import accumulation_bias, bf16_fields, explain_add, fp32_fields
+from lpfa.bf16 import PAPER_OPERANDS, accumulation_bias, bf16_fields, binade, explain_add, fp32_fields, operands_text
 
 
 # ---- an independent reference: round an exact rational to BF16 by brute definition ------------
@@ -222,3 +222,18 @@ def test_round_to_bf16_matches_the_exact_reference():
         assert round_to_bf16(x) == ref_round_bf16(Fraction(x)) or (x == 0)
     for x in (1 + 2**-8, 1 + 3 * 2**-8, -(2.0**-134), 2.0**-134 + 2**-160, float(f32(0x7F7FFFFF))):
         assert round_to_bf16(x) == ref_round_bf16(Fraction(x))
+
+
+def test_binade_and_operands_text():
+    assert [binade(x) for x in (2.4, -2.296875, 1.0, 0.75, 3e-20, 1e20, 1e-40, 0.0, math.inf, math.nan)] == [
+        "[2, 4)", "[2, 4)", "[1, 2)", "[0.5, 1)", "[2^-65, 2^-64)", "[2^66, 2^67)", "[0, 2^-126) (subnormal)", "zero",
+        "infinite", "NaN"]
+    assert operands_text(*PAPER_OPERANDS) == "|a| and |b| both lie in [2, 4), and both are negative"
+    assert operands_text(-1.5, -1.25) == "|a| and |b| both lie in [1, 2), and both are negative"
+    assert operands_text(3.5, 1.0) == "|a| lies in [2, 4) and |b| in [1, 2), and both are positive"
+    assert operands_text(2.3125, -2.296875) == "|a| and |b| both lie in [2, 4); a is positive and b negative"
+    assert operands_text(0.0, -1.0) == "a is zero and b in [1, 2); a is positive and b negative"
+    # the binade is FP32's: 4 - 2^-30 rounds to 4.0 in FP32
+    assert operands_text(4 - 2**-30, 2.0) == "|a| lies in [4, 8) and |b| in [2, 4), and both are positive"
+    r = explain_add(*PAPER_OPERANDS)
+    assert r.normalisation_shift == 1 and r.result == -4.71875

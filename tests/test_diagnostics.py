@@ -48,7 +48,8 @@ def test_probe_counts_ties_and_max_logits():
     assert torch.allclose(maxes[1].double(), s.amax(dim=(-1, -2)).amax(0), rtol=1e-5)
     assert all(a.attn.capture is None for a in m.transformer.h)  # probe leaves no hooks behind
     rec = probe_record(m, x)
-    assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit", "v_sign_dominance"} and len(rec["tie_fraction"]) == 2
+    assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit", "silenced_fraction", "v_sign_dominance"}
+    assert len(rec["tie_fraction"]) == 2 and rec["silenced_fraction"] == [[0.0] * m.config.n_head] * m.config.n_layer  # no SFA, no clamp
     assert torch.equal(torch.tensor(rec["tie_fraction"], dtype=ties.dtype), ties) and torch.equal(torch.tensor(rec["max_logit"], dtype=maxes.dtype), maxes)
     v = cap["qkv"].split(m.config.n_embd, dim=2)[2].view(3, T, H, D).transpose(1, 2)
     assert torch.equal(torch.tensor(rec["v_sign_dominance"][1]), v_sign_dominance(v))  # layer 1's V, as captured above

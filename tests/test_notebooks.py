@@ -54,6 +54,8 @@ def test_bf16_notebook_reproduces_the_paper_example(tmp_path):
     )
     assert "-4.703990459442139" in text and "-4.71875" in text and "-0.014759540557861328" in text
     assert "guard 1 | round 0 | sticky 1" in text
+    assert "The significand overflowed (|a| and |b| both lie in [2, 4), and both are negative)" in text
+    assert "paper's example" in text and "your operands" not in text
 
 
 def test_papermill_parameters_override(tmp_path):
@@ -62,6 +64,10 @@ def test_papermill_parameters_override(tmp_path):
     out = execute_notebook(nb, tmp_path / nb.name, params)
     text = str(nbformat.read(out, as_version=4).cells)
     assert "-2.75" in text  # -1.5 + -1.25, exact in BF16
+    shown = _text(out)  # the generated text follows the operands given, not the paper's
+    assert "The significand overflowed (|a| and |b| both lie in [1, 2), and both are negative)" in shown
+    assert "the bits beyond BF16's precision are all zero: the sum is exact in BF16" in shown
+    assert "your operands" in shown and "paper's example" not in shown and "[2, 4)" not in shown
 
 
 def _text(nb_path) -> str:

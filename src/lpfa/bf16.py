@@ -39,6 +39,9 @@ __all__ = [
     "bf16_add",
     "round_to_bf16",
     "accumulation_bias",
+    "PAPER_OPERANDS",
+    "binade",
+    "operands_text",
 ]
 
 EXP_BITS = 8
@@ -419,6 +422,45 @@ def round_to_bf16(x: float) -> float:
     if abs(q).bit_length() + lsb - 1 >= OVERFLOW_EXP:  # the rounded magnitude reaches 2^128
         return math.copysign(math.inf, x)
     return math.ldexp(q, lsb) if q else math.copysign(0.0, x)
+
+
+PAPER_OPERANDS = (-2.4071154594421387, -2.296875)  # the paper's example addition (Sec. 3.3.2)
+
+
+def binade(x: float) -> str:
+    """The binade that ``|x|`` lies in, as FP32 stores ``x``: ``"[2, 4)"``, ``"[2^-20, 2^-19)"``, or
+    ``"[0, 2^-126) (subnormal)"``; ``"zero"``, ``"infinite"`` or ``"NaN"`` for those."""
+    f = fp32_fields(x)
+    if not f.is_finite:
+        return "NaN" if f.fraction_bits else "infinite"
+    if f.value == 0:
+        return "zero"
+    if f.is_subnormal:
+        return f"[0, 2^{MIN_NORMAL_EXP}) (subnormal)"
+    e = f.exponent
+    if -4 <= e <= 10:
+        return f"[{math.ldexp(1.0, e):g}, {math.ldexp(1.0, e + 1):g})"
+    return f"[2^{e}, 2^{e + 1})"
+
+
+def operands_text(a: float, b: float) -> str:
+    """The binades and signs of two FP32 operands in words, what decides how their sum normalises, e.g.
+    ``"|a| and |b| both lie in [2, 4), and both are negative"`` or ``"|a| lies in [4, 8) and |b| in [1, 2); a is
+    positive and b negative"``."""
+    fa, fb = fp32_fields(a), fp32_fields(b)
+    ba, bb = binade(a), binade(b)
+    if ba in ("zero", "infinite", "NaN") or bb in ("zero", "infinite", "NaN"):
+        where = f"a is {ba if ba in ('zero', 'infinite', 'NaN') else f'in {ba}'} and b {bb if bb in ('zero', 'infinite', 'NaN') else f'in {bb}'}"
+    elif ba == bb:
+        where = f"|a| and |b| both lie in {ba}"
+    else:
+        where = f"|a| lies in {ba} and |b| in {bb}"
+    if math.isnan(fa.value) or math.isnan(fb.value):
+        return where
+    sign = {0: "positive", 1: "negative"}
+    if fa.sign == fb.sign:
+        return f"{where}, and both are {sign[fa.sign]}"
+    return f"{where}; a is {sign[fa.sign]} and b {sign[fb.sign]}"
 
 
 def bf16_add(a: float, b: float) -> float:

@@ -187,8 +187,9 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_path} is not valid JSON ({e}); expected the config.json written by save_checkpoint") from e
-    if not isinstance(config, dict) or not isinstance(config.get("model"), dict) or "step" not in config:
-        raise ValueError(f"{config_path} is not an lpfa checkpoint config: expected a JSON object with 'model' (a dict) and 'step'")
+    if (not isinstance(config, dict) or not isinstance(config.get("model"), dict) or not isinstance(config.get("step"), int)
+            or isinstance(config.get("step"), bool)):
+        raise ValueError(f"{config_path} is not an lpfa checkpoint config: expected a JSON object with 'model' (a dict) and 'step' (an int)")
     if config.get("format", FORMAT) != FORMAT or config.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise ValueError(
             f"{config_path} has format {config.get('format')!r} version {config.get('format_version')!r}; "
@@ -205,6 +206,9 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
     state_dict = _read_safetensors(weights_path)
     model = _build_and_load(model_config, state_dict, str(weights_path), map_location)
 
+    for name, flag in ((OPTIMIZER_FILE, "has_optimizer"), (STATE_FILE, "has_extra_state")):
+        if config.get(flag) and not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} is missing: {config_path} says the checkpoint has one ({flag}: true)")
     optimizer_state = _torch_load_optional(folder / OPTIMIZER_FILE, map_location)
     extra_state = _torch_load_optional(folder / STATE_FILE, map_location)
     return Checkpoint(

@@ -23,12 +23,14 @@ import json
 import lzma
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from lpfa.paths import EMBEDDED_CORPUS_DIR, cache_dir
+from lpfa.runs import drop_partial_line
 
 __all__ = [
     "Tokenizer",
@@ -317,8 +319,8 @@ class ReplayLog:
         path = Path(path)
         head = {"format": "lpfa replay v1", "data_file": Path(data_file).name, "data_sha256": data_checksum(data_file), **(header or {})}
         if path.exists():  # appending to a resumed run's log: keep what is there if it matches
-            old = cls.open(path, data_file)
-            return old
+            drop_partial_line(path)  # a line the kill cut short: appending starts a fresh one
+            return cls.open(path, data_file)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(head) + "\n")
         return cls(path, head, {})
@@ -342,10 +344,20 @@ class ReplayLog:
                 f"but {data_file} has {have[:16]}…: refusing to replay it on other data"
             )
         steps = {}
-        for ln in lines[1:]:
-            if ln.strip():
+        last = max((i for i, ln in enumerate(lines) if ln.strip()), default=0)
+        for i, ln in enumerate(lines[1:], 1):
+            if not ln.strip():
+                continue
+            try:
                 rec = json.loads(ln)
                 steps[int(rec["step"])] = rec["starts"]
+            except (ValueError, KeyError, TypeError) as e:
+                if i == last and isinstance(e, json.JSONDecodeError):
+                    warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing it?)",
+                                  stacklevel=2)
+                    continue
+                raise ValueError(f"{path}: line {i + 1} is not a replay record (a JSON object with 'step' and 'starts'): "
+                                 f"{ln[:60]!r}") from e
         return cls(path, head, steps)
 
     def append(self, step: int, starts: list[np.ndarray]) -> None:

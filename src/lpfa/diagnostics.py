@@ -3,7 +3,8 @@
 * :func:`wq_spectral_norms` — the spectral norm of every head's W_Q in every layer (Figs. 3, 11);
 * :func:`attention_probe` — for one batch, per layer and head: the fraction of rows whose pre-softmax
   scores have more than one value within ε of the row max (the tie frequency of Fig. 13), and the
-  largest attention logit;
+  largest attention logit; :func:`probe_record` adds the fraction of rows whose output the policy silences
+  (SFA's shift meeting the row-sum clamp or FP32 underflow, :class:`lpfa.attention.AttentionStats`);
 * :func:`v_sign_dominance` — per head, the share of V's feature columns with one sign on nearly all keys
   (the other ingredient of a biased Ō = P̄V, Sec. 3.3).
 
@@ -18,7 +19,7 @@ import math
 import torch
 
 from lpfa.attention import FP32_POLICY, AttentionStats
-from lpfa.attention.reference import fill_tie_stats
+from lpfa.attention.reference import fill_stats, fill_tie_stats
 
 
 @torch.no_grad()
@@ -69,18 +70,30 @@ def tie_fraction(cap: dict, policy, eps: float = 1e-3) -> torch.Tensor:
     return st.tie_fraction().mean(0)
 
 
+@torch.no_grad()
+def row_stats(cap: dict, policy, eps: float = 1e-3) -> AttentionStats:
+    """Every count of :class:`AttentionStats` for one layer's captured ``{"q", "k"}``, as ``policy``'s forward
+    (with its blocks, SFA and clamp) produces them on causal rows."""
+    q, k = cap["q"].float(), cap["k"].float()
+    st = AttentionStats(eps=eps)
+    fill_stats(st, q, k, 1.0 / math.sqrt(q.shape[-1]), policy, True)
+    return st
+
+
 def _scores_probe(model, caps: list[dict], eps: float):
-    """``(tie_fraction, max_logit)`` of :func:`attention_probe` from captured q, k of every layer."""
+    """``(tie_fraction, max_logit, silenced_fraction)``, each (n_layer, n_head), from captured q, k of every layer."""
     attns = [b.attn for b in model.transformer.h]
-    ties, maxes = [], []
+    ties, maxes, silenced = [], [], []
     for a, cap in zip(attns, caps):
-        ties.append(tie_fraction(cap, a.policy if a.policy is not None else FP32_POLICY, eps))
+        st = row_stats(cap, a.policy if a.policy is not None else FP32_POLICY, eps)
+        ties.append(st.tie_fraction().mean(0))
+        silenced.append(st.silenced_fraction().mean(0))
         q, k = cap["q"].float(), cap["k"].float()
         T = q.shape[2]
         s = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
         maxes.append(s.amax(dim=(-1, -2)).amax(0))
-    return torch.stack(ties).cpu(), torch.stack(maxes).cpu()
+    return torch.stack(ties).cpu(), torch.stack(maxes).cpu(), torch.stack(silenced).cpu()
 
 
 @torch.no_grad()
@@ -88,17 +101,20 @@ def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: context
     """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
     (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
     (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""
-    return _scores_probe(model, capture_qkv(model, x, autocast), eps)
+    return _scores_probe(model, capture_qkv(model, x, autocast), eps)[:2]
 
 
 def probe_record(model, x=None, eps: float = 1e-3, autocast=None) -> dict:
     """JSON-ready diagnostics: W_Q spectral norms, and (when ``x`` is given, from one forward pass) tie fractions,
-    max logits and the V sign dominance (:func:`v_sign_dominance`), each (n_layer, n_head)."""
+    max logits, the fraction of rows the policy silences (``silenced_fraction``: attenuated by the row-sum clamp
+    or zeroed by underflow, as SFA does at large |rm|; 0 without SFA) and the V sign dominance
+    (:func:`v_sign_dominance`), each (n_layer, n_head)."""
     rec = {"wq_spectral_norm": wq_spectral_norms(model).cpu().tolist()}
     if x is not None:
         caps = capture_qkv(model, x, autocast)
-        ties, maxes = _scores_probe(model, caps, eps)
+        ties, maxes, silenced = _scores_probe(model, caps, eps)
         rec["tie_fraction"] = ties.tolist()
         rec["max_logit"] = maxes.tolist()
+        rec["silenced_fraction"] = silenced.tolist()
         rec["v_sign_dominance"] = torch.stack([v_sign_dominance(c["v"]) for c in caps]).cpu().tolist()
     return rec

@@ -142,10 +142,7 @@ def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),
                 runaway: RunawayCriterion = RunawayCriterion()) -> dict:
     """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step,
     and the logit runaway (``runaway_step``, ``runaway_layer``; None without one or without diagnostics)."""
-    import json
-    from pathlib import Path
-
-    from lpfa.runs import read_records
+    from lpfa.runs import read_records, read_run_config
 
     recs, diag = {}, {}
     for r in read_records(run_dir):
@@ -153,7 +150,7 @@ def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),
             recs[int(r["step"])] = float(r["loss"])  # a resumed run may repeat steps: the last record wins
         if "diag" in r and "max_logit" in r["diag"]:
             diag[int(r["step"])] = r["diag"]["max_logit"]
-    conf = json.loads((Path(run_dir) / "config.json").read_text())["train"]
+    conf = read_run_config(run_dir)["train"]
     steps = sorted(recs)
     step = explosion_step([recs[s] for s in steps], criterion, steps=steps)
     d_steps = sorted(diag)

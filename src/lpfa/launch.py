@@ -68,6 +68,25 @@ SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon; the FP32 twin is the pre
 SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
     f"{mode}_gpt2s": [TWINS[mode][0], "model=gpt2-s"] for mode in ("bf16", "fp32", "sfa")
 }
+# Dose-response (issue 16): the δ error of layer 1 (the failing layer) multiplied by k in the backward, the forward
+# untouched (PrecisionPolicy.dose): "bias" keeps its sign, "control" gives each row a random sign (same magnitude,
+# no bias). bias_x1 is the bf16 twin itself. The FP32 twin has no δ error to dose; SFA as the base at the largest dose;
+# seeds 1 and 2 at two doses for the spread (1337 is every other run's).
+DOSE_LAYER = 1
+DOSES = (1, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _dosed(k: float, sign: str = "bias", policy: str = "paper_untiled") -> list[str]:
+    return [f"attn_policy={policy}", f"delta_dose={k}", f"delta_dose_sign={sign}", f"delta_dose_layers=[{DOSE_LAYER}]"]
+
+
+DOSE: dict[str, list[str]] = {
+    **{f"bias_x{k}": _dosed(k) for k in DOSES},
+    **{f"control_x{k}": _dosed(k, "control") for k in DOSES},
+    "sfa_bias_x256": _dosed(256, policy="paper_sfa"),
+    "fp32": ["attn_backend=sdpa_fp32"],
+    **{f"bias_x{k}_s{s}": [*_dosed(k), f"seed={s}", f"init_seed={s}"] for k in (64, 128) for s in (1, 2)},
+}
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
@@ -93,9 +112,14 @@ DESCRIPTIONS: dict[str, str] = {
     "fp32_gpt2s": "FP32 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
     "sfa_gpt2s": "BF16 attention with SFA (β = 2), at GPT-2 S size (12 layers, 12 heads, d = 768)",
     **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)" for k in SEEDS},
+    **{k: (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {k.split('_x')[1].split('_')[0]} "
+           + ("with its sign (biased dose)" if k.startswith("bias") else "with a random sign per row (control)")
+           + (f", seed {k.split('_s')[-1]}" if "_s" in k.split("_x")[1] else ""))
+       for k in DOSE if k.startswith(("bias", "control"))},
+    "sfa_bias_x256": f"BF16 attention with SFA (β = 2), layer {DOSE_LAYER}'s δ error × 256 with its sign",
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
-                                                 "sizes": SIZES}
+                                                 "sizes": SIZES, "dose": DOSE}
 
 
 def _root(root: str | Path | None) -> Path:
@@ -169,12 +193,18 @@ def status(name: str, root: str | Path | None = None) -> list[dict]:
         m = d / "metrics.jsonl"
         if m.exists():
             for line in reversed(m.read_text().splitlines()):
-                r = json.loads(line)
-                if "loss" in r:
+                try:
+                    r = json.loads(line)
+                except json.JSONDecodeError:  # a line being written (or cut short by a kill): the one before it
+                    continue
+                if isinstance(r, dict) and "loss" in r:
                     rec["step"], rec["loss"] = r["step"], r["loss"]
                     break
         if (d / "summary.json").exists():
-            rec["status"] = json.loads((d / "summary.json").read_text())["status"]
+            try:
+                rec["status"] = json.loads((d / "summary.json").read_text())["status"]
+            except (ValueError, KeyError, TypeError) as e:
+                rec["status"] = f"unreadable summary.json ({type(e).__name__}: {e})"
         out.append(rec)
     return out
 

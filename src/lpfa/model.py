@@ -53,6 +53,9 @@ class GPTConfig:
     attn_policy: str = "fa2"
     layer_policies: dict[int, str] = field(default_factory=dict)  # layer -> preset, overrides attn_policy
     fp32_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> heads computed in FP32
+    delta_dose: float = 1.0  # PrecisionPolicy.dose of the dosed layers (issue 16's dose-response); 1 = off
+    delta_dose_sign: str = "bias"  # PrecisionPolicy.dose_sign: bias or control
+    delta_dose_layers: list[int] = field(default_factory=list)  # the dosed layers; [] = every lpfa layer
     qk_norm: bool = False
     gated_attn: bool = False
     gelu_approximate: str = "none"  # "tanh" for OpenAI/Hugging Face GPT-2 weights ("gelu_new")
@@ -110,7 +113,13 @@ class GPTConfig:
             return None
         pol = get_policy(self.layer_policies.get(layer, self.attn_policy))
         heads = self.fp32_heads.get(layer)
-        return pol.with_(fp32_heads=frozenset(heads), name=pol.name) if heads else pol
+        if heads:
+            pol = pol.with_(fp32_heads=frozenset(heads), name=pol.name)
+        dosed = self.delta_dose != 1.0 or self.delta_dose_sign != "bias"
+        if dosed and (not self.delta_dose_layers or layer in self.delta_dose_layers):
+            pol = pol.with_(dose=self.delta_dose, dose_sign=self.delta_dose_sign,
+                            name=f"{pol.name}:dose{self.delta_dose:g}{'c' if self.delta_dose_sign == 'control' else ''}")
+        return pol
 
 
 class LayerNorm(nn.Module):
@@ -250,7 +259,8 @@ class GPT(nn.Module):
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            logits_hp = logits if logits.dtype == torch.float64 else logits.float()  # FP32 or better for the loss
+            loss = F.cross_entropy(logits_hp.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     def w_q(self, layer: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -36,9 +37,15 @@ def checkpoints_of(run_dir) -> dict[int, Path]:
     run_dir = Path(run_dir)
     out = {}
     for d in sorted((run_dir / "ckpt_history").glob("step_*")):
-        out[int(d.name.split("_")[1])] = d
-    if (run_dir / "ckpt" / "config.json").exists():
-        out.setdefault(int(json.loads((run_dir / "ckpt" / "config.json").read_text())["step"]), run_dir / "ckpt")
+        if re.fullmatch(r"step_\d+", d.name):
+            out[int(d.name.split("_")[1])] = d
+    path = run_dir / "ckpt" / "config.json"
+    if path.exists():
+        try:
+            step = json.loads(path.read_text())["step"]
+        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, no "step"
+            raise ValueError(f"{path} is damaged: expected a checkpoint's config.json with its 'step' ({type(e).__name__}: {e})") from e
+        out.setdefault(int(step), run_dir / "ckpt")
     return dict(sorted(out.items()))
 
 
@@ -164,12 +171,18 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     from lpfa.checkpoints import load_checkpoint
     from lpfa.explosion import run_verdict, runaway_onset
     from lpfa.provenance import provenance, write_json
+    from lpfa.runs import read_run_config
     from lpfa.train import TrainConfig, _autocast, build_optimizers, lr_at
 
     run_dir, out = Path(run_dir), Path(out)
-    conf = json.loads((run_dir / "config.json").read_text())
+    conf = read_run_config(run_dir)
+    if "data_dir" not in conf:
+        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
     known = {f.name for f in fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
+    try:
+        cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
+    except ValueError as e:
+        raise ValueError(f"{run_dir / 'config.json'}: {e}") from e
     verdict = run_verdict(run_dir)
     # without an explosion or a confirmed runaway: the first record above the runaway threshold, if any
     quiet = verdict["explosion_step"] is None and verdict.get("runaway_step") is None
@@ -200,6 +213,9 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
     autocast = _autocast(device, dtype)
     ck = load_checkpoint(cks[step], map_location=device)
+    if not isinstance(ck.extra_state, dict) or "optimizers" not in ck.extra_state:
+        raise ValueError(f"the checkpoint {cks[step]} holds no optimizer state (state.pt, written by lpfa.train): "
+                         "the replay continues training from it and needs one")
     model = ck.model.to(device)
     model.train()
     optimizers = build_optimizers(model, cfg)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import gzip
 import json
+import warnings
 from pathlib import Path
 
 
@@ -16,10 +18,29 @@ def metrics_path(run_dir: str | Path) -> Path:
     raise FileNotFoundError(f"{d} has no metrics.jsonl or metrics.jsonl.gz: not a training run folder")
 
 
+def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) -> dict:
+    """A run folder's ``config.json`` (written by :mod:`lpfa.train`), parsed; a one-line error naming the file
+    when it is missing or damaged, or lacks one of the objects ``require`` names."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its config.json)")
+    try:
+        conf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): the run folder is damaged") from e
+    if not isinstance(conf, dict) or any(not isinstance(conf.get(k), dict) for k in require):
+        raise ValueError(f"{path} is not an lpfa.train config: expected a JSON object"
+                         + "".join(f" with a {k!r} object" for k in require))
+    return conf
+
+
 def read_records(run_dir: str | Path) -> list[dict]:
     """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library.
     A file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the
-    records are shared, so treat them as read-only."""
+    records are shared, so treat them as read-only.
+
+    A last line cut short (a run killed while writing it, or a run still writing) is skipped with a warning, so a
+    killed run keeps its logs; any other line that is not a JSON record is an error naming its line number."""
     path = metrics_path(run_dir)
     st = path.stat()
     return list(_parse_records(str(path.resolve()), st.st_mtime_ns, st.st_size))
@@ -27,11 +48,51 @@ def read_records(run_dir: str | Path) -> list[dict]:
 
 @functools.lru_cache(maxsize=32)
 def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
-    import gzip
-
     raw = Path(path).read_bytes()
-    text = gzip.decompress(raw).decode() if path.endswith(".gz") else raw.decode()
-    return tuple(json.loads(line) for line in text.splitlines() if line.strip())
+    try:
+        text = (gzip.decompress(raw) if path.endswith(".gz") else raw).decode()
+    except (OSError, EOFError, UnicodeDecodeError) as e:  # a truncated or corrupt gzip file, or not text
+        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the file is damaged") from e
+    lines = text.splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == last:
+                warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing it?)",
+                              stacklevel=2)
+                continue
+            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}): {line[:60]!r}") from e
+        if not isinstance(rec, dict) or "step" not in rec:
+            raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object with a 'step'): {line[:60]!r}")
+        records.append(rec)
+    return tuple(records)
+
+
+def drop_partial_line(path: str | Path) -> int:
+    """Make an append-only JSON-lines file (metrics.jsonl, replay.jsonl) end with a whole line before appending to
+    it: a last line without its newline that is not valid JSON (a write cut short by a kill) is dropped; a valid
+    one gets its newline. Returns the number of bytes dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    cut = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[cut:])
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        return len(data) - cut
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    return 0
 
 
 def load_metrics(run_dir: str | Path):
@@ -40,6 +101,8 @@ def load_metrics(run_dir: str | Path):
     import pandas as pd
 
     recs = read_records(run_dir)
+    if not any("loss" in r for r in recs):
+        raise ValueError(f"{metrics_path(run_dir)} has no training records (the run ended before its first step)")
     train = pd.DataFrame([r for r in recs if "loss" in r]).drop_duplicates("step", keep="last").set_index("step")
     val = pd.DataFrame([r for r in recs if "val_loss" in r]).drop_duplicates("step", keep="last")
     diag = pd.DataFrame([{"step": r["step"], **r["diag"]} for r in recs if "diag" in r])
@@ -303,7 +366,7 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     if not runs:
         raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
     table, step = precursor_table(runs, layer, step)
-    full = {label: json.loads((d / "config.json").read_text()) for label, d in runs.items()}
+    full = {label: read_run_config(d) for label, d in runs.items()}
     confs, models = {label: c["train"] for label, c in full.items()}, {label: c.get("model") for label, c in full.items()}
     table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
     table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])

@@ -9,9 +9,10 @@ from which step they drift apart, and their throughput, speedup and scaling effi
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
+
+from lpfa.runs import read_run_config
 
 
 def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
@@ -22,7 +23,7 @@ def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
     conf = d / "config.json"
     if not conf.is_file():
         raise FileNotFoundError(f"{conf} does not exist: {d} is not a training run folder (has {sorted(p.name for p in d.iterdir())})")
-    return d, json.loads(conf.read_text())
+    return d, read_run_config(d, require=())
 
 
 def _world_size(conf: dict, d: Path) -> int:

@@ -37,10 +37,13 @@ def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", comman
     from lpfa.checkpoints import load_checkpoint
     from lpfa.provenance import provenance
     from lpfa.replay import checkpoints_of
+    from lpfa.runs import read_run_config
     from lpfa.train import _autocast
 
     run_dir = Path(run_dir)
-    conf = json.loads((run_dir / "config.json").read_text())
+    conf = read_run_config(run_dir)
+    if "data_dir" not in conf:
+        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
     train = conf["train"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -84,12 +84,13 @@ def summarize_run(run_dir, step: int | None = None, n_seq: int = 4, seq_len: int
     from lpfa.checkpoints import load_checkpoint
     from lpfa.provenance import provenance
     from lpfa.replay import checkpoints_of
+    from lpfa.runs import read_run_config
     from lpfa.train import _autocast
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.json").is_file():
-        raise FileNotFoundError(f"{run_dir} is not an lpfa.train run folder (no config.json)")
-    conf = json.loads((run_dir / "config.json").read_text())
+    conf = read_run_config(run_dir)
+    if "data_dir" not in conf:
+        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
     train = conf["train"]
     cks = checkpoints_of(run_dir)
     if not cks:

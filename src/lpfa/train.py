@@ -21,151 +21,300 @@ start's record and lists each resume, with what it changed, under ``resumes``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import difflib
+import inspect
 import json
 import math
 import os
+import re
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 
 from lpfa import data as lpfa_data
-from lpfa.model import GPT, GPTConfig, SIZES
+from lpfa.attention import PRESETS as ATTN_PRESETS
+from lpfa.explosion import explosion_step
+from lpfa.model import ATTN_BACKENDS, GPT, GPTConfig, SIZES
+from lpfa.params import Param, boolean, dict_of, integer, list_of, real, text
 
 
 @dataclass
 class TrainConfig:
+    """Every setting of a run. The comment after each field is its one-line meaning, which ``--help`` shows;
+    :data:`FIELD_CHECKS` says what each field accepts, and ``__post_init__`` checks every field against it."""
+
     # data
     data: str = "embedded"  # "embedded" (the corpus shipped with lpfa) or a folder with train.bin/val.bin
     tokenizer: str = "auto"  # for "embedded": auto, gpt2 or bytes
     # model
     model: str = "tiny"  # a size from lpfa.model.SIZES
-    block_size: int = 128
+    block_size: int = 128  # tokens per sequence (T)
     attn_backend: str = "lpfa"  # lpfa (attn_policy decides), sdpa, sdpa_fp32 (fast FP32 twin) or math
     attn_policy: str = "fa2"  # a preset of lpfa.attention.PRESETS
-    layer_policies: dict = field(default_factory=dict)  # {layer: preset}
-    fp32_heads: dict = field(default_factory=dict)  # {layer: [heads]}
-    qk_norm: bool = False
-    gated_attn: bool = False
-    bias: bool = False
-    dropout: float = 0.0
+    layer_policies: dict = field(default_factory=dict)  # {layer: preset or backend} for single layers, e.g. {1: paper}
+    fp32_heads: dict = field(default_factory=dict)  # {layer: [heads]} computed entirely in FP32
+    delta_dose: float = 1.0  # dose k of δ's error in the backward: δ_ref + k·s·(δ − δ_ref) (issue 16); 1 = off
+    delta_dose_sign: str = "bias"  # s: bias (+1, the policy's own error) or control (a random ±1 per row)
+    delta_dose_layers: list = field(default_factory=list)  # layers whose δ is dosed; [] = every lpfa layer
+    qk_norm: bool = False  # LayerNorm on q and k per head
+    gated_attn: bool = False  # a sigmoid output gate per head and channel
+    bias: bool = False  # biases in the Linear and LayerNorm layers (the paper has none)
+    dropout: float = 0.0  # dropout probability; 0 = off
     # optimisation
     optimizer: str = "adamw"  # adamw or muon (Muon for 2-D weights, AdamW for the rest)
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    lr: float = 1e-3  # peak learning rate (AdamW's; Muon's is muon_lr)
+    min_lr: float = 1e-4  # learning rate at max_steps with the cosine schedule
     lr_schedule: str = "cosine"  # cosine (to min_lr at max_steps) or constant, both after linear warmup
-    warmup_steps: int = 100
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0  # 0 = off
-    muon_lr: float = 0.02
-    muon_momentum: float = 0.95
+    warmup_steps: int = 100  # steps of linear warmup from 0 to lr
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW and Muon)
+    beta1: float = 0.9  # AdamW's first-moment decay
+    beta2: float = 0.95  # AdamW's second-moment decay
+    grad_clip: float = 1.0  # clip the gradient norm to this; 0 = off
+    muon_lr: float = 0.02  # Muon's peak learning rate (on lr's schedule)
+    muon_momentum: float = 0.95  # Muon's momentum
     batch_size: int = 16  # sequences per micro-step, summed over all processes
     grad_accum: int = 1  # micro-steps per optimizer step
-    max_steps: int = 300
+    max_steps: int = 300  # optimizer steps to train
     # precision and device
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32
-    compile: bool = False
+    dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64: weights too
+    compile: bool = False  # torch.compile the model
     # bookkeeping
-    out_dir: str = "runs/default"
-    seed: int = 1337  # data order
-    init_seed: int = 1337  # weights
-    eval_interval: int = 100  # 0 = only at the end
-    eval_batches: int = 10
-    log_interval: int = 10  # console; metrics.jsonl gets every step
-    ckpt_interval: int = 500  # 0 = only at the end
+    out_dir: str = "runs/default"  # the run folder; one that holds a run is refused unless resume=true
+    seed: int = 1337  # seed of the data order
+    init_seed: int = 1337  # seed of the initial weights
+    eval_interval: int = 100  # evaluate every N steps; 0 = only at the end
+    eval_batches: int = 10  # validation batches per evaluation
+    log_interval: int = 10  # log to the console every N steps (metrics.jsonl gets every step); 0 = off
+    ckpt_interval: int = 500  # checkpoint every N steps; 0 = only at the end
     ckpt_history: bool = False  # also keep every interval's checkpoint in ckpt_history/step_NNNNNN (for replays)
     diag_interval: int = 0  # W_Q norms, tie fractions, max logits every N steps; 0 = off
-    diag_batch: int = 4
-    tie_eps: float = 1e-3
+    diag_batch: int = 4  # sequences in the diagnostics batch
+    tie_eps: float = 1e-3  # scores within tie_eps of their row's max count as tied (diagnostics)
     time_budget_s: float = 0.0  # wall-clock budget; 0 = none
     stop_at_step: int = 0  # stop cleanly (with a checkpoint) after this many steps, as if killed; 0 = off
+    explosion_stop: int = 0  # stop this many steps after the loss explodes (lpfa.explosion's criterion); 0 = never
     replay: str = ""  # a replay.jsonl to follow instead of the seeded batch order
-    resume: bool = False
-    progress: bool = True
+    resume: bool = False  # continue the run in out_dir from its checkpoint (ckpt/)
+    progress: bool = True  # show a progress bar
 
     def __post_init__(self):
-        if self.model not in SIZES:
-            raise ValueError(f"unknown model size {self.model!r}: choose one of {sorted(SIZES)}")
-        if self.optimizer not in ("adamw", "muon"):
-            raise ValueError(f"optimizer must be 'adamw' or 'muon', got {self.optimizer!r}")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"dtype must be auto, bfloat16 or float32, got {self.dtype!r}")
-        for name in ("batch_size", "grad_accum", "max_steps", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("layer_policies", "fp32_heads"):  # config.json (JSON) keeps int keys as strings
+            d = getattr(self, name)
+            if isinstance(d, dict):
+                setattr(self, name, {int(k) if isinstance(k, str) and k.isdigit() else k: v for k, v in d.items()})
+        for f in fields(self):
+            setattr(self, f.name, FIELD_CHECKS[f.name].check(f.name, getattr(self, f.name)))
+        # what depends on another field
+        n_layer, n_head, _ = SIZES[self.model]
+        if any(layer >= n_layer for layer in self.layer_policies):
+            raise ValueError(f"layer_policies={self.layer_policies!r}: expected layers 0..{n_layer - 1} "
+                             f"(model={self.model!r} has {n_layer})")
+        for layer, heads in self.fp32_heads.items():
+            if layer >= n_layer or any(h >= n_head for h in heads):
+                raise ValueError(f"fp32_heads={self.fp32_heads!r}: expected layers 0..{n_layer - 1} and heads "
+                                 f"0..{n_head - 1} (model={self.model!r} has {n_layer} layers of {n_head} heads)")
+        if any(layer >= n_layer for layer in self.delta_dose_layers):
+            raise ValueError(f"delta_dose_layers={self.delta_dose_layers!r}: expected layers 0..{n_layer - 1} "
+                             f"(model={self.model!r} has {n_layer})")
+        # a layer_policies value is a backend name or an lpfa preset (lpfa.model.GPTConfig.layer_backend)
+        backends = {self.attn_backend, *(p if p in ATTN_BACKENDS else "lpfa" for p in self.layer_policies.values())}
+        if self.dtype == "float64" and "lpfa" in backends:
+            raise ValueError(f"dtype='float64': expected attn_backend sdpa or math in every layer (attn_backend="
+                             f"{self.attn_backend!r}, layer_policies={self.layer_policies!r}): lpfa policies take "
+                             "bfloat16 or float32")
+        if self.lr_schedule == "cosine" and self.min_lr > self.lr:
+            raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
+                             "from lr to min_lr")
 
 
-PRESETS: dict[str, dict] = {
-    # the book's CPU default: a tiny model on the embedded corpus, a few minutes on 2 cores
+# What each TrainConfig field accepts (its declared type, and the range or choices that make sense)
+FIELD_CHECKS: dict[str, Param] = {
+    "data": text(nonempty=True),
+    "tokenizer": text(*lpfa_data.TOKENIZERS),
+    "model": text(*SIZES),
+    "block_size": integer(1),
+    "attn_backend": text(*ATTN_BACKENDS),
+    "attn_policy": text(*ATTN_PRESETS),
+    "layer_policies": dict_of(integer(0), text(*ATTN_PRESETS, *(b for b in ATTN_BACKENDS if b != "lpfa"))),
+    "fp32_heads": dict_of(integer(0), list_of(integer(0), nonempty=False)),
+    "delta_dose": real(0),
+    "delta_dose_sign": text("bias", "control"),
+    "delta_dose_layers": list_of(integer(0), nonempty=False),
+    "qk_norm": boolean(),
+    "gated_attn": boolean(),
+    "bias": boolean(),
+    "dropout": real(0, 1, hi_open=True),
+    "optimizer": text("adamw", "muon"),
+    "lr": real(0, lo_open=True),
+    "min_lr": real(0),
+    "lr_schedule": text("cosine", "constant"),
+    "warmup_steps": integer(0),
+    "weight_decay": real(0),
+    "beta1": real(0, 1, hi_open=True),
+    "beta2": real(0, 1, hi_open=True),
+    "grad_clip": real(0),
+    "muon_lr": real(0, lo_open=True),
+    "muon_momentum": real(0, 1, hi_open=True),
+    "batch_size": integer(1),
+    "grad_accum": integer(1),
+    "max_steps": integer(1),
+    "device": Param("auto, cpu, cuda or cuda:N",
+                    lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None),
+    "dtype": text("auto", "bfloat16", "float32", "float64"),
+    "compile": boolean(),
+    "out_dir": text(nonempty=True),
+    "seed": integer(0),
+    "init_seed": integer(0),
+    "eval_interval": integer(0),
+    "eval_batches": integer(1),
+    "log_interval": integer(0),
+    "ckpt_interval": integer(0),
+    "ckpt_history": boolean(),
+    "diag_interval": integer(0),
+    "diag_batch": integer(1),
+    "tie_eps": real(0),
+    "time_budget_s": real(0),
+    "stop_at_step": integer(0),
+    "explosion_stop": integer(0),
+    "replay": text(),
+    "resume": boolean(),
+    "progress": boolean(),
+}
+
+PRESET_HELP = {
+    "cpu-smoke": "the book's CPU default: a tiny model on the embedded corpus, a few minutes on 2 cores",
+    "repro": "the feasibility study's failing configuration (issue 5): 8 layers, d = 512, T = 512, 16k tokens/step, "
+             "flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics untiled",
+    "gpt2-s": "GPT-2 small at the paper's sequence length",
+}
+PRESETS: dict[str, dict] = {  # what each one is: PRESET_HELP
     "cpu-smoke": dict(model="tiny", block_size=128, batch_size=16, max_steps=300, lr=2e-3, min_lr=2e-4,
                       warmup_steps=30, eval_interval=100, eval_batches=8, ckpt_interval=0, attn_policy="fa2"),
-    # the feasibility study's failing configuration (issue 5): 8 layers, d = 512, T = 512, 16k tokens/step,
-    # flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics untiled
     "repro": dict(model="repro", block_size=512, batch_size=32, lr=2e-3, min_lr=2e-3, lr_schedule="constant",
                   warmup_steps=200, max_steps=20000, attn_policy="paper_untiled", eval_interval=500,
                   diag_interval=100, ckpt_interval=2000, log_interval=100),
-    # GPT-2 small at the paper's sequence length
     "gpt2-s": dict(model="gpt2-s", block_size=1024, batch_size=16, grad_accum=4, lr=6e-4, min_lr=6e-5,
                    warmup_steps=700, max_steps=20000, attn_policy="paper", eval_interval=500, diag_interval=200,
                    ckpt_interval=2000, log_interval=50),
 }
+# nanoGPT's names for TrainConfig fields, for the hint after an unknown one
+NANOGPT_NAMES = {"learning_rate": "lr", "max_iters": "max_steps", "lr_decay_iters": "max_steps",
+                 "warmup_iters": "warmup_steps", "gradient_accumulation_steps": "grad_accum", "eval_iters": "eval_batches",
+                 "dataset": "data", "decay_lr": "lr_schedule", "init_from": "resume", "n_layer": "model", "n_head": "model",
+                 "n_embd": "model"}
 
 
 # --------------------------------------------------------------------------------------------
 # Configuration from presets, files and key=value overrides
 # --------------------------------------------------------------------------------------------
-def parse_overrides(items: list[str]) -> dict:
-    """``["lr=3e-4", "layer_policies={1: paper}"]`` → typed dict (values parsed as YAML)."""
-    import yaml
+def field_help() -> dict[str, str]:
+    """``{field: meaning}``: the comment after each field in TrainConfig's source (what ``--help`` shows)."""
+    try:
+        src = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):  # no source (a frozen install): no meanings
+        return {}
+    return dict(re.findall(r"^\s+(\w+): [\w\[\], ]+ = .*?  # (.*)$", src, re.M))
 
+
+def _number(v):
+    """A string that reads as a number, as that number (YAML 1.1 reads "3e-4" as a string); anything else as it is."""
+    if isinstance(v, str):
+        for cast in (int, float):
+            try:
+                return cast(v)
+            except ValueError:
+                pass
+    return v
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """``["lr=3e-4", "layer_policies={1: paper}"]`` → typed dict. Values are read as YAML, except that a
+    string field takes the text as written (``out_dir=123`` is the folder "123"), a bool field only ``true`` or
+    ``false``, and a number field a string that reads as a number."""
+    types = {f.name: f.type for f in fields(TrainConfig)}
     out = {}
     for item in items:
         if "=" not in item:
-            raise ValueError(f"override {item!r} is not key=value")
+            raise ValueError(f"{item!r}: expected key=value (a TrainConfig field and its value, e.g. lr=3e-4)")
         key, val = item.split("=", 1)
-        v = yaml.safe_load(val)
-        if isinstance(v, str):  # YAML 1.1 reads "3e-4" as a string; numbers are meant
-            for cast in (int, float):
-                try:
-                    v = cast(v)
-                    break
-                except ValueError:
-                    pass
-        out[key.strip()] = v
+        key = key.strip()
+        if types.get(key) == "str":
+            v = val
+        elif types.get(key) == "bool":
+            v = {"true": True, "false": False}.get(val.strip().lower(), val)  # YAML 1.1 would take yes, on, ... too
+        else:
+            try:
+                v = _number(yaml.safe_load(val))
+            except yaml.YAMLError as e:
+                why = getattr(e, "problem", None) or e
+                raise ValueError(f"{key}={val!r}: expected a YAML value, but it does not parse ({why}); quote the "
+                                 "whole item in the shell if it has spaces, e.g. 'layer_policies={1: paper}'") from e
+        out[key] = v
     return out
 
 
-def make_config(preset: str | None = None, config_file: str | None = None, overrides: dict | None = None) -> TrainConfig:
-    """TrainConfig from a preset, then a YAML/JSON file, then overrides; unknown keys are an error."""
-    import yaml
+def _check_preset(name, where: str = "") -> dict:
+    if not isinstance(name, str) or name not in PRESETS:
+        raise ValueError(f"preset={name!r}{where}: expected one of {', '.join(PRESETS)}")
+    return PRESETS[name]
 
+
+def make_config(preset: str | None = None, config_file: str | None = None, overrides: dict | None = None) -> TrainConfig:
+    """TrainConfig from a preset, then a YAML/JSON file, then overrides (later ones win). Every mistake is a
+    ValueError or FileNotFoundError of one line naming the field, the value and what is expected."""
     d: dict = {}
-    if preset:
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
-        d.update(PRESETS[preset])
-    if config_file:
-        loaded = yaml.safe_load(Path(config_file).read_text()) or {}
+    source: dict = {}  # field -> the file that set it, for the message
+    if preset is not None:
+        d.update(_check_preset(preset))
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config={config_file!r}: expected a YAML file of TrainConfig fields; "
+                                    f"{'it is a folder' if path.is_dir() else 'no such file'}")
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            mark = getattr(e, "problem_mark", None)
+            why = f"{getattr(e, 'problem', None)} at line {mark.line + 1}" if mark else " ".join(str(e).split())
+            raise ValueError(f"config={config_file!r}: expected a YAML file of TrainConfig fields, but it does not "
+                             f"parse ({why})") from e
+        loaded = {} if loaded is None else loaded
         if not isinstance(loaded, dict):
-            raise ValueError(f"{config_file} must hold a mapping of TrainConfig fields")
+            raise ValueError(f"config={config_file!r}: expected a mapping of TrainConfig fields (field: value), "
+                             f"got a {type(loaded).__name__}")
+        loaded = {str(k): v for k, v in loaded.items()}
         if "preset" in loaded:
-            d.update(PRESETS[loaded.pop("preset")])
+            d.update(_check_preset(loaded.pop("preset"), f" (in {config_file})"))
+        types = {f.name: f.type for f in fields(TrainConfig)}
+        loaded = {k: _number(v) if types.get(k) in ("int", "float") else v for k, v in loaded.items()}
         d.update(loaded)
-    d.update(overrides or {})
-    known = {f.name for f in fields(TrainConfig)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-        raise ValueError(f"unknown TrainConfig field(s) {unknown}; known fields: {sorted(known)}")
-    return TrainConfig(**d)
+        source = {k: config_file for k in loaded}
+    overrides = overrides or {}
+    d.update(overrides)
+    for k in overrides:
+        source.pop(k, None)
+    names = [f.name for f in fields(TrainConfig)]
+    for key in d:
+        if key not in names:
+            where = f" (in {source[key]})" if key in source else ""
+            close = NANOGPT_NAMES.get(key) or next(iter(difflib.get_close_matches(key, names, n=1)), None)
+            raise ValueError(f"{key}={d[key]!r}{where}: unknown TrainConfig field; expected one of the fields "
+                             f"`python -m lpfa.train --help` lists" + (f" (did you mean {close}?)" if close else ""))
+    try:
+        return TrainConfig(**d)
+    except ValueError as e:
+        name = str(e).split("=", 1)[0]
+        if name in source:
+            raise ValueError(f"{e} (set in {source[name]})") from e
+        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,6 +343,50 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     rest = [p for p in params if id(p) not in ids]
     muon = torch.optim.Muon(hidden, lr=cfg.muon_lr, momentum=cfg.muon_momentum, weight_decay=cfg.weight_decay)
     return [muon, torch.optim.AdamW(rest, **adam)]
+
+
+def _device(name: str, local_rank: int) -> str:
+    """The torch device of ``device=name`` for this process, or a one-line error when there is no such GPU."""
+    if name == "auto":
+        return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = ("this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible")
+            raise ValueError(f"device={name!r}: expected a CUDA GPU, but {why} (torch {torch.__version__}); "
+                             "use device=auto or device=cpu")
+        index = local_rank if name == "cuda" else int(name.split(":")[1])
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device={name!r}: expected a GPU index below {torch.cuda.device_count()}, "
+                             f"the number of GPUs this process sees")
+        return f"cuda:{index}"
+    return name
+
+
+def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device: str):
+    """The checkpoint that ``resume=true`` continues from, once it is known to fit this config: otherwise a
+    one-line error naming the field whose change would not fit its weights or optimizer state."""
+    from lpfa.checkpoints import ARCHITECTURE_FIELDS, load_checkpoint
+
+    try:
+        ck = load_checkpoint(ckpt_dir, map_location=device)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"resume=true: {e}") from e
+    saved = ck.train_config
+    for name in ("model", "block_size", "optimizer", "bias", "qk_norm", "gated_attn"):
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected {saved[name]!r}, the value the checkpoint {ckpt_dir} "
+                             "was trained with (resume=true continues a run as it was; another out_dir starts a new one)")
+    for name in ARCHITECTURE_FIELDS:  # what the fields above do not cover: the vocabulary, which comes with the data
+        if ck.config["model"].get(name) != getattr(mcfg, name):
+            field_name = "data" if name == "vocab_size" else "model"
+            raise ValueError(f"{field_name}={getattr(cfg, field_name)!r}: gives {name} {getattr(mcfg, name)!r}, but the "
+                             f"checkpoint {ckpt_dir} has {ck.config['model'].get(name)!r} (resume with the data and "
+                             "tokenizer the run started with)")
+    n_opt = 2 if cfg.optimizer == "muon" else 1
+    if not isinstance(ck.extra_state, dict) or len(ck.extra_state.get("optimizers") or []) != n_opt:
+        raise ValueError(f"resume=true: the checkpoint {ckpt_dir} holds no optimizer state for optimizer={cfg.optimizer!r} "
+                         "(state.pt, written by lpfa.train): it cannot be resumed")
+    return ck
 
 
 def _autocast(device: str, dtype: str):
@@ -273,23 +466,20 @@ def _stop_requested(out_dir: Path, world: int, device: str) -> bool:
 # --------------------------------------------------------------------------------------------
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
-    from lpfa.checkpoints import load_checkpoint, save_checkpoint
+    from lpfa.checkpoints import save_checkpoint
     from lpfa.diagnostics import probe_record
+    from lpfa.runs import drop_partial_line, read_run_config
 
     rank, world, local_rank = _dist_setup()
     out_dir = Path(cfg.out_dir)
     ckpt_dir = out_dir / "ckpt"
+    # everything that can be wrong with the config, the data or the run folder is checked before anything is written
     if rank == 0 and not cfg.resume and (ckpt_dir.exists() or (out_dir / "metrics.jsonl").exists()):
-        raise FileExistsError(f"{out_dir} already holds a run: pass resume=true to continue it, or choose another out_dir")
-    if cfg.resume and not ckpt_dir.exists():
-        raise FileNotFoundError(f"resume=true but {ckpt_dir} does not exist")
-    run = Run(out_dir, rank)
+        raise FileExistsError(f"out_dir={cfg.out_dir!r}: expected a new run folder, but it already holds a run; pass "
+                              "resume=true to continue it, or choose another out_dir")
 
     # device and precision
-    if cfg.device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    else:
-        device = cfg.device
+    device = _device(cfg.device, local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = False  # FP32 means FP32 (the paper's FP32 twin)
@@ -299,34 +489,59 @@ def train(cfg: TrainConfig) -> dict:
 
     # data
     if cfg.data == "embedded":
-        data_dir = lpfa_data.embedded_token_dir(cfg.tokenizer)
+        try:
+            data_dir = lpfa_data.embedded_token_dir(cfg.tokenizer)
+        except RuntimeError as e:  # tokenizer=gpt2 without the GPT-2 BPE files
+            raise ValueError(f"tokenizer={cfg.tokenizer!r}: {e}") from e
     else:
         data_dir = Path(cfg.data)
+        missing = [name for name in ("train.bin", "val.bin") if not (data_dir / name).is_file()]
+        if missing:
+            why = f"it has no {' and no '.join(missing)}" if data_dir.is_dir() else "there is no such folder"
+            raise FileNotFoundError(f"data={cfg.data!r}: expected a folder with train.bin and val.bin (nanoGPT's "
+                                    f"format), but {why}")
     train_tokens, meta = lpfa_data.load_tokens(data_dir, "train")
     val_tokens, _ = lpfa_data.load_tokens(data_dir, "val")
     vocab = meta.get("vocab_size", 50257)
     vocab_padded = ((vocab + 63) // 64) * 64
     if cfg.batch_size % world:
-        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes ({world})")
+        raise ValueError(f"batch_size={cfg.batch_size!r}: expected a multiple of the number of processes ({world})")
     per_rank = cfg.batch_size // world
+    try:  # replay: follow a recorded order (ours is always recorded)
+        replay_in = lpfa_data.ReplayLog.open(cfg.replay, data_dir / "train.bin") if cfg.replay else None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"replay={cfg.replay!r}: {e}") from e
 
     # model and optimizers
     mcfg = GPTConfig.from_size(
         cfg.model, vocab_size=vocab_padded, block_size=cfg.block_size, dropout=cfg.dropout, bias=cfg.bias,
         attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy, layer_policies=cfg.layer_policies,
-        fp32_heads=cfg.fp32_heads, qk_norm=cfg.qk_norm, gated_attn=cfg.gated_attn,
+        fp32_heads=cfg.fp32_heads, qk_norm=cfg.qk_norm, gated_attn=cfg.gated_attn, delta_dose=cfg.delta_dose,
+        delta_dose_sign=cfg.delta_dose_sign, delta_dose_layers=cfg.delta_dose_layers,
     )
+    ck = _resume_checkpoint(cfg, mcfg, ckpt_dir, device) if cfg.resume else None
+    first_conf = None  # on resume: the run's config.json, which keeps its first start's record
+    if ck is not None and rank == 0 and (out_dir / "config.json").exists():
+        try:
+            first_conf = read_run_config(out_dir)
+        except ValueError as e:
+            raise ValueError(f"resume=true: {e}; move it aside to resume (this start then writes a new one)") from e
+
+    run = Run(out_dir, rank)
+    if ck is not None and rank == 0:
+        dropped = drop_partial_line(out_dir / "metrics.jsonl")
+        if dropped:
+            run.log(f"metrics.jsonl ended in a line cut short ({dropped} bytes, when the last start was killed): dropped it")
     torch.manual_seed(cfg.init_seed)
-    model = GPT(mcfg).to(device)
+    model = GPT(mcfg).to(device, dtype=torch.float64 if dtype == "float64" else torch.float32)
     optimizers = build_optimizers(model, cfg)
     start_step = 0
-    if cfg.resume:
-        ck = load_checkpoint(ckpt_dir, map_location=device)
+    if ck is not None:
         model.load_state_dict(ck.model.state_dict())
         for opt, st in zip(optimizers, ck.extra_state["optimizers"]):
             opt.load_state_dict(st)
         start_step = ck.step
-        if ck.extra_state and "torch_rng" in ck.extra_state:
+        if "torch_rng" in ck.extra_state:
             torch.set_rng_state(ck.extra_state["torch_rng"].cpu())
         run.log(f"resumed from {ckpt_dir} at step {start_step}")
     raw_model = model
@@ -337,8 +552,6 @@ def train(cfg: TrainConfig) -> dict:
 
         model = DDP(model, device_ids=[local_rank] if device.startswith("cuda") else None)
 
-    # replay: follow a recorded order, and always record ours
-    replay_in = lpfa_data.ReplayLog.open(cfg.replay, data_dir / "train.bin") if cfg.replay else None
     replay_out = None
     if rank == 0:
         replay_out = lpfa_data.ReplayLog.create(
@@ -349,11 +562,12 @@ def train(cfg: TrainConfig) -> dict:
 
         conf = {"train": asdict(cfg), "model": mcfg.to_dict(), "data_dir": str(data_dir), "data_meta": meta,
                 "world_size": world, "device": device, "dtype": dtype, "provenance": provenance()}
-        if cfg.resume and (out_dir / "config.json").exists():  # keep the run's first start; add this one to its resumes
-            first = json.loads((out_dir / "config.json").read_text())
-            changed = {k: v for k, v in conf["train"].items() if first.get("train", {}).get(k) != v}
-            first.setdefault("resumes", []).append({"step": start_step, "changed": changed, "provenance": conf["provenance"]})
-            conf = first
+        if first_conf is not None:  # keep the run's first start; add this one to its resumes
+            now = json.loads(json.dumps(conf["train"]))  # as config.json holds it (int keys become strings)
+            changed = {k: v for k, v in now.items() if first_conf["train"].get(k) != v}
+            first_conf.setdefault("resumes", []).append({"step": start_step, "changed": changed,
+                                                         "provenance": conf["provenance"]})
+            conf = first_conf
         write_json(out_dir / "config.json", conf)
         run.log(f"model {cfg.model}: {raw_model.num_params() / 1e6:.2f}M parameters, attention {cfg.attn_backend}/"
                 f"{cfg.attn_policy}, device {device} × {world}, autocast {dtype}, data {data_dir} ({meta.get('tokenizer', '?')})")
@@ -393,6 +607,7 @@ def train(cfg: TrainConfig) -> dict:
             dist.barrier()
 
     status, step, last = "completed", start_step, {}
+    seen: list[tuple[int, float]] = []  # (step, loss) of this start, for explosion_stop
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.block_size
     t_start = time.time()
     from tqdm.auto import tqdm
@@ -408,7 +623,7 @@ def train(cfg: TrainConfig) -> dict:
             starts = starts_for(step)
             if replay_out is not None:
                 replay_out.append(step, starts)
-            loss_sum = torch.zeros((), device=device)
+            loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # the logged loss: no FP32 rounding of its parts
             for micro, st in enumerate(starts):
                 x, y = lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
                 sync = micro == len(starts) - 1
@@ -416,7 +631,7 @@ def train(cfg: TrainConfig) -> dict:
                 with ctx, autocast:
                     _, loss = model(x, y)
                     (loss / len(starts)).backward()
-                loss_sum += loss.detach().float()
+                loss_sum += loss.detach().double()
             loss_mean = loss_sum / len(starts)
             if world > 1:
                 import torch.distributed as dist
@@ -439,7 +654,7 @@ def train(cfg: TrainConfig) -> dict:
             run.metric(last)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_v:.3f}")
-            if step % cfg.log_interval == 0:
+            if cfg.log_interval and step % cfg.log_interval == 0:
                 run.log(f"step {step}: loss {loss_v:.4f}, lr {lr:.2e}, grad norm {gnorm_v:.3f}, {tokens_per_step / dt:,.0f} tok/s")
             done = step + 1
             if cfg.diag_interval and done % cfg.diag_interval == 0 and rank == 0:
@@ -470,6 +685,15 @@ def train(cfg: TrainConfig) -> dict:
                 status = "stopped"
                 run.log(f"stopped after step {step} (stop_at_step={cfg.stop_at_step}); resume=true continues")
                 break
+            if cfg.explosion_stop:  # the verdict is in: free the GPU for the runs still deciding
+                seen.append((step, loss_v))
+                if done % 50 == 0:
+                    exploded_at = explosion_step(np.array([v for _, v in seen]), steps=np.array([s for s, _ in seen]))
+                    if exploded_at is not None and done >= exploded_at + cfg.explosion_stop:
+                        status = "exploded"
+                        run.log(f"the loss exploded at step {exploded_at}; stopping {done - exploded_at} steps later "
+                                f"(explosion_stop={cfg.explosion_stop})")
+                        break
     except KeyboardInterrupt:
         status = "interrupted"
         run.log("interrupted: writing a checkpoint of the last completed step")
@@ -498,17 +722,46 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def help_epilog() -> str:
+    """The presets and every TrainConfig field (type, default, meaning, what it accepts): the end of ``--help``."""
+    meaning = field_help()
+    lines = ["presets (--preset NAME):"]
+    lines += [f"  {name:<10} {PRESET_HELP[name]}" for name in PRESETS]
+    lines += ["", "fields (key=value on the command line, field: value in a --config file):"]
+    for f in fields(TrainConfig):
+        default = f.default_factory() if f.default is MISSING else f.default
+        lines.append(f"  {f.name} ({f.type}, default {json.dumps(default)}): {meaning.get(f.name, '')}")
+        lines.append(f"      expected: {FIELD_CHECKS[f.name].expected}")
+    return "\n".join(lines)
 
-    p = argparse.ArgumentParser(prog="python -m lpfa.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), help="start from a preset")
-    p.add_argument("--config", help="a YAML file of TrainConfig fields (may name a preset)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides of TrainConfig fields")
-    a = p.parse_args(argv)
-    cfg = make_config(a.preset, a.config, parse_overrides(a.overrides))
-    summary = train(cfg)
-    return 0 if summary["status"] in ("completed", "time_budget", "stopped") else 1
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # one line, without the usage block
+        self.exit(2, f"error: {message} (python -m lpfa.train --help lists the options and fields)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lpfa.train``. A mistake in the command line, the config, the data or the run folder prints one
+    line on stderr and exits with status 2; ``--debug`` raises it with its traceback instead."""
+    p = _ArgumentParser(prog="python -m lpfa.train", description=__doc__, epilog=help_epilog(),
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", help="start from a preset (listed below)")
+    p.add_argument("--config", help="a YAML file of TrainConfig fields (it may name a preset)")
+    p.add_argument("--debug", action="store_true", help="on an error, show its traceback instead of one line")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields (listed below); later ones win")
+    a, unknown = p.parse_known_args(argv)
+    if unknown:
+        key = unknown[0].lstrip("-").split("=")[0]
+        p.error(f"{unknown[0]}: not an option; TrainConfig fields are set as key=value, e.g. {key}=...")
+    try:
+        cfg = make_config(a.preset, a.config, parse_overrides(a.overrides))
+        summary = train(cfg)
+    except (ValueError, OSError) as e:
+        if a.debug:
+            raise
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
+    return 0 if summary["status"] in ("completed", "time_budget", "stopped", "exploded") else 1
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Precision-policy flash attention (paper Sec. 2–4).
 
-``attention(q, k, v, is_causal=True, scale=None, policy="fa2")`` has SDPA's calling convention plus a
+``attention(q, k, v, is_causal=True, scale=None, policy="fa2")`` takes SDPA's q, k, v and keywords plus a
 :class:`PrecisionPolicy` (or a preset name from :data:`PRESETS`) that fixes every rounding point of the
 tiled forward and backward. Swap it into a model in place of
-``torch.nn.functional.scaled_dot_product_attention``::
+``torch.nn.functional.scaled_dot_product_attention`` (arguments after v by keyword; ``is_causal`` defaults
+to True; a mask or dropout is refused with a clear message)::
 
     from lpfa.attention import attention
     y = attention(q, k, v, is_causal=True, policy="paper")   # the authors' BF16 semantics
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from lpfa.attention.policy import (
@@ -28,9 +30,10 @@ from lpfa.attention.policy import (
     PRESETS,
     SFA,
     PrecisionPolicy,
+    _is_number,
     get_policy,
 )
-from lpfa.attention.reference import AttentionStats, ReferenceAttention
+from lpfa.attention.reference import AttentionStats, ReferenceAttention, fill_stats
 
 __all__ = [
     "attention",
@@ -73,44 +76,65 @@ def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    *sdpa_positional,
     is_causal: bool = True,
     scale: float | None = None,
-    *,
     policy: str | PrecisionPolicy = "fa2",
     stats: AttentionStats | None = None,
     backend: str = "auto",
+    attn_mask: None = None,
+    dropout_p: float = 0.0,
+    enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Softmax attention ``softmax(q kᵀ · scale) v`` computed with the rounding points of ``policy``.
 
-    q, k, v: (B, H, T, D), bfloat16 (the paper's setting) or float32. ``scale`` defaults to 1/√D.
-    Returns O in BF16, or FP32 when ``policy.o_store == "fp32"``. Gradients follow the policy's
-    backward. ``stats``: an :class:`AttentionStats` to fill with tie counts (Fig. 13); costs an extra
-    pass, so leave it None in training unless you want the numbers (with the Triton backend it fills
-    the tie counts but not ``p_bar_ones``). ``backend``: ``"auto"``,
-    ``"reference"`` or ``"triton"`` (see the module docs).
+    q, k, v: (B, H, T, D), bfloat16 (the paper's setting) or float32. Everything after v is by keyword:
+    ``is_causal`` (default True, unlike SDPA: GPT attention is causal, and the Triton kernels are causal only),
+    ``scale`` (default 1/√D). SDPA's ``attn_mask``, ``dropout_p`` and ``enable_gqa`` are accepted by name only
+    to be refused clearly unless they are None, 0 and False. Returns O in BF16, or FP32 when
+    ``policy.o_store == "fp32"``. Gradients follow the policy's backward. ``stats``: an :class:`AttentionStats`
+    to fill (tie counts of Fig. 13, P̄ = 1 entries, SFA-shifted, attenuated and zeroed rows); it costs an
+    extra pass of the reference forward, so leave it None in training unless you want the numbers.
+    ``backend``: ``"auto"``, ``"reference"`` or ``"triton"`` (see the module docs).
+    Non-finite inputs propagate as :mod:`lpfa.attention.reference` describes (only to rows that see them).
     """
+    if sdpa_positional:
+        kinds = ", ".join(type(a).__name__ for a in sdpa_positional)
+        raise TypeError(f"attention() takes q, k, v positionally and the rest by keyword; got {len(sdpa_positional)} more "
+                        f"positional argument(s) ({kinds}): pass is_causal=, scale=, policy= by name (SDPA's positional "
+                        "attn_mask and dropout_p are not supported)")
+    if attn_mask is not None:
+        raise ValueError(f"attn_mask of type {type(attn_mask).__name__}: expected None (lpfa attention masks only "
+                         "causally, through is_causal)")
+    if not (_is_number(dropout_p) and dropout_p == 0):
+        raise ValueError(f"dropout_p={dropout_p!r}: expected 0.0 (lpfa attention has no dropout)")
+    if enable_gqa is not False:
+        raise ValueError(f"enable_gqa={enable_gqa!r}: expected False (q, k, v must have the same number of heads)")
+    if not isinstance(is_causal, (bool, np.bool_)):
+        raise TypeError(f"is_causal={is_causal!r}: expected True or False")
+    if stats is not None and not isinstance(stats, AttentionStats):
+        raise TypeError(f"stats of type {type(stats).__name__}: expected an lpfa.attention.AttentionStats or None")
+    if not (isinstance(backend, str) and backend in ("auto", "reference", "triton")):
+        raise ValueError(f"backend={backend!r}: expected 'auto', 'reference' or 'triton'")
     check_inputs(q, k, v)
     pol = get_policy(policy)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    if backend not in ("auto", "reference", "triton"):
-        raise ValueError(f"backend must be 'auto', 'reference' or 'triton', got {backend!r}")
+    if not (_is_number(scale) and math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale={scale!r}: expected a positive finite number (or None for 1/sqrt(head_dim))")
+    scale, is_causal = float(scale), bool(is_causal)
     if backend == "auto":
         backend = "triton" if (q.is_cuda and _triton_available() and is_causal) else "reference"
     if backend == "triton":
         from lpfa.attention.kernels import triton_attention
-        from lpfa.attention.reference import fill_tie_stats
         from lpfa.attention.triton_common import check_triton_inputs
 
         check_triton_inputs(q, k, v, pol.with_(fp32_heads=frozenset()), scale, is_causal)
-        if stats is not None:  # tie counts from the scores (P̄ == 1 counts need the reference backend)
+        if stats is not None:  # the counts as the reference computes them, from a pass without V
             with torch.no_grad():
-                fill_tie_stats(stats, q.detach().float(), k.detach().float(), float(scale), pol, True)
-            stats.p_bar_ones = None
-        return triton_attention(q, k, v, pol, float(scale))
-    return ReferenceAttention.apply(q, k, v, pol, float(scale), bool(is_causal), stats)
+                fill_stats(stats, q.detach().float(), k.detach().float(), scale, pol, True)
+        return triton_attention(q, k, v, pol, scale)
+    return ReferenceAttention.apply(q, k, v, pol, scale, is_causal, stats)
 
 
 def _triton_available() -> bool:

@@ -21,26 +21,61 @@ accumulators in BF16 or FP32 (``policy.backward``) and ``delta`` from one of thr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+import numbers
+from dataclasses import dataclass, field, fields, replace
+
+import numpy as np
 
 BF16, FP32 = "bf16", "fp32"
 _PRECISIONS = (BF16, FP32)
 DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
+DOSE_SIGNS = ("bias", "control")
+
+
+MIN_SHIFT = 2.0**-8
+"""SFA's smallest shift m − rm: bf16(exp(−x)) rounds to 1 for x < 2⁻⁹, so a shift of 2⁻⁸ is the least that keeps
+every shifted P̄ < 1 (exp(−2⁻⁸) rounds to 1 − 2⁻⁸ in BF16)."""
 
 
 @dataclass(frozen=True)
 class SFA:
-    """The paper's softmax fix (Sec. 4, Eq. 6): where a row has ``rs > 1`` scores within ``eps`` of its
-    max ``rm``, use ``m = beta·rm`` (rm > 0) or ``m = 0`` (rm < 0) instead of ``rm``, so every P̄ < 1."""
+    """The paper's softmax fix (Sec. 4, Eq. 6), applied per key block as in the paper's tiled code.
+
+    In a key block where a row has ``rs > 1`` visible scores within ``eps`` of the block's row max ``rm``, subtract
+    ``m = beta·rm`` (rm > 0) or ``m = 0`` (rm < 0) instead of ``rm``, and at least ``rm + min_shift``, so every P̄
+    of the block is < 1. The cases Eq. 6 leaves open, and what this class does with them:
+
+    * **rm = 0** has no case in Eq. 6, and **0 < |rm| < 2⁻⁹/(β − 1)** (or |rm| < 2⁻⁹ for rm < 0) shifts so little
+      that bf16(exp(S − m)) rounds back to 1. ``min_shift`` (default 2⁻⁸, :data:`MIN_SHIFT`) raises m to at least
+      rm + 2⁻⁸ there, which keeps P̄ < 1; ``min_shift=0`` is Eq. 6 as printed.
+    * **A tie split across a key block boundary** (one maximal key in each block) has rs = 1 in both blocks: SFA
+      does not see it, and P̄ = 1 stays in each block's P̄V product. ``AttentionStats.tied_rows`` counts whole-row
+      ties of S, ``sfa_rows`` the rows SFA shifted; ``p_bar_ones`` counts the P̄ = 1 entries that remain.
+    * **Large |rm|**: the shift multiplies the block's P̄ by exp(rm − m) (= exp(−(β − 1)·rm) for rm > 0,
+      exp(rm) for rm < 0). O = o / l is unchanged in exact arithmetic, but once that factor reaches the
+      paper's row-sum clamp (1e-10, ``paper_sfa``: from |rm| ≈ 23/(β − 1), resp. |rm| ≈ 23) the clamp takes over
+      and the output is silently scaled down, and once P̄ underflows in FP32 (``fa2_sfa``: |rm| ≈ 87/(β − 1),
+      resp. 87) the row is lost (0/0). This is SFA as published; ``AttentionStats.attenuated_rows`` and
+      ``zeroed_rows`` (and the training diagnostics' ``silenced_fraction``) count such rows at every step.
+    """
 
     beta: float = 2.0
     eps: float = 1e-3
+    min_shift: float = MIN_SHIFT
 
     def __post_init__(self):
-        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 1.0):
-            raise ValueError(f"SFA beta must be a finite number > 1 (so that m = beta·rm > rm), got {self.beta!r}")
-        if not (isinstance(self.eps, (int, float)) and math.isfinite(self.eps) and self.eps >= 0.0):
-            raise ValueError(f"SFA eps must be a finite number >= 0, got {self.eps!r}")
+        for f, ok, what in (("beta", lambda x: x > 1.0, "a finite number > 1 (so that m = beta·rm > rm)"),
+                            ("eps", lambda x: x >= 0.0, "a finite number >= 0"),
+                            ("min_shift", lambda x: x >= 0.0, "a finite number >= 0 (0: Eq. 6 as printed)")):
+            x = getattr(self, f)
+            if not (_is_number(x) and math.isfinite(x) and ok(x)):
+                raise ValueError(f"SFA.{f}={x!r}: expected {what}")
+            object.__setattr__(self, f, float(x))
+
+
+def _is_number(x) -> bool:
+    """A real number, NumPy scalars included, but not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))
 
 
 @dataclass(frozen=True)
@@ -63,6 +98,11 @@ class PrecisionPolicy:
     * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
     * ``sfa``: :class:`SFA` or ``None``.
     * ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
+    * ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
+      δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
+      scores (``delta="o_fp32"``); s = +1 (``"bias"``: the policy's own error, amplified) or a fresh random ±1
+      per row and call (``"control"``: the same magnitude without the bias). The forward is untouched; dose 1 with
+      ``"bias"`` is the policy itself, dose 0 is ``delta="o_fp32"``. :func:`delta_dose_active` says when it acts.
     """
 
     scores: str = FP32
@@ -77,30 +117,49 @@ class PrecisionPolicy:
     row_sum_clamp: float | None = None
     sfa: SFA | None = None
     fp32_heads: frozenset[int] = field(default_factory=frozenset)
+    dose: float = 1.0
+    dose_sign: str = "bias"
     name: str = "custom"
 
     def __post_init__(self):
         for f in ("scores", "p_bar", "o_block", "accumulator", "o_store", "backward"):
             v = getattr(self, f)
-            if v not in _PRECISIONS:
-                raise ValueError(f"PrecisionPolicy.{f} must be 'bf16' or 'fp32', got {v!r}")
-        if self.delta not in DELTA_FORMULAS:
-            raise ValueError(f"PrecisionPolicy.delta must be one of {DELTA_FORMULAS}, got {self.delta!r}")
+            if not (isinstance(v, str) and v in _PRECISIONS):
+                raise ValueError(f"PrecisionPolicy.{f}={v!r}: expected 'bf16' or 'fp32'")
+        if not (isinstance(self.delta, str) and self.delta in DELTA_FORMULAS):
+            raise ValueError(f"PrecisionPolicy.delta={self.delta!r}: expected one of {', '.join(map(repr, DELTA_FORMULAS))}")
         for f in ("block_q", "block_k"):
             v = getattr(self, f)
-            if v is not None and not (isinstance(v, int) and v >= 1):
-                raise ValueError(f"PrecisionPolicy.{f} must be a positive int or None (no tiling), got {v!r}")
-        if self.row_sum_clamp is not None and not (math.isfinite(self.row_sum_clamp) and self.row_sum_clamp > 0):
-            raise ValueError(f"row_sum_clamp must be a positive finite number or None, got {self.row_sum_clamp!r}")
+            if v is not None and not (isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and v >= 1):
+                raise ValueError(f"PrecisionPolicy.{f}={v!r}: expected a positive int, or None for no tiling")
+            if v is not None:
+                object.__setattr__(self, f, int(v))
+        c = self.row_sum_clamp
+        if c is not None and not (_is_number(c) and math.isfinite(c) and c > 0):
+            raise ValueError(f"PrecisionPolicy.row_sum_clamp={c!r}: expected a positive finite number, or None for no clamp")
+        if c is not None:
+            object.__setattr__(self, "row_sum_clamp", float(c))
         if self.sfa is not None and not isinstance(self.sfa, SFA):
-            raise TypeError(f"PrecisionPolicy.sfa must be an SFA(beta, eps) or None, got {type(self.sfa).__name__}")
-        heads = frozenset(self.fp32_heads)
-        if any(not isinstance(h, int) or h < 0 for h in heads):
-            raise ValueError(f"fp32_heads must be non-negative head indices, got {sorted(self.fp32_heads)}")
-        object.__setattr__(self, "fp32_heads", heads)
+            raise TypeError(f"PrecisionPolicy.sfa={self.sfa!r}: expected an SFA(beta, eps) or None")
+        heads = self.fp32_heads
+        if isinstance(heads, (str, bytes)) or not isinstance(heads, (set, frozenset, list, tuple, range)) or any(
+                not isinstance(h, numbers.Integral) or isinstance(h, (bool, np.bool_)) or h < 0 for h in heads):
+            raise TypeError(f"PrecisionPolicy.fp32_heads={heads!r}: expected a set of non-negative head indices (ints)")
+        object.__setattr__(self, "fp32_heads", frozenset(int(h) for h in heads))
+        if not (_is_number(self.dose) and math.isfinite(self.dose) and self.dose >= 0):
+            raise ValueError(f"PrecisionPolicy.dose={self.dose!r}: expected a finite number >= 0 (1: the policy's own δ)")
+        object.__setattr__(self, "dose", float(self.dose))
+        if not (isinstance(self.dose_sign, str) and self.dose_sign in DOSE_SIGNS):
+            raise ValueError(f"PrecisionPolicy.dose_sign={self.dose_sign!r}: expected 'bias' or 'control'")
+        if not isinstance(self.name, str):
+            raise TypeError(f"PrecisionPolicy.name={self.name!r}: expected a str")
 
     def with_(self, **changes) -> "PrecisionPolicy":
         """A copy with some fields changed (named ``custom`` unless ``name`` is given)."""
+        names = [f.name for f in fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise TypeError(f"PrecisionPolicy has no field {unknown[0]!r}; its fields: {', '.join(names)}")
         changes.setdefault("name", f"{self.name}+custom" if self.name != "custom" else "custom")
         return replace(self, **changes)
 
@@ -164,13 +223,32 @@ def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
-                   fp32_heads=frozenset(), name=f"{policy.name}:o_fp32")
+                   fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
+
+
+def delta_dose_active(policy: PrecisionPolicy) -> bool:
+    """Whether the backward doses δ's error (``policy.dose``): anything but dose 1 with the ``"bias"`` sign."""
+    return not (policy.dose == 1.0 and policy.dose_sign == "bias")
+
+
+def dose_delta(delta: "torch.Tensor", delta_ref: "torch.Tensor", policy: PrecisionPolicy) -> "torch.Tensor":
+    """δ_ref + dose·s·(δ − δ_ref) (see :class:`PrecisionPolicy`), in float64 and rounded once to FP32; s is +1, or
+    for ``dose_sign="control"`` a fresh ±1 per row drawn from torch's default generator on δ's device."""
+    import torch
+
+    err = delta.double() - delta_ref.double()
+    if policy.dose_sign == "control":
+        err = err * (torch.randint(0, 2, delta.shape, device=delta.device) * 2 - 1)
+    return (delta_ref.double() + policy.dose * err).float()
 
 
 def get_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
     """A preset by name, or the policy itself."""
     if isinstance(policy, PrecisionPolicy):
         return policy
+    if not isinstance(policy, str):
+        raise TypeError(f"policy={policy!r}: expected a preset name ({', '.join(sorted(PRESETS))}) or a PrecisionPolicy; "
+                        "build one from fields with PrecisionPolicy(**fields)")
     if policy not in PRESETS:
-        raise ValueError(f"unknown precision policy {policy!r}: presets are {sorted(PRESETS)}")
+        raise ValueError(f"policy={policy!r}: unknown precision policy; expected a preset name ({', '.join(sorted(PRESETS))}) or a PrecisionPolicy")
     return PRESETS[policy]

@@ -9,6 +9,16 @@ later BF16 rounding by one ulp, rarely).
 Masked scores are ``−inf`` (the paper's code uses ``−max_bf16``; both give P̄ = 0 exactly). Key blocks
 entirely above the diagonal are skipped, and a row with no visible key in a block leaves the running
 state untouched: with T = 1024 and 512 × 512 blocks (the paper's setting) this changes nothing.
+
+Non-finite inputs (the same rules in the Triton kernels, :mod:`lpfa.attention.triton_common`): a row sees only
+its visible keys (key ≤ query when causal), and nothing it cannot see reaches it.
+
+* A NaN or +inf score among a row's visible keys makes the whole row NaN (as softmax does); a −inf score is a
+  masked key (P̄ = 0). A row whose visible scores are all −inf so far subtracts 0 instead of its −inf max
+  (FlashAttention-2's ``Check_inf``), and a row with only −inf scores ends as 0/0 = NaN, as SDPA's math does.
+* A NaN or ±inf in V[j, d] makes O[i, d] NaN for every row i that sees key j, and no other (a plain P̄V
+  product would spread it, through 0·NaN, to rows that cannot see key j). The backward treats its GEMM
+  operands alike (K in dQ = dS K, Q in dK = dSᵀ Q, dO in dV = Pᵀ dO) and gives invisible pairs exact zeros.
 """
 
 from __future__ import annotations
@@ -18,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32, PrecisionPolicy, delta_o_policy, fp32_twin
+from lpfa.attention.policy import BF16, FP32, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, fp32_twin
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -31,6 +41,18 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.double(), b.double()).float()
 
 
+def _mm_visible(a: torch.Tensor, b: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """``a @ b`` summed over visible pairs only: ``a`` (…, M, K) is 0 where ``visible`` (M, K) is False (None: all
+    visible), ``b`` (…, K, N) may hold inf or NaN. A non-finite b[k, n] makes out[m, n] NaN exactly where (m, k)
+    is visible; 0·NaN would otherwise carry it to rows that cannot see key k."""
+    bad = ~torch.isfinite(b)
+    if not bool(bad.any()):
+        return _mm(a, b)
+    vis = torch.ones(a.shape[-2:], dtype=torch.bool, device=a.device) if visible is None else visible
+    reach = torch.matmul(vis.double(), bad.double()) > 0  # (…, M, N): a visible key holds a non-finite b
+    return _mm(a, b.masked_fill(bad, 0.0)).masked_fill(reach, math.nan)
+
+
 @dataclass
 class AttentionStats:
     """Instrumentation of one forward call (paper Fig. 13), aggregated per (batch, head).
@@ -38,21 +60,38 @@ class AttentionStats:
     * ``tied_rows[b, h]``: rows whose count ``rs`` of scores within ``eps`` of the row max is > 1;
     * ``rs_sum[b, h]``: the sum of ``rs`` over rows (``rs_sum / rows`` is the mean tie count);
     * ``p_bar_ones[b, h]``: P̄ entries exactly 1 as fed to the P̄V product (after its rounding);
+    * ``sfa_rows[b, h]``: rows in which SFA raised m in at least one key block;
+    * ``attenuated_rows[b, h]``: rows whose row sum the clamp raised (``row_sum_clamp``): O is scaled down by
+      l_true / l_clamped < 1, silently (SFA with a large |rm| does this, Sec. 4);
+    * ``zeroed_rows[b, h]``: rows with a visible key whose unclamped row sum underflowed to 0 (every P̄ = 0);
     * ``rows``: rows per (batch, head), i.e. T.
 
     Pass ``AttentionStats(eps=...)`` as ``stats=`` to fill it; ``eps`` defaults to the policy's SFA
-    eps, else 1e-3. The row max and the ε test are taken in the scores' precision, over the whole row.
+    eps, else 1e-3. ``tied_rows`` and ``rs_sum`` describe S: the row max and the ε test are taken in the scores'
+    precision over the whole row (Fig. 13's statistic), while SFA looks for ties inside each key block, so a
+    tie split across a block boundary counts in ``tied_rows`` but not in ``sfa_rows``; ``p_bar_ones`` shows what
+    is left. The other counts follow the policy's blocks exactly.
     """
 
     eps: float | None = None
     tied_rows: torch.Tensor | None = None
     rs_sum: torch.Tensor | None = None
     p_bar_ones: torch.Tensor | None = None
+    sfa_rows: torch.Tensor | None = None
+    attenuated_rows: torch.Tensor | None = None
+    zeroed_rows: torch.Tensor | None = None
     rows: int = 0
 
     def tie_fraction(self) -> torch.Tensor:
         """Fraction of rows with more than one (near-)maximal score, per (batch, head)."""
         return self.tied_rows.double() / max(self.rows, 1)
+
+    def silenced_fraction(self) -> torch.Tensor:
+        """Fraction of rows whose output the clamp attenuated or whose P̄ all underflowed, per (batch, head)."""
+        return (self.attenuated_rows + self.zeroed_rows).double() / max(self.rows, 1)
+
+
+_COUNTS = ("tied_rows", "rs_sum", "p_bar_ones", "sfa_rows", "attenuated_rows", "zeroed_rows")  # AttentionStats' (B, H) counts
 
 
 def _blocks(n: int, size: int | None):
@@ -75,19 +114,30 @@ def _mask(qs, qe, ks, ke, causal, device):
     return ki <= qi
 
 
-def _sfa_row_max(s, visible, policy: PrecisionPolicy):
-    """rm = rowmax(S), replaced by β·rm (rm > 0) or 0 (rm < 0) where rs > 1 (Eq. 6)."""
+def _sfa_shift(s, visible, policy: PrecisionPolicy):
+    """SFA (Sec. 4, Eq. 6) on one key block's scores ``s``: returns ``(m, tied)``, the row max to subtract and the
+    rows where SFA raised it. rm = rowmax(S); where more than one visible score lies within ε of rm (``tied``),
+    m = β·rm (rm > 0) or 0 (rm < 0), then at least rm + ``min_shift`` (rm = 0 and |rm| < min_shift, which Eq. 6
+    leaves with P̄ = 1). Without SFA, m = rm and no row is tied."""
     rm = s.amax(dim=-1)
     if policy.sfa is None:
-        return rm
-    thr = _r(rm - policy.sfa.eps, policy.scores)
+        return rm, torch.zeros_like(rm, dtype=torch.bool)
+    sfa = policy.sfa
+    thr = _r(rm - sfa.eps, policy.scores)
     near = s >= thr[..., None]
     if visible is not None:
         near = near & visible
     tied = near.sum(dim=-1) > 1
-    beta_rm = _r(rm * policy.sfa.beta, policy.scores)
-    m = torch.where(tied & (rm > 0), beta_rm, rm)
-    return torch.where(tied & (rm < 0), torch.zeros_like(rm), m)
+    m = torch.where(tied & (rm > 0), _r(rm * sfa.beta, policy.scores), rm)
+    m = torch.where(tied & (rm < 0), torch.zeros_like(rm), m)
+    if sfa.min_shift > 0:
+        m = torch.where(tied, torch.maximum(m, _r(rm + sfa.min_shift, policy.scores)), m)
+    return m, tied
+
+
+def _sfa_row_max(s, visible, policy: PrecisionPolicy):
+    """The m that SFA subtracts from one key block's scores (:func:`_sfa_shift`); rowmax(S) without SFA."""
+    return _sfa_shift(s, visible, policy)[0]
 
 
 def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True, stats: AttentionStats | None = None):
@@ -96,50 +146,63 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
     Returns ``(o_store, lse)``: the output at ``policy.o_store`` precision (FP32 tensor) and the
     log-sum-exp ``m + log(l)`` (FP32, the m actually used, SFA included) for the backward.
     """
-    B, H, T, D = q.shape
+    B, H, T, _ = q.shape
+    D = v.shape[-1]
     dev = q.device
     o_out = torch.empty(B, H, T, D, device=dev)
     lse = torch.empty(B, H, T, device=dev)
-    ones = torch.zeros(B, H, device=dev, dtype=torch.int64)
+    counts = {n: torch.zeros(B, H, device=dev, dtype=torch.int64) for n in ("ones", "sfa", "attenuated", "zeroed")}
     acc = policy.accumulator
     for qs, qe in _blocks(T, policy.block_q):
         q_b = q[:, :, qs:qe]
         n = qe - qs
         m = torch.full((B, H, n), -math.inf, device=dev)
         l = torch.zeros(B, H, n, device=dev)
+        l_raw = torch.zeros(B, H, n, device=dev)  # l without the clamp (for stats)
         o = torch.zeros(B, H, n, D, device=dev)
+        shifted = torch.zeros(B, H, n, dtype=torch.bool, device=dev)
+        live_any = torch.zeros(n, dtype=torch.bool, device=dev)
         for ks, ke in _blocks(T, policy.block_k):
             if causal and ks > qe - 1:
                 break  # every key of this block lies above the diagonal
             vis = _mask(qs, qe, ks, ke, causal, dev)
+            row_live = vis.any(dim=-1) if vis is not None else torch.ones(n, dtype=torch.bool, device=dev)
             s = _scores(q_b, k[:, :, ks:ke], scale, policy)
             if vis is not None:
                 s = s.masked_fill(~vis, -math.inf)
-            row_live = torch.isfinite(s.amax(dim=-1))  # rows with a visible key in this block
-            rm = _sfa_row_max(s, vis, policy)
-            m_new = _r(torch.maximum(m, rm), acc)
-            m_new = torch.where(row_live, m_new, m)
-            # P̄ = exp(S − m_new); the subtraction is a BF16 op when S is BF16 (autocast), exp is FP32
-            diff = _r(s - m_new[..., None], policy.scores)
-            p_bar = torch.exp(diff).masked_fill(~row_live[..., None], 0.0)
-            block_sum = p_bar.double().sum(dim=-1).float()
+            rm, tied = _sfa_shift(s, vis, policy)
+            shifted |= tied & row_live
+            live_any |= row_live
+            m_new = torch.where(row_live, _r(torch.maximum(m, rm), acc), m)
+            # subtract 0 where every visible score so far is −inf (FA2's Check_inf): exp then gives 0, not NaN
+            m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
+            # P̄ = exp(S − m); the subtraction is a BF16 op when S is BF16 (autocast), exp is FP32; 0 where masked
+            p_bar = torch.exp(_r(s - m_use[..., None], policy.scores))
+            block_raw = p_bar.double().sum(dim=-1).float()
+            block_sum = block_raw
             if policy.row_sum_clamp is not None:
-                block_sum = torch.where(row_live, block_sum.clamp_min(policy.row_sum_clamp), block_sum)
+                block_sum = torch.where(row_live, block_raw.clamp_min(policy.row_sum_clamp), block_raw)
             p_pv = _r(p_bar, policy.p_bar)
             if stats is not None:
-                ones += (p_pv == 1.0).sum(dim=(-1, -2))
-            o_bar = _r(_mm(p_pv, v[:, :, ks:ke]), policy.o_block)
-            c = torch.exp(_r(m - m_new, acc))  # m − m_new is an op on the m tensors; 0 on the first block
-            c = torch.where(row_live, c, torch.ones_like(c))
+                counts["ones"] += (p_pv == 1.0).sum(dim=(-1, -2))
+            o_bar = _r(_mm_visible(p_pv, v[:, :, ks:ke], vis), policy.o_block)
+            c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
+            c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
             l = _r(c * l + block_sum, acc)
+            l_raw = _r(c * l_raw + block_raw, acc)
             o = _r(o * c[..., None], acc)
             o = _r(o + o_bar, acc)
             m = m_new
         o_out[:, :, qs:qe] = _r(_r(o / l[..., None], acc), policy.o_store)
         lse[:, :, qs:qe] = torch.log(l) + m
+        if stats is not None:
+            counts["sfa"] += shifted.sum(dim=-1)
+            counts["attenuated"] += (l_raw < l).sum(dim=-1)
+            counts["zeroed"] += ((l_raw == 0) & live_any).sum(dim=-1)
     if stats is not None:
         fill_tie_stats(stats, q, k, scale, policy, causal)
-        stats.p_bar_ones = ones
+        stats.p_bar_ones, stats.sfa_rows = counts["ones"], counts["sfa"]
+        stats.attenuated_rows, stats.zeroed_rows = counts["attenuated"], counts["zeroed"]
     return o_out, lse
 
 
@@ -164,11 +227,12 @@ def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, 
 
 def _attention_fp32(q, k, v, scale, causal):
     """Plain softmax attention in float64, rounded to FP32 (the high-precision O of ``delta="o_exact"``)."""
+    T = q.shape[-2]
+    vis = _mask(0, T, 0, T, causal, q.device)
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
-    if causal:
-        T = q.shape[-2]
-        s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
-    return torch.matmul(torch.softmax(s, dim=-1), v.double()).float()
+    if vis is not None:
+        s = s.masked_fill(~vis, -math.inf)
+    return _mm_visible(torch.softmax(s, dim=-1), v.double(), vis)
 
 
 def _block_pairs(T: int, policy: PrecisionPolicy, causal: bool):
@@ -181,31 +245,48 @@ def _block_pairs(T: int, policy: PrecisionPolicy, causal: bool):
 
 
 def _p_block(q, k, lse, qs, qe, ks, ke, scale, policy: PrecisionPolicy, causal: bool):
-    """P = exp(S − lse) of one block pair, as the backward recomputes it; 0 where the key is invisible."""
+    """``(P, visible)`` of one block pair: P = exp(S − lse) as the backward recomputes it, exactly 0 where the key
+    is invisible (whatever S or lse hold there); ``visible`` as :func:`_mask` (None: all visible)."""
     vis = _mask(qs, qe, ks, ke, causal, q.device)
     p = torch.exp(_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy) - lse[:, :, qs:qe, None])
-    return p if vis is None else p.masked_fill(~vis, 0.0)
+    return (p if vis is None else p.masked_fill(~vis, 0.0)), vis
+
+
+def _masked(x, vis):
+    """``x`` with exact zeros where ``vis`` is False (``vis`` None: unchanged); unlike P·x, no 0·NaN."""
+    return x if vis is None else x.masked_fill(~vis, 0.0)
 
 
 def backward_delta(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool = True):
-    """δ per row (B, H, T), FP32, by ``policy.delta``: rowsum(dO ∘ O) (Eq. 4) or an isolation variant (Sec. 3.2).
-    Arguments as :func:`backward`."""
+    """δ per row (B, H, T), FP32, by ``policy.delta``: rowsum(dO ∘ O) (Eq. 4) or an isolation variant (Sec. 3.2),
+    with its error against ``delta="o_fp32"`` dosed as ``policy.dose`` says. Arguments as :func:`backward`."""
+    delta = _delta_formula(do, q, k, v, o_store, lse, policy, scale, causal)
+    if not delta_dose_active(policy):
+        return delta
+    ref = _delta_formula(do, q, k, v, o_store, lse, policy.with_(delta="o_fp32"), scale, causal)
+    return dose_delta(delta, ref, policy)
+
+
+def _delta_formula(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool):
+    """δ by ``policy.delta`` alone (no dose)."""
     bw = policy.backward
     if policy.delta == "o_stored":
         prod_prec = BF16 if (bw == BF16 and policy.o_store == BF16) else FP32
         return _r(do * o_store, prod_prec).double().sum(dim=-1).float()
-    if policy.delta == "o_fp32":  # O recomputed from the forward's S, everything after S in FP32
+    # O recomputed from the forward's S, everything after S in FP32 ("o_fp32"), or all in float64 ("o_exact");
+    # the products dO∘O in FP32 (as the kernels and the FP32 twin's o_stored take them), summed exactly
+    if policy.delta == "o_fp32":
         o_hp, _ = forward(q, k, v, delta_o_policy(policy), scale, causal)
-        return (do.double() * o_hp.double()).sum(dim=-1).float()
+        return (do * o_hp).double().sum(dim=-1).float()
     if policy.delta == "o_exact":
-        return (do.double() * _attention_fp32(q, k, v, scale, causal).double()).sum(dim=-1).float()
+        return (do * _attention_fp32(q, k, v, scale, causal)).double().sum(dim=-1).float()
     # "dp_p": rowsum(dP ∘ P) over all key blocks, dP and P as the backward computes them
     B, H, T, _ = q.shape
     delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
     for qs, qe, ks, ke in _block_pairs(T, policy, causal):
-        p = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        p, vis = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
         dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
-        delta64[:, :, qs:qe] += (dp.double() * p.double()).sum(dim=-1)
+        delta64[:, :, qs:qe] += _masked(dp.double() * p.double(), vis).sum(dim=-1)
     return delta64.float()
 
 
@@ -226,17 +307,18 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
     delta = backward_delta(do, q, k, v, o_store, lse, policy, scale, causal)
 
     for qs, qe, ks, ke in _block_pairs(T, policy, causal):
-        p = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        p, vis = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        vis_t = None if vis is None else vis.transpose(-1, -2)
         do_b = do[:, :, qs:qe]
         # dV_j += Pᵀ dO
-        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm(_r(p, op).transpose(-1, -2), _r(do_b, op)), bw), bw)
-        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale
+        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t), bw), bw)
+        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale, exactly 0 where the key is invisible
         dp = _r(_mm(do_b, v[:, :, ks:ke].transpose(-1, -2)), bw)
-        ds = p * scale * (dp - delta[:, :, qs:qe, None])
+        ds = _masked(p * scale * (dp - delta[:, :, qs:qe, None]), vis)
         ds_op = _r(ds, op)
         # dQ_i += dS K_j ;  dK_j += dSᵀ Q_i
-        dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm(ds_op, k[:, :, ks:ke]), bw), bw)
-        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(_mm(ds_op.transpose(-1, -2), q[:, :, qs:qe]), bw), bw)
+        dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm_visible(ds_op, k[:, :, ks:ke], vis), bw), bw)
+        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(_mm_visible(ds_op.transpose(-1, -2), q[:, :, qs:qe], vis_t), bw), bw)
     return dq, dk, dv
 
 
@@ -250,36 +332,45 @@ def _split_heads(policy: PrecisionPolicy, H: int):
     return lp, hp
 
 
+def forward_heads(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True, stats: AttentionStats | None = None):
+    """:func:`forward` with ``policy.fp32_heads`` run by the FP32 twin; ``stats`` (all heads) filled from both groups."""
+    lp, hp = _split_heads(policy, q.shape[1])
+    o = torch.empty(q.shape[:-1] + v.shape[-1:], device=q.device)
+    lse = torch.empty(q.shape[:-1], device=q.device)
+    sub_stats = []
+    if stats is not None and stats.eps is None:
+        stats.eps = policy.sfa.eps if policy.sfa else 1e-3  # one eps for both head groups
+    for heads, pol in ((lp, policy), (hp, fp32_twin(policy))):
+        if not heads:
+            continue
+        st = AttentionStats(eps=stats.eps) if stats is not None else None
+        o[:, heads], lse[:, heads] = forward(q[:, heads], k[:, heads], v[:, heads], pol, scale, causal, st)
+        sub_stats.append((heads, st))
+    if stats is not None:
+        B, H = q.shape[:2]
+        stats.rows = q.shape[2]
+        for name in _COUNTS:
+            setattr(stats, name, torch.zeros(B, H, dtype=torch.int64, device=q.device))
+            for heads, st in sub_stats:
+                getattr(stats, name)[:, heads] = getattr(st, name)
+    return o, lse
+
+
+def fill_stats(stats: AttentionStats, q, k, scale: float, policy: PrecisionPolicy, causal: bool = True) -> None:
+    """Fill every count of ``stats`` as the forward would, from FP32 ``q``, ``k`` alone (V is not needed: the
+    counts depend on S, P̄ and the row sums; a zero V of one feature stands in for it)."""
+    forward_heads(q, k, q.new_zeros(q.shape[:-1] + (1,)), policy, scale, causal, stats)
+
+
 class ReferenceAttention(torch.autograd.Function):
     """Autograd wrapper: forward and backward both follow the policy (not autograd of the forward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, policy: PrecisionPolicy, scale: float, causal: bool, stats):
         qf, kf, vf = (t.float() for t in (q, k, v))
-        lp, hp = _split_heads(policy, q.shape[1])
-        o = torch.empty_like(qf)
-        lse = torch.empty(qf.shape[:-1], device=q.device)
-        sub_stats = []
-        if stats is not None and stats.eps is None:
-            stats.eps = policy.sfa.eps if policy.sfa else 1e-3  # one eps for both head groups
-        for heads, pol in ((lp, policy), (hp, fp32_twin(policy))):
-            if not heads:
-                continue
-            st = AttentionStats(eps=stats.eps) if stats is not None else None
-            o[:, heads], lse[:, heads] = forward(qf[:, heads], kf[:, heads], vf[:, heads], pol, scale, causal, st)
-            sub_stats.append((heads, st))
-        if stats is not None:
-            B, H = q.shape[:2]
-            stats.rows = q.shape[2]
-            stats.tied_rows = torch.zeros(B, H, dtype=torch.int64, device=q.device)
-            stats.rs_sum = torch.zeros_like(stats.tied_rows)
-            stats.p_bar_ones = torch.zeros_like(stats.tied_rows)
-            for heads, st in sub_stats:
-                stats.tied_rows[:, heads] = st.tied_rows
-                stats.rs_sum[:, heads] = st.rs_sum
-                stats.p_bar_ones[:, heads] = st.p_bar_ones
+        o, lse = forward_heads(qf, kf, vf, policy, scale, causal, stats)
         ctx.save_for_backward(qf, kf, vf, o, lse)
-        ctx.policy, ctx.scale, ctx.causal, ctx.heads = policy, scale, causal, (lp, hp)
+        ctx.policy, ctx.scale, ctx.causal, ctx.heads = policy, scale, causal, _split_heads(policy, q.shape[1])
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         out_dtype = torch.bfloat16 if policy.o_store == BF16 else torch.float32
         return o.to(out_dtype)

@@ -57,15 +57,18 @@ from __future__ import annotations
 
 import torch
 
-from lpfa.attention.policy import BF16, PrecisionPolicy, delta_o_policy, get_policy
+from lpfa.attention.policy import BF16, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, get_policy
 from lpfa.attention.triton_common import (
     MIN_TILE,
+    _dot,
+    _dot_visible,
     _exp,
     _interpreter,
     _next_pow2,
     _rnd,
     check_triton_inputs,
     libdevice,
+    nonfinite_flags,
     policy_tiles,
     tl,
     triton,
@@ -75,14 +78,6 @@ COMPUTE_TILE = 64  # preferred compute tile (rows or keys) when the policy block
 DELTA_ROWS = 64  # rows per program of the δ kernels (no policy-block structure there)
 
 if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, AS_BF16: tl.constexpr):
-        """a @ b with FP32 accumulation; BF16 tensor-core operands when AS_BF16 (exact values only)."""
-        if AS_BF16:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
-        else:
-            return tl.dot(a, b, input_precision="ieee", out_dtype=tl.float32)
 
     @triton.jit
     def _bwd_delta_kernel(
@@ -141,14 +136,15 @@ if triton is not None:
             # P = exp(S − lse), 0 where key > query or out of range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
-            # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P)
+            # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P) over visible keys (no 0·NaN from an invisible V)
             dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
-            acc += tl.sum(dp * p, axis=1)
+            acc += tl.sum(tl.where(visible, dp * p, 0.0), axis=1)
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B*H, T, D) / (B*H, T); outputs FP32 (B*H, T, D)
+        Q_NONFINITE, DO_NONFINITE,  # (B*H,) int32 flags: Q / dO of this batch·head hold an inf or NaN
         T, scale,
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
@@ -176,6 +172,9 @@ if triton is not None:
         kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
+
+        q_nonfinite = tl.load(Q_NONFINITE + pid_bh)
+        do_nonfinite = tl.load(DO_NONFINITE + pid_bh)
 
         # dK_j, dV_j accumulators (bw precision), across policy query blocks
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -208,15 +207,15 @@ if triton is not None:
                 visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
                 pt = tl.where(visible, _exp(st - lse[None, :], PRECISE_MATH), 0.0)
 
-                # dV partial += op(P)ᵀ op(dO)
-                dv_part += _dot(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), PDO_DOT_BF16)
+                # dV partial += op(P)ᵀ op(dO), over visible pairs
+                dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT_BF16)
 
-                # dPᵀ = bw(V dOᵀ);  dSᵀ = Pᵀ·scale·(dPᵀ − δ)
+                # dPᵀ = bw(V dOᵀ);  dSᵀ = Pᵀ·scale·(dPᵀ − δ), exactly 0 where the key is invisible
                 dpt = _rnd(_dot(v, tl.trans(do), DOV_DOT_BF16), BW_BF16)
-                dst = pt * scale * (dpt - delta[None, :])
+                dst = tl.where(visible, pt * scale * (dpt - delta[None, :]), 0.0)
 
-                # dK partial += op(dS)ᵀ Q
-                dk_part += _dot(_rnd(dst, OP_BF16), tl.trans(qt), DSQ_DOT_BF16)
+                # dK partial += op(dS)ᵀ Q, over visible pairs
+                dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT_BF16)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
@@ -228,6 +227,7 @@ if triton is not None:
     @triton.jit
     def _bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ,
+        K_NONFINITE,  # (B*H,) int32 flag: K of this batch·head holds an inf or NaN
         T, scale,
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,
@@ -258,6 +258,7 @@ if triton is not None:
         lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
+        k_nonfinite = tl.load(K_NONFINITE + pid_bh)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
         # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
@@ -280,15 +281,46 @@ if triton is not None:
                 s = _rnd(s * scale, SCORES_BF16)
                 visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
                 p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
-                # dP = bw(dO Vᵀ);  dS = P·scale·(dP − δ)
+                # dP = bw(dO Vᵀ);  dS = P·scale·(dP − δ), exactly 0 where the key is invisible
                 dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
-                ds = p * scale * (dp - delta[:, None])
-                # dQ partial += op(dS) K
-                dq_part += _dot(_rnd(ds, OP_BF16), tl.trans(kt), DSK_DOT_BF16)
+                ds = tl.where(visible, p * scale * (dp - delta[:, None]), 0.0)
+                # dQ partial += op(dS) K, over visible pairs
+                dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT_BF16)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
 
         tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
+
+
+def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags):
+    """δ per row (B, H, T) by ``pol.delta`` alone (no dose). ``q, k, v``: the inputs as given (for the recomputing
+    forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them."""
+    B, H, T, D = q.shape
+    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
+    if pol.delta == "dp_p":
+        t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
+        _bwd_delta_dpp_kernel[(triton.cdiv(T, t_m), B * H)](
+            q_, k_, v_, do_, lse_, delta, T, float(scale),
+            HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
+            SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags,
+            enable_fp_fusion=False,
+        )
+        return delta
+    if pol.delta in ("o_fp32", "o_exact"):
+        from lpfa.attention.triton_fwd import flash_forward  # O recomputed: S as the forward (o_fp32) or FP32
+
+        o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math)
+        prod_bf16 = False
+    else:  # "o_stored"
+        o_src = o_
+        prod_bf16 = pol.backward == BF16 and pol.o_store == BF16
+    t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
+    _bwd_delta_kernel[(triton.cdiv(T, t_m), B * H)](
+        do_, o_src.contiguous(), delta, T,
+        HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
+        enable_fp_fusion=False,
+    )
+    return delta
 
 
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
@@ -345,31 +377,11 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         PRECISE_MATH=bool(precise_math),
     )
 
-    # ---- δ per row ----
-    delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
-    if pol.delta == "dp_p":
-        t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
-        _bwd_delta_dpp_kernel[(triton.cdiv(T, t_m), B * H)](
-            q_, k_, v_, do_, lse_, delta, T, float(scale),
-            HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
-            SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, **flags,
-            enable_fp_fusion=False,
-        )
-    else:
-        if pol.delta in ("o_fp32", "o_exact"):
-            from lpfa.attention.triton_fwd import flash_forward  # O recomputed: S as the forward (o_fp32) or FP32
-
-            o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math)
-            prod_bf16 = False
-        else:  # "o_stored"
-            o_src = o_
-            prod_bf16 = bw_bf16 and pol.o_store == BF16
-        t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
-        _bwd_delta_kernel[(triton.cdiv(T, t_m), B * H)](
-            do_, o_src.contiguous(), delta, T,
-            HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
-            enable_fp_fusion=False,
-        )
+    # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
+    delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags)
+    if delta_dose_active(pol):
+        ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math, flags)
+        delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
     dq = torch.empty(B, H, T, D, device=q.device, dtype=torch.float32)
@@ -384,7 +396,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     )
     n_ktiles = triton.cdiv(T, BK) * TPB_K
     _bwd_dkdv_kernel[(n_ktiles, B * H)](
-        q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale),
+        q_, k_, v_, do_, lse_, delta, dk, dv, nonfinite_flags(q_), nonfinite_flags(do_), T, float(scale),
         TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
         PDO_DOT_BF16=bool(dot_bf16 and op_bf16),
         DSQ_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["q"]),
@@ -393,7 +405,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * TPB_Q
     _bwd_dq_kernel[(n_qtiles, B * H)](
-        q_, k_, v_, do_, lse_, delta, dq, T, float(scale),
+        q_, k_, v_, do_, lse_, delta, dq, nonfinite_flags(k_), T, float(scale),
         TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
         DSK_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["k"]),
         **common,

@@ -11,6 +11,8 @@ import math
 import os
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from lpfa.attention.policy import PrecisionPolicy
 
@@ -58,6 +60,40 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _max_nan(a, b):
+        """max(a, b) with NaN winning, on the GPU as in the interpreter (plain tl.max ignores NaN on the GPU)."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _row_max(x):
+        """rowmax over axis 1, NaN-propagating (a NaN score makes the row's max NaN, as torch.amax does)."""
+        return tl.reduce(x, 1, _max_nan)
+
+    @triton.jit
+    def _dot(a, b, AS_BF16: tl.constexpr):
+        """a @ b with FP32 accumulation; BF16 tensor-core operands when AS_BF16 (exact values only), else IEEE FP32."""
+        if AS_BF16:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+
+    @triton.jit
+    def _dot_visible(a, b, visible, b_nonfinite, AS_BF16: tl.constexpr):
+        """a @ b summed over visible pairs only (:func:`lpfa.attention.reference._mm_visible`): ``a`` (M, K) is 0
+        where ``visible`` (M, K) is False, ``b`` (K, N) may hold inf/NaN when the runtime flag ``b_nonfinite`` is
+        set (one flag per batch·head, from the wrapper). A non-finite b[k, n] then makes out[m, n] NaN exactly where
+        (m, k) is visible: b's finite part goes through the GEMM, and a second GEMM of 0/1 indicators (exact
+        counts) finds where a non-finite entry is reached. Without the flag this is one plain GEMM."""
+        if b_nonfinite != 0:
+            bad = (b != b) | (b == float("inf")) | (b == float("-inf"))
+            out = _dot(a, tl.where(bad, 0.0, b), AS_BF16)
+            reach = _dot(visible.to(tl.float32), bad.to(tl.float32), AS_BF16)
+            out = tl.where(reach > 0, float("nan"), out)
+        else:
+            out = _dot(a, b, AS_BF16)
+        return out
+
+    @triton.jit
     def _exp(x, PRECISE_MATH: tl.constexpr):
         if PRECISE_MATH:
             return libdevice.exp(x)
@@ -71,6 +107,11 @@ if triton is not None:
         else:
             return tl.log(x)
 
+
+
+def nonfinite_flags(x):
+    """(B·H,) int32: 1 where the (batch, head) slice of ``x`` (B, H, T, D) holds an inf or NaN (for :func:`_dot_visible`)."""
+    return (~torch.isfinite(x)).flatten(2).any(dim=-1).flatten().to(torch.int32)
 
 
 def _next_pow2(n: int) -> int:
@@ -91,8 +132,8 @@ def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[
     if tile > MAX_TILE:
         what = "None (one block over the sequence)" if block is None else str(block)
         raise ValueError(
-            f"policy.{name} = {what} needs a tile of {tile} keys or queries; the Triton kernels take blocks "
-            f"that are multiples of {preferred} or at most {MAX_TILE} long"
+            f"policy.{name}={what} at T={T} needs a tile of {tile} keys or queries: expected blocks that are "
+            f"multiples of {preferred} or at most {MAX_TILE} long (the Triton kernels' limit; backend='reference' has none)"
         )
     return size, tile, 1
 

@@ -49,12 +49,17 @@ import torch
 from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
 
 from lpfa.attention.triton_common import (
+    _dot,
+    _dot_visible,
     _exp,
     _interpreter,
     _log,
+    _max_nan,
     _rnd,
+    _row_max,
     check_triton_inputs,
     libdevice,
+    nonfinite_flags,
     policy_tiles,
     tl,
     triton,
@@ -71,10 +76,7 @@ if triton is not None:
         key_ok = (offs_n < k_hi) & (offs_n < T)
         offs_d = tl.arange(0, HEAD_DIM)
         kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-        if QK_DOT_BF16:
-            s = tl.dot(q, kt.to(tl.bfloat16), out_dtype=tl.float32)  # exact BF16 operands, FP32 accumulation
-        else:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+        s = _dot(q, kt, QK_DOT_BF16)  # BF16 operands (exact) or IEEE FP32, FP32 accumulation
         s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
         s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
         visible = key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
@@ -83,7 +85,8 @@ if triton is not None:
     @triton.jit
     def _flash_fwd_kernel(
         Q, K, V, O, LSE,  # contiguous (B*H, T, D) in the input / o_store dtype, and FP32 (B*H, T)
-        T, scale, clamp_val, sfa_beta, sfa_eps,
+        V_NONFINITE,  # (B*H,) int32: V of this batch·head holds an inf or NaN (lpfa.attention.triton_common)
+        T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,  # query rows per program (rows are independent in the forward)
         BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,  # policy key block = N_SUB tiles
@@ -104,10 +107,8 @@ if triton is not None:
 
         # Q tile: (BLOCK_M, D); padded rows are 0
         q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        if QK_DOT_BF16:
-            q = q.to(tl.bfloat16)
-        else:
-            q = q.to(tl.float32)
+        q = q.to(tl.bfloat16) if QK_DOT_BF16 else q.to(tl.float32)  # converted once, not per key tile
+        v_nonfinite = tl.load(V_NONFINITE + pid_bh)
 
         # running state: m = −inf, l = 0, o = 0
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -126,18 +127,18 @@ if triton is not None:
             if N_SUB == 1:
                 s, visible = _scores_tile(q, K, base, kb_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
                                           SCORES_BF16, QK_DOT_BF16)
-                rm = tl.max(s, axis=1)
+                rm = _row_max(s)
             else:  # pass 1 over the block's tiles: the block's row max needs all of them
                 rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
                 for t in range(0, n_sub):
                     s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T, scale,
                                               HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
-                    rm = tl.maximum(rm, tl.max(s, axis=1))
-            row_live = rm > float("-inf")  # rows with a visible key in this block
+                    rm = _max_nan(rm, _row_max(s))
+            row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
             if USE_SFA:
                 # SFA (Eq. 6): thr = scores(rm − ε); rs = #{visible S ≥ thr}; where rs > 1:
-                #   m = scores(β·rm) if rm > 0,  0 if rm < 0  (rm == 0 stays)
+                #   m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
                 thr = _rnd(rm - sfa_eps, SCORES_BF16)
                 if N_SUB == 1:
                     rs = tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
@@ -148,13 +149,15 @@ if triton is not None:
                                                   scale, HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
                         rs += tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
                 tied = rs > 1
-                beta_rm = _rnd(rm * sfa_beta, SCORES_BF16)
-                rm = tl.where(tied & (rm > 0), beta_rm, rm)
-                rm = tl.where(tied & (rm < 0), 0.0, rm)
+                m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
+                m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
+                rm = tl.where(tied, tl.maximum(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
 
             # m_new = acc(max(m, rm)); rows without a visible key keep m
-            m_new = _rnd(tl.maximum(m_i, rm), ACC_BF16)
+            m_new = _rnd(_max_nan(m_i, rm), ACC_BF16)
             m_new = tl.where(row_live, m_new, m_i)
+            # subtract 0 where every visible score so far is −inf (FA2's Check_inf): exp gives 0 there, not NaN
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
 
             # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles --
             block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -164,23 +167,21 @@ if triton is not None:
                 if N_SUB > 1:  # recompute this tile's scores (pass 2 or 3)
                     s, visible = _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
                                               SCORES_BF16, QK_DOT_BF16)
-                diff = _rnd(s - m_new[:, None], SCORES_BF16)  # a BF16 op when S is BF16
-                p = tl.where(visible & row_live[:, None], _exp(diff, PRECISE_MATH), 0.0)
+                diff = _rnd(s - m_use[:, None], SCORES_BF16)  # a BF16 op when S is BF16
+                p = tl.where(visible, _exp(diff, PRECISE_MATH), 0.0)
                 block_sum += tl.sum(p, axis=1)
                 p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
                 offs_n = k_lo + loc_n
                 key_ok = (offs_n < kb_hi) & (offs_n < T)
                 v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-                if PV_DOT_BF16:
-                    o_blk += tl.dot(p_pv.to(tl.bfloat16), v.to(tl.bfloat16), out_dtype=tl.float32)
-                else:
-                    o_blk += tl.dot(p_pv, v.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+                # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
+                o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT_BF16)
             if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
                 block_sum = tl.where(row_live, tl.maximum(block_sum, clamp_val), block_sum)
             o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
 
-            # c = exp(acc(m − m_new)): 0 on the first block (m = −inf), 1 in non-live rows
-            c = _exp(_rnd(m_i - m_new, ACC_BF16), PRECISE_MATH)
+            # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
+            c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
             c = tl.where(row_live, c, 1.0)
             # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
             l_i = _rnd(c * l_i + block_sum, ACC_BF16)
@@ -240,10 +241,12 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     grid = (triton.cdiv(T, block_m), B * H)
     _flash_fwd_kernel[grid](
         q, k, v, o, lse,
+        nonfinite_flags(v),
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
         float(pol.sfa.beta) if pol.sfa is not None else 1.0,
         float(pol.sfa.eps) if pol.sfa is not None else 0.0,
+        float(pol.sfa.min_shift) if pol.sfa is not None else 0.0,
         HEAD_DIM=D, BLOCK_M=block_m, BK=BK, BLOCK_N=BLOCK_N, N_SUB=N_SUB,
         SCORES_BF16=pol.scores == BF16, PBAR_BF16=pol.p_bar == BF16, OBLOCK_BF16=pol.o_block == BF16,
         ACC_BF16=pol.accumulator == BF16, OSTORE_BF16=pol.o_store == BF16,
