@@ -84,3 +84,27 @@ def test_fp32_heads_and_compile():
     register(heads)
     g = torch.compile(lambda q, k, v: attention(q, k, v, policy=heads, backend="triton"), fullgraph=True)
     assert torch.equal(g(q, k, v), attention(q, k, v, policy=heads, backend="triton"))
+
+
+@pytest.mark.parametrize("name", ["fa2", "paper", "paper_sfa"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_nonfinite_reaches_the_same_entries_as_the_reference(which, name):
+    """NaN and ±inf on the native BF16 tensor-core path: the same finite entries of O, dq, dk, dv as the
+    reference (tests/test_attention_nonfinite.py checks the reference against a float64 oracle)."""
+    torch.manual_seed(0)
+    B, H, T, D = 3, 2, 300, 64
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    t = {"q": q, "k": k, "v": v}[which]
+    for b, value in enumerate((math.nan, math.inf, -math.inf)):
+        t[b, 0, 127, 5] = value  # the last row/key of a 128-block
+        t[b, 1, 200, 0] = value
+    outs = {}
+    for backend in ("triton", "reference"):
+        x = [u.clone().requires_grad_() for u in (q, k, v)]
+        o = attention(*x, policy=name, backend=backend)
+        o.backward(do)
+        outs[backend] = [o.detach(), *(u.grad for u in x)]
+    for part, a, b in zip(("O", "dq", "dk", "dv"), outs["triton"], outs["reference"]):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(b)), part
+        if part == "O":
+            assert torch.isfinite(a[:, :, :127]).all()  # no row before the first poisoned position sees it
