@@ -151,7 +151,7 @@ if triton is not None:
                 tied = rs > 1
                 m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
                 m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
-                rm = tl.where(tied, tl.maximum(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
+                rm = tl.where(tied, _max_nan(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
 
             # m_new = acc(max(m, rm)); rows without a visible key keep m
             m_new = _rnd(_max_nan(m_i, rm), ACC_BF16)
@@ -177,7 +177,7 @@ if triton is not None:
                 # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
                 o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT_BF16)
             if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
-                block_sum = tl.where(row_live, tl.maximum(block_sum, clamp_val), block_sum)
+                block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
             o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
 
             # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
