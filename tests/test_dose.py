@@ -262,3 +262,26 @@ def test_plot_without_a_fit(runs):
     legend = [x.get_text() for x in fig.axes[0].get_legend().get_texts()]
     assert CENSORED_LABEL in legend and not any(x.startswith("fit") for x in legend)
     assert "paper_sfa, biased δ error" in legend and "sdpa_fp32, undosed" in legend and "paper, undosed" in legend
+
+
+def test_committed_dose_experiment():
+    """The committed runs (results/dose, with the isolation table's bf16 and fp32 rows as k = 1 and the FP32
+    reference) read as the pages state them."""
+    from lpfa.dose import committed_runs, dose_findings, dose_text
+
+    runs = committed_runs()
+    if not runs:
+        pytest.skip("no committed dose results")
+    table = dose_table(runs)
+    assert runs["bias_x1"].parts[-3:-1] == ("isolation", "h200x4-2026-11-29")
+    assert table.loc["bias_x1", "k"] == 1 and table.loc["fp32", "base"] == "sdpa_fp32"
+    f = dose_findings(table)
+    assert f["bias"]["exploded_ks"] == [32.0, 64.0, 128.0, 256.0] and f["bias"]["exploded_runs"] == 8
+    assert f["control"]["exploded_ks"] == [256.0]
+    assert f["bias_decides_ks"] == [32.0, 64.0, 128.0] and f["magnitude_suffices_ks"] == [256.0]
+    assert f["undosed"] == {"steps": 8000, "exploded": False, "runaway step": None}
+    assert f["sfa"]["exploded"] and f["sfa"]["explosion step"] > max(f["sfa"]["without_sfa"])
+    fit = fit_dose_response(table, what="runaway step", base="paper_untiled")
+    assert fit["n"] == 11 and -0.8 < fit["slope"] < -0.4
+    assert fit["interval_95"][0] < 6400 < fit["interval_95"][1]  # the eager 30k BF16 twin ran away at step 6,400
+    assert "8 of 11 runs" in dose_text(table)

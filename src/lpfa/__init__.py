@@ -7,11 +7,13 @@ Modules, one per concept:
   reference, Triton forward/backward kernels, the ``torch.library`` op.
 * :mod:`lpfa.model` — GPT-2 (nanoGPT semantics) with attention precision chosen per layer.
 * :mod:`lpfa.data` — tokenizers, nanoGPT token files, deterministic batches and replay logs.
-* :mod:`lpfa.train` — the training loop and CLI; :mod:`lpfa.launch` — detached runs on time-boxed GPUs.
+* :mod:`lpfa.train` — the training loop and CLI; :mod:`lpfa.launch` — detached runs on time-boxed GPUs and the
+  experiment tables; :mod:`lpfa.params` — typed checks of config fields and notebook parameters.
 * :mod:`lpfa.checkpoints` — our checkpoints, nanoGPT ``ckpt.pt`` and Hugging Face GPT-2 loaders.
 * :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
 * :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).
 * :mod:`lpfa.explosion` — the explosion criterion; :mod:`lpfa.runs` — reading and plotting runs.
+* :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
 * :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
 * :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.
 * :mod:`lpfa.book` — execute the notebooks with papermill and build the Jupyter Book.

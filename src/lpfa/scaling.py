@@ -221,6 +221,17 @@ def committed_speed(experiment: str = "compile_throughput", run: str | None = No
     return compare_throughput({"eager": d / "compile_false.log", "compiled": d / "compile_true.log"})
 
 
+PAPER_EXPLOSION_STEP = 6_600
+"""About where the paper's BF16 GPT-2 S run explodes (Fig. 2), at the recipe of ``lpfa.train.PRESETS["gpt2-s-paper"]``."""
+
+
+def paper_explosion_tokens() -> int:
+    """Tokens the paper's BF16 run trains before it explodes: :data:`PAPER_EXPLOSION_STEP` steps of its recipe."""
+    from lpfa.train import PRESETS
+
+    return PAPER_EXPLOSION_STEP * tokens_per_step(PRESETS["gpt2-s-paper"])
+
+
 def tokens_per_step(train_conf: dict) -> int:
     """Tokens per optimizer step of a training config (a ``config.json`` "train" dict or a preset)."""
     return int(train_conf["batch_size"] * train_conf["block_size"] * train_conf.get("grad_accum", 1))

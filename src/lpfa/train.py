@@ -194,6 +194,8 @@ PRESET_HELP = {
     "repro": "the feasibility study's failing configuration (issue 5): 8 layers, d = 512, T = 512, 16k tokens/step, "
              "flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics untiled",
     "gpt2-s": "GPT-2 small at the paper's sequence length",
+    "gpt2-s-paper": "the paper's own recipe (Sec. 3.1): GPT-2 small, T = 1024, 524,288 tokens/step, AdamW (0.9, 0.95), "
+                    "no weight decay, clip 1.0, peak lr 1e-3 after 2,000 warmup steps, cosine to 1e-5 over 600k steps",
 }
 PRESETS: dict[str, dict] = {  # what each one is: PRESET_HELP
     "cpu-smoke": dict(model="tiny", block_size=128, batch_size=16, max_steps=300, lr=2e-3, min_lr=2e-4,
@@ -204,6 +206,9 @@ PRESETS: dict[str, dict] = {  # what each one is: PRESET_HELP
     "gpt2-s": dict(model="gpt2-s", block_size=1024, batch_size=16, grad_accum=4, lr=6e-4, min_lr=6e-5,
                    warmup_steps=700, max_steps=20000, attn_policy="paper", eval_interval=500, diag_interval=200,
                    ckpt_interval=2000, log_interval=50),
+    "gpt2-s-paper": dict(model="gpt2-s", block_size=1024, batch_size=16, grad_accum=32, lr=1e-3, min_lr=1e-5,
+                         lr_schedule="cosine", warmup_steps=2000, max_steps=600_000, weight_decay=0.0, grad_clip=1.0,
+                         attn_policy="paper", eval_interval=500, diag_interval=200, ckpt_interval=2000, log_interval=50),
 }
 # nanoGPT's names for TrainConfig fields, for the hint after an unknown one
 NANOGPT_NAMES = {"learning_rate": "lr", "max_iters": "max_steps", "lr_decay_iters": "max_steps",
