@@ -2,7 +2,7 @@
 
 Scores are built exactly: scale 1, q = a·e₀ and k_j = b_j·e₀, so S_ij = a·b_j with BF16-exact a, b_j. Each case
 checks the P̄ = 1 count (``AttentionStats.p_bar_ones``), SFA's own count (``sfa_rows``), the silenced-row counts,
-and that the Triton kernel (interpreter) computes the same output bit for bit.
+and that the Triton kernel (interpreter) computes the same output (up to a BF16 ulp from FP32 summation order).
 """
 
 import os
@@ -33,6 +33,15 @@ def scores_inputs(keys: list[float], a: float = 1.0):
     return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
+def same_output(a, b):
+    """Triton (interpreter) against the reference: FP32 sums in another order may flip a BF16 rounding of O by one
+    ulp (tests/test_attention_triton_fwd.py), so equal within 2⁻⁷ of the output's scale, and finite alike."""
+    a, b = a.float(), b.float()
+    assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+    fin = torch.isfinite(b)
+    assert ((a[fin] - b[fin]).abs() <= 2**-7 * max(b[fin].abs().max().item(), 1.0)).all()
+
+
 def run(q, k, v, pol, backend="reference"):
     st = AttentionStats()
     o = attention(q, k, v, scale=1.0, policy=pol, stats=st, backend=backend)
@@ -61,7 +70,7 @@ def test_min_shift_keeps_every_shifted_p_bar_below_one(rm):
     for pol in (printed, untiled_sfa()):
         o_ref, _ = run(q, k, v, pol)
         o_tri, st_tri = run(q, k, v, pol, backend="triton")
-        assert torch.equal(o_tri, o_ref)
+        same_output(o_tri, o_ref)
 
 
 def test_min_shift_validation_and_default():
@@ -85,7 +94,7 @@ def test_tie_split_across_key_blocks_is_invisible_to_sfa():
     assert st.tied_rows.item() >= rows_with_both
     assert st.sfa_rows.item() == 0
     assert st.p_bar_ones.item() >= 2 * rows_with_both
-    assert torch.equal(run(q, k, v, tiled, backend="triton")[0], o)
+    same_output(run(q, k, v, tiled, backend="triton")[0], o)
     untiled = PRESETS["fa2_sfa"].with_(block_q=None, block_k=None, name="fa2_sfa_untiled")
     _, st = run(q, k, v, untiled)
     assert st.sfa_rows.item() == rows_with_both and st.p_bar_ones.item() == 16  # rows 0..15: their max, untied
