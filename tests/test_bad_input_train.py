@@ -18,8 +18,7 @@ from lpfa import launch
 from lpfa.book import execute_notebook, profile_parameters
 from lpfa.checkpoints import load_checkpoint
 from lpfa.data import ReplayLog
-from lpfa.explosion import run_verdict
-from lpfa.replay import checkpoints_of
+from lpfa.run import checkpoints_of, run_verdict
 from lpfa.runs import load_metrics, read_records
 from lpfa.scaling import compare_runs
 from lpfa.structure import summarize_run
@@ -288,22 +287,22 @@ NOTEBOOK = [
     ("01_bf16_rounding", {"n_ones": [0, "x"]}, r"n_ones=\[0, 'x'\]: expected a non-empty list, each item an int >= 0"),
     ("01_bf16_rounding", {"n_ones": [0, 100]}, r"n_ones=\[0, 100\]: expected at most n_keys \(64\) tied keys in a row"),
     ("01_bf16_rounding", {"gaps": [-1.0]}, r"gaps=\[-1\.0\]: expected a non-empty list, each item a finite number >= 0"),
-    ("02_loss_explosion", {"twins": {"bf16": "bf16"}}, r"twins=\{'bf16': 'bf16'\}: expected a dict with the keys 'bf16', 'fp32'"),
-    ("02_loss_explosion", {"window": 0}, r"window=0: expected an int >= 1"),
-    ("02_loss_explosion", {"rerun": "yes"}, r"rerun='yes': expected true or false"),
-    ("03_spectral_norms", {"layer": -1}, r"layer=-1: expected an int >= 0"),
-    ("04_pktx_structure", {"replay": ""}, r"replay='': expected a non-empty string"),
-    ("05_delta_bias", {"compare": ["x"]}, r"compare=\['x'\]: expected a dict"),
-    ("06_pv_error", {"experiment": None}, r"experiment=None: expected a non-empty string"),
-    ("07_sfa", {"twins": {"bf16": "bf16", "fp32": "fp32"}}, r"twins=.*: expected a dict with the keys 'bf16', 'sfa', 'fp32'"),
-    ("08_structure", {"structure_experiments": "structure"}, r"structure_experiments='structure': expected a list"),
-    ("10_attention_kernels", {"T_demo": -1}, r"T_demo=-1: expected an int >= 1"),
-    ("11_training", {"preset": "huge"}, r"preset='huge': expected one of 'cpu-smoke', 'repro', 'gpt2-s'"),
-    ("11_training", {"attn_policy": "papr"}, r"attn_policy='papr': expected one of 'paper', 'fa2'"),
-    ("12_running_at_scale", {"skip": -1}, r"skip=-1: expected an int >= 0"),
-    ("13_tie_frequency", {"run": 5}, r"run=5: expected None or a non-empty string"),
-    ("14_isolation", {"logit_ratio": 0}, r"logit_ratio=0: expected a finite number > 0"),
-    ("15_seeds", {"gpus": 0}, r"gpus=0: expected an int >= 1"),
+    ("06_loss_explosion", {"twins": {"bf16": "bf16"}}, r"twins=\{'bf16': 'bf16'\}: expected a dict with the keys 'bf16', 'fp32'"),
+    ("06_loss_explosion", {"window": 0}, r"window=0: expected an int >= 1"),
+    ("06_loss_explosion", {"rerun": "yes"}, r"rerun='yes': expected true or false"),
+    ("07_spectral_norms", {"layer": -1}, r"layer=-1: expected an int >= 0"),
+    ("03_pktx_structure", {"replay": ""}, r"replay='': expected a non-empty string"),
+    ("02_delta_bias", {"compare": ["x"]}, r"compare=\['x'\]: expected a dict"),
+    ("04_pv_error", {"experiment": None}, r"experiment=None: expected a non-empty string"),
+    ("09_sfa", {"twins": {"bf16": "bf16", "fp32": "fp32"}}, r"twins=.*: expected a dict with the keys 'bf16', 'sfa', 'fp32'"),
+    ("05_structure", {"structure_experiments": "structure"}, r"structure_experiments='structure': expected a list"),
+    ("12_attention_kernels", {"T_demo": -1}, r"T_demo=-1: expected an int >= 1"),
+    ("13_training", {"preset": "huge"}, r"preset='huge': expected one of 'cpu-smoke', 'repro', 'gpt2-s'"),
+    ("13_training", {"attn_policy": "papr"}, r"attn_policy='papr': expected one of 'paper', 'fa2'"),
+    ("14_running_at_scale", {"skip": -1}, r"skip=-1: expected an int >= 0"),
+    ("08_tie_frequency", {"run": 5}, r"run=5: expected None or a non-empty string"),
+    ("10_isolation", {"logit_ratio": 0}, r"logit_ratio=0: expected a finite number > 0"),
+    ("11_seeds", {"gpus": 0}, r"gpus=0: expected an int >= 1"),
 ]
 
 

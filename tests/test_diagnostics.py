@@ -100,7 +100,7 @@ def test_metrics_read_plain_or_gzip(tmp_path):
     import gzip
     import json
 
-    from lpfa.explosion import run_verdict
+    from lpfa.run import run_verdict
     from lpfa.runs import load_metrics, metrics_path, read_records
 
     recs = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(20)] + [{"step": 19, "val_loss": 2.9},

@@ -83,7 +83,7 @@ def test_committed_runs_runaway_verdicts():
     """The criterion's stated separation holds on the committed runs (results/repro_pair, repro_twins)."""
     from conftest import ROOT
 
-    from lpfa.explosion import run_verdict
+    from lpfa.run import run_verdict
 
     pair, twins = ROOT / "results/repro_pair/h200x2-2026-11-29", ROOT / "results/repro_twins/h200-2026-11-29"
     from lpfa.runs import read_records

@@ -30,10 +30,37 @@ def _png_size(b64: str) -> tuple[int, int]:
     return struct.unpack(">II", raw[16:24])
 
 
+def test_papermill_reads_every_parameter():
+    """papermill parses each line of the parameters cell (else it warns 'Passed unknown parameter' on the build's console)."""
+    import ast
+
+    from papermill.translators import PythonTranslator
+
+    for nb in NOTEBOOKS:
+        cell = next(c for c in nbformat.read(nb, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+        names = {t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in ast.walk(node.targets[0])
+                 if isinstance(t, ast.Name)}
+        assert {p.name for p in PythonTranslator.inspect(cell)} == names, nb.name
+
+
+_EXECUTED: dict = {}  # notebook -> its executed copy (or the error it raised): each notebook runs once per session
+
+
+def _executed(nb, tmp_path_factory):
+    """``nb`` executed at the small profile, once per test session (the tests below share the run)."""
+    if nb not in _EXECUTED:
+        try:
+            _EXECUTED[nb] = execute_notebook(nb, tmp_path_factory.mktemp(nb.stem) / nb.name, SMALL.get(nb.stem))
+        except Exception as e:
+            _EXECUTED[nb] = e
+    if isinstance(_EXECUTED[nb], Exception):
+        raise _EXECUTED[nb]
+    return _EXECUTED[nb]
+
+
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_with_small_parameters(nb, tmp_path):
-    out = execute_notebook(nb, tmp_path / nb.name, SMALL.get(nb.stem))
-    done = nbformat.read(out, as_version=4)
+def test_notebook_runs_with_small_parameters(nb, tmp_path_factory):
+    done = nbformat.read(_executed(nb, tmp_path_factory), as_version=4)
     outputs = [o for c in done.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     pngs = [o.data["image/png"] for o in outputs if "image/png" in o.get("data", {})]
@@ -41,6 +68,22 @@ def test_notebook_runs_with_small_parameters(nb, tmp_path):
     for png in pngs:
         w, h = _png_size(png)
         assert w > 200 and h > 200
+
+
+REPRS = ("<matplotlib", "<Axes", "Text(", "<Figure size")  # a plotting call's return value printed on the page
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_page_shows_no_log_and_no_repr(nb, tmp_path_factory):
+    """No stderr box (training logs, progress bars, warnings) and no stray object repr on the rendered page: the
+    notebook run by test_notebook_runs_with_small_parameters, checked here."""
+    done = nbformat.read(_executed(nb, tmp_path_factory), as_version=4)
+    for i, cell in enumerate(done.cells):
+        for o in cell.get("outputs", []):
+            assert not (o.output_type == "stream" and o.name == "stderr"), f"{nb.name} (executed) cell {i} writes to stderr: {o.text[:200]!r}"
+            data = o.get("data", {})
+            if "text/plain" in data and "image/png" not in data:  # a figure's own text/plain sits beside its image
+                assert not any(r in data["text/plain"] for r in REPRS), f"{nb.name} (executed) cell {i} shows {data['text/plain'][:100]!r}"
 
 
 def test_bf16_notebook_reproduces_the_paper_example(tmp_path):
@@ -77,9 +120,9 @@ def _text(nb_path) -> str:
 
 
 def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
-    """Pages 14 and 15 on the committed results (the verdicts and the comparison with the paper are computed there),
+    """Pages 10 and 11 on the committed results (the verdicts and the comparison with the paper are computed there),
     and their 'not run yet' branches on a stand-in results tree without them (LPFA_ROOT points the pages at it)."""
-    iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14.ipynb"))
+    iso = _text(execute_notebook(ROOT / "notebooks" / "10_isolation.ipynb", tmp_path / "10.ipynb"))
     assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
     assert "* **ran away**: `scores_fp32` (step 7,600)" in iso
     assert "* **clean**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, `fp32_worst_head`" in iso
@@ -90,7 +133,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     assert "**Failing without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
     assert "the row is clean, as the paper reports." in iso
     assert "**Not run yet**: `bf16_tiled`." in iso
-    seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15.ipynb"))
+    seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11.ipynb"))
     assert "* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or worse" in seeds
     assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
     assert "Not run yet" not in seeds
@@ -103,16 +146,16 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     for exp in ("repro_pair", "repro_twins", "compile_throughput"):
         (res / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
-    iso = _text(execute_notebook(ROOT / "notebooks" / "14_isolation.ipynb", tmp_path / "14b.ipynb"))
+    iso = _text(execute_notebook(ROOT / "notebooks" / "10_isolation.ipynb", tmp_path / "10b.ipynb"))
     assert "**Not run yet**: `bf16`, `fp32`, `bf16_tiled`, `bf16_only_layer1`" in iso and "Measured" not in iso.split("delta_formulas")[0]
-    seeds = _text(execute_notebook(ROOT / "notebooks" / "15_seeds.ipynb", tmp_path / "15b.ipynb"))
+    seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11b.ipynb"))
     assert "**Not run yet**: only seed 1337 is in the table" in seeds and "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
 
 
 def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
-    """Page 07's Muon and second-size sections on the committed results (verdicts computed there), and their
+    """Page 09's Muon and second-size sections on the committed results (verdicts computed there), and their
     'not run yet' branch with its cost on a results tree without them."""
-    sfa = _text(execute_notebook(ROOT / "notebooks" / "07_sfa.ipynb", tmp_path / "07.ipynb"))
+    sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09.ipynb"))
     assert ("the BF16 run did not explode, but its layer-1 logits ran away from step 1,600; the FP32 run stayed clean; "
             "the SFA run stayed clean") in sfa
     assert "from step 1,400 with Muon against 7,300 with AdamW" in sfa
@@ -126,16 +169,16 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
     for exp in ("repro_pair", "repro_twins", "compile_throughput"):
         (root / "results" / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
-    sfa = _text(execute_notebook(ROOT / "notebooks" / "07_sfa.ipynb", tmp_path / "07b.ipynb"))
+    sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09b.ipynb"))
     assert "**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)" in sfa and "**Not run yet** (`sizes`" in sfa
     assert "With Muon** (" not in sfa
 
 
 def test_structure_page_on_committed_gpu_results(tmp_path):
-    """Page 08's GPU sections: the logged ties of the 30k twins, the replay's rank-1 similarity and the structure
+    """Page 05's GPU sections: the logged ties of the 30k twins, the replay's rank-1 similarity and the structure
     statistics of the GPU-trained checkpoints (results/structure, results/repro_runaway), computed on the page."""
-    nb = ROOT / "notebooks" / "08_structure.ipynb"
-    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["08_structure"]))
+    nb = ROOT / "notebooks" / "05_structure.ipynb"
+    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["05_structure"]))
     assert "`bf16` at step 30,100: 7.2% of rows tied on average over layers and heads, 83.4% in its most tied head (layer 1, head 6)" in text
     assert "head 5: median 0.99 to 0.99 within a step, 0.98 across 6000→6499" in text  # the replay from before the runaway
     assert "`structure/fp32` (`sdpa_fp32`) at step 4,179" in text and "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
@@ -147,9 +190,9 @@ def test_structure_page_on_committed_gpu_results(tmp_path):
 
 
 def test_tie_frequency_page_shows_v_sign_dominance(tmp_path):
-    """Page 13's V section on the committed eager twins (results/repro_runaway), which log it with their diagnostics."""
-    nb = ROOT / "notebooks" / "13_tie_frequency.ipynb"
-    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["13_tie_frequency"]))
+    """Page 08's V section on the committed eager twins (results/repro_runaway), which log it with their diagnostics."""
+    nb = ROOT / "notebooks" / "08_tie_frequency.ipynb"
+    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["08_tie_frequency"]))
     assert "**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer 1" in text
     assert "5.9% over the run's second half" in text and "4.2% over the run's second half" in text
     assert "**fp32** at step 6,500: 1.6% of V's columns one-signed" in text

@@ -12,7 +12,8 @@ import pandas as pd
 import pytest
 import torch
 
-from lpfa.explosion import ExplosionCriterion, explosion_step, run_verdict
+from lpfa.explosion import ExplosionCriterion, explosion_step
+from lpfa.run import run_verdict
 from lpfa.mechanism import delta_accounting, delta_error, p_bar_ones, sfa_attenuation
 
 
@@ -381,14 +382,14 @@ def test_stop_file_ends_the_run_with_a_checkpoint(byte_tokens, tmp_path, monkeyp
     from lpfa.checkpoints import load_checkpoint
 
     out = tmp_path / "run"
-    orig = lt.Run.metric
+    orig = lt.RunWriter.metric
 
     def metric(self, rec):
         orig(self, rec)
         if rec.get("step") == 3 and "loss" in rec:
             (out / "STOP").touch()  # as a user would, while step 3 is being finished
 
-    monkeypatch.setattr(lt.Run, "metric", metric)
+    monkeypatch.setattr(lt.RunWriter, "metric", metric)
     s = lt.train(_cfg(byte_tokens, out, max_steps=12, attn_backend="sdpa"))
     assert s["status"] == "stopped" and s["steps"] == 4
     assert sorted(_losses(out)) == [0, 1, 2, 3]
@@ -397,7 +398,7 @@ def test_stop_file_ends_the_run_with_a_checkpoint(byte_tokens, tmp_path, monkeyp
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps"] == 4
     # resume continues once the file is gone
-    monkeypatch.setattr(lt.Run, "metric", orig)
+    monkeypatch.setattr(lt.RunWriter, "metric", orig)
     (out / "STOP").unlink()
     s = lt.train(_cfg(byte_tokens, out, max_steps=12, attn_backend="sdpa", resume=True))
     assert s["status"] == "completed" and sorted(_losses(out)) == list(range(12))
@@ -445,7 +446,8 @@ def tiny_run(byte_tokens, tmp_path_factory):
 
 
 def test_choose_checkpoint(tiny_run):
-    from lpfa.replay import checkpoints_of, choose_checkpoint
+    from lpfa.replay import choose_checkpoint
+    from lpfa.run import checkpoints_of
 
     cks = checkpoints_of(tiny_run)
     assert sorted(cks) == [10, 20]
@@ -462,7 +464,7 @@ def test_choose_checkpoint(tiny_run):
 
 
 def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, monkeypatch):
-    import lpfa.checkpoints as lc
+    import lpfa.run as lc  # the replay loads its checkpoint through lpfa.run.Run
     from lpfa.replay import replay
 
     loaded = []
@@ -637,7 +639,8 @@ def test_describe_replay():
 
 def test_runaway_onset(tmp_path):
     """The first record above the runaway threshold, sustained or not; the replay starts before it."""
-    from lpfa.explosion import RunawayCriterion, run_verdict, runaway_onset
+    from lpfa.explosion import RunawayCriterion
+    from lpfa.run import run_verdict, runaway_onset
     from lpfa.replay import describe
 
     conf = {"attn_policy": "paper", "optimizer": "adamw", "seed": 5, "init_seed": 6}

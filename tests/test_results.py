@@ -66,7 +66,7 @@ def test_committed_eager_bf16_runs_are_bit_identical():
 def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
     """The default replay of the mechanism pages (04-06): from the last checkpoint before layer 1's largest logit
     first passed the runaway threshold, through that step, with δ_lp − δ_hp positive on average in both heads."""
-    from lpfa.explosion import runaway_onset
+    from lpfa.run import runaway_onset
     from lpfa.replay import bias_test, load_replay
 
     run = results.run_dir("repro_runaway", root=ROOT / "results")

@@ -17,6 +17,7 @@ Modules, one per concept:
 * :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
 * :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.
 * :mod:`lpfa.book` — execute the notebooks with papermill and build the Jupyter Book.
+* :mod:`lpfa.cli` — the ``lpfa`` command: one verb per tool (``lpfa --help`` lists them).
 """
 
 __version__ = "0.1.0"

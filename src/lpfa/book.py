@@ -6,7 +6,8 @@ the parameters of a *profile*), and runs ``jupyter-book build`` on the stage; th
 ``<out>/_build/html`` (``<out>`` is the repository by default).
 
 Profiles live in ``notebooks/parameters.yml``: ``default`` is what the book shows (each notebook's
-own defaults plus any overrides there), ``small`` is the quick set CI uses. Command line::
+own defaults plus any overrides there), ``small`` is the quick set CI uses. Notebooks that train call
+:func:`train_quietly`, so that the training log lands in the run folder, not on the page. Command line::
 
     lpfa book                      # default profile, HTML in _build/html
     lpfa book --profile small --out /tmp/book
@@ -14,9 +15,11 @@ own defaults plus any overrides there), ``small`` is the quick set CI uses. Comm
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
@@ -25,6 +28,31 @@ from lpfa.paths import repo_root
 
 BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
 CELL_TIMEOUT_S = 1200  # the slowest default cell (300 CPU training steps) takes about 2 minutes
+
+
+CONSOLE_LOG = "console.txt"  # what a quiet block would have printed, in the run folder
+
+
+@contextlib.contextmanager
+def quiet(log_path: str | Path) -> Iterator[Path]:
+    """Send what the block prints (stdout, stderr: progress bars, log lines, warnings) to ``log_path`` (appended)
+    instead of the notebook page; yields the path. Output written below Python (C libraries) is not caught."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as f, contextlib.redirect_stdout(f), contextlib.redirect_stderr(f):
+        yield log_path
+
+
+def train_quietly(cfg, quiet_log: bool = True) -> dict:
+    """``lpfa.train.train(cfg)`` for a notebook: with ``quiet_log`` its console output (the log lines, which
+    ``log.txt`` in the run folder keeps anyway, and any progress bar) goes to ``<out_dir>/console.txt``, not
+    the page. Returns the run's summary."""
+    from lpfa.train import train
+
+    if not quiet_log:
+        return train(cfg)
+    with quiet(Path(cfg.out_dir) / CONSOLE_LOG):
+        return train(cfg)
 
 
 def toc_files(root: Path) -> list[str]:

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 
 from lpfa.paths import EMBEDDED_CORPUS_DIR, cache_dir
-from lpfa.runs import drop_partial_line
 
 __all__ = [
     "Tokenizer",
@@ -301,6 +300,29 @@ def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device: s
     if device.startswith("cuda"):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
+
+
+def drop_partial_line(path: str | Path) -> int:
+    """Make an append-only JSON-lines file (metrics.jsonl, replay.jsonl) end with a whole line before appending to
+    it: a last line without its newline that is not valid JSON (a write cut short by a kill) is dropped; a valid
+    one gets its newline. Returns the number of bytes dropped."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return 0
+    cut = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[cut:])
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        return len(data) - cut
+    with open(path, "ab") as f:
+        f.write(b"\n")
+    return 0
+
 
 
 class ReplayLog:

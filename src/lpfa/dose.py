@@ -17,7 +17,7 @@ biased runs fail sooner the larger k is, and controls at the same k do not fail.
 
 This module turns the run folders into the evidence:
 
-* :func:`dose_table`: one row per run, its dose and the verdicts of :func:`lpfa.explosion.run_verdict`;
+* :func:`dose_table`: one row per run, its dose and the verdicts of :func:`lpfa.run.run_verdict`;
 * :func:`fit_dose_response`: a power law, log10(step) = a + b·log10(k), over the runs that failed, and its
   extrapolation to k = 1 with a prediction interval (:func:`predict` at any k);
 * :func:`extrapolation_text`: that extrapolation in one sentence, in steps, tokens and GPU-minutes;
@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lpfa.explosion import run_verdict
-from lpfa.runs import layer_max, load_metrics, read_run_config
+from lpfa.run import load_metrics, read_run_config, run_verdict
+from lpfa.runs import layer_max
 
 COLUMNS = ["k", "sign", "base", "seed", "steps", "exploded", "explosion step", "runaway step", "runaway layer",
            "failure step", "censored", "final eval loss", "max logit"]
@@ -84,7 +84,7 @@ def dose_table(runs: dict[str, str | Path], layer: int = 1) -> pd.DataFrame:
     * ``k`` (float, ``delta_dose`` of the run's config; 1 without the field: the undosed policy), ``sign``
       (``bias`` or ``control``; ``bias`` without the field), ``base`` (see :func:`_base`), ``seed``;
     * ``steps`` (steps run), ``exploded``, ``explosion step``, ``runaway step`` and ``runaway layer`` from
-      :func:`lpfa.explosion.run_verdict` (the runaway is the first in any layer; its layer says which);
+      :func:`lpfa.run.run_verdict` (the runaway is the first in any layer; its layer says which);
     * ``failure step``: the explosion step if the run exploded, else the runaway step, else missing;
       ``censored``: True when there is no failure (the run length is then a lower bound on it);
     * ``final eval loss`` (NaN without evaluations) and ``max logit``: the largest attention logit of ``layer``

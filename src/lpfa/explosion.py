@@ -109,17 +109,6 @@ def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriteri
     return int(steps[first]), max(tied, key=lambda layer: m[first, layer])  # several at once: the largest logit
 
 
-def runaway_onset(run_dir, criterion: RunawayCriterion = RunawayCriterion()) -> tuple[int, int] | None:
-    """``(step, layer)`` of the first diagnostics record where a layer's largest logit exceeded ``criterion.logit``,
-    sustained or not: where a run that stopped too early for the runaway verdict was heading. None if never."""
-    from lpfa.runs import read_records
-
-    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
-    if not recs:
-        return None
-    return logit_runaway([m for _, m in recs], [s for s, _ in recs], RunawayCriterion(criterion.logit, patience=1))
-
-
 def heads_text(heads) -> str:
     """``head 5`` or ``heads 2, 5``: head indices in words, sorted."""
     heads = sorted(int(h) for h in heads)
@@ -136,30 +125,6 @@ def attention_label(train_conf: dict) -> str:
     parts += [f"FP32 {heads_text(heads)} of layer {layer}"
               for layer, heads in sorted((train_conf.get("fp32_heads") or {}).items(), key=lambda kv: int(kv[0])) if heads]
     return "; ".join(parts)
-
-
-def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),
-                runaway: RunawayCriterion = RunawayCriterion()) -> dict:
-    """``summary.json``-style verdict of a training run folder: policy, seed, steps, exploded, explosion_step,
-    and the logit runaway (``runaway_step``, ``runaway_layer``; None without one or without diagnostics)."""
-    from lpfa.runs import read_records, read_run_config
-
-    recs, diag = {}, {}
-    for r in read_records(run_dir):
-        if "loss" in r:
-            recs[int(r["step"])] = float(r["loss"])  # a resumed run may repeat steps: the last record wins
-        if "diag" in r and "max_logit" in r["diag"]:
-            diag[int(r["step"])] = r["diag"]["max_logit"]
-    conf = read_run_config(run_dir)["train"]
-    steps = sorted(recs)
-    step = explosion_step([recs[s] for s in steps], criterion, steps=steps)
-    d_steps = sorted(diag)
-    ra = logit_runaway([diag[s] for s in d_steps], d_steps, runaway) if d_steps else None
-    return {"policy": attention_label(conf), "attn_backend": conf.get("attn_backend", "lpfa"), "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
-            "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": (steps[-1] + 1) if steps else 0,
-            "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict(),
-            "runaway_step": ra[0] if ra else None, "runaway_layer": ra[1] if ra else None,
-            "runaway_criterion": runaway.to_dict() if d_steps else None}
 
 
 def rise_step(series, baseline_records: int = 5, factor: float = 3.0, patience: int = 3) -> int | None:

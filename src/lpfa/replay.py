@@ -25,28 +25,12 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
-
-def checkpoints_of(run_dir) -> dict[int, Path]:
-    """{step: folder} of a run's checkpoints: ``ckpt_history/step_N`` and the latest ``ckpt``."""
-    run_dir = Path(run_dir)
-    out = {}
-    for d in sorted((run_dir / "ckpt_history").glob("step_*")):
-        if re.fullmatch(r"step_\d+", d.name):
-            out[int(d.name.split("_")[1])] = d
-    path = run_dir / "ckpt" / "config.json"
-    if path.exists():
-        try:
-            step = json.loads(path.read_text())["step"]
-        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, no "step"
-            raise ValueError(f"{path} is damaged: expected a checkpoint's config.json with its 'step' ({type(e).__name__}: {e})") from e
-        out.setdefault(int(step), run_dir / "ckpt")
-    return dict(sorted(out.items()))
+from lpfa.run import checkpoints_of, runaway_onset
 
 
 def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | None = None) -> int:
@@ -168,22 +152,15 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     from tqdm.auto import tqdm
 
     from lpfa import data as lpfa_data
-    from lpfa.checkpoints import load_checkpoint
-    from lpfa.explosion import run_verdict, runaway_onset
     from lpfa.provenance import provenance, write_json
-    from lpfa.runs import read_run_config
-    from lpfa.train import TrainConfig, _autocast, build_optimizers, lr_at
+    from lpfa.run import Run, resolve_device
+    from lpfa.train import build_optimizers, recorded_config, train_step
 
     run_dir, out = Path(run_dir), Path(out)
-    conf = read_run_config(run_dir)
-    if "data_dir" not in conf:
-        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
-    known = {f.name for f in fields(TrainConfig)}
-    try:
-        cfg = TrainConfig(**{k: v for k, v in conf["train"].items() if k in known})
-    except ValueError as e:
-        raise ValueError(f"{run_dir / 'config.json'}: {e}") from e
-    verdict = run_verdict(run_dir)
+    run = Run(run_dir)
+    cfg = recorded_config(run)
+    data_dir = run.data_dir
+    verdict = run.verdict()
     # without an explosion or a confirmed runaway: the first record above the runaway threshold, if any
     quiet = verdict["explosion_step"] is None and verdict.get("runaway_step") is None
     onset = runaway_onset(run_dir) if quiet else None
@@ -191,9 +168,6 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
              else "onset" if onset else "latest")
     if step is None:
         step = choose_checkpoint(run_dir, verdict["explosion_step"], verdict.get("runaway_step") or (onset[0] if onset else None))
-    cks = checkpoints_of(run_dir)
-    if step not in cks:
-        raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has {sorted(cks)}")
     ra_layer = verdict.get("runaway_layer") if verdict.get("runaway_layer") is not None else (onset[1] if onset else None)
     choice = {"layer": "given" if layer != "auto" else ("runaway" if ra_layer is not None else "wq_growth"),
               "heads": "given" if heads is not None else "wq_growth",
@@ -205,23 +179,17 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         heads = auto_heads if heads is None else heads
     layer = int(layer)
 
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.allow_tf32 = False
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    autocast = _autocast(device, dtype)
-    ck = load_checkpoint(cks[step], map_location=device)
+    device = resolve_device(device)
+    autocast = run.autocast(device)
+    ck = run.checkpoint(step, map_location=device)
     if not isinstance(ck.extra_state, dict) or "optimizers" not in ck.extra_state:
-        raise ValueError(f"the checkpoint {cks[step]} holds no optimizer state (state.pt, written by lpfa.train): "
-                         "the replay continues training from it and needs one")
+        raise ValueError(f"the checkpoint of step {step} of {run_dir} holds no optimizer state (state.pt, written by "
+                         "lpfa.train): the replay continues training from it and needs one")
     model = ck.model.to(device)
     model.train()
     optimizers = build_optimizers(model, cfg)
     for opt, st in zip(optimizers, ck.extra_state["optimizers"]):
         opt.load_state_dict(st)
-    data_dir = Path(conf["data_dir"])
     tokens, _ = lpfa_data.load_tokens(data_dir, "train")
     log = lpfa_data.ReplayLog.open(run_dir / "replay.jsonl", data_dir / "train.bin")
     if model.config.layer_backend(layer) != "lpfa":
@@ -235,31 +203,23 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     for s in tqdm(range(step, step + steps), desc="replay", unit="step"):
         if max_s and s > step + 1 and s < last and time.time() - t_start > max_s:
             last = s  # out of time: measure this step in detail and stop
-        lr = lr_at(cfg, s)
-        for opt in optimizers:
-            for g in opt.param_groups:
-                g["lr"] = cfg.muon_lr * lr / cfg.lr if isinstance(opt, getattr(torch.optim, "Muon", ())) else lr
         # the recorded batches; past the end of the record, the run's seeded order (the same function made them)
         starts = log.starts(s) if s in log.steps else [
             lpfa_data.batch_starts(cfg.seed, s, m, cfg.batch_size, len(tokens), cfg.block_size) for m in range(cfg.grad_accum)]
-        losses = []
-        for micro, st in enumerate(starts):
+        batches = [lpfa_data.get_batch(tokens, st, cfg.block_size, device) for st in starts]
+        captured = {}
+
+        def capture_first(micro):  # the layer's q, k, v, x, O and dO of micro-batch 0, in lpfa.train's own step
+            if micro == 1:
+                captured["cap"] = attn.capture
             attn.capture = {"all": True} if micro == 0 else None
-            xb, yb = lpfa_data.get_batch(tokens, st, cfg.block_size, device)
-            with autocast:
-                _, loss = model(xb, yb)
-                (loss / len(starts)).backward()
-            losses.append(float(loss.detach()))
-            if micro == 0:
-                cap = attn.capture
+
+        loss, gnorm, _ = train_step(model, optimizers, cfg, s, batches, autocast, before_micro=capture_first)
+        cap = captured.get("cap", attn.capture)
         attn.capture = None
-        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        if not (math.isfinite(float(np.mean(losses))) and math.isfinite(float(gnorm))):
+        if not (math.isfinite(loss) and math.isfinite(gnorm)):
             break  # training stops here too (lpfa.train): nothing after a non-finite step is the run's trajectory
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        rec = {"step": s, "loss": float(np.mean(losses)), "heads": {}}
+        rec = {"step": s, "loss": loss, "heads": {}}
         for h in heads:
             num, arr = _head_measures(cap, h, n_seq, policy, detail=s in (step, last))
             rec["heads"][str(h)] = num
@@ -362,7 +322,7 @@ def describe(result: dict, replay_folder=None) -> str:
     first record above its threshold: from the replay, or for replays made before it was recorded from the
     replayed run's metrics when they sit beside ``replay_folder``), which layer and heads and why, with its
     commit and date."""
-    from lpfa.explosion import RunawayCriterion, runaway_onset
+    from lpfa.explosion import RunawayCriterion
 
     v, ck = result["verdict"], result["checkpoint_step"]
     ra = v.get("runaway_step")

@@ -1,112 +1,22 @@
-"""Reading a training run's ``metrics.jsonl`` and drawing its standard figures (loss, W_Q norms, ties)."""
+"""Tables and figures over training runs (loss, W_Q norms, ties, the precursors, the experiment tables).
+
+A run folder is read through :mod:`lpfa.run`; its readers are imported here for the callers that know them by
+this module (``lpfa.runs.read_records``, ``load_metrics``, ...).
+"""
 
 from __future__ import annotations
 
-import functools
-import gzip
-import json
-import warnings
 from pathlib import Path
 
-
-def metrics_path(run_dir: str | Path) -> Path:
-    """A run's ``metrics.jsonl``, or the ``metrics.jsonl.gz`` that long runs are committed as."""
-    d = Path(run_dir)
-    for name in ("metrics.jsonl", "metrics.jsonl.gz"):
-        if (d / name).is_file():
-            return d / name
-    raise FileNotFoundError(f"{d} has no metrics.jsonl or metrics.jsonl.gz: not a training run folder")
-
-
-def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) -> dict:
-    """A run folder's ``config.json`` (written by :mod:`lpfa.train`), parsed; a one-line error naming the file
-    when it is missing or damaged, or lacks one of the objects ``require`` names."""
-    path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its config.json)")
-    try:
-        conf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): the run folder is damaged") from e
-    if not isinstance(conf, dict) or any(not isinstance(conf.get(k), dict) for k in require):
-        raise ValueError(f"{path} is not an lpfa.train config: expected a JSON object"
-                         + "".join(f" with a {k!r} object" for k in require))
-    return conf
-
-
-def read_records(run_dir: str | Path) -> list[dict]:
-    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library.
-    A file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the
-    records are shared, so treat them as read-only.
-
-    A last line cut short (a run killed while writing it, or a run still writing) is skipped with a warning, so a
-    killed run keeps its logs; any other line that is not a JSON record is an error naming its line number."""
-    path = metrics_path(run_dir)
-    st = path.stat()
-    return list(_parse_records(str(path.resolve()), st.st_mtime_ns, st.st_size))
-
-
-@functools.lru_cache(maxsize=32)
-def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
-    raw = Path(path).read_bytes()
-    try:
-        text = (gzip.decompress(raw) if path.endswith(".gz") else raw).decode()
-    except (OSError, EOFError, UnicodeDecodeError) as e:  # a truncated or corrupt gzip file, or not text
-        raise ValueError(f"{path} cannot be read ({type(e).__name__}: {e}): the file is damaged") from e
-    lines = text.splitlines()
-    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    records = []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == last:
-                warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing it?)",
-                              stacklevel=2)
-                continue
-            raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}): {line[:60]!r}") from e
-        if not isinstance(rec, dict) or "step" not in rec:
-            raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object with a 'step'): {line[:60]!r}")
-        records.append(rec)
-    return tuple(records)
-
-
-def drop_partial_line(path: str | Path) -> int:
-    """Make an append-only JSON-lines file (metrics.jsonl, replay.jsonl) end with a whole line before appending to
-    it: a last line without its newline that is not valid JSON (a write cut short by a kill) is dropped; a valid
-    one gets its newline. Returns the number of bytes dropped."""
-    path = Path(path)
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return 0
-    cut = data.rfind(b"\n") + 1
-    try:
-        json.loads(data[cut:])
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        return len(data) - cut
-    with open(path, "ab") as f:
-        f.write(b"\n")
-    return 0
-
-
-def load_metrics(run_dir: str | Path):
-    """``(train, val, diag)``: DataFrames of the per-step records and the evaluations, and a DataFrame with
-    one row per diagnostics record (columns step, wq_spectral_norm, tie_fraction, max_logit as lists)."""
-    import pandas as pd
-
-    recs = read_records(run_dir)
-    if not any("loss" in r for r in recs):
-        raise ValueError(f"{metrics_path(run_dir)} has no training records (the run ended before its first step)")
-    train = pd.DataFrame([r for r in recs if "loss" in r]).drop_duplicates("step", keep="last").set_index("step")
-    val = pd.DataFrame([r for r in recs if "val_loss" in r]).drop_duplicates("step", keep="last")
-    diag = pd.DataFrame([{"step": r["step"], **r["diag"]} for r in recs if "diag" in r])
-    return train, (val.set_index("step") if len(val) else val), diag
+from lpfa.run import (  # noqa: F401  (re-exported: the readers live in lpfa.run)
+    Run,
+    drop_partial_line,
+    load_metrics,
+    metrics_path,
+    read_records,
+    read_run_config,
+    run_verdict,
+)
 
 
 def plot_losses(runs: dict, smooth: int = 20, ax=None):
@@ -231,13 +141,13 @@ def layer_max(run_dir: str | Path, metric: str, layer: int):
 
 
 def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=None):
-    """One row per run (``{label: run_dir}``): steps, explosion verdict (:func:`lpfa.explosion.run_verdict`),
+    """One row per run (``{label: run_dir}``): steps, explosion verdict (:func:`lpfa.run.run_verdict`),
     final eval loss, and in ``layer`` the largest attention logit, tie fraction and W_Q norm at ``step``
     (default: the last diagnostics step that every run reached; each run's last record at or before it).
     Returns ``(table, step)``."""
     import pandas as pd
 
-    from lpfa.explosion import ExplosionCriterion, run_verdict
+    from lpfa.explosion import ExplosionCriterion
 
     criterion = criterion or ExplosionCriterion()
     verdicts = {label: run_verdict(d, criterion) for label, d in runs.items()}
@@ -428,13 +338,13 @@ def precursor_events(runs: dict, layer: int, reference: str | None = None, logit
                      wq_ratio: float = 1.25):
     """When did each precursor start, per run (``{label: run_dir}``)? Columns: the rise of the layer's worst-head
     and mean-over-heads tie fraction (:func:`lpfa.explosion.rise_step`), the logit runaway and the explosion
-    (:func:`lpfa.explosion.run_verdict`) and, against the ``reference`` run (e.g. the FP32 twin), the step from
+    (:func:`lpfa.run.run_verdict`) and, against the ``reference`` run (e.g. the FP32 twin), the step from
     which the layer's largest logit stays above ``logit_ratio`` × and its largest W_Q norm above ``wq_ratio`` ×
     the reference's for good, and when the W_Q norm first did so for a while (:func:`divergence_step`).
     Steps are None where the event did not happen."""
     import pandas as pd
 
-    from lpfa.explosion import rise_step, run_verdict
+    from lpfa.explosion import rise_step
 
     rows = {}
     for label, d in runs.items():

@@ -33,31 +33,18 @@ def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", comman
     """:func:`sweep_model` at every checkpoint of ``run_dir`` (``ckpt_history/`` and ``ckpt/``)."""
     from tqdm.auto import tqdm
 
-    from lpfa import data as lpfa_data
-    from lpfa.checkpoints import load_checkpoint
     from lpfa.provenance import provenance
-    from lpfa.replay import checkpoints_of
-    from lpfa.runs import read_run_config
-    from lpfa.train import _autocast
+    from lpfa.run import Run, autocast, resolve_device
 
-    run_dir = Path(run_dir)
-    conf = read_run_config(run_dir)
-    if "data_dir" not in conf:
-        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
-    train = conf["train"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    autocast = _autocast(device, "bfloat16" if device.startswith("cuda") else "float32")
-    val, _ = lpfa_data.load_tokens(Path(conf["data_dir"]), "val")
-    starts = lpfa_data.batch_starts(train["seed"] + 2, 0, 0, n_seq, len(val), train["block_size"])
-    x, _ = lpfa_data.get_batch(val, starts, train["block_size"], device)
-    cks = checkpoints_of(run_dir)
-    if not cks:
+    run = Run(run_dir)
+    device = resolve_device(device)
+    x = run.probe_batch(0, n_seq, device)
+    if not run.checkpoints:
         raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
     result = {}
-    for step, folder in tqdm(cks.items(), desc="SFA sweep", unit="ckpt"):
-        model = load_checkpoint(folder, map_location=device).model.to(device).eval()
-        result[str(step)] = sweep_model(model, x, betas, autocast=autocast)
+    for step in tqdm(run.checkpoints, desc="SFA sweep", unit="ckpt"):
+        model = run.checkpoint(step, map_location=device).model.to(device).eval()
+        result[str(step)] = sweep_model(model, x, betas, autocast=autocast(device, "auto"))
     return {"run": str(run_dir), "betas": list(betas), "n_seq": n_seq, "clamp": 1e-10, "eps": 1e-3,
             "scores": "bf16", "steps": result, "provenance": provenance(command=command)}
 

@@ -80,34 +80,19 @@ def summarize_run(run_dir, step: int | None = None, n_seq: int = 4, seq_len: int
     """:func:`summarize` for a checkpoint of ``run_dir`` (default: its last, ``ckpt/``; ``step``: one of
     ``ckpt_history/``) on ``n_seq`` sequences of its validation data (the batch :mod:`lpfa.sfa_sweep` uses, cut
     to ``seq_len`` tokens; default the run's block size), in BF16 autocast on a GPU as in training."""
-    from lpfa import data as lpfa_data
-    from lpfa.checkpoints import load_checkpoint
     from lpfa.provenance import provenance
-    from lpfa.replay import checkpoints_of
-    from lpfa.runs import read_run_config
-    from lpfa.train import _autocast
+    from lpfa.run import Run, autocast, resolve_device
 
-    run_dir = Path(run_dir)
-    conf = read_run_config(run_dir)
-    if "data_dir" not in conf:
-        raise ValueError(f"{run_dir / 'config.json'} has no data_dir: expected the config.json lpfa.train writes")
-    train = conf["train"]
-    cks = checkpoints_of(run_dir)
+    run = Run(run_dir)
+    train = run.train
+    cks = run.checkpoints
     if not cks:
         raise FileNotFoundError(f"{run_dir} has no checkpoints (ckpt/ or ckpt_history/)")
-    if step is None:
-        step = max(cks)
-    if step not in cks:
-        raise ValueError(f"{run_dir} has no checkpoint at step {step}; it has steps {sorted(cks)}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    seq_len = seq_len or train["block_size"]
-    val, _ = lpfa_data.load_tokens(Path(conf["data_dir"]), "val")
-    starts = lpfa_data.batch_starts(train["seed"] + 2, 0, 0, n_seq, len(val), train["block_size"])
-    idx, _ = lpfa_data.get_batch(val, starts, train["block_size"], device)
-    model = load_checkpoint(cks[step], map_location=device).model.to(device).eval()
-    autocast = _autocast(device, "bfloat16" if device.startswith("cuda") else "float32")
-    out = summarize(model, idx[:, :seq_len], autocast=autocast)
+    step = max(cks) if step is None else step
+    device = resolve_device(device)
+    idx = run.probe_batch(0, n_seq, device)[:, : seq_len or train["block_size"]]
+    model = run.checkpoint(step, map_location=device).model.to(device).eval()
+    out = summarize(model, idx, autocast=autocast(device, "auto"))
     return {"run": str(run_dir), "step": step, "policy": train.get("attn_policy"), "attn_backend": train.get("attn_backend"),
             **out, "provenance": provenance(command=command)}
 

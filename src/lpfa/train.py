@@ -39,10 +39,13 @@ import torch
 import yaml
 
 from lpfa import data as lpfa_data
+from lpfa.data import drop_partial_line
 from lpfa.attention import PRESETS as ATTN_PRESETS
 from lpfa.explosion import explosion_step
 from lpfa.model import ATTN_BACKENDS, GPT, GPTConfig, SIZES
 from lpfa.params import Param, boolean, dict_of, integer, list_of, real, text
+from lpfa.run import autocast as amp_context
+from lpfa.run import run_verdict
 
 
 @dataclass
@@ -133,6 +136,16 @@ class TrainConfig:
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
                              "from lr to min_lr")
+
+
+def recorded_config(run) -> TrainConfig:
+    """The TrainConfig a run folder recorded (an :class:`lpfa.run.Run`); fields a newer lpfa added take their
+    defaults, and a recorded value no longer accepted is a one-line error naming the file."""
+    known = {f.name for f in fields(TrainConfig)}
+    try:
+        return TrainConfig(**{k: v for k, v in run.train.items() if k in known})
+    except ValueError as e:
+        raise ValueError(f"{run.path / 'config.json'}: {e}") from e
 
 
 # What each TrainConfig field accepts (its declared type, and the range or choices that make sense)
@@ -394,13 +407,45 @@ def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device
     return ck
 
 
-def _autocast(device: str, dtype: str):
-    if dtype == "bfloat16":
-        return torch.autocast(device_type=device.split(":")[0], dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: list, autocast, world: int = 1,
+               before_micro=None) -> tuple[float, float, float]:
+    """One optimizer step, the only place it is written (:mod:`lpfa.replay` replays runs with it, bit for bit).
+
+    Sets the learning rate of ``step`` (:func:`lr_at`; Muon's scaled by muon_lr / lr), runs forward and backward on
+    every micro-batch of ``batches`` (``(x, y)`` pairs, this process's share) with the loss divided by their number
+    (under DDP the gradients are all-reduced on the last one only), averages the loss over processes, clips the
+    gradient norm, and steps and zeroes the optimizers unless the loss or the gradient norm is non-finite. ``model``
+    may be the DDP or compiled wrapper; the clipping acts on its parameters. ``before_micro(i)`` is called before
+    micro-batch i (the replay captures a layer's activations there). Returns ``(loss, grad_norm, lr)``."""
+    lr = lr_at(cfg, step)
+    for opt in optimizers:
+        for g in opt.param_groups:
+            g["lr"] = cfg.muon_lr * lr / cfg.lr if isinstance(opt, getattr(torch.optim, "Muon", ())) else lr
+    loss_sum = None  # the logged loss, summed in float64: no FP32 rounding of its parts
+    for micro, (x, y) in enumerate(batches):
+        if before_micro is not None:
+            before_micro(micro)
+        sync = micro == len(batches) - 1
+        ctx = model.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
+        with ctx, autocast:
+            _, loss = model(x, y)
+            (loss / len(batches)).backward()
+        loss_sum = loss.detach().double() if loss_sum is None else loss_sum + loss.detach().double()
+    loss_mean = loss_sum / len(batches)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
+    gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    loss_v, gnorm_v = float(loss_mean), float(gnorm)
+    if math.isfinite(loss_v) and math.isfinite(gnorm_v):
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return loss_v, gnorm_v, lr
 
 
-class Run:
+class RunWriter:
     """Files of one run: metrics, log, summary; only rank 0 writes."""
 
     def __init__(self, out_dir: Path, rank: int):
@@ -473,7 +518,7 @@ def train(cfg: TrainConfig) -> dict:
     """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
     from lpfa.checkpoints import save_checkpoint
     from lpfa.diagnostics import probe_record
-    from lpfa.runs import drop_partial_line, read_run_config
+    from lpfa.run import read_run_config
 
     rank, world, local_rank = _dist_setup()
     out_dir = Path(cfg.out_dir)
@@ -490,7 +535,7 @@ def train(cfg: TrainConfig) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = False  # FP32 means FP32 (the paper's FP32 twin)
         torch.backends.cudnn.allow_tf32 = False
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if device.startswith("cuda") else "float32")
-    autocast = _autocast(device, dtype)
+    autocast = amp_context(device, dtype)
 
     # data
     if cfg.data == "embedded":
@@ -532,7 +577,7 @@ def train(cfg: TrainConfig) -> dict:
         except ValueError as e:
             raise ValueError(f"resume=true: {e}; move it aside to resume (this start then writes a new one)") from e
 
-    run = Run(out_dir, rank)
+    run = RunWriter(out_dir, rank)
     if ck is not None and rank == 0:
         dropped = drop_partial_line(out_dir / "metrics.jsonl")
         if dropped:
@@ -621,38 +666,18 @@ def train(cfg: TrainConfig) -> dict:
     try:
         for step in range(start_step, cfg.max_steps):
             t0 = time.time()
-            lr = lr_at(cfg, step)
-            for opt in optimizers:
-                for g in opt.param_groups:
-                    g["lr"] = cfg.muon_lr * lr / cfg.lr if isinstance(opt, getattr(torch.optim, "Muon", ())) else lr
             starts = starts_for(step)
             if replay_out is not None:
                 replay_out.append(step, starts)
-            loss_sum = torch.zeros((), device=device, dtype=torch.float64)  # the logged loss: no FP32 rounding of its parts
-            for micro, st in enumerate(starts):
-                x, y = lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
-                sync = micro == len(starts) - 1
-                ctx = model.no_sync() if (world > 1 and not sync) else contextlib.nullcontext()
-                with ctx, autocast:
-                    _, loss = model(x, y)
-                    (loss / len(starts)).backward()
-                loss_sum += loss.detach().double()
-            loss_mean = loss_sum / len(starts)
-            if world > 1:
-                import torch.distributed as dist
-
-                dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
-            gnorm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-            loss_v, gnorm_v = float(loss_mean), float(gnorm)
+            batches = [lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
+                       for st in starts]
+            loss_v, gnorm_v, lr = train_step(model, optimizers, cfg, step, batches, autocast, world)
             if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
                 status = "nonfinite"
                 run.metric({"step": step, "loss": loss_v, "grad_norm": gnorm_v, "lr": lr})
                 run.log(f"step {step}: non-finite loss {loss_v} / grad norm {gnorm_v}: stopping; the last good "
                         f"checkpoint ({ckpt_dir}) and all logs are kept")
                 break
-            for opt in optimizers:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
             dt = time.time() - t0
             last = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "step_s": dt,
                     "tokens_per_s": tokens_per_step / dt}
@@ -713,8 +738,6 @@ def train(cfg: TrainConfig) -> dict:
     summary = {"status": status, "steps": step, "last": last, "final_val_loss": final_val,
                "wall_s": time.time() - t_start, "out_dir": str(out_dir)}
     if rank == 0:
-        from lpfa.explosion import run_verdict
-
         verdict = run_verdict(out_dir)  # policy, seed, exploded, explosion_step, criterion
         verdict.pop("steps")  # "steps" stays the number of completed steps
         summary.update(verdict)

@@ -1,0 +1,70 @@
+"""lpfa.run.Run: one run folder read through one object (config, records, metrics, verdict, checkpoints, batches)."""
+
+import json
+
+import pytest
+import torch
+
+from lpfa import data as lpfa_data
+from lpfa.run import Run, autocast, autocast_dtype, read_run_config, resolve_device, run_verdict
+from lpfa.train import TrainConfig, recorded_config, train
+
+
+@pytest.fixture(scope="module")
+def tiny(byte_tokens, tmp_path_factory):
+    out = tmp_path_factory.mktemp("run") / "r"
+    train(TrainConfig(data=str(byte_tokens), model="debug", block_size=32, batch_size=4, max_steps=6, warmup_steps=2,
+                      eval_interval=0, eval_batches=1, ckpt_interval=3, ckpt_history=True, diag_interval=3, diag_batch=2,
+                      out_dir=str(out), progress=False, attn_policy="paper_untiled"))
+    return out
+
+
+def test_run_reads_its_folder(tiny, byte_tokens):
+    run = Run(tiny)
+    assert run.label == "r" and repr(run) == f"Run({str(tiny)!r})"
+    assert run.config == read_run_config(tiny) and run.train["attn_policy"] == "paper_untiled"
+    assert recorded_config(run).max_steps == 6 and run.model_config().n_layer == 2
+    assert run.data_dir == byte_tokens and run.steps == 6
+    train_df, val, diag = run.metrics()
+    assert list(train_df.index) == list(range(6)) and list(diag["step"]) == [3, 6] and len(val) == 1
+    assert run.summary["status"] == "completed" and run.verdict() == run_verdict(tiny)
+    assert sorted(run.checkpoints) == [3, 6]
+    assert run.checkpoint().step == 6 and run.checkpoint(3).step == 3
+    with pytest.raises(ValueError, match=r"has no checkpoint at step 4; it has steps \[3, 6\]"):
+        run.checkpoint(4)
+
+
+def test_probe_batch_is_the_diagnostics_batch(tiny, byte_tokens):
+    run = Run(tiny)
+    val, _ = lpfa_data.load_tokens(byte_tokens, "val")
+    starts = lpfa_data.batch_starts(1337 + 2, 3, 0, 2, len(val), 32)
+    assert torch.equal(run.probe_batch(3), lpfa_data.get_batch(val, starts, 32, "cpu")[0])
+    assert run.probe_batch(0, n=5).shape == (5, 32)
+
+
+def test_missing_and_damaged_files(tiny, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny, copy)
+    (copy / "summary.json").unlink()
+    assert Run(copy).summary is None  # a killed run has none
+    (copy / "summary.json").write_text("{")
+    with pytest.raises(ValueError, match=r"summary.json is not valid JSON"):
+        Run(copy).summary
+    conf = json.loads((copy / "config.json").read_text())
+    del conf["data_dir"]
+    (copy / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ValueError, match=r"config.json has no data_dir"):
+        Run(copy).data_dir
+    with pytest.raises(FileNotFoundError, match=r"config.json does not exist"):
+        Run(tmp_path / "nowhere").config
+
+
+def test_device_and_autocast():
+    assert resolve_device("cpu") == "cpu" and resolve_device("auto") in ("cpu", "cuda")
+    assert autocast_dtype("auto", "cpu") == "float32" and autocast_dtype("auto", "cuda:0") == "bfloat16"
+    assert autocast_dtype("float64", "cuda") == "float64"
+    assert isinstance(autocast("cpu", "bfloat16"), torch.autocast)
+    with autocast("cpu", "float32"):
+        assert not torch.is_autocast_enabled("cpu")
