@@ -76,3 +76,16 @@ def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
     assert result["layer"] == onset_layer and result["choice"]["checkpoint"] == "onset"
     for r in bias_test(result).values():
         assert r["t"] > 10 and r["positive_fraction"] > 0.9
+
+
+def test_committed_explosions_name_every_exploded_run():
+    """The loss-explosion page's first paragraph: which committed runs exploded, and whether a BF16 row's FP32 twin did."""
+    from lpfa.runs import committed_explosions, explosions_text
+
+    t = committed_explosions()
+    boom = t[t["exploded"]]
+    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "delta_o_exact", "fp32_gpt2s"]
+    assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
+    assert not (t["exploded"] & (t["fp32 twin exploded"] == False)).any()  # noqa: E712  no BF16-only explosion
+    text = explosions_text(t)
+    assert text.startswith(f"Of the {len(t)} committed runs") and "3 exploded" in text and "its FP32 twin too" in text

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from lpfa.attention import get_policy
 from lpfa.run import load_metrics, read_run_config, run_verdict
 from lpfa.runs import layer_max
 
@@ -446,7 +447,8 @@ def dose_findings(table: pd.DataFrame, base: str = "paper_untiled") -> dict:
     if not sfa.empty:
         k = float(sfa["k"].max())
         row, plain = sfa[sfa["k"] == k].iloc[0], ladder[(ladder["sign"] == "bias") & (ladder["k"] == k)]
-        out["sfa"] = {"k": k, "base": str(row["base"]), "exploded": bool(row["exploded"]),
+        out["sfa"] = {"k": k, "base": str(row["base"]), "beta": get_policy(str(row["base"])).sfa.beta,
+                      "exploded": bool(row["exploded"]),
                       "explosion step": None if pd.isna(row["explosion step"]) else int(row["explosion step"]),
                       "without_sfa": sorted(int(s) for s in plain["explosion step"].dropna())}
     return out
@@ -470,7 +472,7 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
                 + ".")
     if f["sfa"] is not None:
         s = f["sfa"]
-        text.append(f"With SFA (β = 2) as the base at the biased k = {s['k']:g}, the loss "
+        text.append(f"With SFA (β = {s['beta']:g}) as the base at the biased k = {s['k']:g}, the loss "
                     + (f"still exploded, at step {s['explosion step']:,} against {', '.join(f'{x:,}' for x in s['without_sfa'])} "
                        "without SFA: SFA removes the ties, not a δ error injected by hand" if s["exploded"] else "did not explode")
                     + ".")

@@ -388,3 +388,41 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=7, ncol=2)
     return fig
+
+
+def committed_explosions(experiments=("isolation", "seeds", "sfa_muon", "sizes"), root=None):
+    """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
+    indexed by (experiment, label) with ``change`` (:data:`lpfa.launch.DESCRIPTIONS`), ``attention``, ``steps``,
+    ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
+    experiment named ``fp32...`` exploded too (None without one). A BF16-only loss explosion, Fig. 2, is a row with
+    ``exploded`` and not ``fp32 twin exploded``."""
+    import pandas as pd
+
+    from lpfa.launch import DESCRIPTIONS
+    from lpfa.results import experiment_rows
+
+    rows = {}
+    for exp in experiments:
+        runs = experiment_rows(exp, root=root)
+        verdicts = {label: run_verdict(d) for label, d in runs.items()}
+        for label, v in verdicts.items():
+            twin = verdicts.get("fp32" + label[4:]) if label.startswith("bf16") else None
+            rows[exp, label] = {"change": DESCRIPTIONS.get(label, ""), "attention": v["policy"], "steps": v["steps"],
+                                "exploded": v["exploded"], "explosion step": v["explosion_step"],
+                                "fp32 twin exploded": None if twin is None else twin["exploded"]}
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def explosions_text(table) -> str:
+    """:func:`committed_explosions` in one sentence: how many runs, which exploded (and whether the FP32 twin of a
+    BF16 row did too)."""
+    boom = table[table["exploded"]]
+    text = f"Of the {len(table)} committed runs of the {', '.join(dict.fromkeys(e for e, _ in table.index))} experiments, "
+    if boom.empty:
+        return text + "none exploded."
+    parts = []
+    for (exp, label), r in boom.iterrows():
+        twin = "" if r["fp32 twin exploded"] is None else (", its FP32 twin too" if r["fp32 twin exploded"] else
+                                                           ", its FP32 twin not")
+        parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
+    return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."
