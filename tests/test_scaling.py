@@ -176,3 +176,23 @@ def test_cost_helpers():
     assert wall_minutes(600, 16384 * 10, PRESETS["repro"], runs=5, gpus=4) == pytest.approx(2.0)  # one GPU holds two
     speed = committed_speed()
     assert list(speed.index) == ["eager", "compiled"] and speed.loc["compiled", "ratio"] > 1
+
+
+def test_batch_for_steps_is_the_largest_that_fits():
+    from lpfa.scaling import batch_for_steps
+
+    # 250k tok/s for 1000 s with 10 % overhead: 225M tokens; 8000 steps of 1024 tokens -> 27.5 sequences -> 24
+    b = batch_for_steps(250_000, 1000, 8000, 1024)
+    assert b == 24
+    assert 8000 * b * 1024 <= 250_000 * 1000 * 0.9 < 8000 * (b + 8) * 1024
+    assert batch_for_steps(250_000, 1000, 8000, 1024, multiple=1) == 27
+
+
+@pytest.mark.parametrize("kw", [dict(tokens_per_s=0), dict(seconds=float("nan")), dict(min_steps=-1),
+                                dict(overhead=1.0), dict(tokens_per_s=1000)])
+def test_batch_for_steps_bad_input(kw):
+    from lpfa.scaling import batch_for_steps
+
+    args = dict(tokens_per_s=250_000, seconds=1000, min_steps=8000, block_size=1024) | kw
+    with pytest.raises(ValueError, match=next(iter(kw)) if "tokens_per_s" not in kw or kw["tokens_per_s"] <= 0 else "do not fit"):
+        batch_for_steps(**args)

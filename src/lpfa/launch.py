@@ -87,6 +87,18 @@ DOSE: dict[str, list[str]] = {
     "fp32": ["attn_backend=sdpa_fp32"],
     **{f"bias_x{k}_s{s}": [*_dosed(k), f"seed={s}", f"init_seed={s}"] for k in (64, 128) for s in (1, 2)},
 }
+# The paper's own recipe at GPT-2 S size (issue 16 §2), run with preset gpt2-s-paper and batch_size/grad_accum set by
+# scripts/gpu/paper_recipe.sh to the largest batch that gives >= 8k steps in one GPU run (lpfa.scaling.batch_for_steps).
+# fa2 and SFA join only if the BF16 twin explodes and the FP32 twin does not.
+PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]] for mode in ("bf16", "fp32", "fa2", "sfa")}
+PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper's tiled BF16 kernel, not one block
+PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
+# Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
+MUON_LR2 = 0.05
+MUON_LONG: dict[str, list[str]] = {
+    **SFA_MUON,
+    **{f"{mode}_muon_lr2": [*TWINS[mode], "optimizer=muon", f"muon_lr={MUON_LR2}"] for mode in ("bf16", "fp32")},
+}
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
@@ -117,9 +129,16 @@ DESCRIPTIONS: dict[str, str] = {
            + (f", seed {k.split('_s')[-1]}" if "_s" in k.split("_x")[1] else ""))
        for k in DOSE if k.startswith(("bias", "control"))},
     "sfa_bias_x256": f"BF16 attention with SFA (β = 2), layer {DOSE_LAYER}'s δ error × 256 with its sign",
+    "bf16_paper_recipe": "BF16 flash attention (the paper's 512-key tiles), the paper's GPT-2 S recipe",
+    "fp32_paper_recipe": "FP32 attention, the paper's GPT-2 S recipe",
+    "fa2_paper_recipe": "FlashAttention-2's rounding, the paper's GPT-2 S recipe",
+    "sfa_paper_recipe": "BF16 attention with SFA (β = 2), the paper's GPT-2 S recipe",
+    "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
+    "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
-                                                 "sizes": SIZES, "dose": DOSE}
+                                                 "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
+                                                 "muon_long": MUON_LONG}
 
 
 def _root(root: str | Path | None) -> Path:

@@ -237,6 +237,25 @@ def tokens_per_step(train_conf: dict) -> int:
     return int(train_conf["batch_size"] * train_conf["block_size"] * train_conf.get("grad_accum", 1))
 
 
+def batch_for_steps(tokens_per_s: float, seconds: float, min_steps: int, block_size: int, multiple: int = 8,
+                    overhead: float = 0.1) -> int:
+    """The largest batch (a multiple of ``multiple`` sequences of ``block_size`` tokens) whose ``min_steps`` steps fit in
+    ``seconds`` at ``tokens_per_s``, leaving the fraction ``overhead`` for evaluations and diagnostics (issue 16 §2:
+    "the largest tokens per step that still gives at least 8k steps in one run")."""
+    for name, v in (("tokens_per_s", tokens_per_s), ("seconds", seconds), ("min_steps", min_steps),
+                    ("block_size", block_size), ("multiple", multiple)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}={v!r}: expected a finite number > 0")
+    if not 0 <= overhead < 1:
+        raise ValueError(f"overhead={overhead!r}: expected a fraction in [0, 1)")
+    seqs = tokens_per_s * seconds * (1 - overhead) / min_steps / block_size
+    batch = int(seqs // multiple) * multiple
+    if batch < multiple:
+        raise ValueError(f"{min_steps} steps of {multiple} x {block_size} tokens do not fit in {seconds:.0f} s at "
+                         f"{tokens_per_s:,.0f} tokens/s (room for {seqs:.1f} sequences per step)")
+    return batch
+
+
 def wall_minutes(steps: int, tokens_per_s: float, train_conf: dict, runs: int = 1, gpus: int = 1) -> float:
     """Minutes for ``runs`` runs of ``steps`` steps at ``tokens_per_s`` per GPU, placed round-robin on ``gpus``
     GPUs: the busiest GPU holds ceil(runs / gpus) of them, and runs sharing a GPU gain no total throughput."""

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 16 §2: the paper's GPT-2 S recipe (preset gpt2-s-paper: lr 1e-3, 2,000 warmup steps, cosine to 1e-5 over
+# 600k steps, so flat through one GPU run) at the largest batch that still gives MIN_STEPS steps in one GPU run.
+#
+#   PHASE=start  BUDGET=1080 WAIT=300 bash scripts/gpu/paper_recipe.sh  # probe speed, pick the batch, start, follow
+#   PHASE=wait   WAIT=580 bash scripts/gpu/paper_recipe.sh               # follow; a partial copy goes to $OUT
+#   PHASE=finish WAIT=300 bash scripts/gpu/paper_recipe.sh               # wait for the end (STOP=1 ends them now), collect
+#
+# start: each twin (ONLY, default "bf16_paper_recipe fp32_paper_recipe"; lpfa.launch.PAPER_RECIPE) first trains for
+# PROBE seconds (150) at batch 16 with torch.compile, one per GPU, as the real run will; the slowest twin's median
+# tokens/s then sets the batch, lpfa.scaling.batch_for_steps(tokens/s, BUDGET, MIN_STEPS=8000, 1024). The probes' logs
+# are collected with the runs (probe/*/log.txt). max_steps is left at the preset's 600k (the cosine horizon): the
+# wall-clock BUDGET ends the runs. Variables as scripts/gpu/twins.sh: NAME (paper_recipe), ROOT (/tmp/runs),
+# DATA (data/corpus), GPUS (default every GPU, one twin each), EXTRA (more key=value for every run), POLL (60).
+set -u
+NAME=${NAME:-paper_recipe}; ROOT=${ROOT:-/tmp/runs}; DATA=${DATA:-data/corpus}
+ONLY=${ONLY:-bf16_paper_recipe fp32_paper_recipe}
+export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LPFA_RUNS=$ROOT
+PY=${PY:-python3}
+L="$PY -m lpfa.launch"
+COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
+case ${PHASE:?PHASE must be start, wait or finish} in
+start)
+  if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
+  nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
+  GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}
+  $L start --name "$NAME/probe" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size=16 grad_accum=1 \
+      time_budget_s="${PROBE:-150}" eval_interval=0 --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
+  $L wait --name "$NAME/probe" --max-s "$(( ${PROBE:-150} + 240 ))" --poll-s 30
+  BATCH=$($PY - "$ROOT/$NAME/probe" "${BUDGET:?}" "${MIN_STEPS:-8000}" <<'EOF'
+import sys
+from pathlib import Path
+from lpfa.scaling import batch_for_steps, compare_throughput
+logs = {d.name: d / "log.txt" for d in sorted(Path(sys.argv[1]).iterdir()) if (d / "log.txt").is_file()}
+speed = compare_throughput(logs, skip=100)
+print(speed.to_string(), file=sys.stderr)
+print(batch_for_steps(float(speed["median tokens/s"].min()), float(sys.argv[2]) - 90, int(sys.argv[3]), 1024))  # 90 s: compile
+EOF
+) || exit 1
+  echo "batch_size=$BATCH (x 1024 tokens = $(( BATCH * 1024 )) tokens/step)" | tee "$ROOT/$NAME/probe/batch.txt"
+  $L start --name "$NAME" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size="$BATCH" grad_accum=1 \
+      time_budget_s="$BUDGET" --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
+  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
+  ;;
+wait|finish)
+  [ "$PHASE" = finish ] && [ "${STOP:-0}" = 1 ] && for d in "$ROOT/$NAME"/*/; do touch "$d/STOP"; done
+  $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
+  mkdir -p "${OUT:-/tmp/out}"
+  $L status --name "$NAME"
+  $L collect --name "$NAME" --out "${OUT:-/tmp/out}"
+  tar -czf "${OUT:-/tmp/out}/probe.tar.gz" -C "$ROOT/$NAME" probe --exclude='*.pt' --exclude=ckpt
+  ;;
+esac
