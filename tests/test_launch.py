@@ -140,3 +140,23 @@ def test_gpu_script_end_to_end_on_cpu(tokens, tmp_path):
         assert f in names, (f, sorted(names))
     s = json.loads((tmp_path / "runs" / "t" / "fp32" / "structure.json").read_text())
     assert s["step"] == 8 and s["attn_backend"] == "sdpa_fp32" and len(s["ties"]["bf16"]) == 2  # the debug model's 2 layers
+
+
+def test_run_experiment_refuses_unknown_labels_before_starting(tmp_path):
+    from lpfa.launch import run_experiment
+
+    with pytest.raises(ValueError, match=r"only=\['bf16_paper_recipe', 'nope'\]: expected labels of experiment 'paper_recipe'"):
+        run_experiment("x", "paper_recipe", "data", 10, root=tmp_path, only=["bf16_paper_recipe", "nope"])
+    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+        run_experiment("x", "nope", "data", 10, root=tmp_path)
+    assert not (tmp_path / "x").exists()
+
+
+def test_experiment_presets_and_paper_recipe_twins():
+    """Every experiment's preset exists; the paper-recipe twins differ only in their attention."""
+    from lpfa.launch import DESCRIPTIONS, EXPERIMENT_PRESETS, EXPERIMENTS, PAPER_RECIPE
+    from lpfa.train import PRESETS
+
+    assert set(EXPERIMENT_PRESETS) <= set(EXPERIMENTS) and set(EXPERIMENT_PRESETS.values()) <= set(PRESETS)
+    assert all(len(o) == 1 and o[0].startswith(("attn_policy=", "attn_backend=")) for o in PAPER_RECIPE.values())
+    assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e if not label.startswith(("bias_", "control_")))

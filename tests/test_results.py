@@ -80,12 +80,32 @@ def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
 
 def test_committed_explosions_name_every_exploded_run():
     """The loss-explosion page's first paragraph: which committed runs exploded, and whether a BF16 row's FP32 twin did."""
-    from lpfa.runs import committed_explosions, explosions_text
+    from lpfa.runs import bf16_only_explosions, committed_explosions, explosions_text
 
     t = committed_explosions()
     boom = t[t["exploded"]]
-    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "delta_o_exact", "fp32_gpt2s"]
+    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_paper_recipe", "delta_o_exact", "fp32_gpt2s"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
-    assert not (t["exploded"] & (t["fp32 twin exploded"] == False)).any()  # noqa: E712  no BF16-only explosion
+    assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe")]  # Fig. 2, one seed
+    assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "3 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "4 exploded" in text and "its FP32 twin too" in text
+    assert "its FP32 twin not" in text
+
+
+def test_twins_text_states_the_bf16_only_explosion():
+    """Page 06's Fig. 2 sentence, from the committed paper-recipe twins (results/paper_recipe): numbers as in their files."""
+    from lpfa.results import run_dir
+    from lpfa.run import run_verdict
+    from lpfa.runs import twins_text
+
+    d = run_dir("paper_recipe", None)
+    runs = {"bf16": d / "bf16_paper_recipe", "fp32": d / "fp32_paper_recipe"}
+    v = {k: run_verdict(p) for k, p in runs.items()}
+    text = twins_text(runs, layer=1)
+    assert v["bf16"]["exploded"] and not v["fp32"]["exploded"]
+    assert f"exploded at step {v['bf16']['explosion_step']:,}" in text and f"trained {v['fp32']['steps']:,} steps" in text
+    assert f"ran away at step {v['bf16']['runaway_step']:,}" in text and "FP32 twin's never did" in text
+    repro = run_dir("repro_pair", None)
+    text = twins_text({"bf16": repro / "bf16", "fp32": repro / "fp32"}, layer=1)
+    assert "did not explode" in text and "do not reproduce Fig. 2" in text

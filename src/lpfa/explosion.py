@@ -4,8 +4,8 @@ A run explodes at the first step where its training loss, smoothed over ``window
 than ``margin`` above the lowest smoothed loss seen so far for ``patience`` consecutive steps — or
 where the loss is not finite. The explosion step is the first step of that excursion.
 
-Runs of the book's reproduction config did not explode within 30k steps, but one layer's attention
-logits ran away in BF16 only. :class:`RunawayCriterion` states that precursor as a verdict too, so
+Runs of the book's smaller ``repro`` config did not explode within 30k steps (the paper-recipe GPT-2 S run did:
+``results/paper_recipe``), but one layer's attention logits ran away in BF16 only. :class:`RunawayCriterion` states that precursor as a verdict too, so
 shorter runs (the isolation table, the seeds) can be compared by it: the first diagnostics record
 from which some layer's largest attention logit stays above ``logit`` for ``patience`` records. With
 the default 1000 it separates the committed runs (``tests/test_explosion.py`` checks this): the BF16

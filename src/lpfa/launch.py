@@ -139,20 +139,33 @@ DESCRIPTIONS: dict[str, str] = {
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
                                                  "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
                                                  "muon_long": MUON_LONG}
+EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper"}  # the rest run on "repro"
 
 
 def _root(root: str | Path | None) -> Path:
     return Path(root or os.environ.get("LPFA_RUNS", "runs"))
 
 
-def run_experiment(name: str, experiment: str, data: str, budget_s: float, preset: str = "repro",
-                   root: str | Path | None = None, extra: list[str] | None = None) -> Path:
-    """Start the runs of ``EXPERIMENTS[experiment]`` on this machine with a wall-clock budget each, wait for
-    them, and return their folder (what ``scripts/gpu/twins.sh`` does across several commands)."""
+def run_experiment(name: str, experiment: str, data: str, budget_s: float, preset: str | None = None,
+                   root: str | Path | None = None, extra: list[str] | None = None, only: list[str] | None = None,
+                   gpus: list[str] | None = None) -> Path:
+    """Start the runs of ``EXPERIMENTS[experiment]`` (or ``only`` those labels) on this machine with a wall-clock
+    budget each, wait for them, and return their folder (what ``scripts/gpu/twins.sh`` does across several commands).
+    ``preset`` defaults to the experiment's (:data:`EXPERIMENT_PRESETS`); on ``repro`` the runs may go to 40k steps,
+    other presets keep their own ``max_steps`` (``gpt2-s-paper``'s is its 600k-step cosine horizon). ``gpus``: as
+    :func:`start` (one run per GPU where there are enough)."""
     if experiment not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {experiment!r}: choose one of {sorted(EXPERIMENTS)}")
-    start(name, EXPERIMENTS[experiment], preset, [f"data={data}", f"time_budget_s={budget_s}", "max_steps=40000",
-                                                  "ckpt_interval=1000", *(extra or [])], root)
+    runs = EXPERIMENTS[experiment]
+    if only is not None:
+        unknown = sorted(set(only) - set(runs))
+        if unknown or not only:
+            raise ValueError(f"only={only!r}: expected labels of experiment {experiment!r}, one of {sorted(runs)}")
+        runs = {k: v for k, v in runs.items() if k in only}
+    preset = preset or EXPERIMENT_PRESETS.get(experiment, "repro")
+    common = [f"data={data}", f"time_budget_s={budget_s}", *(["max_steps=40000"] if preset == "repro" else []),
+              "ckpt_interval=1000", *(extra or [])]
+    start(name, runs, preset, common, root, gpus=gpus)
     wait(name, budget_s + 600, root, poll_s=60)
     return _root(root) / name
 

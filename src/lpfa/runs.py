@@ -390,7 +390,7 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     return fig
 
 
-def committed_explosions(experiments=("isolation", "seeds", "sfa_muon", "sizes"), root=None):
+def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa_muon", "sizes"), root=None):
     """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
     indexed by (experiment, label) with ``change`` (:data:`lpfa.launch.DESCRIPTIONS`), ``attention``, ``steps``,
     ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
@@ -411,6 +411,49 @@ def committed_explosions(experiments=("isolation", "seeds", "sfa_muon", "sizes")
                                 "exploded": v["exploded"], "explosion step": v["explosion_step"],
                                 "fp32 twin exploded": None if twin is None else twin["exploded"]}
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def bf16_only_explosions(table):
+    """The rows of :func:`committed_explosions` that are Fig. 2: a BF16 run that exploded while its FP32 twin (same
+    experiment, same data order) did not."""
+    return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].map(lambda x: x is False or x == False)]  # noqa: E712
+
+
+def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32") -> str:
+    """Fig. 2's verdict for one BF16/FP32 pair in sentences: whether each exploded (``lpfa.explosion``), where the BF16
+    run's layer ``layer`` ran away, the precursors of both at the last diagnostics step both reached
+    (:func:`precursor_table`), and from when the BF16 logit and W_Q norm stay apart (:func:`divergence_step`)."""
+    table, common = precursor_table(runs, layer, criterion=criterion)
+    v = {label: run_verdict(runs[label], criterion) if criterion else run_verdict(runs[label]) for label in (bf16, fp32)}
+    name = {m: f"{n} @ {common}" for m, n in PRECURSORS.items()}
+    b, f = table.loc[bf16], table.loc[fp32]
+    if v[bf16]["exploded"] and not v[fp32]["exploded"]:
+        text = [f"**The BF16 run's loss exploded at step {v[bf16]['explosion_step']:,}; its FP32 twin trained "
+                f"{v[fp32]['steps']:,} steps on the same batches without exploding** (final eval loss {f['final eval loss']:.2f})."]
+    elif v[bf16]["exploded"]:
+        text = [f"Both runs exploded (BF16 at step {v[bf16]['explosion_step']:,}, FP32 at {v[fp32]['explosion_step']:,}): "
+                "a generic instability, not Fig. 2."]
+    else:
+        text = [f"The BF16 run did not explode in its {v[bf16]['steps']:,} steps"
+                + (f" (its FP32 twin did, at step {v[fp32]['explosion_step']:,})" if v[fp32]["exploded"] else
+                   f" (nor its FP32 twin in {v[fp32]['steps']:,})") + ", so these runs do not reproduce Fig. 2's explosion."]
+    ra = v[bf16]["runaway_step"]
+    if ra is not None:
+        text.append(f"By the runaway criterion the BF16 run's layer {v[bf16]['runaway_layer']} ran away at step {ra:,}"
+                    + (f", {v[bf16]['explosion_step'] - ra:,} steps before its loss exploded; " if v[bf16]["exploded"] else
+                       f", {v[bf16]['steps'] - ra:,} steps before the run ended; ")
+                    + ("the FP32 twin's never did." if v[fp32]["runaway_step"] is None else
+                       f"the FP32 twin's at step {v[fp32]['runaway_step']:,}."))
+    text.append(f"At step {common:,}, layer {layer}'s largest attention logit is {b[name['max_logit']]:,.0f} with BF16 attention "
+                f"against {f[name['max_logit']]:,.0f} with FP32, its most tied head has tied maxima in "
+                f"{b[name['tie_fraction']]:.0%} of its rows (BF16 scores) against {f[name['tie_fraction']]:.1%} (FP32 scores), "
+                f"and its largest ‖W_Q[h]‖₂ is {b[name['wq_spectral_norm']]:.1f} against {f[name['wq_spectral_norm']]:.1f}.")
+    div = {m: divergence_step(layer_max(runs[bf16], m, layer), layer_max(runs[fp32], m, layer), r)
+           for m, r in (("max_logit", 10.0), ("wq_spectral_norm", 1.25))}
+    when = lambda s: "never for good" if s is None else f"from step {s:,} on"  # noqa: E731
+    text.append(f"The BF16 logit stays above 10× the FP32 twin's {when(div['max_logit'])}, and the BF16 W_Q norm above "
+                f"1.25× {when(div['wq_spectral_norm'])} (`lpfa.runs.divergence_step`).")
+    return " ".join(text)
 
 
 def explosions_text(table) -> str:
