@@ -39,10 +39,19 @@ def _interpreter() -> bool:
 
 
 if triton is not None:
+    # BF16 rounding by the hardware conversion (GPU) or by integer arithmetic (interpreter), fixed at import as the
+    # kernels' mode is (triton.jit reads TRITON_INTERPRET when the module is imported)
+    _HW_ROUND = tl.constexpr(not _interpreter())
 
     @triton.jit
     def _round_bf16(x):
-        """Round FP32 values to the nearest BF16 (ties to even), returned as FP32; inf/nan unchanged."""
+        """Round FP32 values to the nearest BF16 (ties to even), returned as FP32; ±inf unchanged, NaN stays NaN.
+
+        On a GPU this is one hardware conversion there and back (``cvt.rn.bf16.f32``: round to nearest even,
+        subnormals kept; a NaN comes back as the canonical NaN). The interpreter's float → bf16 cast truncates, so
+        there the rounding is done on the FP32 bit pattern instead, with the same result for every non-NaN value."""
+        if _HW_ROUND:
+            return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
         bits = x.to(tl.uint32, bitcast=True)
         # bits + 0x7FFF + lsb(bits >> 16), then clear the low 16 bits: round half to even
         lsb = (bits >> 16) & 1
