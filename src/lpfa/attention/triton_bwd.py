@@ -37,7 +37,8 @@ whose pairs are all masked contribute exact zeros, and ``bw(x + bw(0)) = x`` for
 already holds a ``bw`` value, so skipping them is exact.
 
 Interpreter-safe rounding (as in :mod:`lpfa.attention.triton_fwd`): every value lives in an FP32
-register, each BF16 rounding point is ``_rnd`` (round to nearest even on the FP32 bit pattern), GEMMs
+register, each BF16 rounding point is ``_rnd`` (round to nearest even: the hardware conversion on a GPU, integer
+arithmetic on the FP32 bit pattern under the interpreter), GEMMs
 are ``tl.dot`` on FP32 operands with ``input_precision="ieee"``. On a GPU the constexpr ``DOT_BF16``
 flags cast GEMM operands to ``tl.bfloat16`` only where they are BF16-representable by construction
 (inputs given as bf16, or operands rounded to ``op`` = BF16); FP contraction is disabled at launch
@@ -48,8 +49,9 @@ on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registe
 Remaining differences from the reference: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernels accumulate in FP32 in their own order, so an FP32 difference of an
 ulp can occasionally flip a later BF16 rounding by one BF16 ulp (and that ulp propagates through the
-BF16 accumulators). Only the interpreter path is tested here; the GPU path (native-dtype loads,
-``DOT_BF16``, ``PRECISE_MATH``) is untested.
+BF16 accumulators). The interpreter path is tested on every machine; the GPU path (native-dtype loads,
+``DOT_BF16``, ``PRECISE_MATH``, hardware BF16 rounding) against the reference on the same GPU by
+``tests/test_attention_gpu.py``.
 """
 
 from __future__ import annotations

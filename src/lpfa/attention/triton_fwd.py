@@ -19,10 +19,10 @@ Triton's CPU interpreter (``TRITON_INTERPRET=1``) does not do BF16 arithmetic fa
 nearest even. So the kernel never holds a BF16 value in a BF16 register:
 
 * every value lives in an FP32 register;
-* each BF16 rounding point is :func:`_round_bf16`, a round-to-nearest-even done with integer
-  arithmetic on the FP32 bit pattern (add ``0x7FFF + lsb``, clear the low 16 bits; inf/nan kept),
-  switched on or off by one ``tl.constexpr`` flag per rounding point, so an FP32 policy compiles
-  to no extra instruction;
+* each BF16 rounding point is :func:`_round_bf16`, a round-to-nearest-even: on a GPU the hardware
+  conversion to BF16 and back, under the interpreter integer arithmetic on the FP32 bit pattern (add
+  ``0x7FFF + lsb``, clear the low 16 bits; inf/nan kept), the same value either way; it is switched on
+  or off by one ``tl.constexpr`` flag per rounding point, so an FP32 policy compiles to no extra instruction;
 * GEMMs are ``tl.dot`` on FP32 operands with ``input_precision="ieee"`` (no TF32): the operands
   already hold BF16-representable values where the policy rounds them, so an FP32 GEMM computes
   the same products as a BF16 tensor-core GEMM with FP32 accumulation. On a GPU the constexprs
@@ -38,7 +38,8 @@ rounds once to FP32; the kernel accumulates in FP32 in its own order, so an FP32
 ulp can occasionally flip a later BF16 rounding by one BF16 ulp. On a GPU, ``tl.exp``/``tl.log``
 lower to fast approximations; ``PRECISE_MATH`` (default on for GPUs) uses libdevice ``expf``/``logf``
 instead, as PyTorch's CUDA kernels do, and FP contraction (FMA) is disabled at launch so that
-``c·l + rowsum`` is two roundings, as in the reference. Only the interpreter path is tested here.
+``c·l + rowsum`` is two roundings, as in the reference. The interpreter path is tested on every machine; the GPU path
+against the reference on the same GPU by ``tests/test_attention_gpu.py`` (``results/attention_gpu_tests``).
 """
 
 from __future__ import annotations
