@@ -158,5 +158,9 @@ def test_experiment_presets_and_paper_recipe_twins():
     from lpfa.train import PRESETS
 
     assert set(EXPERIMENT_PRESETS) <= set(EXPERIMENTS) and set(EXPERIMENT_PRESETS.values()) <= set(PRESETS)
-    assert all(len(o) == 1 and o[0].startswith(("attn_policy=", "attn_backend=")) for o in PAPER_RECIPE.values())
+    for label, o in PAPER_RECIPE.items():  # the attention, then (seed variants) the seed of data order and init
+        assert o[0].startswith(("attn_policy=", "attn_backend=")), label
+        assert all(x.startswith(("seed=", "init_seed=")) for x in o[1:]), label
+        if "_s" in label:
+            assert o[0] == PAPER_RECIPE[label.split("_s")[0]][0] and f"seed={label.split('_s')[1]}" in o
     assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e if not label.startswith(("bias_", "control_")))

@@ -10,7 +10,8 @@
 # PROBE seconds (150) at batch 16 with torch.compile, one per GPU, as the real run will; the slowest twin's median
 # tokens/s then sets the batch, lpfa.scaling.batch_for_steps(tokens/s, BUDGET, MIN_STEPS=8000, 1024). The probes' logs
 # are collected with the runs (probe/*/log.txt). max_steps is left at the preset's 600k (the cosine horizon): the
-# wall-clock BUDGET ends the runs. Variables as scripts/gpu/twins.sh: NAME (paper_recipe), ROOT (/tmp/runs),
+# wall-clock BUDGET ends the runs. BATCH=N skips the probe (more seeds or the SFA twin at the committed twins' batch:
+# ONLY="sfa_paper_recipe bf16_paper_recipe_s1" BATCH=24). Variables as scripts/gpu/twins.sh: NAME (paper_recipe), ROOT (/tmp/runs),
 # DATA (data/corpus), GPUS (default every GPU, one twin each), EXTRA (more key=value for every run), POLL (60).
 set -u
 NAME=${NAME:-paper_recipe}; ROOT=${ROOT:-/tmp/runs}; DATA=${DATA:-data/corpus}
@@ -24,6 +25,7 @@ start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
   nvidia-smi --query-gpu=index,name,memory.used,memory.total --format=csv
   GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}
+  if [ -z "${BATCH:-}" ]; then
   $L start --name "$NAME/probe" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size=16 grad_accum=1 \
       time_budget_s="${PROBE:-150}" eval_interval=0 --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
   $L wait --name "$NAME/probe" --max-s "$(( ${PROBE:-150} + 240 ))" --poll-s 30
@@ -38,8 +40,9 @@ print(batch_for_steps(float(speed["median tokens/s"].min()), float(sys.argv[2]) 
 EOF
 ) || exit 1
   echo "batch_size=$BATCH (x 1024 tokens = $(( BATCH * 1024 )) tokens/step)" | tee "$ROOT/$NAME/probe/batch.txt"
+  fi  # BATCH given: no probe (e.g. BATCH=24, the committed twins' batch, for more seeds or the SFA twin)
   $L start --name "$NAME" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size="$BATCH" grad_accum=1 \
-      time_budget_s="$BUDGET" --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
+      time_budget_s="${BUDGET:?BUDGET (seconds per run) must be set}" --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
   ;;
 wait|finish)
@@ -48,6 +51,7 @@ wait|finish)
   mkdir -p "${OUT:-/tmp/out}"
   $L status --name "$NAME"
   $L collect --name "$NAME" --out "${OUT:-/tmp/out}"
-  tar -czf "${OUT:-/tmp/out}/probe.tar.gz" -C "$ROOT/$NAME" probe --exclude='*.pt' --exclude=ckpt
+  [ -d "$ROOT/$NAME/probe" ] && (cd "$ROOT/$NAME" && tar -czf "${OUT:-/tmp/out}/probe.tar.gz" probe/*.txt probe/launch.json \
+      probe/*/log.txt probe/*/config.json probe/*/summary.json probe/*/stdout.txt)
   ;;
 esac

@@ -93,6 +93,8 @@ DOSE: dict[str, list[str]] = {
 PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]] for mode in ("bf16", "fp32", "fa2", "sfa")}
 PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper's tiled BF16 kernel, not one block
 PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
+PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_recipe"], f"seed={s}", f"init_seed={s}"]
+                     for mode in ("bf16", "fp32") for s in (1, 2)})  # the spread of the explosion step (1337 above)
 # Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
 MUON_LR2 = 0.05
 MUON_LONG: dict[str, list[str]] = {
@@ -133,6 +135,8 @@ DESCRIPTIONS: dict[str, str] = {
     "fp32_paper_recipe": "FP32 attention, the paper's GPT-2 S recipe",
     "fa2_paper_recipe": "FlashAttention-2's rounding, the paper's GPT-2 S recipe",
     "sfa_paper_recipe": "BF16 attention with SFA (β = 2), the paper's GPT-2 S recipe",
+    **{f"{m}_paper_recipe_s{s}": f"{'BF16' if m == 'bf16' else 'FP32'} attention, the paper's GPT-2 S recipe, seed {s}"
+       for m in ("bf16", "fp32") for s in (1, 2)},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
