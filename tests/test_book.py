@@ -60,3 +60,37 @@ def test_figure_renders_in_headless_chromium(built_book, tmp_path):
             assert "BF16 rounding, bit by bit" in page.title()
         finally:
             browser.close()
+
+
+def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
+    """The intro opens with the computed scorecard (a row per claim, each with a verdict and a link to its page), and
+    every figure of every page renders at least 600 px wide in a 1280 px window (legible at page width)."""
+    from playwright.sync_api import sync_playwright
+
+    from lpfa.scorecard import VERDICTS
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto((built_book / "book" / "intro.html").as_uri(), wait_until="load")
+            rows = page.locator("table.scorecard tbody tr")
+            assert rows.count() >= 8
+            for i in range(rows.count()):
+                cells = rows.nth(i).locator("td")
+                assert cells.nth(3).inner_text().strip() in VERDICTS
+                href = cells.nth(4).locator("a").get_attribute("href")
+                assert (built_book / "book" / href).resolve().is_file(), href
+            narrow = []
+            for f in toc_files(ROOT):
+                page.goto((built_book / f"{f}.html").as_uri(), wait_until="load")
+                imgs = page.locator("main img")
+                for i in range(imgs.count()):
+                    imgs.nth(i).scroll_into_view_if_needed()
+                    box = imgs.nth(i).bounding_box()
+                    if box is None or box["width"] < 600:
+                        narrow.append((f, i, box and round(box["width"])))
+            assert not narrow, f"figures narrower than 600 px at a 1280 px window: {narrow}"
+        finally:
+            browser.close()

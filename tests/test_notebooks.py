@@ -15,7 +15,7 @@ SMALL = profile_parameters(ROOT, "small")
 
 
 def test_every_notebook_is_in_the_book_and_has_small_parameters():
-    on_disk = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+    on_disk = sorted(p.name for d in ("book", "notebooks") for p in (ROOT / d).glob("*.ipynb"))
     assert sorted(p.name for p in NOTEBOOKS) == on_disk
     for nb in NOTEBOOKS:
         assert nb.stem in SMALL, f"notebooks/parameters.yml has no small profile for {nb.stem}"

@@ -109,3 +109,45 @@ def test_twins_text_states_the_bf16_only_explosion():
     repro = run_dir("repro_pair", None)
     text = twins_text({"bf16": repro / "bf16", "fp32": repro / "fp32"}, layer=1)
     assert "did not explode" in text and "do not reproduce Fig. 2" in text
+
+
+def test_scorecard_is_computed_from_the_committed_runs():
+    """The intro's scorecard: one row per claim, valid verdicts, and the Fig. 2 row's numbers are the runs' own."""
+    from lpfa.run import run_verdict
+    from lpfa.scorecard import COLUMNS, VERDICTS, fig2_twins, scorecard, summary_text
+
+    card = scorecard()
+    assert list(card.columns) == COLUMNS and len(card) >= 8 and card["verdict"].isin(VERDICTS).all()
+    assert card["page"].map(lambda p: (ROOT / "notebooks" / f"{p}.ipynb").is_file()).all()
+    pair = fig2_twins()["bf16_paper_recipe"]
+    b, f = run_verdict(pair["bf16"]), run_verdict(pair["fp32"])
+    fig2 = card.iloc[0]
+    assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
+    assert f"step {b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
+    counts = card["verdict"].value_counts()
+    assert summary_text(card).startswith(f"Of the {len(card)} claims") and all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
+
+
+def test_fig3_head_bars_before_the_explosion():
+    """Page 07's Fig. 3: the step is the last diagnostics step before the BF16 explosion; one bar per head and run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from lpfa.results import run_dir
+    from lpfa.run import run_verdict
+    from lpfa.runs import head_metric_frame, plot_head_bars, step_before_failure
+
+    d = run_dir("paper_recipe", None)
+    runs = {"bf16": d / "bf16_paper_recipe", "fp32": d / "fp32_paper_recipe"}
+    step = step_before_failure(runs)
+    boom = run_verdict(runs["bf16"])["explosion_step"]
+    steps = sorted(set(head_metric_frame(runs["bf16"], "wq_spectral_norm").step))
+    assert step < boom and [s for s in steps if step < s < boom] == []
+    fig = plot_head_bars(runs, layer=1, step=step)
+    bars = [b for c in fig.axes[0].containers for b in c]
+    assert len(bars) == 2 * 12
+    f = head_metric_frame(runs["fp32"], "wq_spectral_norm")
+    want = sorted(f[(f.layer == 1) & (f.step == step)].value)
+    assert sorted(b.get_height() for b in fig.axes[0].containers[1]) == pytest.approx(want)
+    with pytest.raises(ValueError, match="logged no 'wq_spectral_norm' at step 7"):
+        plot_head_bars(runs, layer=1, step=7)

@@ -12,8 +12,11 @@ Modules, one per concept:
 * :mod:`lpfa.checkpoints` — our checkpoints, nanoGPT ``ckpt.pt`` and Hugging Face GPT-2 loaders.
 * :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
 * :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).
-* :mod:`lpfa.explosion` — the explosion criterion; :mod:`lpfa.runs` — reading and plotting runs.
+* :mod:`lpfa.run` — one run folder (``Run``): config, metrics, verdict, checkpoints; :mod:`lpfa.explosion` — the
+  explosion criterion; :mod:`lpfa.runs` — comparing and plotting runs (Fig. 2's twins, the isolation table).
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
+* :mod:`lpfa.scorecard` — each claim of the paper, our committed result and a verdict (the intro's table).
+* :mod:`lpfa.scaling` — DDP agreement, throughput and the cost of runs at scale.
 * :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
 * :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.
 * :mod:`lpfa.book` — execute the notebooks with papermill and build the Jupyter Book.

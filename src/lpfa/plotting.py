@@ -40,3 +40,50 @@ STYLE = {
 def use_style() -> None:
     """Apply the book's matplotlib defaults."""
     mpl.rcParams.update(STYLE)
+
+
+def color_of(label: str) -> str:
+    """The colour of a run by its label's mode: ``bf16...``, ``fp32...``, ``sfa...``, ``fa2...`` (else "other")."""
+    for mode in ("bf16", "fp32", "sfa", "fa2"):
+        if label.startswith(mode):
+            return COLORS[mode]
+    return COLORS["other"]
+
+
+def _number(x, digits: int) -> str:
+    """One table cell: integers with thousands separators, other numbers to ``digits`` significant digits, missing
+    values as an en dash, booleans as yes/no."""
+    import math
+
+    import numpy as np
+
+    if x is None or (isinstance(x, (float, np.floating)) and math.isnan(x)):
+        return "–"
+    if isinstance(x, (bool, np.bool_)):
+        return "yes" if x else "no"
+    if isinstance(x, (int, np.integer)) or (isinstance(x, (float, np.floating)) and float(x).is_integer() and abs(x) >= 1000):
+        return f"{int(x):,}"
+    if isinstance(x, (float, np.floating)):
+        if not math.isfinite(x):
+            return str(x)
+        v = float(f"{x:.{digits}g}")
+        return f"{v:,.{max(digits - 1 - int(math.floor(math.log10(abs(v)))), 0)}f}" if v else "0"
+    return str(x)
+
+
+def format_table(df, units: dict | None = None, percent=(), digits: int = 3, max_columns: int = 8, index: bool = True):
+    """A DataFrame as a page shows it (issue 18): numbers to ``digits`` significant digits (integers with thousands
+    separators), the ``percent`` columns as percentages, missing values as "–", booleans as yes/no, ``units``
+    (``{column: unit}``) in the column names, and a table with more than ``max_columns`` columns transposed so that it
+    fits the page column. Returns a pandas Styler."""
+    shown = df.copy()
+    for col in shown.columns:
+        if col in percent:
+            shown[col] = [("–" if v is None or v != v else f"{v:.{max(digits - 2, 0)}%}") for v in shown[col]]
+        else:
+            shown[col] = [_number(v, digits) for v in shown[col]]
+    shown.columns = [f"{c} ({units[c]})" if units and c in units else c for c in shown.columns]
+    if len(shown.columns) > max_columns and len(shown.columns) > len(shown.index):
+        shown = shown.T
+    styler = shown.style
+    return styler if index else styler.hide(axis="index")

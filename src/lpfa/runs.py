@@ -77,6 +77,52 @@ def head_metric_frame(run_dir: str | Path, metric: str):
                          "head": np.tile(np.arange(H), r * L), "value": values.reshape(-1)})
 
 
+def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: str = "bf16") -> int:
+    """The diagnostics step at which to compare heads (Fig. 3's "before the explosion"): the last step that every run
+    logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not explode)."""
+    steps = [set(head_metric_frame(d, metric).step) for d in runs.values()]
+    common = sorted(set.intersection(*steps))
+    if not common:
+        raise ValueError(f"the runs {sorted(runs)} share no diagnostics step of {metric!r}")
+    boom = run_verdict(runs[failing])["explosion_step"] if failing in runs else None
+    before = [s for s in common if boom is None or s < boom]
+    return int((before or common)[-1])
+
+
+def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral_norm", ax=None):
+    """Fig. 3 as the paper draws it: ``metric`` of every head of ``layer`` at ``step``, one bar per (head, run), each run
+    in its mode's colour (:data:`lpfa.plotting.COLORS`), with hatching for the low-precision runs so that BF16 and FP32
+    differ by more than colour."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    from lpfa.plotting import color_of
+
+    rows = []
+    for label, d in runs.items():
+        f = head_metric_frame(d, metric)
+        at = f[(f.layer == layer) & (f.step == step)]
+        if at.empty:
+            raise ValueError(f"run {label!r} ({d}) logged no {metric!r} at step {step} (diagnostics steps: "
+                             f"{int(f.step.min())}..{int(f.step.max())})")
+        rows.append(at.assign(run=label))
+    frame = pd.concat(rows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 3.4))
+    palette = {label: color_of(label) for label in runs}
+    sns.barplot(frame, x="head", y="value", hue="run", palette=palette, ax=ax, edgecolor="black", linewidth=0.4, saturation=1)
+    for bars, label in zip(ax.containers, runs):
+        if not label.startswith("fp32"):
+            for bar in bars:
+                bar.set_hatch("//")
+    ax.set_ylabel("‖W_Q[h]‖₂" if metric == "wq_spectral_norm" else metric.replace("_", " "))
+    ax.set_xlabel(f"head of layer {layer}")
+    ax.set_title(f"layer {layer}, step {step:,}: every head", fontsize=10)
+    ax.legend(handles=[c.patches[0] for c in ax.containers], labels=list(runs), title=None)  # hatched as the bars
+    return ax.figure
+
+
 def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
     """Per run: the (layer, head) whose ``metric`` grew most between the first and last diagnostics record."""
     import pandas as pd
@@ -297,6 +343,43 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
         else "precursor" if reference is not None and r["precursor from"] is not None else quiet
         for _, r in table.iterrows()])
     return table, step
+
+
+def isolation_table(experiment: str = "isolation", layer: int = 1, reference_row: str = "fp32", logit_ratio: float = 10.0,
+                    root=None):
+    """The isolation table (Sec. 3.2) from the committed runs of ``experiment``: :func:`experiment_table` of every row
+    of :data:`lpfa.launch.ISOLATION` (each from the latest run that has it), each held against ``reference_row`` of its
+    own launch (else the latest one), with the paper's verdict in column ``paper``. Returns ``(table, step, rows,
+    reference)``: ``rows`` ``{label: run folder}``, ``reference`` the function ``label -> reference run folder``."""
+    from lpfa.launch import ISOLATION, PAPER_ISOLATION
+    from lpfa.results import experiment_rows
+
+    rows = experiment_rows(experiment, list(ISOLATION), root=root)
+    if reference_row not in rows:
+        raise FileNotFoundError(f"reference_row={reference_row!r}: experiment {experiment!r} has no such committed row "
+                                f"(rows: {sorted(rows)})")
+
+    def reference(label):  # the reference row of the row's own launch, else the latest one
+        own = rows[label].parent / reference_row
+        return own if (own / "summary.json").exists() else rows[reference_row]
+
+    table, step = experiment_table(rows, layer=layer, reference=reference, logit_ratio=logit_ratio)
+    table.insert(7, "paper", [PAPER_ISOLATION[label] for label in table.index])
+    return table, step, rows, reference
+
+
+def against_paper(table) -> dict:
+    """How an :func:`isolation_table` compares with the paper: ``sick`` (rows with a precursor or worse), ``by_outcome``
+    ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but`` (reported failing, clean
+    here), ``reported`` (rows the paper reports) and ``agree`` (those that behave as reported)."""
+    by = {o: [label for label in table.index if table.loc[label, "outcome"] == o]
+          for o in ("exploded", "ran away", "precursor", "clean")}
+    sick = set(by["precursor"] + by["ran away"] + by["exploded"])
+    reported = [label for label in table.index if table.loc[label, "paper"] in ("fails", "stable")]
+    agree = [label for label in reported if (table.loc[label, "paper"] == "fails") == (label in sick)]
+    return {"sick": sick, "by_outcome": by, "reported": reported, "agree": agree,
+            "paper_stable_but": [label for label in reported if table.loc[label, "paper"] == "stable" and label in sick],
+            "paper_fails_but": [label for label in reported if table.loc[label, "paper"] == "fails" and label not in sick]}
 
 
 def outcome_text(table, label: str) -> str:

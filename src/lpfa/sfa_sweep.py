@@ -93,7 +93,8 @@ def plot_sweep(sweeps: dict, layer: int, what: str = "silenced"):
     from lpfa.plotting import use_style
 
     use_style()
-    fig, axes = plt.subplots(1, len(sweeps), figsize=(4.2 * len(sweeps), 3.0), squeeze=False, sharey=True)
+    # at least 7.5 in wide: a single panel still fills the page width (legible, issue 18)
+    fig, axes = plt.subplots(1, len(sweeps), figsize=(max(4.2 * len(sweeps), 7.5), 3.0), squeeze=False, sharey=True)
     for ax, (label, sw) in zip(axes[0], sweeps.items()):
         f = sweep_frame(sw)
         f = f[f.layer == layer]

@@ -1,0 +1,168 @@
+"""The book's scorecard: each claim of the paper, what the committed runs here show, and a verdict, all computed.
+
+:func:`scorecard` reads the committed results (``results/``) through the same functions the pages use, so a number
+in the scorecard is the number on the page it links to. Verdicts:
+
+* **reproduced**: the committed runs show the claim (the rule is stated in the row);
+* **partly**: shown under some of the paper's conditions, or for some rows, not all;
+* **not reproduced**: the runs that test it do not show it;
+* **not run**: no committed run tests it yet;
+* **shown** / **not shown**: for a claim of our own, beyond the paper.
+
+The intro page (``book/intro.ipynb``) shows the table and :func:`summary_text`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from lpfa.dose import committed_runs, dose_findings, dose_table
+from lpfa.replay import bias_test, load_replay, rank1_stats
+from lpfa.results import run_dir
+from lpfa.run import run_verdict
+from lpfa.runs import against_paper, head_metric_frame, isolation_table, precursor_table, step_before_failure
+
+VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
+COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
+
+
+def _row(claim: str, paper: str, result: str, verdict: str, page: str) -> dict:
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict={verdict!r}: expected one of {VERDICTS}")
+    return dict(zip(COLUMNS, (claim, paper, result, verdict, page)))
+
+
+def fig2_twins(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict[str, dict[str, Path]]:
+    """The committed BF16/FP32 pairs of ``experiment`` by their BF16 label, e.g. ``{"bf16_paper_recipe": {"bf16": dir,
+    "fp32": dir}, "bf16_paper_recipe_s1": ...}`` (a label ``bf16<x>`` pairs with ``fp32<x>``)."""
+    folder = run_dir(experiment, run, root)
+    labels = {p.name for p in folder.iterdir() if (p / "config.json").is_file()}
+    return {label: {"bf16": folder / label, "fp32": folder / ("fp32" + label[4:])}
+            for label in sorted(labels) if label.startswith("bf16") and "fp32" + label[4:] in labels}
+
+
+def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
+    pairs = fig2_twins(experiment, root=root)
+    if not pairs:
+        return [_row("BF16 flash attention makes the loss explode; FP32 attention on the same data does not", "Fig. 2",
+                     "no committed paper-recipe twins", "not run", "06_loss_explosion")]
+    verdicts = {seed: {k: run_verdict(d) for k, d in pair.items()} for seed, pair in pairs.items()}
+    alone = [s for s, v in verdicts.items() if v["bf16"]["exploded"] and not v["fp32"]["exploded"]]
+    first = next(iter(pairs)) if not alone else alone[0]
+    v = verdicts[first]
+    result = (f"GPT-2 S at the paper's lr, {len(pairs)} seed{'s' if len(pairs) > 1 else ''}: BF16 exploded in "
+              f"{sum(x['bf16']['exploded'] for x in verdicts.values())}, FP32 in {sum(x['fp32']['exploded'] for x in verdicts.values())}"
+              + (f" (first pair: BF16 at step {v['bf16']['explosion_step']:,}, FP32 clean through {v['fp32']['steps']:,})" if alone else ""))
+    verdict = ("reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
+    rows = [_row("BF16 flash attention makes the loss explode; FP32 attention on the same data does not", "Fig. 2",
+                 result, verdict, "06_loss_explosion")]
+    # Fig. 3: every head of the layer at the last diagnostics step before the BF16 explosion (as page 07 draws it)
+    at = step_before_failure(pairs[first])
+    frames = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in pairs[first].items()}
+    heads = {k: f[(f.layer == layer) & (f.step == at)].set_index("head").value for k, f in frames.items()}
+    ratio = heads["bf16"] / heads["fp32"]
+    grown = int((ratio > 1.25).sum())
+    rows.append(_row("The W_Q spectral norm of a few heads in an early layer grows before the explosion", "Fig. 3",
+                     f"layer {layer}, step {at:,}: largest ‖W_Q[h]‖₂ {heads['bf16'].max():.1f} with BF16 against "
+                     f"{heads['fp32'].max():.1f} with FP32; {grown} of {len(ratio)} heads above 1.25× their FP32 twin's"
+                     + (" (layer-wide, not a few heads)" if grown > len(ratio) / 2 else ""),
+                     "not reproduced" if grown == 0 else "partly" if grown > len(ratio) / 2 else "reproduced", "07_spectral_norms"))
+    # ties, at the same step
+    table, step = precursor_table(pairs[first], layer, step=at)
+    b, f = table.loc["bf16"], table.loc["fp32"]
+    tie_b, tie_f = b[f"largest per-head tie fraction @ {step}"], f[f"largest per-head tie fraction @ {step}"]
+    rows.append(_row("BF16 scores give rows with tied maxima, so P̄ has several entries exactly 1", "Fig. 13",
+                     f"layer {layer}, step {step:,}: {tie_b:.0%} of the most tied head's rows (BF16) against {tie_f:.1%} (FP32)",
+                     "reproduced" if tie_b > 10 * tie_f else "not reproduced", "08_tie_frequency"))
+    return rows
+
+
+def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
+    result, arrays = load_replay(run_dir(replay_experiment, None, root) / replay)
+    bt = bias_test(result)
+    heads = ", ".join(str(h) for h in bt)
+    t_min = min(r["t"] for r in bt.values())
+    pos = min(r["positive_fraction"] for r in bt.values())
+    sims = [min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within")) for h in result["heads"]]
+    where = f"`repro` preset, the BF16 run's layer {result['layer']}, heads {heads}, {result['steps']} steps replayed from step {result['checkpoint_step']:,}"
+    return [
+        _row("δ = rowsum(dO∘O) from BF16 O is biased against its high-precision value", "Fig. 5",
+             f"{where}: the δ error is positive in ≥ {pos:.0%} of steps, t ≥ {t_min:.1f}",
+             "reproduced" if t_min > 3 else "not reproduced", "02_delta_bias"),
+        _row("The W_Q gradient error accumulates along one low-rank direction", "Fig. 4",
+             f"{where}: median similarity of the per-token rank-1 matrices ≥ {min(sims):.2f} (random: ~0)",
+             "reproduced" if min(sims) > 0.9 else "not reproduced", "03_pktx_structure"),
+    ]
+
+
+def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> dict:
+    claim = "SFA (shifting a tied row max) removes the ties and stabilises training"
+    pairs = fig2_twins(fig2_experiment, root=root)
+    recipe_sfa = [run_dir(fig2_experiment, None, root) / ("sfa" + label[4:]) for label in pairs]
+    recipe_sfa = [d for d in recipe_sfa if (d / "config.json").is_file()]
+    folder = run_dir(twins_experiment, None, root)
+    runs = {k: folder / k for k in ("bf16", "sfa", "fp32")}
+    table, step = precursor_table(runs, layer)
+    col = f"largest attention logit @ {step}"
+    ratio = {k: table.loc[k, col] / table.loc["fp32", col] for k in ("bf16", "sfa")}
+    v = {k: run_verdict(d) for k, d in runs.items()}
+    repro = (f"`repro` preset, step {step:,}: layer {layer}'s largest logit {ratio['sfa']:.1f}× the FP32 twin's with SFA, "
+             f"{ratio['bf16']:.1f}× without; SFA {'ran away' if v['sfa']['runaway_step'] is not None else 'no runaway'}")
+    if recipe_sfa:
+        sv = [run_verdict(d) for d in recipe_sfa]
+        n_ok = sum(not x["exploded"] for x in sv)
+        return _row(claim, "Fig. 7", f"paper recipe: SFA exploded in {len(sv) - n_ok} of {len(sv)}; " + repro,
+                    "reproduced" if n_ok == len(sv) else "not reproduced", "09_sfa")
+    ok = v["sfa"]["runaway_step"] is None and v["bf16"]["runaway_step"] is not None
+    return _row(claim, "Fig. 7", repro + "; not yet run at the paper recipe, where BF16 explodes",
+                "partly" if ok else "not reproduced", "09_sfa")
+
+
+def _isolation_row(layer: int, root) -> dict:
+    table, _, _, _ = isolation_table(layer=layer, root=root)
+    cmp = against_paper(table)
+    n, k = len(cmp["reported"]), len(cmp["agree"])
+    differ = cmp["paper_stable_but"] + cmp["paper_fails_but"]
+    return _row("Which change removes the failure: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the outlier heads",
+                "Sec. 3.2", f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by the precursor)"
+                + (f"; not: {', '.join(differ)}" if differ else ""),
+                "reproduced" if k == n else "partly" if k else "not reproduced", "10_isolation")
+
+
+def _dose_row(root) -> dict:
+    runs = committed_runs(root=root)
+    f = dose_findings(dose_table(runs))
+    ks = f["bias_decides_ks"]
+    return _row("Beyond the paper: the δ error's bias, not its size, drives the failure (layer 1's δ error × k)", "dose test",
+                f"biased dose exploded in {f['bias']['exploded_runs']} of {f['bias']['runs']} runs, the random-sign control in "
+                f"{f['control']['exploded_runs']} of {f['control']['runs']}"
+                + (f"; at k = {', '.join(f'{k:g}' for k in ks)} every biased run exploded and no control" if ks else ""),
+                "shown" if ks else "not shown", "06_loss_explosion")
+
+
+def scorecard(layer: int = 1, replay_experiment: str = "repro_runaway", replay: str = "bf16_runaway_replay",
+              twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None) -> pd.DataFrame:
+    """One row per claim: ``claim``, ``paper`` (figure or section), ``our result`` (numbers from the committed runs),
+    ``verdict`` (:data:`VERDICTS`) and ``page`` (the notebook that shows it). ``fig2_experiment``: the BF16/FP32 twins of
+    Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5; ``twins_experiment``: the `repro` SFA twin."""
+    rows = [*_fig2_rows(fig2_experiment, layer, root), *_mechanism_rows(replay_experiment, replay, root),
+            _sfa_row(fig2_experiment, twins_experiment, layer, root),
+            _isolation_row(layer, root), _dose_row(root)]
+    return pd.DataFrame(rows, columns=COLUMNS)
+
+
+def summary_text(card: pd.DataFrame) -> str:
+    """The scorecard in one sentence: how many claims each verdict got."""
+    counts = card["verdict"].value_counts()
+    parts = [f"{counts[v]} {v}" for v in VERDICTS if v in counts]
+    return f"Of the {len(card)} claims tested here, " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + "."
+
+
+def styled(card: pd.DataFrame, link: bool = True):
+    """The scorecard for a page: page names as links (``../notebooks/<page>.html`` from the intro), no index."""
+    shown = card.copy()
+    if link:
+        shown["page"] = [f'<a href="../notebooks/{p}.html">{p[:2]}</a>' for p in shown["page"]]
+    return shown.style.hide(axis="index").set_table_attributes('class="scorecard"')
