@@ -7,10 +7,12 @@ def test_table_formats_numbers_units_and_missing_values():
 
     df = pd.DataFrame({"tokens/s": [438106.0, 1234.5], "loss": [2.23284, float("nan")], "share": [0.571, None],
                        "exploded": [True, False], "steps": [9920, 5450]}, index=["fp32", "bf16"])
-    html = table(df, units={"tokens/s": "median"}, percent=("share",)).to_html()
-    for cell in ("438,106", "1,230", "2.23", "–", "57.1%", "yes", "no", "9,920", "tokens/s (median)"):
+    html = table(df.assign(seed=[1337, 1]), units={"tokens/s": "median"}, percent=("share",)).to_html()
+    for cell in (">1337<", "438,106", "1,230", "2.23", "–", "57.1%", "yes", "no", "9,920", "tokens/s (median)"):
         assert cell in html, cell
     assert "nan" not in html.lower() and "None" not in html
     wide = pd.DataFrame([range(12)], columns=[f"c{i}" for i in range(12)], index=["only row"])
     assert list(table(wide).data.columns) == ["only row"]  # transposed to fit the page column
     assert table(wide, max_columns=20).data.shape == (1, 12)
+    tall = pd.DataFrame([range(12)] * 10, columns=[f"c{i}" for i in range(12)])
+    assert table(tall).data.shape == (10, 12)  # transposing would not make it fit: left as it is

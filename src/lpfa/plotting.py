@@ -71,19 +71,23 @@ def _number(x, digits: int) -> str:
     return str(x)
 
 
-def format_table(df, units: dict | None = None, percent=(), digits: int = 3, max_columns: int = 8, index: bool = True):
+def format_table(df, units: dict | None = None, percent=(), digits: int = 3, max_columns: int = 8, index: bool = True,
+                 raw=("seed", "init_seed")):
     """A DataFrame as a page shows it (issue 18): numbers to ``digits`` significant digits (integers with thousands
     separators), the ``percent`` columns as percentages, missing values as "–", booleans as yes/no, ``units``
-    (``{column: unit}``) in the column names, and a table with more than ``max_columns`` columns transposed so that it
-    fits the page column. Returns a pandas Styler."""
+    (``{column: unit}``) in the column names, and a table with more than ``max_columns`` columns transposed when that
+    makes it fit the page column (at most ``max_columns`` rows). ``raw`` columns (seeds) are shown as they are.
+    Returns a pandas Styler."""
     shown = df.copy()
     for col in shown.columns:
-        if col in percent:
+        if col in raw:
+            shown[col] = [str(v) for v in shown[col]]
+        elif col in percent:
             shown[col] = [("–" if v is None or v != v else f"{v:.{max(digits - 2, 0)}%}") for v in shown[col]]
         else:
             shown[col] = [_number(v, digits) for v in shown[col]]
     shown.columns = [f"{c} ({units[c]})" if units and c in units else c for c in shown.columns]
-    if len(shown.columns) > max_columns and len(shown.columns) > len(shown.index):
+    if len(shown.columns) > max_columns and len(shown.index) <= max_columns:
         shown = shown.T
     styler = shown.style
     return styler if index else styler.hide(axis="index")
