@@ -254,7 +254,7 @@ def test_precursor_events_on_committed_pair():
 def test_delta_source_of_every_isolation_row():
     """What each isolation row's layer-1 δ is computed from, from its overrides alone (the column the
     isolation page tests its pattern with)."""
-    from lpfa.launch import ISOLATION
+    from lpfa.experiments import ISOLATION
     from lpfa.model import GPTConfig
     from lpfa.runs import delta_source, score_precision
     from lpfa.train import parse_overrides

@@ -164,3 +164,21 @@ def test_experiment_presets_and_paper_recipe_twins():
         if "_s" in label:
             assert o[0] == PAPER_RECIPE[label.split("_s")[0]][0] and f"seed={label.split('_s')[1]}" in o
     assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e if not label.startswith(("bias_", "control_")))
+
+
+def test_experiments_table_one_row_per_run_with_its_reference():
+    """lpfa.experiments.table: every run of every experiment once, with the paper's verdict for isolation rows and a
+    reference run that exists in the same experiment (or, for the dose ladder, the isolation table's fp32)."""
+    from lpfa import experiments as ex
+
+    t = ex.table()
+    assert len(t) == sum(len(e) for e in ex.EXPERIMENTS.values()) and t.index.is_unique
+    iso = ex.rows("isolation")
+    assert {label: r.paper for label, r in iso.items()} == ex.PAPER_ISOLATION
+    assert iso["bf16_only_layer1"].reference == "fp32" and iso["fp32"].reference is None
+    assert ex.rows("paper_recipe")["bf16_paper_recipe_s1"].reference == "fp32_paper_recipe_s1"
+    for (exp, label), r in t.iterrows():
+        if isinstance(r["reference"], str) and exp != "dose":
+            assert r["reference"] in ex.EXPERIMENTS[exp], (exp, label)
+    with pytest.raises(ValueError, match="unknown experiment 'nope'"):
+        ex.rows("nope")

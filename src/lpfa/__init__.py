@@ -7,8 +7,10 @@ Modules, one per concept:
   reference, Triton forward/backward kernels, the ``torch.library`` op.
 * :mod:`lpfa.model` — GPT-2 (nanoGPT semantics) with attention precision chosen per layer.
 * :mod:`lpfa.data` — tokenizers, nanoGPT token files, deterministic batches and replay logs.
-* :mod:`lpfa.train` — the training loop and CLI; :mod:`lpfa.launch` — detached runs on time-boxed GPUs and the
-  experiment tables; :mod:`lpfa.params` — typed checks of config fields and notebook parameters.
+* :mod:`lpfa.train` — the training loop and CLI; :mod:`lpfa.params` — typed checks of config fields and notebook
+  parameters.
+* :mod:`lpfa.experiments` — the book's experiments as one table (each run's overrides, description, the paper's
+  outcome, its reference run); :mod:`lpfa.launch` — detached runs on time-boxed GPUs.
 * :mod:`lpfa.checkpoints` — our checkpoints, nanoGPT ``ckpt.pt`` and Hugging Face GPT-2 loaders.
 * :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
 * :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).

@@ -13,7 +13,7 @@ No run of the book's reproduction config exploded within one affordable GPU run 
 with s = +1 for the **biased** dose (``delta_dose_sign=bias``: the BF16 bias, amplified) and a fresh random ±1
 per row for the **control** (``delta_dose_sign=control``: the same magnitude, no bias). If the bias is the cause,
 biased runs fail sooner the larger k is, and controls at the same k do not fail. The runs are the table
-:data:`lpfa.launch.DOSE`.
+:data:`lpfa.experiments.DOSE`.
 
 This module turns the run folders into the evidence:
 
@@ -53,7 +53,7 @@ DODGE = {"control": 1.1, "other": 1 / 1.1}
 
 
 def committed_runs(root: str | Path | None = None) -> dict[str, Path]:
-    """``{label: run folder}`` of the committed dose experiment (``results/dose``, :data:`lpfa.launch.DOSE`), with its
+    """``{label: run folder}`` of the committed dose experiment (``results/dose``, :data:`lpfa.experiments.DOSE`), with its
     dose-1 point and FP32 reference taken from the isolation table's ``bf16`` and ``fp32`` rows (the same preset,
     seed and compile; dose 1 with the bias sign is the undosed policy): ``bias_x1`` and ``fp32``. Empty without
     results."""

@@ -296,7 +296,7 @@ def delta_source(model_conf: dict, layer: int) -> str:
 def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
                      logit_ratio: float = 10.0):
     """:func:`precursor_table` of the runs of an experiment, with what each run changes
-    (:data:`lpfa.launch.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
+    (:data:`lpfa.experiments.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
     scores were rounded (:func:`score_precision`), what its δ is computed from (:func:`delta_source`) and its
     outcome in front. Returns ``(table, step)``: the isolation table, the seeds table.
 
@@ -310,7 +310,7 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     import pandas as pd
 
     from lpfa.explosion import attention_label
-    from lpfa.launch import DESCRIPTIONS
+    from lpfa.experiments import DESCRIPTIONS
 
     if isinstance(folder, dict):
         runs = {label: Path(d) for label, d in folder.items() if labels is None or label in labels}
@@ -348,10 +348,10 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
 def isolation_table(experiment: str = "isolation", layer: int = 1, reference_row: str = "fp32", logit_ratio: float = 10.0,
                     root=None):
     """The isolation table (Sec. 3.2) from the committed runs of ``experiment``: :func:`experiment_table` of every row
-    of :data:`lpfa.launch.ISOLATION` (each from the latest run that has it), each held against ``reference_row`` of its
+    of :data:`lpfa.experiments.ISOLATION` (each from the latest run that has it), each held against ``reference_row`` of its
     own launch (else the latest one), with the paper's verdict in column ``paper``. Returns ``(table, step, rows,
     reference)``: ``rows`` ``{label: run folder}``, ``reference`` the function ``label -> reference run folder``."""
-    from lpfa.launch import ISOLATION, PAPER_ISOLATION
+    from lpfa.experiments import ISOLATION, PAPER_ISOLATION
     from lpfa.results import experiment_rows
 
     rows = experiment_rows(experiment, list(ISOLATION), root=root)
@@ -475,13 +475,13 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
 
 def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa_muon", "sizes"), root=None):
     """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
-    indexed by (experiment, label) with ``change`` (:data:`lpfa.launch.DESCRIPTIONS`), ``attention``, ``steps``,
+    indexed by (experiment, label) with ``change`` (:data:`lpfa.experiments.DESCRIPTIONS`), ``attention``, ``steps``,
     ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
     experiment named ``fp32...`` exploded too (None without one). A BF16-only loss explosion, Fig. 2, is a row with
     ``exploded`` and not ``fp32 twin exploded``."""
     import pandas as pd
 
-    from lpfa.launch import DESCRIPTIONS
+    from lpfa.experiments import DESCRIPTIONS
     from lpfa.results import experiment_rows
 
     rows = {}

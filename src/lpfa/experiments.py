@@ -1,0 +1,182 @@
+"""The book's experiments, in one place: every run of every experiment, what it changes, what the paper reports
+for it and the run it is judged against.
+
+An experiment is a set of ``lpfa.train`` runs on the same seeded batches that differ as named. The compact
+definitions below (``TWINS``, ``ISOLATION``, ...: label -> key=value overrides) are gathered in
+:data:`EXPERIMENTS`; :func:`rows` and :func:`table` present them as one table of :class:`Row`\ s (label, overrides,
+description, the paper's outcome, the reference row). ``lpfa.launch`` starts them (``--experiment NAME``), the pages
+read their committed results by these labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# The book's experiments (issue 5): each a set of runs on the same seeded batches, differing as named.
+TWINS: dict[str, list[str]] = {  # Figs. 2, 3, 7, 13: only the attention differs
+    "bf16": ["attn_policy=paper_untiled", "ckpt_history=true"],  # the authors' BF16 flash attention
+    "fp32": ["attn_backend=sdpa_fp32"],  # FP32 attention (fast SDPA twin of the fp32 policy)
+    "sfa": ["attn_policy=paper_sfa", "ckpt_history=true"],  # the paper's fix, β = 2
+    "fa2": ["attn_policy=fa2"],  # FlashAttention-2's rounding, what SDPA users train with
+}
+# The isolation table (Sec. 3.2): one change each from the bf16 twin. Layer 1 and its heads 5, 2 are where
+# our bf16 twin localised (results/repro_twins: fastest W_Q growth, tied rows and logits in layer 1).
+# At T = 512 the paper's 512-key blocks are one block, so the bf16 twin is also the "no tiling" row. The two
+# references are run again inside the experiment so that every row shares its settings (e.g. compile=true).
+ISOLATION: dict[str, list[str]] = {
+    "bf16": ["attn_policy=paper_untiled"],
+    "fp32": ["attn_backend=sdpa_fp32"],
+    "bf16_tiled": ["attn_policy=paper_tiled"],  # 128 × 128 blocks: does tiling matter?
+    "bf16_only_layer1": ["attn_backend=sdpa_fp32", "layer_policies={1: paper_untiled}"],
+    "fp32_only_layer1": ["attn_policy=paper_untiled", "layer_policies={1: sdpa_fp32}"],
+    "delta_dp": ["attn_policy=delta_dp"],  # δ = rowsum(dP∘P)
+    "delta_o_fp32": ["attn_policy=delta_o_fp32"],  # δ from O recomputed in FP32 (from the forward's BF16 S)
+    "delta_o_exact": ["attn_policy=delta_o_exact"],  # δ from O recomputed from FP32 scores (inconsistent with P)
+    "o_fp32": ["attn_policy=o_fp32"],  # Ō, the accumulators and the stored O in FP32
+    "pv_fp32": ["attn_policy=pv_fp32"],  # P̄V in FP32
+    "scores_fp32": ["attn_policy=scores_fp32"],  # only S in FP32 (not in the paper)
+    "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
+    "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
+}
+# What the paper reports for each isolation row (Sec. 3.2): "fails" (the loss explodes) or "stable".
+PAPER_ISOLATION: dict[str, str] = {
+    "bf16": "fails", "fp32": "stable", "bf16_tiled": "fails", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
+    "delta_dp": "stable", "delta_o_fp32": "stable", "delta_o_exact": "not reported", "o_fp32": "stable",
+    "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable", "fp32_worst_head": "not reported",
+}
+SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
+    f"{mode}_s{s}": [ISOLATION[mode][0], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2, 3)
+}
+SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon; the FP32 twin is the precursor verdict's reference
+    "bf16_muon": [*TWINS["bf16"], "optimizer=muon"],
+    "fp32_muon": [*TWINS["fp32"], "optimizer=muon"],
+    "sfa_muon": [*TWINS["sfa"], "optimizer=muon"],
+}
+SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
+    f"{mode}_gpt2s": [TWINS[mode][0], "model=gpt2-s"] for mode in ("bf16", "fp32", "sfa")
+}
+# Dose-response (issue 16): the δ error of layer 1 (the failing layer) multiplied by k in the backward, the forward
+# untouched (PrecisionPolicy.dose): "bias" keeps its sign, "control" gives each row a random sign (same magnitude,
+# no bias). bias_x1 is the bf16 twin itself. The FP32 twin has no δ error to dose; SFA as the base at the largest dose;
+# seeds 1 and 2 at two doses for the spread (1337 is every other run's).
+DOSE_LAYER = 1
+DOSES = (1, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _dosed(k: float, sign: str = "bias", policy: str = "paper_untiled") -> list[str]:
+    return [f"attn_policy={policy}", f"delta_dose={k}", f"delta_dose_sign={sign}", f"delta_dose_layers=[{DOSE_LAYER}]"]
+
+
+DOSE: dict[str, list[str]] = {
+    **{f"bias_x{k}": _dosed(k) for k in DOSES},
+    **{f"control_x{k}": _dosed(k, "control") for k in DOSES},
+    "sfa_bias_x256": _dosed(256, policy="paper_sfa"),
+    "fp32": ["attn_backend=sdpa_fp32"],
+    **{f"bias_x{k}_s{s}": [*_dosed(k), f"seed={s}", f"init_seed={s}"] for k in (64, 128) for s in (1, 2)},
+}
+# The paper's own recipe at GPT-2 S size (issue 16 §2), run with preset gpt2-s-paper and batch_size/grad_accum set by
+# scripts/gpu/paper_recipe.sh to the largest batch that gives >= 8k steps in one GPU run (lpfa.scaling.batch_for_steps).
+# fa2 and SFA join only if the BF16 twin explodes and the FP32 twin does not.
+PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]] for mode in ("bf16", "fp32", "fa2", "sfa")}
+PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper's tiled BF16 kernel, not one block
+PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
+PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_recipe"], f"seed={s}", f"init_seed={s}"]
+                     for mode in ("bf16", "fp32") for s in (1, 2)})  # the spread of the explosion step (1337 above)
+# Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
+MUON_LR2 = 0.05
+MUON_LONG: dict[str, list[str]] = {
+    **SFA_MUON,
+    **{f"{mode}_muon_lr2": [*TWINS[mode], "optimizer=muon", f"muon_lr={MUON_LR2}"] for mode in ("bf16", "fp32")},
+}
+# What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
+DESCRIPTIONS: dict[str, str] = {
+    "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
+    "fp32": "FP32 attention everywhere",
+    "bf16_tiled": "BF16 flash attention tiled in 128 × 128 blocks (the paper finds tiling irrelevant)",
+    "sfa": "BF16 attention with SFA (β = 2)",
+    "fa2": "FlashAttention-2's rounding (FP32 scores, BF16 P̄)",
+    "bf16_only_layer1": "BF16 attention only in the localised layer 1, FP32 elsewhere",
+    "fp32_only_layer1": "FP32 attention only in the localised layer 1, BF16 elsewhere",
+    "delta_dp": "δ = rowsum(dP∘P) instead of rowsum(dO∘O)",
+    "delta_o_fp32": "δ from O recomputed in FP32 in the backward, from the forward's BF16 scores",
+    "delta_o_exact": "δ from O recomputed in FP32 from FP32 scores (not the P the backward differentiates)",
+    "o_fp32": "O in FP32: Ō, the running output and the stored O (P̄ still BF16)",
+    "pv_fp32": "P̄ and P̄V in FP32 (the running and stored O still BF16)",
+    "scores_fp32": "only the scores S in FP32, every later rounding as the BF16 run",
+    "fp32_outlier_heads": "FP32 O for only the outlier heads 5 and 2 of layer 1",
+    "fp32_worst_head": "FP32 O for only the worst head (5) of layer 1",
+    "bf16_muon": "BF16 attention, Muon optimizer",
+    "fp32_muon": "FP32 attention, Muon optimizer",
+    "sfa_muon": "BF16 attention with SFA (β = 2), Muon optimizer",
+    "bf16_runaway": "the BF16 twin again, eager, every checkpoint kept: replayed before its logit runaway",
+    "bf16_gpt2s": "BF16 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
+    "fp32_gpt2s": "FP32 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
+    "sfa_gpt2s": "BF16 attention with SFA (β = 2), at GPT-2 S size (12 layers, 12 heads, d = 768)",
+    **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)" for k in SEEDS},
+    **{k: (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {k.split('_x')[1].split('_')[0]} "
+           + ("with its sign (biased dose)" if k.startswith("bias") else "with a random sign per row (control)")
+           + (f", seed {k.split('_s')[-1]}" if "_s" in k.split("_x")[1] else ""))
+       for k in DOSE if k.startswith(("bias", "control"))},
+    "sfa_bias_x256": f"BF16 attention with SFA (β = 2), layer {DOSE_LAYER}'s δ error × 256 with its sign",
+    "bf16_paper_recipe": "BF16 flash attention (the paper's 512-key tiles), the paper's GPT-2 S recipe",
+    "fp32_paper_recipe": "FP32 attention, the paper's GPT-2 S recipe",
+    "fa2_paper_recipe": "FlashAttention-2's rounding, the paper's GPT-2 S recipe",
+    "sfa_paper_recipe": "BF16 attention with SFA (β = 2), the paper's GPT-2 S recipe",
+    **{f"{m}_paper_recipe_s{s}": f"{'BF16' if m == 'bf16' else 'FP32'} attention, the paper's GPT-2 S recipe, seed {s}"
+       for m in ("bf16", "fp32") for s in (1, 2)},
+    "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
+    "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
+}
+EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
+                                                 "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
+                                                 "muon_long": MUON_LONG}
+EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper"}  # the rest run on "repro"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One run of an experiment: ``overrides`` (key=value for ``lpfa.train`` on top of the experiment's preset),
+    ``description`` (what it changes, in the paper's words), ``paper`` (what the paper reports for it: "fails",
+    "stable", "not reported", or None when the paper has no such row) and ``reference`` (the label of the stable run of
+    the same experiment it is judged against, None for a reference itself)."""
+
+    experiment: str
+    label: str
+    overrides: tuple[str, ...]
+    description: str
+    paper: str | None
+    reference: str | None
+
+
+def _reference(experiment: str, label: str) -> str | None:
+    """The stable run a row is held against: ``fp32`` in the one-change tables (isolation, twins, dose: in the dose
+    experiment it is the isolation table's, see :func:`lpfa.dose.committed_runs`); elsewhere the FP32 run with the
+    same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``)."""
+    if label.startswith("fp32"):
+        return None
+    if experiment in ("isolation", "twins", "dose"):
+        return "fp32"
+    twin = "fp32" + label[label.index("_"):] if "_" in label else "fp32"
+    return twin if twin in EXPERIMENTS[experiment] else None
+
+
+def rows(experiment: str) -> dict[str, Row]:
+    """``{label: Row}`` of one experiment of :data:`EXPERIMENTS`."""
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"unknown experiment {experiment!r}: choose one of {sorted(EXPERIMENTS)}")
+    return {label: Row(experiment, label, tuple(o), DESCRIPTIONS.get(label, ""),
+                       PAPER_ISOLATION.get(label) if experiment == "isolation" else None, _reference(experiment, label))
+            for label, o in EXPERIMENTS[experiment].items()}
+
+
+def table(experiments=None):
+    """Every row of ``experiments`` (default: all) as one DataFrame indexed by (experiment, label), with the preset."""
+    import pandas as pd
+
+    out = []
+    for exp in experiments or EXPERIMENTS:
+        for r in rows(exp).values():
+            out.append({"experiment": exp, "label": r.label, "preset": EXPERIMENT_PRESETS.get(exp, "repro"),
+                        "overrides": " ".join(r.overrides), "description": r.description, "paper": r.paper,
+                        "reference": r.reference})
+    return pd.DataFrame(out).set_index(["experiment", "label"])
