@@ -3,7 +3,7 @@ for it and the run it is judged against.
 
 An experiment is a set of ``lpfa.train`` runs on the same seeded batches that differ as named. The compact
 definitions below (``TWINS``, ``ISOLATION``, ...: label -> key=value overrides) are gathered in
-:data:`EXPERIMENTS`; :func:`rows` and :func:`table` present them as one table of :class:`Row`\ s (label, overrides,
+:data:`EXPERIMENTS`; :func:`rows` and :func:`table` present them as one table of :class:`Row` entries (label, overrides,
 description, the paper's outcome, the reference row). ``lpfa.launch`` starts them (``--experiment NAME``), the pages
 read their committed results by these labels.
 """

@@ -407,7 +407,7 @@ def plot_delta_bias(result: dict):
         ax.set_title(f"layer {result['layer']}, head {h}", fontsize=9)
         ax.set_xlabel("replayed step")
     axes[0, 0].set_ylabel("cumulative Σ_T (δ_lp − δ_hp)[T]")
-    axes[0, 0].legend(fontsize=7)
+    axes[0, 0].legend(fontsize=9)
     return fig
 
 
@@ -486,7 +486,7 @@ def plot_rank1(arrays: dict, head: int, n_show: int = 16):
         if isinstance(v, np.ndarray):
             axes[2].hist(v, bins=40, range=(-1, 1), histtype="step", density=True, label=f"{k} (median {np.median(v):.2f})")
     axes[2].set_xlabel("cosine similarity of (PK)[T]ᵀX[T]")
-    axes[2].legend(fontsize=6)
+    axes[2].legend(fontsize=9)
     return fig
 
 

@@ -162,7 +162,7 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         ax.set_xlabel("step")
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(f"{run}, layer {layer}", fontsize=9)
-        ax.legend(ncol=4, fontsize=7)
+        ax.legend(ncol=4, fontsize=9)
         plt.show()
 
     return w.interactive(
@@ -216,23 +216,23 @@ def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=N
 
 
 def plot_precursors(runs: dict, layer: int):
-    """The three precursors of one layer over training, one panel each, every run in its colour."""
+    """The three precursors of one layer over training, one panel per row (legible at page width), every run in its
+    mode's colour and line style (:func:`lpfa.plotting.color_of`, :func:`lpfa.plotting.dash_of`)."""
     import matplotlib.pyplot as plt
 
-    from lpfa.plotting import COLORS, use_style
+    from lpfa.plotting import color_of, dash_of, use_style
 
     use_style()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.2))
-    for i, (label, d) in enumerate(runs.items()):
-        color = COLORS.get(label, list(COLORS.values())[i % len(COLORS)])
+    fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.2), sharex=True)
+    for label, d in runs.items():
         for ax, metric in zip(axes, PRECURSORS):
             s = layer_max(d, metric, layer)
-            ax.plot(s.index, s.values, color=color, label=label, lw=1.2)
+            ax.plot(s.index, s.values, color=color_of(label), ls=dash_of(label), label=label, lw=1.4)
     for ax, name in zip(axes, PRECURSORS.values()):
-        ax.set_title(f"layer {layer}: {name}", fontsize=9)
-        ax.set_xlabel("step")
+        ax.set_title(f"layer {layer}: {name}", fontsize=10)
+    axes[-1].set_xlabel("step")
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=9)
     return fig
 
 
@@ -469,7 +469,7 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     ax.set_xlabel("step")
     ax.set_ylabel(f"layer {layer}: largest attention logit")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=9, ncol=2)
     return fig
 
 

@@ -103,5 +103,5 @@ def plot_sweep(sweeps: dict, layer: int, what: str = "silenced"):
         ax.set_title(f"{label}: layer {layer}", fontsize=9)
         ax.set_xlabel("checkpoint step")
     axes[0, 0].set_ylabel(f"fraction of rows {what}")
-    axes[0, -1].legend(fontsize=7)
+    axes[0, -1].legend(fontsize=9)
     return fig
