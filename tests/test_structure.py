@@ -62,7 +62,7 @@ def test_summarize_run_cli_and_figures(byte_tokens, tmp_path):
     assert s["step"] == 4 and s["batch"] == [2, 32] and s["policy"] == "paper_untiled" and s["provenance"]["command"]
     s2 = summarize_run(run, step=2, n_seq=2, seq_len=16, device="cpu")
     assert s2["step"] == 2 and s2["batch"] == [2, 16]
-    assert len(plot_ties(s).axes) == 3 and len(plot_similarity(s, "run").axes) == 2
+    assert len(plot_ties(s).axes) == 3 and len(plot_similarity(s, "run").axes) == 3  # panels + colourbar
     with pytest.raises(ValueError, match="no checkpoint at step 3; it has steps"):
         summarize_run(run, step=3, device="cpu")
     with pytest.raises(FileNotFoundError, match="not an lpfa.train run folder"):

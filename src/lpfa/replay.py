@@ -474,12 +474,18 @@ def plot_rank1(arrays: dict, head: int, n_show: int = 16):
     use_style()
     st = rank1_stats(arrays, head)
     s0 = st["steps"][0]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.2), gridspec_kw={"width_ratios": [1, 2, 1.4]})
-    for ax, name, title in ((axes[0], "top_pk", "(PK)[T] (rows: tokens)"), (axes[1], "top_x", "X[T] (rows: tokens)")):
+    # two heatmaps on top, the similarity distributions below: legible at page width
+    fig = plt.figure(figsize=(7.5, 6.4))
+    grid = fig.add_gridspec(2, 2, width_ratios=[1, 2])
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
+    for ax, name, title in ((axes[0], "top_pk", "(PK)[T]"), (axes[1], "top_x", "X[T]")):
         m = arrays[f"h{head}_s{s0}_{name}"][:n_show]
-        v = np.abs(m).max()
-        ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
-        ax.set_title(title, fontsize=9)
+        # colour limit at the 99th percentile of |m|: a few outlier features would otherwise wash out the rest
+        v = float(np.quantile(np.abs(m), 0.99)) or float(np.abs(m).max()) or 1.0
+        im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
+        ax.grid(False)
+        fig.colorbar(im, ax=ax, shrink=0.9, label="value (clipped at the 99th pct of |·|)" if name == "top_x" else None)
+        ax.set_title(f"{title} (rows: tokens)", fontsize=10)
         ax.set_xlabel("feature")
     axes[0].set_ylabel(f"token (top {n_show} by |δ error|)")
     for k, v in st.items():

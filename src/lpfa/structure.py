@@ -113,6 +113,7 @@ def plot_ties(summary, title: str = ""):
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, t, name in zip(axes, (b, f), ("BF16 scores", "FP32 scores")):
         im = ax.imshow(t, cmap="viridis", vmin=0, vmax=max(b.max(), f.max(), 1e-3), aspect="auto")
+        ax.grid(False)
         ax.set_xlabel("head"); ax.set_ylabel("layer"); ax.set_title(f"{title}{': ' if title else ''}{name}", fontsize=9)
     fig.colorbar(im, ax=list(axes), label="rows with tied maxima")
     return fig
@@ -128,7 +129,9 @@ def plot_similarity(summary, title: str = ""):
     s = _load(summary)
     sim, (layer, head) = s["similarity"], s["head"]
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    axes[0].imshow(np.asarray(sim["matrix"]), cmap="RdBu_r", vmin=-1, vmax=1)
+    im = axes[0].imshow(np.asarray(sim["matrix"]), cmap="RdBu_r", vmin=-1, vmax=1)
+    axes[0].grid(False)
+    fig.colorbar(im, ax=axes[0], shrink=0.9, label="cosine similarity")
     axes[0].set_title(f"{title}{': ' if title else ''}layer {layer}, head {head}", fontsize=9)
     axes[0].set_xlabel("token T'"); axes[0].set_ylabel("token T")
     edges = np.asarray(sim["bins"])
