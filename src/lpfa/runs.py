@@ -499,7 +499,7 @@ def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa
 def bf16_only_explosions(table):
     """The rows of :func:`committed_explosions` that are Fig. 2: a BF16 run that exploded while its FP32 twin (same
     experiment, same data order) did not."""
-    return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].map(lambda x: x is False or x == False)]  # noqa: E712
+    return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].eq(False)]  # None (no twin) is not False
 
 
 def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32") -> str:
