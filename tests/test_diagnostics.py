@@ -272,3 +272,46 @@ def test_delta_source_of_every_isolation_row():
     assert score_precision(GPTConfig(attn_policy="scores_fp32").to_dict(), 1) == "fp32"
     assert delta_source(GPTConfig(attn_backend="math").to_dict(), 0) == "dP∘P"
     assert delta_source(GPTConfig(attn_backend="sdpa").to_dict(), 0) == "bf16 O"
+
+
+def test_seed_table_and_sfa_findings(tmp_path):
+    """Fig. 2 over seeds and the Fig. 7 check, on runs whose verdicts are known by construction: a BF16 run whose loss
+    jumps by 3 (exploded), its clean FP32 twin, a clean BF16 seed without a twin, and an SFA run whose logits run away."""
+    import numpy as np
+
+    from lpfa.run import run_verdict
+    from lpfa.runs import seed_table, seeds_text, sfa_findings, sfa_text
+
+    rng = np.random.default_rng()
+    steps = [0, 100, 200, 300, 400, 500]
+    low = list(rng.uniform(1, 2, size=6))
+    boom = [3.0] * 300 + [6.0] * 300
+    _fake_run(tmp_path / "bf16_a", steps, [5, 50, 500, 5000, 9000, 9000], [0.1] * 6, low, boom, [(500, 6.0)])
+    _fake_run(tmp_path / "fp32_a", steps, low, [0.01] * 6, low, [3.0] * 600, [(500, 2.9)])
+    _fake_run(tmp_path / "bf16_b", steps[:4], low[:4], [0.1] * 4, low[:4], [3.0] * 400, [(300, 3.0)])
+    sfa_loss = list(rng.uniform(3.4, 3.6, size=700))
+    _fake_run(tmp_path / "sfa_a", steps + [600], [5, 2000, 2000, 2000, 2000, 2000, 2000], [0.1] * 7, low + [2.0], sfa_loss, [])
+    rows = {p.name: p for p in sorted(tmp_path.iterdir())}
+    b = run_verdict(rows["bf16_a"])["explosion_step"]
+    assert b is not None and 300 <= b < 400
+
+    t = seed_table(rows)
+    assert list(t.index) == ["bf16_a", "bf16_b"]
+    assert t.loc["bf16_a", "explosion step"] == b and t.loc["bf16_a", "fp32 steps"] == 600
+    assert t.loc["bf16_a", "fp32 exploded"] is False  # a twin that ran; None (not run) for bf16_b
+    assert t.loc["bf16_b", "fp32 exploded"] is None and np.isnan(t.loc["bf16_b", "explosion step"])
+    assert seeds_text(t) == (f"The BF16 run exploded in 1 of 2 seeds (at step {b:,}); 1 FP32 twin ran (600 steps) and 0 "
+                             "exploded; still to run: `fp32_b`.")
+    assert seeds_text(t.iloc[:0]) == "No BF16 run at this recipe is committed."
+
+    f = sfa_findings({"bf16": rows["bf16_a"], "fp32": rows["fp32_a"], "sfa": rows["sfa_a"]})
+    assert f["steps"] == {"bf16": 600, "fp32": 600, "sfa": 700} and f["explosion step"]["sfa"] is None
+    assert f["loss step"] == 599  # the last step both the SFA and the FP32 run trained
+    assert f["loss"]["sfa"] == pytest.approx(np.mean(sfa_loss[400:600])) and f["loss"]["fp32"] == pytest.approx(3.0)
+    # layer 1 head 2 carries the logits: BF16 above 1000 before its explosion (step 300), SFA from step 100, FP32 never
+    assert f["runaway layers"] == {"bf16": [1], "fp32": [], "sfa": [1]}
+    assert f["runaway"] == {"bf16": None, "fp32": None, "sfa": (100, 1)}  # 5 records above 1000 in a row: SFA only
+    text = sfa_text(f, n_layers=2)
+    assert text.startswith(f"**With SFA the loss did not explode in 700 steps**, {700 / b:.1f}× the step at which its BF16")
+    assert f"{f['loss']['sfa'] - 3.0:.2f} above the FP32 twin's 3.00" in text and "1 of its 2 layers" in text
+    assert "ran away from step 100 (layer 1)." in text

@@ -84,12 +84,13 @@ def test_committed_explosions_name_every_exploded_run():
 
     t = committed_explosions()
     boom = t[t["exploded"]]
-    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_paper_recipe", "delta_o_exact", "fp32_gpt2s"]
+    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_paper_recipe", "bf16_paper_recipe_s1",
+                                                         "delta_o_exact", "fp32_gpt2s"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe")]  # Fig. 2, one seed
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "4 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "5 exploded" in text and "its FP32 twin too" in text
     assert "its FP32 twin not" in text
 
 
@@ -98,9 +99,9 @@ def test_twins_text_states_the_bf16_only_explosion():
     from lpfa.results import run_dir
     from lpfa.run import run_verdict
     from lpfa.runs import twins_text
+    from lpfa.scorecard import fig2_twins
 
-    d = run_dir("paper_recipe", None)
-    runs = {"bf16": d / "bf16_paper_recipe", "fp32": d / "fp32_paper_recipe"}
+    runs = fig2_twins()["bf16_paper_recipe"]  # the twins ran in different GPU runs than later seeds
     v = {k: run_verdict(p) for k, p in runs.items()}
     text = twins_text(runs, layer=1)
     assert v["bf16"]["exploded"] and not v["fp32"]["exploded"]
@@ -123,7 +124,7 @@ def test_scorecard_is_computed_from_the_committed_runs():
     b, f = run_verdict(pair["bf16"]), run_verdict(pair["fp32"])
     fig2 = card.iloc[0]
     assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
-    assert f"step {b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
+    assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,} steps" in fig2["our result"]
     counts = card["verdict"].value_counts()
     assert summary_text(card).startswith(f"Of the {len(card)} claims") and all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
 
@@ -133,12 +134,11 @@ def test_fig3_head_bars_before_the_explosion():
     import matplotlib
 
     matplotlib.use("Agg")
-    from lpfa.results import run_dir
     from lpfa.run import run_verdict
     from lpfa.runs import head_metric_frame, plot_head_bars, step_before_failure
+    from lpfa.scorecard import fig2_twins
 
-    d = run_dir("paper_recipe", None)
-    runs = {"bf16": d / "bf16_paper_recipe", "fp32": d / "fp32_paper_recipe"}
+    runs = fig2_twins()["bf16_paper_recipe"]
     step = step_before_failure(runs)
     boom = run_verdict(runs["bf16"])["explosion_step"]
     steps = sorted(set(head_metric_frame(runs["bf16"], "wq_spectral_norm").step))

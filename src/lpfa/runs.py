@@ -123,6 +123,49 @@ def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral
     return ax.figure
 
 
+def layer_peaks(runs: dict, metric: str = "max_logit"):
+    """Long DataFrame (run, layer, value): each layer's largest ``metric`` over its heads and over the diagnostics steps
+    before the run's loss explosion (every step if it did not explode), as :func:`sfa_findings` counts runaway layers."""
+    import pandas as pd
+
+    rows = []
+    for label, d in runs.items():
+        f = head_metric_frame(d, metric)
+        boom = run_verdict(d)["explosion_step"]
+        if boom is not None:
+            f = f[f.step < boom]
+        rows.append(f.groupby("layer").value.max().rename("value").reset_index().assign(run=label))
+    return pd.concat(rows, ignore_index=True)
+
+
+def plot_layer_peaks(runs: dict, metric: str = "max_logit", threshold: float | None = 1000.0, ax=None):
+    """:func:`layer_peaks` as bars, one per (layer, run) on a log axis, in each run's mode colour with hatching for the
+    low-precision runs; ``threshold`` (the runaway criterion's logit) as a dotted line."""
+    import matplotlib.pyplot as plt
+    import seaborn as sns
+
+    from lpfa.plotting import color_of, use_style
+
+    use_style()
+    frame = layer_peaks(runs, metric)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 3.4))
+    sns.barplot(frame, x="layer", y="value", hue="run", palette={label: color_of(label) for label in runs}, ax=ax,
+                edgecolor="black", linewidth=0.4, saturation=1)
+    for bars, label in zip(ax.containers, runs):
+        if not label.startswith("fp32"):
+            for bar in bars:
+                bar.set_hatch("//")
+    ax.set_yscale("log")
+    if threshold is not None:
+        ax.axhline(threshold, ls=":", color="0.3", lw=1)
+        ax.text(ax.get_xlim()[1], threshold, f" {threshold:,.0f}", va="center", ha="left", fontsize=9, color="0.3")
+    ax.set_ylabel("largest attention logit" if metric == "max_logit" else metric.replace("_", " "))
+    ax.set_title("each layer's peak before the run's explosion (whole run if none)", fontsize=10)
+    ax.legend(handles=[c.patches[0] for c in ax.containers], labels=list(runs), title=None, fontsize=9)
+    return ax.figure
+
+
 def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
     """Per run: the (layer, head) whose ``metric`` grew most between the first and last diagnostics record."""
     import pandas as pd
@@ -500,6 +543,96 @@ def bf16_only_explosions(table):
     """The rows of :func:`committed_explosions` that are Fig. 2: a BF16 run that exploded while its FP32 twin (same
     experiment, same data order) did not."""
     return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].eq(False)]  # None (no twin) is not False
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+def seed_table(rows: dict, prefix: str = "bf16"):
+    """Fig. 2 over seeds: one row per run of ``rows`` (``{label: run folder}``, :func:`lpfa.results.experiment_rows`)
+    whose label starts with ``prefix``, with its ``seed``, ``steps``, ``explosion step`` (None: did not explode) and its
+    FP32 twin's (the row named ``fp32`` + the rest of the label): ``fp32 steps`` and ``fp32 explosion step``, both None
+    where the twin is not run yet, and ``fp32 exploded`` (None without a twin)."""
+    import pandas as pd
+
+    out = {}
+    for label, d in rows.items():
+        if not label.startswith(prefix):
+            continue
+        v = run_verdict(d)
+        twin = rows.get("fp32" + label[len(prefix):])
+        t = run_verdict(twin) if twin is not None else None
+        out[label] = {"seed": v["seed"], "steps": v["steps"], "explosion step": v["explosion_step"],
+                      "fp32 steps": None if t is None else t["steps"],
+                      "fp32 explosion step": None if t is None else t["explosion_step"],
+                      "fp32 exploded": None if t is None else bool(t["exploded"])}
+    return pd.DataFrame.from_dict(out, orient="index")
+
+
+def seeds_text(table) -> str:
+    """:func:`seed_table` in one sentence: in how many seeds the BF16 run exploded (at which steps), and how many of
+    their FP32 twins have run and exploded."""
+    if table.empty:
+        return "No BF16 run at this recipe is committed."
+    boom = table["explosion step"].dropna().astype(int)
+    ran = table[table["fp32 exploded"].notna()]
+    text = (f"The BF16 run exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
+            + (f" (at step{'s' if len(boom) > 1 else ''} {_and([f'{s:,}' for s in sorted(boom)])})" if len(boom) else "")
+            + f"; {len(ran)} FP32 twin{'s' if len(ran) != 1 else ''} ran"
+            + (f" ({_and([f'{int(s):,}' for s in ran['fp32 steps']])} steps)" if len(ran) else "")
+            + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")
+    missing = [f"`fp32{label[4:]}`" for label in table.index[table["fp32 exploded"].isna()]]
+    return text + (f"; still to run: {', '.join(missing)}." if missing else ".")
+
+
+def sfa_findings(runs: dict, smooth: int = 200, logit: float = 1000.0) -> dict:
+    """SFA against its twins (``{"bf16": dir, "fp32": dir, "sfa": dir}``, same seed and data order): the Fig. 7 check.
+
+    Returns ``steps``, ``explosion step`` and ``runaway`` ((step, layer) of the logit runaway, or None) of each run
+    (:func:`lpfa.run.run_verdict`); ``loss step``, the last step the
+    SFA and FP32 runs both trained, with each one's training loss there (``loss``, mean over the ``smooth`` steps up to
+    it); and, per run, ``runaway layers``: the layers whose largest attention logit (over heads, on the diagnostics batch)
+    exceeded ``logit`` at some diagnostics step before the run's explosion (all its steps if it did not explode)."""
+    out = {"steps": {}, "explosion step": {}, "runaway": {}, "loss": {}, "runaway layers": {}}
+    peaks = layer_peaks(runs)
+    for label, d in runs.items():
+        v = run_verdict(d)
+        out["steps"][label], out["explosion step"][label] = v["steps"], v["explosion_step"]
+        out["runaway"][label] = None if v["runaway_step"] is None else (v["runaway_step"], v["runaway_layer"])
+        p = peaks[peaks.run == label]
+        out["runaway layers"][label] = sorted(int(layer) for layer in p.layer[p.value > logit])
+    both = [label for label in ("sfa", "fp32") if label in runs]
+    out["loss step"] = min(out["steps"][label] for label in both) - 1
+    for label in both:
+        train, _, _ = load_metrics(runs[label])
+        loss = train.loss  # indexed by step
+        out["loss"][label] = float(loss[loss.index <= out["loss step"]].iloc[-smooth:].mean())
+    out["logit"], out["smooth"] = logit, smooth
+    return out
+
+
+def sfa_text(f: dict, n_layers: int) -> str:
+    """:func:`sfa_findings` in sentences."""
+    st, boom, layers = f["steps"], f["explosion step"], f["runaway layers"]
+    if boom["sfa"] is not None:
+        return (f"**SFA did not prevent the explosion:** its loss exploded at step {boom['sfa']:,}"
+                + (f", the BF16 twin's at {boom['bf16']:,}." if boom.get("bf16") is not None else "."))
+    head = (f"**With SFA the loss did not explode in {st['sfa']:,} steps**"
+            + (f", {st['sfa'] / boom['bf16']:.1f}× the step at which its BF16 twin exploded ({boom['bf16']:,})"
+               if boom.get("bf16") is not None else ""))
+    gap = f["loss"]["sfa"] - f["loss"]["fp32"]
+    text = [head + f". At step {f['loss step']:,} its training loss ({f['smooth']}-step mean) was {f['loss']['sfa']:.2f}, "
+            f"{abs(gap):.2f} {'above' if gap > 0 else 'below'} the FP32 twin's {f['loss']['fp32']:.2f}."]
+    if layers["sfa"]:
+        ra = f["runaway"]
+        text.append(f"**But SFA did not stop the logit runaway:** the largest attention logit exceeded {f['logit']:,.0f} in "
+                    f"{len(layers['sfa'])} of its {n_layers} layers, against {len(layers.get('bf16', []))} for BF16 before its "
+                    f"explosion and {len(layers.get('fp32', []))} for FP32"
+                    + (f"; it ran away from step {ra['sfa'][0]:,} (layer {ra['sfa'][1]})" if ra.get("sfa") else "")
+                    + (f", BF16's from step {ra['bf16'][0]:,} (layer {ra['bf16'][1]})" if ra.get("bf16") else "") + ".")
+    return " ".join(text)
 
 
 def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32") -> str:

@@ -20,9 +20,10 @@ import pandas as pd
 
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
-from lpfa.results import run_dir
+from lpfa.results import experiment_rows, run_dir
 from lpfa.run import run_verdict
-from lpfa.runs import against_paper, head_metric_frame, isolation_table, precursor_table, step_before_failure
+from lpfa.runs import (against_paper, head_metric_frame, isolation_table, precursor_table, seed_table, seeds_text,
+                       sfa_findings, step_before_failure)
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
@@ -36,11 +37,21 @@ def _row(claim: str, paper: str, result: str, verdict: str, page: str) -> dict:
 
 def fig2_twins(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict[str, dict[str, Path]]:
     """The committed BF16/FP32 pairs of ``experiment`` by their BF16 label, e.g. ``{"bf16_paper_recipe": {"bf16": dir,
-    "fp32": dir}, "bf16_paper_recipe_s1": ...}`` (a label ``bf16<x>`` pairs with ``fp32<x>``)."""
+    "fp32": dir}, "bf16_paper_recipe_s1": ...}`` (a label ``bf16<x>`` pairs with ``fp32<x>``). ``run`` None: every run
+    folder of the experiment, each label from the latest that has it (twins may run in different GPU runs,
+    :func:`lpfa.results.experiment_rows`); else that run folder alone."""
+    rows = recipe_rows(experiment, run, root)
+    return {label: {"bf16": rows[label], "fp32": rows["fp32" + label[4:]]}
+            for label in rows if label.startswith("bf16") and "fp32" + label[4:] in rows}
+
+
+def recipe_rows(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict[str, Path]:
+    """``{label: run folder}`` of ``experiment``: over all its run folders (``run`` None,
+    :func:`lpfa.results.experiment_rows`) or in run folder ``run``."""
+    if run is None:
+        return experiment_rows(experiment, root=root)
     folder = run_dir(experiment, run, root)
-    labels = {p.name for p in folder.iterdir() if (p / "config.json").is_file()}
-    return {label: {"bf16": folder / label, "fp32": folder / ("fp32" + label[4:])}
-            for label in sorted(labels) if label.startswith("bf16") and "fp32" + label[4:] in labels}
+    return {p.name: p for p in sorted(folder.iterdir()) if (p / "config.json").is_file()}
 
 
 def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
@@ -52,9 +63,8 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     alone = [s for s, v in verdicts.items() if v["bf16"]["exploded"] and not v["fp32"]["exploded"]]
     first = next(iter(pairs)) if not alone else alone[0]
     v = verdicts[first]
-    result = (f"GPT-2 S at the paper's lr, {len(pairs)} seed{'s' if len(pairs) > 1 else ''}: BF16 exploded in "
-              f"{sum(x['bf16']['exploded'] for x in verdicts.values())}, FP32 in {sum(x['fp32']['exploded'] for x in verdicts.values())}"
-              + (f" (first pair: BF16 at step {v['bf16']['explosion_step']:,}, FP32 clean through {v['fp32']['steps']:,})" if alone else ""))
+    seeds = seeds_text(seed_table(recipe_rows(experiment, root=root)))
+    result = "GPT-2 S at the paper's lr: " + seeds[0].lower() + seeds[1:]
     verdict = ("reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
     rows = [_row("BF16 flash attention makes the loss explode; FP32 attention on the same data does not", "Fig. 2",
                  result, verdict, "06_loss_explosion")]
@@ -99,9 +109,9 @@ def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
 
 def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> dict:
     claim = "SFA (shifting a tied row max) removes the ties and stabilises training"
-    pairs = fig2_twins(fig2_experiment, root=root)
-    recipe_sfa = [run_dir(fig2_experiment, None, root) / ("sfa" + label[4:]) for label in pairs]
-    recipe_sfa = [d for d in recipe_sfa if (d / "config.json").is_file()]
+    rows = recipe_rows(fig2_experiment, root=root)
+    recipe = {label: {"bf16": rows[label], "fp32": rows["fp32" + label[4:]], "sfa": rows["sfa" + label[4:]]}
+              for label in fig2_twins(fig2_experiment, root=root) if "sfa" + label[4:] in rows}
     folder = run_dir(twins_experiment, None, root)
     runs = {k: folder / k for k in ("bf16", "sfa", "fp32")}
     table, step = precursor_table(runs, layer)
@@ -110,11 +120,19 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
     v = {k: run_verdict(d) for k, d in runs.items()}
     repro = (f"`repro` preset, step {step:,}: layer {layer}'s largest logit {ratio['sfa']:.1f}× the FP32 twin's with SFA, "
              f"{ratio['bf16']:.1f}× without; SFA {'ran away' if v['sfa']['runaway_step'] is not None else 'no runaway'}")
-    if recipe_sfa:
-        sv = [run_verdict(d) for d in recipe_sfa]
-        n_ok = sum(not x["exploded"] for x in sv)
-        return _row(claim, "Fig. 7", f"paper recipe: SFA exploded in {len(sv) - n_ok} of {len(sv)}; " + repro,
-                    "reproduced" if n_ok == len(sv) else "not reproduced", "09_sfa")
+    if recipe:
+        found = [sfa_findings(trio) for trio in recipe.values()]
+        n_ok = sum(f["explosion step"]["sfa"] is None for f in found)
+        n_runaway = sum(bool(f["runaway layers"]["sfa"]) for f in found)
+        f = found[0]
+        result = (f"paper recipe, {len(found)} seed{'s' if len(found) > 1 else ''}: SFA exploded in {len(found) - n_ok} "
+                  f"(first: {f['steps']['sfa']:,} steps, BF16 twin exploded at "
+                  f"{f['explosion step']['bf16'] if f['explosion step']['bf16'] is None else format(f['explosion step']['bf16'], ',')}; "
+                  f"loss {f['loss']['sfa']:.2f} against FP32's {f['loss']['fp32']:.2f} at step {f['loss step']:,}); "
+                  f"logits ran away (> {f['logit']:,.0f}) in {len(f['runaway layers']['sfa'])} layers with SFA, "
+                  f"{len(f['runaway layers']['fp32'])} with FP32; " + repro)
+        verdict = ("not reproduced" if n_ok < len(found) else "partly" if n_runaway else "reproduced")
+        return _row(claim, "Fig. 7", result, verdict, "09_sfa")
     ok = v["sfa"]["runaway_step"] is None and v["bf16"]["runaway_step"] is not None
     return _row(claim, "Fig. 7", repro + "; not yet run at the paper recipe, where BF16 explodes",
                 "partly" if ok else "not reproduced", "09_sfa")
