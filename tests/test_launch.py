@@ -54,15 +54,16 @@ def test_status_of_unknown_launch(tmp_path):
 
 
 def test_every_experiment_is_a_valid_repro_config():
-    """The runs of lpfa.launch.EXPERIMENTS parse into TrainConfigs and GPT configs of the repro preset."""
-    from lpfa.launch import EXPERIMENTS
+    """The runs of lpfa.launch.EXPERIMENTS parse into TrainConfigs and GPT configs of their experiment's preset
+    (``repro`` unless lpfa.experiments.EXPERIMENT_PRESETS names another)."""
+    from lpfa.launch import EXPERIMENT_PRESETS, EXPERIMENTS
     from lpfa.model import GPTConfig
     from lpfa.train import make_config, parse_overrides
 
     for exp, runs in EXPERIMENTS.items():
         assert runs, exp
         for label, overrides in runs.items():
-            cfg = make_config("repro", None, parse_overrides(overrides))
+            cfg = make_config(EXPERIMENT_PRESETS.get(exp, "repro"), None, parse_overrides(overrides))
             m = GPTConfig.from_size(cfg.model, attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy,
                                     layer_policies=cfg.layer_policies, fp32_heads=cfg.fp32_heads)
             backends = {m.layer_backend(i) for i in range(m.n_layer)}
@@ -160,7 +161,7 @@ def test_experiment_presets_and_paper_recipe_twins():
     assert set(EXPERIMENT_PRESETS) <= set(EXPERIMENTS) and set(EXPERIMENT_PRESETS.values()) <= set(PRESETS)
     for label, o in PAPER_RECIPE.items():  # the attention, then (seed variants) the seed of data order and init
         assert o[0].startswith(("attn_policy=", "attn_backend=")), label
-        assert all(x.startswith(("seed=", "init_seed=")) for x in o[1:]), label
+        assert all(x.startswith(("seed=", "init_seed=", "fp32_heads=")) for x in o[1:]), label
         if "_s" in label:
             assert o[0] == PAPER_RECIPE[label.split("_s")[0]][0] and f"seed={label.split('_s')[1]}" in o
     assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e if not label.startswith(("bias_", "control_")))
@@ -177,6 +178,11 @@ def test_experiments_table_one_row_per_run_with_its_reference():
     assert {label: r.paper for label, r in iso.items()} == ex.PAPER_ISOLATION
     assert iso["bf16_only_layer1"].reference == "fp32" and iso["fp32"].reference is None
     assert ex.rows("paper_recipe")["bf16_paper_recipe_s1"].reference == "fp32_paper_recipe_s1"
+    recipe = ex.rows("paper_recipe")  # the isolation rows at the recipe: the paper's outcome, the recipe's FP32 twin
+    for row in ex.RECIPE_ISOLATION:
+        r = recipe[f"{row}_paper_recipe"]
+        assert r.paper == ex.PAPER_ISOLATION[row] and r.reference == "fp32_paper_recipe" and r.description, row
+    assert recipe["bf16_paper_recipe"].paper is None and recipe["fp32_paper_recipe"].reference is None
     for (exp, label), r in t.iterrows():
         if isinstance(r["reference"], str) and exp != "dose":
             assert r["reference"] in ex.EXPERIMENTS[exp], (exp, label)

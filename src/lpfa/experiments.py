@@ -82,6 +82,14 @@ PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper
 PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
 PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_recipe"], f"seed={s}", f"init_seed={s}"]
                      for mode in ("bf16", "fp32") for s in (1, 2)})  # the spread of the explosion step (1337 above)
+# The isolation rows (Sec. 3.2) at the recipe, where the BF16 loss does explode: each one change from bf16_paper_recipe
+# (seed 1337), judged against fp32_paper_recipe. The presets are one-point changes of `paper` (512-key tiles), so the
+# tiling stays the BF16 twin's. The outlier heads are layer 1's heads 7 and 9: the two whose W_Q norm had grown most
+# against the FP32 twin's, and whose logits were largest, when the BF16 twin's layer 1 ran away (step 2,800,
+# results/paper_recipe/h200x2-2026-11-30).
+RECIPE_ISOLATION = ("delta_o_fp32", "pv_fp32", "delta_dp", "o_fp32", "fp32_outlier_heads")
+PAPER_RECIPE.update({f"{row}_paper_recipe": [f"attn_policy={row}"] for row in RECIPE_ISOLATION[:-1]})
+PAPER_RECIPE["fp32_outlier_heads_paper_recipe"] = ["attn_policy=paper", "fp32_heads={1: [7, 9]}"]
 # Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
 MUON_LR2 = 0.05
 MUON_LONG: dict[str, list[str]] = {
@@ -124,6 +132,12 @@ DESCRIPTIONS: dict[str, str] = {
     "sfa_paper_recipe": "BF16 attention with SFA (β = 2), the paper's GPT-2 S recipe",
     **{f"{m}_paper_recipe_s{s}": f"{'BF16' if m == 'bf16' else 'FP32'} attention, the paper's GPT-2 S recipe, seed {s}"
        for m in ("bf16", "fp32") for s in (1, 2)},
+    **{f"{row}_paper_recipe": f"the paper's GPT-2 S recipe, {desc[0].lower() + desc[1:]}" for row, desc in (
+        ("delta_o_fp32", "δ from O recomputed in FP32 in the backward, from the forward's BF16 scores"),
+        ("pv_fp32", "P̄ and P̄V in FP32 (the running and stored O still BF16)"),
+        ("delta_dp", "δ = rowsum(dP∘P) instead of rowsum(dO∘O)"),
+        ("o_fp32", "O in FP32: Ō, the running output and the stored O (P̄ still BF16)"),
+        ("fp32_outlier_heads", "FP32 O for only the outlier heads 7 and 9 of layer 1"))},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
@@ -152,6 +166,8 @@ def _reference(experiment: str, label: str) -> str | None:
     """The stable run a row is held against: ``fp32`` in the one-change tables (isolation, twins, dose: in the dose
     experiment it is the isolation table's, see :func:`lpfa.dose.committed_runs`); elsewhere the FP32 run with the
     same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``)."""
+    if experiment == "paper_recipe" and label.removesuffix("_paper_recipe") in RECIPE_ISOLATION:
+        return "fp32_paper_recipe"
     if label.startswith("fp32"):
         return None
     if experiment in ("isolation", "twins", "dose"):
@@ -160,12 +176,21 @@ def _reference(experiment: str, label: str) -> str | None:
     return twin if twin in EXPERIMENTS[experiment] else None
 
 
+def _paper_outcome(experiment: str, label: str) -> str | None:
+    """What the paper reports for a row (:data:`PAPER_ISOLATION`): the isolation rows, also at the recipe."""
+    if experiment == "isolation":
+        return PAPER_ISOLATION.get(label)
+    if experiment == "paper_recipe" and label.removesuffix("_paper_recipe") in RECIPE_ISOLATION:
+        return PAPER_ISOLATION[label.removesuffix("_paper_recipe")]
+    return None
+
+
 def rows(experiment: str) -> dict[str, Row]:
     """``{label: Row}`` of one experiment of :data:`EXPERIMENTS`."""
     if experiment not in EXPERIMENTS:
         raise ValueError(f"unknown experiment {experiment!r}: choose one of {sorted(EXPERIMENTS)}")
     return {label: Row(experiment, label, tuple(o), DESCRIPTIONS.get(label, ""),
-                       PAPER_ISOLATION.get(label) if experiment == "isolation" else None, _reference(experiment, label))
+                       _paper_outcome(experiment, label), _reference(experiment, label))
             for label, o in EXPERIMENTS[experiment].items()}
 
 
