@@ -151,3 +151,26 @@ def test_fig3_head_bars_before_the_explosion():
     assert sorted(b.get_height() for b in fig.axes[0].containers[1]) == pytest.approx(want)
     with pytest.raises(ValueError, match="logged no 'wq_spectral_norm' at step 7"):
         plot_head_bars(runs, layer=1, step=7)
+
+
+def test_recipe_isolation_table_judges_rows_by_the_loss():
+    """Page 10's rows at the paper's recipe: every defined row is listed; committed ones get the explosion verdict
+    of their files, the rest "not run yet"; a row is "clean" only past the step where the BF16 twin exploded."""
+    from lpfa.experiments import RECIPE_ISOLATION
+    from lpfa.results import experiment_rows
+    from lpfa.run import run_verdict
+    from lpfa.runs import recipe_isolation_table
+
+    t = recipe_isolation_table()
+    labels = ["bf16_paper_recipe", "fp32_paper_recipe", *(f"{r}_paper_recipe" for r in RECIPE_ISOLATION)]
+    assert list(t.index) == labels and t["change"].str.len().gt(0).all()
+    found = experiment_rows("paper_recipe", labels)
+    boom = run_verdict(found["bf16_paper_recipe"])["explosion_step"]
+    for label in labels:
+        if label not in found:
+            assert t.loc[label, "verdict"] == "not run yet"
+            continue
+        v = run_verdict(found[label])
+        want = "exploded" if v["exploded"] else "clean" if v["steps"] > boom else "too short"
+        assert t.loc[label, "verdict"] == want and t.loc[label, "steps"] == v["steps"]
+    assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"

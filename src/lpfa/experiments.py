@@ -132,7 +132,7 @@ DESCRIPTIONS: dict[str, str] = {
     "sfa_paper_recipe": "BF16 attention with SFA (β = 2), the paper's GPT-2 S recipe",
     **{f"{m}_paper_recipe_s{s}": f"{'BF16' if m == 'bf16' else 'FP32'} attention, the paper's GPT-2 S recipe, seed {s}"
        for m in ("bf16", "fp32") for s in (1, 2)},
-    **{f"{row}_paper_recipe": f"the paper's GPT-2 S recipe, {desc[0].lower() + desc[1:]}" for row, desc in (
+    **{f"{row}_paper_recipe": f"{desc}; the paper's GPT-2 S recipe" for row, desc in (
         ("delta_o_fp32", "δ from O recomputed in FP32 in the backward, from the forward's BF16 scores"),
         ("pv_fp32", "P̄ and P̄V in FP32 (the running and stored O still BF16)"),
         ("delta_dp", "δ = rowsum(dP∘P) instead of rowsum(dO∘O)"),

@@ -411,6 +411,35 @@ def isolation_table(experiment: str = "isolation", layer: int = 1, reference_row
     return table, step, rows, reference
 
 
+def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
+    """The isolation rows at the paper's recipe (:data:`lpfa.experiments.RECIPE_ISOLATION`), judged by the loss itself:
+    one row per run of ``experiment``'s BF16 twin, FP32 twin and isolation rows, with ``change``, ``paper`` (the paper's
+    outcome), ``steps``, ``explosion step`` and ``verdict``: "exploded", "clean" (did not explode in at least as many
+    steps as the BF16 twin needed to explode) or "too short" (stopped before that step), or "not run yet"."""
+    import pandas as pd
+
+    from lpfa.experiments import RECIPE_ISOLATION, rows as experiment_rows_of
+    from lpfa.results import experiment_rows
+
+    design = experiment_rows_of(experiment)
+    labels = ["bf16_paper_recipe", "fp32_paper_recipe", *(f"{row}_paper_recipe" for row in RECIPE_ISOLATION)]
+    found = experiment_rows(experiment, labels, root=root)
+    bf16 = run_verdict(found["bf16_paper_recipe"]) if "bf16_paper_recipe" in found else None
+    boom = bf16["explosion_step"] if bf16 is not None else None
+    out = {}
+    for label in labels:
+        r = design[label]
+        row = {"change": r.description, "paper": r.paper or ("fails" if label.startswith("bf16") else "stable"),
+               "steps": None, "explosion step": None, "verdict": "not run yet"}
+        if label in found:
+            v = run_verdict(found[label])
+            row.update(steps=v["steps"], **{"explosion step": v["explosion_step"]})
+            row["verdict"] = ("exploded" if v["exploded"] else
+                              "clean" if boom is not None and v["steps"] > boom else "too short")
+        out[label] = row
+    return pd.DataFrame.from_dict(out, orient="index")
+
+
 def against_paper(table) -> dict:
     """How an :func:`isolation_table` compares with the paper: ``sick`` (rows with a precursor or worse), ``by_outcome``
     ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but`` (reported failing, clean
