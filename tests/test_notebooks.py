@@ -114,8 +114,9 @@ def test_papermill_parameters_override(tmp_path):
 
 
 def _text(nb_path) -> str:
+    """The text a page's code cells put out, values glued for its Markdown (myst-nb glue: papermill.record mimes) included."""
     return "\n".join(
-        str(o.get("text", "")) + "".join(str(o.get("data", {}).get(k, "")) for k in ("text/plain", "text/markdown"))
+        str(o.get("text", "")) + "".join(str(v) for k, v in o.get("data", {}).items() if k.endswith(("text/plain", "text/markdown")))
         for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
 
 
@@ -131,7 +132,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
             and "fits 10 of 12 rows; not `delta_dp` (layer 1 δ from dP∘P, precursor), `delta_o_exact`" in iso)
     assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso  # a second launch
     assert "**Failing without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
-    assert "the row is clean, as the paper reports." in iso
+    assert "the row is clean, as the paper reports" in iso  # glued; the page's Markdown adds the full stop
     assert "**Not run yet**: `bf16_tiled`." in iso
     seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11.ipynb"))
     assert "* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or worse" in seeds

@@ -112,6 +112,27 @@ def test_twins_text_states_the_bf16_only_explosion():
     assert "did not explode" in text and "do not reproduce Fig. 2" in text
 
 
+def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypatch):
+    """A caller that has judged the runs (page 06, the scorecard) passes its verdicts and W_Q frames: the text and the
+    Fig. 3 step are the same, and no run is judged again."""
+    import lpfa.runs
+    from lpfa.run import run_verdict
+    from lpfa.runs import head_metric_frame, step_before_failure, twins_text
+    from lpfa.scorecard import fig2_twins
+
+    runs = fig2_twins()["bf16_paper_recipe"]
+    text, at = twins_text(runs, layer=1), step_before_failure(runs)
+    v = {k: run_verdict(p) for k, p in runs.items()}
+    frames = {k: head_metric_frame(p, "wq_spectral_norm") for k, p in runs.items()}
+
+    def judged_again(*a, **k):
+        raise AssertionError("run_verdict called again")
+
+    monkeypatch.setattr(lpfa.runs, "run_verdict", judged_again)
+    assert twins_text(runs, layer=1, verdicts=v) == text
+    assert step_before_failure(runs, frames=frames, verdicts=v) == at
+
+
 def test_scorecard_is_computed_from_the_committed_runs():
     """The intro's scorecard: one row per claim, valid verdicts, and the Fig. 2 row's numbers are the runs' own."""
     from lpfa.run import run_verdict

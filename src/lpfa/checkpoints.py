@@ -43,7 +43,7 @@ import torch
 import lpfa
 from lpfa.model import GPT, GPTConfig
 
-__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "load_nanogpt", "load_hf_gpt2"]
+__all__ = ["Checkpoint", "save_checkpoint", "load_checkpoint", "load_nanogpt", "load_hf_gpt2", "read_json"]
 
 FORMAT = "lpfa-checkpoint"
 FORMAT_VERSION = 1
@@ -60,6 +60,19 @@ _TIED = ("lm_head.weight", "transformer.wte.weight")
 _NANOGPT_MODEL_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "bias", "vocab_size")
 _HF_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _HF_GELU = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
+
+
+def read_json(path: str | Path, damaged: str = "", missing: str | None = None):
+    """``path`` parsed as JSON, with a one-line error that names the file: ``FileNotFoundError(missing)`` when it is
+    not a file (with ``missing`` None the caller has checked that), ``ValueError("<path> is not valid JSON (<why>)"
+    + damaged)`` when it does not parse. The one reader of the JSON files of a checkpoint or run folder."""
+    path = Path(path)
+    if missing is not None and not path.is_file():
+        raise FileNotFoundError(missing)
+    try:
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # json.JSONDecodeError is a ValueError
+        raise ValueError(f"{path} is not valid JSON ({e}){damaged}") from e
 
 
 @dataclass
@@ -181,12 +194,8 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
             "(for nanoGPT's ckpt.pt use load_nanogpt)"
         )
     config_path = folder / CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} is missing: {folder} is not a complete lpfa checkpoint folder")
-    try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e}); expected the config.json written by save_checkpoint") from e
+    config = read_json(config_path, "; expected the config.json written by save_checkpoint",
+                       missing=f"{config_path} is missing: {folder} is not a complete lpfa checkpoint folder")
     if (not isinstance(config, dict) or not isinstance(config.get("model"), dict) or not isinstance(config.get("step"), int)
             or isinstance(config.get("step"), bool)):
         raise ValueError(f"{config_path} is not an lpfa checkpoint config: expected a JSON object with 'model' (a dict) and 'step' (an int)")
@@ -285,12 +294,7 @@ def load_hf_gpt2(folder, map_location="cpu", **config_overrides) -> GPT:
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder; expected a Hugging Face save_pretrained folder with config.json and model.safetensors")
     config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} is missing; expected a Hugging Face save_pretrained folder")
-    try:
-        hf = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path} is not valid JSON ({e})") from e
+    hf = read_json(config_path, missing=f"{config_path} is missing; expected a Hugging Face save_pretrained folder")
     model_config = _model_config(_hf_to_lpfa_config(hf, config_path), config_overrides, str(config_path))
 
     source, hf_state = _read_hf_weights(folder)

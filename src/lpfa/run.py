@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from lpfa import data as lpfa_data
-from lpfa.checkpoints import load_checkpoint
+from lpfa.checkpoints import load_checkpoint, read_json
 from lpfa.data import drop_partial_line  # noqa: F401  (re-exported with the other readers of a run folder)
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion, attention_label, explosion_step, logit_runaway
 from lpfa.model import GPTConfig
@@ -49,12 +49,8 @@ def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) 
     """A run folder's ``config.json`` (written by :mod:`lpfa.train`), parsed; a one-line error naming the file
     when it is missing or damaged, or lacks one of the objects ``require`` names."""
     path = Path(run_dir) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its config.json)")
-    try:
-        conf = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}): the run folder is damaged") from e
+    conf = read_json(path, ": the run folder is damaged",
+                     missing=f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its config.json)")
     if not isinstance(conf, dict) or any(not isinstance(conf.get(k), dict) for k in require):
         raise ValueError(f"{path} is not an lpfa.train config: expected a JSON object"
                          + "".join(f" with a {k!r} object" for k in require))
@@ -247,12 +243,7 @@ class Run:
     def summary(self) -> dict | None:
         """``summary.json`` (written when the run ended), or None for a run that is still going or was killed."""
         path = self.path / "summary.json"
-        if not path.is_file():
-            return None
-        try:
-            return json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path} is not valid JSON ({e}): the run folder is damaged") from e
+        return read_json(path, ": the run folder is damaged") if path.is_file() else None
 
     def verdict(self, criterion: ExplosionCriterion = ExplosionCriterion(),
                 runaway: RunawayCriterion = RunawayCriterion()) -> dict:

@@ -77,14 +77,20 @@ def head_metric_frame(run_dir: str | Path, metric: str):
                          "head": np.tile(np.arange(H), r * L), "value": values.reshape(-1)})
 
 
-def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: str = "bf16") -> int:
+def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: str = "bf16",
+                        frames: dict | None = None, verdicts: dict | None = None) -> int:
     """The diagnostics step at which to compare heads (Fig. 3's "before the explosion"): the last step that every run
-    logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not explode)."""
-    steps = [set(head_metric_frame(d, metric).step) for d in runs.values()]
+    logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not explode).
+    ``frames`` (``{label: head_metric_frame(run, metric)}``) and ``verdicts`` (``{label: run_verdict(run)}``): what the
+    caller has already read, so that it is not read again."""
+    frames = frames if frames is not None else {k: head_metric_frame(d, metric) for k, d in runs.items()}
+    steps = [set(frames[k].step) for k in runs]
     common = sorted(set.intersection(*steps))
     if not common:
         raise ValueError(f"the runs {sorted(runs)} share no diagnostics step of {metric!r}")
-    boom = run_verdict(runs[failing])["explosion_step"] if failing in runs else None
+    boom = None
+    if failing in runs:
+        boom = (verdicts[failing] if verdicts and failing in verdicts else run_verdict(runs[failing]))["explosion_step"]
     before = [s for s in common if boom is None or s < boom]
     return int((before or common)[-1])
 
@@ -229,17 +235,18 @@ def layer_max(run_dir: str | Path, metric: str, layer: int):
     return f[f.layer == layer].groupby("step").value.max()
 
 
-def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=None):
+def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=None, verdicts: dict | None = None):
     """One row per run (``{label: run_dir}``): steps, explosion verdict (:func:`lpfa.run.run_verdict`),
     final eval loss, and in ``layer`` the largest attention logit, tie fraction and W_Q norm at ``step``
     (default: the last diagnostics step that every run reached; each run's last record at or before it).
+    ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller has them already (else computed here).
     Returns ``(table, step)``."""
     import pandas as pd
 
     from lpfa.explosion import ExplosionCriterion
 
     criterion = criterion or ExplosionCriterion()
-    verdicts = {label: run_verdict(d, criterion) for label, d in runs.items()}
+    verdicts = {label: (verdicts or {}).get(label) or run_verdict(d, criterion) for label, d in runs.items()}
     series = {label: {m: layer_max(d, m, layer) for m in PRECURSORS} for label, d in runs.items()}
     if step is None:
         step = min(int(s["max_logit"].index.max()) for s in series.values())
@@ -664,12 +671,14 @@ def sfa_text(f: dict, n_layers: int) -> str:
     return " ".join(text)
 
 
-def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32") -> str:
+def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32",
+               verdicts: dict | None = None) -> str:
     """Fig. 2's verdict for one BF16/FP32 pair in sentences: whether each exploded (``lpfa.explosion``), where the BF16
     run's layer ``layer`` ran away, the precursors of both at the last diagnostics step both reached
-    (:func:`precursor_table`), and from when the BF16 logit and W_Q norm stay apart (:func:`divergence_step`)."""
-    table, common = precursor_table(runs, layer, criterion=criterion)
-    v = {label: run_verdict(runs[label], criterion) if criterion else run_verdict(runs[label]) for label in (bf16, fp32)}
+    (:func:`precursor_table`), and from when the BF16 logit and W_Q norm stay apart (:func:`divergence_step`).
+    ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller has them already; each run is judged once."""
+    v = {label: (verdicts or {}).get(label) or (run_verdict(d, criterion) if criterion else run_verdict(d)) for label, d in runs.items()}
+    table, common = precursor_table(runs, layer, criterion=criterion, verdicts=v)
     name = {m: f"{n} @ {common}" for m, n in PRECURSORS.items()}
     b, f = table.loc[bf16], table.loc[fp32]
     if v[bf16]["exploded"] and not v[fp32]["exploded"]:

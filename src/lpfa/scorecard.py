@@ -69,8 +69,8 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     rows = [_row("BF16 flash attention makes the loss explode; FP32 attention on the same data does not", "Fig. 2",
                  result, verdict, "06_loss_explosion")]
     # Fig. 3: every head of the layer at the last diagnostics step before the BF16 explosion (as page 07 draws it)
-    at = step_before_failure(pairs[first])
-    frames = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in pairs[first].items()}
+    frames = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in pairs[first].items()}  # read once, used twice
+    at = step_before_failure(pairs[first], frames=frames, verdicts=v)
     heads = {k: f[(f.layer == layer) & (f.step == at)].set_index("head").value for k, f in frames.items()}
     ratio = heads["bf16"] / heads["fp32"]
     grown = int((ratio > 1.25).sum())
@@ -80,7 +80,7 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
                      + (" (layer-wide, not a few heads)" if grown > len(ratio) / 2 else ""),
                      "not reproduced" if grown == 0 else "partly" if grown > len(ratio) / 2 else "reproduced", "07_spectral_norms"))
     # ties, at the same step
-    table, step = precursor_table(pairs[first], layer, step=at)
+    table, step = precursor_table(pairs[first], layer, step=at, verdicts=v)
     b, f = table.loc["bf16"], table.loc["fp32"]
     tie_b, tie_f = b[f"largest per-head tie fraction @ {step}"], f[f"largest per-head tie fraction @ {step}"]
     rows.append(_row("BF16 scores give rows with tied maxima, so P̄ has several entries exactly 1", "Fig. 13",
