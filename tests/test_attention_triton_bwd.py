@@ -186,3 +186,93 @@ def test_bad_inputs_raise():
     big = torch.randn(1, 1, 1025, 16)
     with pytest.raises(ValueError, match="at most 1024"):
         flash_backward(big, big, big, big, big, torch.zeros(1, 1, 1025), "paper_untiled", 0.25)
+
+
+# ---- causal split: sub-tiles every pair of which is visible run without masks (issue 17) -------------------------
+
+
+def _bits(t):
+    """The FP32 bit patterns (NaN payloads included), for bit-identity checks."""
+    return t.float().contiguous().view(torch.int32)
+
+
+@pytest.fixture
+def tile_paths(monkeypatch):
+    """Counts the backward's (query, key) sub-tiles by path, dK/dV and dQ kernels together: ``{True: masked,
+    False: unmasked}`` (calls of ``_p_and_ds``, whose ``visible`` is None on the unmasked path; wrapped in the
+    interpreter, where jit helpers are plain Python)."""
+    from collections import Counter
+
+    from lpfa.attention import triton_bwd
+
+    counts = Counter()
+    orig = triton_bwd._p_and_ds
+
+    def counting(*args, **kwargs):
+        counts[args[6] is not None] += 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(triton_bwd, "_p_and_ds", counting)
+    return counts
+
+
+# (preset, (block_q, block_k), T, block_m, block_n, unmasked sub-tiles expected)
+BWD_SPLIT_CASES = [
+    ("paper", (16, 16), 64, 16, 16, True),  # every tile aligned
+    ("fp32", (32, 32), 17, 16, 16, True),  # one query row past a whole tile: dQ's only unmasked sub-tile
+    ("fa2", (32, 32), 129, 32, 32, True),  # T = 4·32 + 1
+    ("paper", (64, 32), 200, 32, 16, True),  # several tiles per policy block both ways, ragged T
+    ("delta_dp", (32, 64), 90, 16, 32, True),  # block_q != block_k, δ = rowsum(dP∘P)
+    ("paper_sfa", (16, 16), 50, 16, 16, True),
+    ("paper", (16, 16), 1, 16, 16, False),  # T = 1
+    ("fa2", (20, 20), 45, 16, 16, False),  # padded 32-wide tiles: masked always
+]
+
+
+@pytest.mark.parametrize("name,blocks,T,block_m,block_n,split", BWD_SPLIT_CASES)
+def test_causal_split_bit_identical(name, blocks, T, block_m, block_n, split, tile_paths):
+    """The split kernels give the same bits as with every sub-tile masked, and match the reference."""
+    pol = PRESETS[name].with_(block_q=blocks[0], block_k=blocks[1])
+    seed = torch.seed() % 2**31  # fresh inputs per run; named on failure
+    q, k, v, do = _inputs(1, 2, T, 16, torch.bfloat16, seed)
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    launch = dict(block_m=block_m, block_n=block_n)
+    try:
+        grads = flash_backward(do, q, k, v, o, lse, pol, 0.3, **launch)
+        unmasked = tile_paths[False]
+        assert (unmasked > 0) == split, (unmasked, tile_paths[True])
+        grads_all = flash_backward(do, q, k, v, o, lse, pol, 0.3, causal_split=False, **launch)
+        assert tile_paths[False] == unmasked, "causal_split=False took the unmasked path"
+        for gname, a, b in zip(("dq", "dk", "dv"), grads, grads_all):
+            assert torch.equal(_bits(a), _bits(b)), gname
+        refs = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, 0.3)
+        _check(grads, refs, pol, terms=_term_sizes(q, k, v, do, 0.3))
+    except AssertionError as e:
+        raise AssertionError(f"{e} (inputs: _inputs(1, 2, {T}, 16, torch.bfloat16, seed={seed}))") from e
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "do"])
+def test_causal_split_nonfinite_in_unmasked_tiles(which, tile_paths):
+    """NaN / ±inf in Q, K, V or dO where unmasked sub-tiles read them (and one in the ragged end): the same
+    non-finite entries of dq, dk, dv as the reference, and the same bits as the all-masked kernels."""
+    pol = PRESETS["paper"].with_(block_q=16, block_k=16)
+    T = 56
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(1, 3, T, 16, torch.bfloat16, seed)
+    t = {"q": q, "k": k, "v": v, "do": do}[which]
+    for h, value in enumerate((math.nan, math.inf, -math.inf)):
+        t[0, h, 3, h] = value  # tile 0: unmasked against tiles 1 .. 3
+        t[0, h, 37, 4 + h] = value  # tile 2
+        t[0, h, 54, 9] = value  # the ragged last tile
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    launch = dict(block_m=16, block_n=16)
+    try:
+        grads = flash_backward(do, q, k, v, o, lse, pol, 0.3, **launch)
+        assert tile_paths[False] > 0
+        grads_all = flash_backward(do, q, k, v, o, lse, pol, 0.3, causal_split=False, **launch)
+        refs = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, 0.3)
+        for gname, a, b, r in zip(("dq", "dk", "dv"), grads, grads_all, refs):
+            assert torch.equal(_bits(a), _bits(b)), gname
+            assert torch.equal(torch.isfinite(a), torch.isfinite(r)), gname
+    except AssertionError as e:
+        raise AssertionError(f"{e} (inputs: _inputs(1, 3, {T}, 16, torch.bfloat16, seed={seed}))") from e

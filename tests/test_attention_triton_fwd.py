@@ -155,3 +155,101 @@ def test_bad_inputs_raise():
     big = torch.randn(1, 1, 1025, 16)
     with pytest.raises(ValueError, match="at most 1024"):
         flash_forward(big, big, big, "paper_untiled", 0.25)
+
+
+# ---- causal split: key tiles every row sees whole run without masks (issue 17) ----------------------------------
+
+
+def _bits(t):
+    """The FP32 bit patterns (NaN payloads included), for bit-identity checks."""
+    return t.float().contiguous().view(torch.int32)
+
+
+@pytest.fixture
+def tile_paths(monkeypatch):
+    """Counts the forward's key tiles by path: ``{True: masked, False: unmasked}`` (calls of ``_scores_tile``,
+    which every pass over a tile makes; wrapped in the interpreter, where jit helpers are plain Python)."""
+    from collections import Counter
+
+    from lpfa.attention import triton_fwd
+
+    counts = Counter()
+    orig = triton_fwd._scores_tile
+
+    def counting(*args, **kwargs):
+        counts[bool(kwargs["MASKED"])] += 1
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(triton_fwd, "_scores_tile", counting)
+    return counts
+
+
+# (preset, policy block, T, block_m, block_n): tile-aligned and ragged T, T below one tile, several query tiles,
+# policy blocks of one tile, of several (N_SUB > 1: multi-pass row max), and a padded tile (block 20: tile 32)
+SPLIT_CASES = [
+    ("fa2", 16, 64, 16, 16),  # every tile aligned: T, query tiles, key tiles
+    ("paper", 16, 17, 16, 16),  # one key past the last whole tile
+    ("fa2", 32, 129, 32, 32),  # T = 4·32 + 1
+    ("paper", 64, 200, 64, 16),  # four tiles per policy block, T ragged in the last block
+    ("paper_sfa", 32, 129, 32, 16),  # SFA's tie count over unmasked and masked tiles of one block
+    ("fa2_sfa", 16, 100, 32, 16),  # SFA, query tile of 32 over 16-key blocks: two diagonal blocks per tile
+    ("paper", 16, 1, 16, 16),  # T = 1: no unmasked tile
+    ("fa2", 20, 45, 16, 16),  # policy block 20: a padded 32-key tile, masked always
+    ("paper_untiled", None, 40, 16, 16),  # one block over T (not a multiple of 16): one padded tile
+]
+
+
+@pytest.mark.parametrize("name,block,T,block_m,block_n", SPLIT_CASES)
+def test_causal_split_bit_identical(name, block, T, block_m, block_n, tile_paths):
+    """The split kernel (unmasked tiles below the diagonal, masked ones at it and at the ends) gives the same bits
+    as the kernel with every tile masked, and matches the reference; the unmasked path runs wherever a whole
+    tile lies below a query tile's first row."""
+    pol = PRESETS[name] if block is None else PRESETS[name].with_(block_q=block, block_k=block)
+    if pol.sfa is not None:
+        pol = pol.with_(sfa=SFA(beta=2.0, eps=1e-2))
+    seed = torch.seed() % 2**31  # fresh inputs per run; named on failure
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, T, 16, generator=g) for _ in range(3))
+    k[:, 1] = torch.randn(3, 16, generator=g)[torch.arange(T) % 3]  # head 1: ties in every row (SFA's branch)
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    launch = dict(block_m=block_m, block_n=block_n)
+    try:
+        o, lse = flash_forward(q, k, v, pol, 0.3, **launch)
+        unmasked = tile_paths[False]
+        o_all, lse_all = flash_forward(q, k, v, pol, 0.3, causal_split=False, **launch)
+        assert tile_paths[False] == unmasked, "causal_split=False took the unmasked path"
+        assert torch.equal(_bits(o), _bits(o_all)) and torch.equal(_bits(lse), _bits(lse_all))
+        ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+        _check(o, lse, ro, rlse, pol)
+        # a tile is unmasked when it is whole inside one policy block (no padded tile) and ends at or before the
+        # first row of a query tile, e.g. of the last one
+        whole = (T if block is None else block) % block_n == 0 and (T - 1) // block_m * block_m >= block_n - 1
+        assert (unmasked > 0) == whole, (unmasked, tile_paths[True])
+    except AssertionError as e:
+        raise AssertionError(f"{e} (seed={seed})") from e
+
+
+@pytest.mark.parametrize("name", ["fa2", "paper_sfa"])
+def test_causal_split_nonfinite_v_in_unmasked_tile(name, tile_paths):
+    """NaN / ±inf in V at keys that later query tiles see through unmasked tiles (and one in the ragged last tile):
+    they reach exactly the rows that see them, as in the reference, and the bits match the all-masked kernel."""
+    pol = PRESETS[name].with_(block_q=16, block_k=16)
+    T = 70
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 3, T, 16, generator=g).bfloat16() for _ in range(3))
+    for h, value in enumerate((math.nan, math.inf, -math.inf)):
+        v[0, h, 5, h] = value  # key tile 0: unmasked for query tiles 1 .. 4
+        v[0, h, 40, 3 + h] = value  # key tile 2: unmasked for query tiles 3, 4
+        v[0, h, 65, 7] = value  # the ragged last tile: masked
+    launch = dict(block_m=16, block_n=16)
+    try:
+        o, lse = flash_forward(q, k, v, pol, 0.3, **launch)
+        assert tile_paths[False] > 0
+        o_all, lse_all = flash_forward(q, k, v, pol, 0.3, causal_split=False, **launch)
+        assert torch.equal(_bits(o), _bits(o_all)) and torch.equal(_bits(lse), _bits(lse_all))
+        ro, _ = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+        assert torch.equal(torch.isfinite(o.float()), torch.isfinite(ro))
+        assert torch.isfinite(o[:, :, :5]).all() and not torch.isfinite(o[:, :, 5:]).all(dim=-1).any()
+    except AssertionError as e:
+        raise AssertionError(f"{e} (seed={seed})") from e

@@ -30,6 +30,13 @@ Kernels
 * ``_bwd_dq_kernel``: one program per (query compute tile, batch·head), the mirror image: loops over
   policy key blocks j up to the diagonal, sub-tiles of keys, rounded accumulate per policy block.
 
+Causal split: sub-tiles whose every (key, query) pair is visible (keys at or below the sub-tile's first query,
+queries inside their policy block and T, keys inside theirs) run without masks (plain loads, no ``tl.where``,
+``visible = None``). Inside a policy block the sub-tiles stay in ascending order, so the FP32 partials keep
+their order: ``_bwd_dkdv_kernel`` runs the query sub-tiles masked while they touch the diagonal, unmasked,
+then masked again for one running past the block's end or T; ``_bwd_dq_kernel`` the key sub-tiles unmasked
+up to the diagonal, then masked. The results are bit-identical to masking everything (``causal_split=False``).
+
 Compute tiles are separate from policy blocks (the ``paper`` preset uses 512 × 512 blocks): a tile is
 64 rows/keys when the policy block is a multiple of 64, else one tile of next_pow2(block) (>= 16) per
 policy block, masked. A tile never straddles two policy blocks. Sub-tiles (and whole policy blocks)
@@ -66,6 +73,8 @@ from lpfa.attention.triton_common import (
     _dot_visible,
     _exp,
     _interpreter,
+    _keep_visible,
+    _load_tile,
     _next_pow2,
     _rnd,
     check_triton_inputs,
@@ -144,6 +153,52 @@ if triton is not None:
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
+    def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
+                  QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr):
+        """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse), dP = bw(u wᵀ) and
+        dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
+        come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
+        s = _rnd(_dot(x, yt, QK_DOT_BF16), SCORES_BF16)
+        s = _rnd(s * scale, SCORES_BF16)
+        p = _keep_visible(_exp(s - lse, PRECISE_MATH), visible, 0.0)
+        dp = _rnd(_dot(u, wt, DOV_DOT_BF16), BW_BF16)
+        ds = _keep_visible(p * scale * (dp - delta), visible, 0.0)
+        return p, ds
+
+    @triton.jit
+    def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, base, row_base,
+                    scale, q_nonfinite, do_nonfinite,
+                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
+                    OP_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr,
+                    PDO_DOT_BF16: tl.constexpr, DSQ_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                    MASKED: tl.constexpr):
+        """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
+        the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
+        lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
+        loc_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        for q0 in range(q_from, q_to, BLOCK_M):
+            offs_m = q0 + loc_m
+            row_ok = offs_m < q_hi if MASKED else None
+            # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
+            qt = _load_tile(Q + base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], row_ok[None, :] if MASKED else None)
+            qt = qt.to(tl.float32)
+            do = _load_tile(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], row_ok[:, None] if MASKED else None)
+            do = do.to(tl.float32)
+            lse = _load_tile(LSE + row_base + offs_m, row_ok)
+            delta = _load_tile(DELTA + row_base + offs_m, row_ok)
+            # visible: key <= query, both in range
+            visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :]) if MASKED else None
+
+            # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
+            pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, SCORES_BF16,
+                                BW_BF16, QK_DOT_BF16, DOV_DOT_BF16, PRECISE_MATH)
+            # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
+            dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT_BF16)
+            dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT_BF16)
+        return dv_part, dk_part
+
+    @triton.jit
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B*H, T, D) / (B*H, T); outputs FP32 (B*H, T, D)
         Q_NONFINITE, DO_NONFINITE,  # (B*H,) int32 flags: Q / dO of this batch·head hold an inf or NaN
@@ -156,6 +211,7 @@ if triton is not None:
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
         QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PDO_DOT_BF16: tl.constexpr,
         DSQ_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
     ):
         pid_n = tl.program_id(0)  # key compute tile
         pid_bh = tl.program_id(1)  # (batch, head)
@@ -168,9 +224,8 @@ if triton is not None:
         offs_n = k_start + loc_n
         key_ok = (loc_n < NK) & (offs_n < T)
         offs_d = tl.arange(0, HEAD_DIM)
-        loc_m = tl.arange(0, BLOCK_M)
 
-        # K_j, V_j tile: (BLOCK_N, D), padded keys 0
+        # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
         kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
         k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
         v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
@@ -190,34 +245,29 @@ if triton is not None:
             # FP32 partials over ALL queries of block i: Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q
             dv_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
             dk_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-            # query sub-tiles from max(block start, first key): queries before it see none of the keys
-            for q0 in range(tl.maximum(q_blk, k_start), q_hi, BLOCK_M):
-                offs_m = q0 + loc_m
-                row_ok = offs_m < q_hi
-                # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
-                qt = tl.load(Q + base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-                qt = qt.to(tl.float32)
-                do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-                do = do.to(tl.float32)
-                lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
-                delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-
-                # Sᵀ = scores(scores(K Qᵀ)·scale): (BLOCK_N, BLOCK_M), as the forward's S
-                st = _rnd(_dot(k, qt, QK_DOT_BF16), SCORES_BF16)
-                st = _rnd(st * scale, SCORES_BF16)
-                # Pᵀ = exp(Sᵀ − lse), 0 where key > query or out of range
-                visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :])
-                pt = tl.where(visible, _exp(st - lse[None, :], PRECISE_MATH), 0.0)
-
-                # dV partial += op(P)ᵀ op(dO), over visible pairs
-                dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT_BF16)
-
-                # dPᵀ = bw(V dOᵀ);  dSᵀ = Pᵀ·scale·(dPᵀ − δ), exactly 0 where the key is invisible
-                dpt = _rnd(_dot(v, tl.trans(do), DOV_DOT_BF16), BW_BF16)
-                dst = tl.where(visible, pt * scale * (dpt - delta[None, :]), 0.0)
-
-                # dK partial += op(dS)ᵀ Q, over visible pairs
-                dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT_BF16)
+            # query sub-tiles q0 = q_lo, q_lo + BLOCK_M, … < q_hi from max(block start, first key): queries before
+            # it see none of the keys. In ascending order (the FP32 partials keep their order): masked while a key
+            # of the tile lies above row q0 (q0 < k_start + NK − 1), unmasked from q_mid, masked again from q_tail
+            # where a sub-tile runs past q_hi
+            q_lo = tl.maximum(q_blk, k_start)
+            if CAUSAL_SPLIT:
+                q_mid = q_lo + (tl.maximum(k_start + NK - 1 - q_lo, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+                q_tail = q_lo + tl.maximum(q_hi - q_lo, 0) // BLOCK_M * BLOCK_M
+            else:
+                q_mid = q_hi
+                q_tail = q_hi
+            dv_part, dk_part = _dkdv_tiles(
+                dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
+                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=True)
+            dv_part, dk_part = _dkdv_tiles(
+                dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
+                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=False)
+            dv_part, dk_part = _dkdv_tiles(
+                dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
+                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=True)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
@@ -225,6 +275,33 @@ if triton is not None:
 
         tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
         tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
+
+    @triton.jit
+    def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, base, scale, k_nonfinite,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
+                  OP_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr,
+                  DSK_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
+        """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
+        the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
+        at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
+        loc_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        for k0 in range(k_from, k_to, BLOCK_N):
+            offs_n = k0 + loc_n
+            key_ok = offs_n < k_to if MASKED else None
+            # Kᵀ, Vᵀ: (D, BLOCK_N)
+            kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
+            kt = kt.to(tl.float32)
+            vt = _load_tile(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
+            vt = vt.to(tl.float32)
+            # visible: key <= query, both in range
+            visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
+            # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
+            p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, SCORES_BF16, BW_BF16,
+                              QK_DOT_BF16, DOV_DOT_BF16, PRECISE_MATH)
+            # dQ partial += op(dS) K, over visible pairs
+            dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT_BF16)
+        return dq_part
 
     @triton.jit
     def _bwd_dq_kernel(
@@ -239,6 +316,7 @@ if triton is not None:
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
         QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, DSK_DOT_BF16: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
     ):
         pid_m = tl.program_id(0)  # query compute tile
         pid_bh = tl.program_id(1)
@@ -251,9 +329,8 @@ if triton is not None:
         offs_m = q_start + loc_m
         row_ok = (loc_m < NQ) & (offs_m < T)
         offs_d = tl.arange(0, HEAD_DIM)
-        loc_n = tl.arange(0, BLOCK_N)
 
-        # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
+        # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
         q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
         q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
         do = tl.load(DO + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
@@ -271,23 +348,19 @@ if triton is not None:
             k_blk = j * BK
             k_hi = tl.minimum(k_blk + BK, k_end)
             dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for k0 in range(k_blk, k_hi, BLOCK_N):
-                offs_n = k0 + loc_n
-                key_ok = offs_n < k_hi
-                kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-                kt = kt.to(tl.float32)
-                vt = tl.load(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-                vt = vt.to(tl.float32)
-                # S = scores(scores(Q Kᵀ)·scale);  P = exp(S − lse), 0 where key > query
-                s = _rnd(_dot(q, kt, QK_DOT_BF16), SCORES_BF16)
-                s = _rnd(s * scale, SCORES_BF16)
-                visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
-                p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
-                # dP = bw(dO Vᵀ);  dS = P·scale·(dP − δ), exactly 0 where the key is invisible
-                dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
-                ds = tl.where(visible, p * scale * (dp - delta[:, None]), 0.0)
-                # dQ partial += op(dS) K, over visible pairs
-                dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT_BF16)
+            # key sub-tiles k0 = k_blk, k_blk + BLOCK_N, … < k_hi, ascending: those up to k_mid lie inside the
+            # block and end at or before key q_start, so every row sees them whole (no mask); the rest touch
+            # the diagonal, the block's end or T (a padded sub-tile, BLOCK_N > BK, always does)
+            if CAUSAL_SPLIT:
+                k_mid = k_blk + tl.minimum(tl.maximum(q_start + 1 - k_blk, 0) // BLOCK_N, BK // BLOCK_N) * BLOCK_N
+            else:
+                k_mid = k_blk
+            dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
+                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT_BF16,
+                                DOV_DOT_BF16, DSK_DOT_BF16, PRECISE_MATH, MASKED=False)
+            dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
+                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT_BF16,
+                                DOV_DOT_BF16, DSK_DOT_BF16, PRECISE_MATH, MASKED=True)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
 
@@ -327,7 +400,8 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
 
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
-                   num_warps: int = 4, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   num_warps: int = 4, num_stages: int = 3,
+                   causal_split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
@@ -339,7 +413,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
     ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
-    the policy's blocks fix the rounding.
+    the policy's blocks fix the rounding. ``causal_split=False`` runs every sub-tile through the masked path
+    (the kernels before the causal split; bit-identical results, for tests and benchmarks).
     """
     pol: PrecisionPolicy = get_policy(policy)
     check_triton_inputs(q, k, v, pol, scale, causal)
@@ -392,6 +467,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     common = dict(
         HEAD_DIM=D, BQ=BQ, BK=BK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
+        CAUSAL_SPLIT=bool(causal_split),
         enable_fp_fusion=False,  # no FMA: P·scale·(dP − δ) rounds each product, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,

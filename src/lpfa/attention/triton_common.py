@@ -3,6 +3,13 @@
 Every value lives in an FP32 register; a BF16 rounding point is :func:`_round_bf16` (round to nearest
 even by integer arithmetic on the FP32 bit pattern), which is exact under Triton's CPU interpreter,
 where BF16 casts and BF16 ``tl.dot`` are not faithful.
+
+Causal split (as in Triton's fused-attention tutorial and FlashAttention-2): a tile whose every (row, key)
+pair is visible (key <= query, key < T, inside its policy block) needs no mask. The kernels run such tiles
+through the same helpers with ``visible = None`` / ``ok = None`` (:func:`_load_tile`, :func:`_keep_visible`,
+:func:`_dot_visible`), which then compile to plain loads and no ``tl.where``; only the tiles touching the
+diagonal or the end of the sequence or of a policy block build masks. The mask is all-true on the other tiles,
+so the results are bit-identical either way (``causal_split=False`` at launch masks every tile, for comparison).
 """
 
 from __future__ import annotations
@@ -89,18 +96,39 @@ if triton is not None:
     @triton.jit
     def _dot_visible(a, b, visible, b_nonfinite, AS_BF16: tl.constexpr):
         """a @ b summed over visible pairs only (:func:`lpfa.attention.reference._mm_visible`): ``a`` (M, K) is 0
-        where ``visible`` (M, K) is False, ``b`` (K, N) may hold inf/NaN when the runtime flag ``b_nonfinite`` is
-        set (one flag per batch·head, from the wrapper). A non-finite b[k, n] then makes out[m, n] NaN exactly where
-        (m, k) is visible: b's finite part goes through the GEMM, and a second GEMM of 0/1 indicators (exact
-        counts) finds where a non-finite entry is reached. Without the flag this is one plain GEMM."""
+        where ``visible`` (M, K) is False (``None``: every pair is visible, an unmasked tile), ``b`` (K, N) may
+        hold inf/NaN when the runtime flag ``b_nonfinite`` is set (one flag per batch·head, from the wrapper). A
+        non-finite b[k, n] then makes out[m, n] NaN exactly where (m, k) is visible: b's finite part goes through
+        the GEMM, and a second GEMM of 0/1 indicators (exact counts) finds where a non-finite entry is reached
+        (with every pair visible: every row, so a column test does). Without the flag this is one plain GEMM."""
         if b_nonfinite != 0:
             bad = (b != b) | (b == float("inf")) | (b == float("-inf"))
             out = _dot(a, tl.where(bad, 0.0, b), AS_BF16)
-            reach = _dot(visible.to(tl.float32), bad.to(tl.float32), AS_BF16)
+            if visible is None:  # reach[m, n] = any_k bad[k, n], the same for every row m
+                reach = tl.max(bad.to(tl.int32), axis=0)[None, :]
+            else:  # reach[m, n] = #{k: visible[m, k] and bad[k, n]}
+                reach = _dot(visible.to(tl.float32), bad.to(tl.float32), AS_BF16)
             out = tl.where(reach > 0, float("nan"), out)
         else:
             out = _dot(a, b, AS_BF16)
         return out
+
+    @triton.jit
+    def _load_tile(ptrs, ok):
+        """tl.load of a tile whose entries outside ``ok`` (broadcast to ``ptrs``) read as 0; ``ok = None``: every
+        entry is in range (a tile of the unmasked causal range), a plain load."""
+        if ok is None:
+            x = tl.load(ptrs)
+        else:
+            x = tl.load(ptrs, mask=ok, other=0.0)
+        return x
+
+    @triton.jit
+    def _keep_visible(x, visible, other):
+        """x where ``visible``, ``other`` elsewhere; ``visible = None`` (every pair visible): x unchanged."""
+        if visible is not None:
+            x = tl.where(visible, x, other)
+        return x
 
     @triton.jit
     def _exp(x, PRECISE_MATH: tl.constexpr):

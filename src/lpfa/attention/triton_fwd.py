@@ -12,6 +12,16 @@ The kernel performs the same block-by-block algorithm as :func:`lpfa.attention.r
     o      = acc(acc(o·c) + Ō)
     O      = o_store(acc(o / l)),  lse = log(l) + m                   (policy.o_store)
 
+Causal split
+------------
+A query tile [q_start, q_start + BLOCK_M) sees every key of the policy blocks that end at or before key
+q_start whole, so those blocks (the first ``n_full``) run in a first loop whose tiles build no mask (plain
+loads, no ``tl.where``); the blocks touching the diagonal or the end of the sequence follow in a second loop,
+masked. Inside such a block of several compute tiles (``N_SUB > 1``, the paper's 512-key blocks with a
+multi-pass row max) each pass again runs the tiles that end at or before q_start unmasked, then the rest
+masked, in ascending order, so every FP32 sum keeps its order and the results are bit-identical to masking
+every tile (``causal_split=False``).
+
 Interpreter-safe rounding design
 --------------------------------
 Triton's CPU interpreter (``TRITON_INTERPRET=1``) does not do BF16 arithmetic faithfully: a BF16
@@ -54,6 +64,8 @@ from lpfa.attention.triton_common import (
     _dot_visible,
     _exp,
     _interpreter,
+    _keep_visible,
+    _load_tile,
     _log,
     _max_nan,
     _rnd,
@@ -69,19 +81,146 @@ from lpfa.attention.triton_common import (
 if triton is not None:
 
     @triton.jit
-    def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr):
-        """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale)
-        or FP32; −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T). Returns (S, visible)."""
+    def _visible(k_lo, k_hi, offs_m, loc_n, T):
+        """(BLOCK_M, BLOCK_N) mask of the key tile [k_lo, k_lo + BLOCK_N): key < k_hi (its policy block's end),
+        key < T, key <= query."""
         offs_n = k_lo + loc_n
         key_ok = (offs_n < k_hi) & (offs_n < T)
+        return key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
+
+    @triton.jit
+    def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
+                     SCORES_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, MASKED: tl.constexpr):
+        """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
+        FP32. MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
+        [0, T) and its block, at or below the diagonal for every row: a plain load, no mask."""
+        offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
-        kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+        key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
+        kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok)
         s = _dot(q, kt, QK_DOT_BF16)  # BF16 operands (exact) or IEEE FP32, FP32 accumulation
         s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
         s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
-        visible = key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
-        return tl.where(visible, s, float("-inf")), visible
+        visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
+        return _keep_visible(s, visible, float("-inf"))
+
+    @triton.jit
+    def _block_tiles(rm, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
+                     q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
+                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr,
+                     PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
+                     MASKED: tl.constexpr):
+        """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
+        (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S); 1 (SFA): rs = #{S ≥
+        thr}; 2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
+        kb_hi = kb_lo + BK
+        offs_d = tl.arange(0, HEAD_DIM)
+        for t in range(t_lo, t_hi):
+            k_lo = kb_lo + t * BLOCK_N
+            s = s_block if N_SUB == 1 else _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
+                                                        SCORES_BF16, QK_DOT_BF16, MASKED=MASKED)
+            visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
+            if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
+                rm = _max_nan(rm, _row_max(s))
+            elif PASS == 1:  # rs += #{visible S ≥ thr} (a masked −inf would count where thr is −inf)
+                rs += tl.sum(_keep_visible(s >= thr[:, None], visible, False).to(tl.int32), axis=1)
+            else:
+                # P̄ = exp(scores(S − m_new)), 0 where masked; rowsum(P̄) in FP32
+                diff = _rnd(s - m_use[:, None], SCORES_BF16)  # a BF16 op when S is BF16
+                p = _keep_visible(_exp(diff, PRECISE_MATH), visible, 0.0)
+                block_sum += tl.sum(p, axis=1)
+                p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
+                offs_n = k_lo + loc_n
+                key_ok = ((offs_n < kb_hi) & (offs_n < T))[:, None] if MASKED else None
+                v = _load_tile(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], key_ok)
+                # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
+                o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT_BF16)
+        return rm, rs, block_sum, o_blk
+
+    @triton.jit
+    def _block_pass(rm, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
+                    q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                    HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
+                    SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr,
+                    PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
+                    MASKED: tl.constexpr):
+        """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
+        t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
+        if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
+            rm, rs, block_sum, o_blk = _block_tiles(
+                rm, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
+                scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+                PRECISE_MATH, PASS, MASKED=False)
+        if MASKED:
+            rm, rs, block_sum, o_blk = _block_tiles(
+                rm, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
+                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16,
+                PV_DOT_BF16, PRECISE_MATH, PASS, MASKED=True)
+        return rm, rs, block_sum, o_blk
+
+    @triton.jit
+    def _fwd_block(acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
+                   scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
+                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+                   N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
+                   OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
+                   USE_SFA: tl.constexpr, QK_DOT_BF16: tl.constexpr, PV_DOT_BF16: tl.constexpr,
+                   PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
+        """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
+        holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
+        block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
+        rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        rs = tl.zeros([BLOCK_M], dtype=tl.int32)
+        block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
+        s = _scores_tile(q, K, base, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
+                         QK_DOT_BF16, MASKED=MASKED) if N_SUB == 1 else None
+
+        # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles) ----
+        rm, rs, block_sum, o_blk = _block_pass(
+            rm, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+            PRECISE_MATH, PASS=0, MASKED=MASKED)
+        row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
+
+        if USE_SFA:
+            # SFA (Eq. 6): thr = scores(rm − ε); rs = #{visible S ≥ thr} (pass 2: against the block's final max);
+            # where rs > 1:  m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
+            thr = _rnd(rm - sfa_eps, SCORES_BF16)
+            rm, rs, block_sum, o_blk = _block_pass(
+                rm, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+                v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+                PRECISE_MATH, PASS=1, MASKED=MASKED)
+            tied = rs > 1
+            m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
+            m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
+            rm = tl.where(tied, _max_nan(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
+
+        # m_new = acc(max(m, rm)); rows without a visible key keep m
+        m_new = _rnd(_max_nan(m_i, rm), ACC_BF16)
+        m_new = tl.where(row_live, m_new, m_i)
+        # subtract 0 where every visible score so far is −inf (FA2's Check_inf): exp gives 0 there, not NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+
+        # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
+        rm, rs, block_sum, o_blk = _block_pass(
+            rm, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+            PRECISE_MATH, PASS=2, MASKED=MASKED)
+        if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
+            block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
+        o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
+
+        # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
+        c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
+        c = tl.where(row_live, c, 1.0)
+        # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
+        l_i = _rnd(c * l_i + block_sum, ACC_BF16)
+        acc = _rnd(acc * c[:, None], ACC_BF16)
+        acc = _rnd(acc + o_bar, ACC_BF16)
+        return acc, l_i, m_new
 
     @triton.jit
     def _flash_fwd_kernel(
@@ -95,6 +234,7 @@ if triton is not None:
         ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
         USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
         QK_DOT_BF16: tl.constexpr, PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
     ):
         pid_m = tl.program_id(0)  # query tile
         pid_bh = tl.program_id(1)  # (batch, head)
@@ -116,79 +256,29 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-        # policy key blocks 0 .. the one holding this tile's last row (later ones are above the diagonal)
+        # policy key blocks 0 .. the one holding this tile's last row (later ones are above the diagonal).
+        # Blocks 0 .. n_full − 1 end at or before key q_start (so inside [0, T)): every row sees all their keys,
+        # no mask (a padded tile, BLOCK_N > BK, always needs one); the rest touch the diagonal or the end of T.
         q_last = tl.minimum(q_start + BLOCK_M, T) - 1
         n_kblocks = q_last // BK + 1
-        for j in range(0, n_kblocks):
+        n_full = (q_start + 1) // BK if (CAUSAL_SPLIT and BLOCK_N * N_SUB == BK) else 0
+        for j in range(0, n_full):
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
+                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
+                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT_BF16, PV_DOT_BF16,
+                PRECISE_MATH, MASKED=False)
+        for j in range(n_full, n_kblocks):
             kb_lo = j * BK
-            kb_hi = kb_lo + BK
-            # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row)
-            n_sub = tl.minimum((q_last - kb_lo) // BLOCK_N + 1, N_SUB)
-            # ---- rm = rowmax(S) over the policy block's visible keys ----------------------------------
-            if N_SUB == 1:
-                s, visible = _scores_tile(q, K, base, kb_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                          SCORES_BF16, QK_DOT_BF16)
-                rm = _row_max(s)
-            else:  # pass 1 over the block's tiles: the block's row max needs all of them
-                rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                for t in range(0, n_sub):
-                    s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T, scale,
-                                              HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
-                    rm = _max_nan(rm, _row_max(s))
-            row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
-
-            if USE_SFA:
-                # SFA (Eq. 6): thr = scores(rm − ε); rs = #{visible S ≥ thr}; where rs > 1:
-                #   m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
-                thr = _rnd(rm - sfa_eps, SCORES_BF16)
-                if N_SUB == 1:
-                    rs = tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
-                else:  # pass 2: count against the block's final max
-                    rs = tl.zeros([BLOCK_M], dtype=tl.int32)
-                    for t in range(0, n_sub):
-                        s, visible = _scores_tile(q, K, base, kb_lo + t * BLOCK_N, kb_hi, offs_m, loc_n, T,
-                                                  scale, HEAD_DIM, SCORES_BF16, QK_DOT_BF16)
-                        rs += tl.sum((visible & (s >= thr[:, None])).to(tl.int32), axis=1)
-                tied = rs > 1
-                m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
-                m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
-                rm = tl.where(tied, _max_nan(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
-
-            # m_new = acc(max(m, rm)); rows without a visible key keep m
-            m_new = _rnd(_max_nan(m_i, rm), ACC_BF16)
-            m_new = tl.where(row_live, m_new, m_i)
-            # subtract 0 where every visible score so far is −inf (FA2's Check_inf): exp gives 0 there, not NaN
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-
-            # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles --
-            block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-            o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-            for t in range(0, n_sub):
-                k_lo = kb_lo + t * BLOCK_N
-                if N_SUB > 1:  # recompute this tile's scores (pass 2 or 3)
-                    s, visible = _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                              SCORES_BF16, QK_DOT_BF16)
-                diff = _rnd(s - m_use[:, None], SCORES_BF16)  # a BF16 op when S is BF16
-                p = tl.where(visible, _exp(diff, PRECISE_MATH), 0.0)
-                block_sum += tl.sum(p, axis=1)
-                p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
-                offs_n = k_lo + loc_n
-                key_ok = (offs_n < kb_hi) & (offs_n < T)
-                v = tl.load(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], mask=key_ok[:, None], other=0.0)
-                # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
-                o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT_BF16)
-            if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
-                block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
-            o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
-
-            # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
-            c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
-            c = tl.where(row_live, c, 1.0)
-            # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
-            l_i = _rnd(c * l_i + block_sum, ACC_BF16)
-            acc = _rnd(acc * c[:, None], ACC_BF16)
-            acc = _rnd(acc + o_bar, ACC_BF16)
-            m_i = m_new
+            # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
+            # first t_full of them ending at or before key q_start (a block of one tile is masked whole here)
+            n_sub = tl.minimum((q_last - kb_lo) // BLOCK_N + 1, N_SUB) if N_SUB > 1 else 1
+            t_full = tl.minimum(tl.maximum(q_start + 1 - kb_lo, 0) // BLOCK_N, n_sub) if (CAUSAL_SPLIT and N_SUB > 1) else 0
+            acc, l_i, m_i = _fwd_block(
+                acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
+                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
+                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT_BF16, PV_DOT_BF16,
+                PRECISE_MATH, MASKED=True)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd(_rnd(acc / l_i[:, None], ACC_BF16), OSTORE_BF16)
@@ -204,7 +294,7 @@ BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut in
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int = BLOCK_N_DEFAULT, num_warps: int | None = None,
-                  num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_stages: int = 3, causal_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -215,7 +305,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
     ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
-    policy's blocks fix the rounding.
+    policy's blocks fix the rounding. ``causal_split=False`` runs every key tile through the masked path
+    (the kernel before the causal split; bit-identical results, for tests and benchmarks).
     """
     pol: PrecisionPolicy = get_policy(policy)
     check_triton_inputs(q, k, v, pol, scale, causal)
@@ -255,6 +346,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         QK_DOT_BF16=bool(dot_bf16 and inputs_bf16),
         PV_DOT_BF16=bool(dot_bf16 and inputs_bf16 and pol.p_bar == BF16),
         PRECISE_MATH=bool(precise_math),
+        CAUSAL_SPLIT=bool(causal_split),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,
