@@ -148,6 +148,21 @@ def test_scaled_wq_runs_away_and_unscaled_is_healthy(tmp_path, data):
     np.testing.assert_allclose(runaway.wq_spectral_norm.max(), 50 * healthy.wq_spectral_norm.max(), rtol=1e-5)
 
 
+def test_exploded_checkpoint_is_a_runaway_not_a_crash(tmp_path, data):
+    """NaN in one head's W_Q (a checkpoint saved after the explosion): that head and every later layer's heads see
+    non-finite logits and are runaways, the other head of layer 0 is measured as usual."""
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[0, 0] = math.nan  # W_Q of layer 0, head 0
+    r = doctor.doctor(save_checkpoint(tmp_path / "nan", model, step=9), data, out=tmp_path / "report", **PROBE)
+    t = r["table"].set_index(["layer", "head"])
+    rep = json.loads((tmp_path / "report" / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    assert rep["verdicts"]["runaway"] == 3 and any(row["max_logit"] is None for row in rep["table"])
+    assert t.loc[(0, 0)].verdict == "runaway" and math.isnan(t.loc[(0, 0)].wq_spectral_norm)
+    assert (t.loc[1].verdict == "runaway").all()
+    assert t.loc[(0, 1)].verdict == "healthy" and math.isfinite(t.loc[(0, 1)].max_logit)
+
+
 def test_verdicts_follow_thresholds(lpfa_ckpt, data):
     t = doctor.doctor(lpfa_ckpt, data, **PROBE)["table"]
     lo = float(t.max_logit.min())

@@ -124,7 +124,7 @@ def _level(thr: dict, measure: str, level: str) -> float | None:
 
 def diagnose(table, thresholds: dict | None = None):
     """``table`` (from :func:`measure_heads`) with a ``verdict`` column: ``runaway`` where ``max_logit`` ≥
-    ``thr["max_logit"]["runaway"]``, ``precursor`` where any measure of the table reaches its ``"precursor"``
+    ``thresholds["max_logit"]["runaway"]`` or is not finite (an exploded checkpoint), ``precursor`` where any measure of the table reaches its ``"precursor"``
     threshold, else ``healthy``; sorted worst first (verdict, then max logit)."""
     thr = current_thresholds() if thresholds is None else thresholds
     precursor = np.zeros(len(table), dtype=bool)
@@ -133,10 +133,13 @@ def diagnose(table, thresholds: dict | None = None):
         if x is not None and measure in table:
             precursor |= table[measure].to_numpy() >= x
     runaway = _level(thr, "max_logit", "runaway")
-    runaway = table["max_logit"].to_numpy() >= runaway if runaway is not None else np.zeros(len(table), dtype=bool)
+    logit = table["max_logit"].to_numpy()
+    runaway = ~np.isfinite(logit) | (logit >= runaway if runaway is not None else False)  # NaN/inf logits ran away
     out = table.assign(verdict=np.where(runaway, "runaway", np.where(precursor, "precursor", "healthy")))
     rank = out["verdict"].map({v: i for i, v in enumerate(VERDICTS)})
-    return out.assign(_rank=rank).sort_values(["_rank", "max_logit"], ascending=[True, False]).drop(columns="_rank").reset_index(drop=True)
+    key = out["max_logit"].fillna(np.inf)  # NaN logits sort first among the runaways
+    return (out.assign(_rank=rank, _key=key).sort_values(["_rank", "_key"], ascending=[True, False])
+            .drop(columns=["_rank", "_key"]).reset_index(drop=True))
 
 
 def unused_thresholds(table, thr: dict) -> list[str]:
@@ -278,15 +281,22 @@ def capture_all(model, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
             p.requires_grad_(f)
 
 
+def _spectral_norms(w: torch.Tensor) -> torch.Tensor:
+    """(H,) ‖w[h]‖₂ of (H, rows, cols) matrices in FP32; NaN for a matrix with a non-finite entry (SVD refuses it)."""
+    w = w.float()
+    ok = torch.isfinite(w).flatten(1).all(1)
+    norms = torch.linalg.matrix_norm(torch.where(ok[:, None, None], w, torch.zeros_like(w)), ord=2)
+    return torch.where(ok, norms, torch.full_like(norms, math.nan))
+
+
 @torch.no_grad()
 def head_weight_norms(model) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n_layer, n_head) spectral norms of W_Q[h] and W_K[h] (each (head_dim, n_embd)), in FP32."""
-    from lpfa.diagnostics import wq_spectral_norms
-
+    """(n_layer, n_head) spectral norms of W_Q[h] and W_K[h] (each (head_dim, n_embd)), in FP32, as
+    :func:`lpfa.diagnostics.wq_spectral_norms` (NaN for a head with a non-finite weight)."""
     C, H = model.config.n_embd, model.config.n_head
-    wk = torch.stack([torch.linalg.matrix_norm(b.attn.c_attn.weight[C : 2 * C].float().view(H, C // H, C), ord=2)
-                      for b in model.transformer.h])
-    return wq_spectral_norms(model), wk
+    w_k = [b.attn.c_attn.weight[C : 2 * C].view(H, C // H, C) for b in model.transformer.h]
+    return (torch.stack([_spectral_norms(model.w_q(i)) for i in range(model.config.n_layer)]),
+            torch.stack([_spectral_norms(w) for w in w_k]))
 
 
 def _cos(a: torch.Tensor) -> torch.Tensor:
