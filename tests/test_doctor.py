@@ -216,6 +216,8 @@ def _bad_cases(tmp_path, lpfa_ckpt, data):
         "no data, small vocab": ([str(lpfa_ckpt)], r"vocab_size is 97, smaller than the embedded corpus.*pass --data"),
         "bad option": ([str(lpfa_ckpt), "--batches", "two"], r"argument --batches: invalid int value: 'two'"),
         "bad device": ([str(lpfa_ckpt), "--device", "tpu"], r"argument --device: invalid choice: 'tpu'"),
+        **({} if torch.cuda.is_available() else
+           {"no gpu": ([str(lpfa_ckpt), *d, "--device", "cuda"], r"--device cuda: no CUDA device is visible")}),
     }
 
 
