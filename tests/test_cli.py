@@ -6,7 +6,7 @@ import pytest
 
 from lpfa import cli
 
-VERBS = ("book", "tokens", "train", "launch", "replay", "structure", "sfa-sweep")
+VERBS = ("book", "tokens", "train", "launch", "replay", "structure", "sfa-sweep", "doctor")
 
 
 @pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])

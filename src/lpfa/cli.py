@@ -21,6 +21,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "replay": ("lpfa.replay", "replay a run from a checkpoint and measure low- against high-precision attention (Figs. 4-6)"),
     "structure": ("lpfa.structure", "ties and rank-1 structure of a trained run's checkpoint (Figs. 8, 9)"),
     "sfa-sweep": ("lpfa.sfa_sweep", "what SFA's row-sum clamp does to a run's rows, for several β, at every checkpoint"),
+    "doctor": ("lpfa.doctor", "every link of the failure chain per layer and head of one checkpoint, with a verdict per head"),
 }
 
 
