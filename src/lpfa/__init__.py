@@ -17,7 +17,8 @@ Modules, one per concept:
 * :mod:`lpfa.run` — one run folder (``Run``): config, metrics, verdict, checkpoints; :mod:`lpfa.explosion` — the
   explosion criterion; :mod:`lpfa.runs` — comparing and plotting runs (Fig. 2's twins, the isolation table).
 * :mod:`lpfa.doctor` — ``lpfa doctor CHECKPOINT``: every link of the failure chain measured per layer and head of one
-  checkpoint (ours, nanoGPT's, Hugging Face GPT-2) on a probe batch, a verdict per head and a report.
+  checkpoint (ours, nanoGPT's, Hugging Face GPT-2) on a probe batch, a verdict per head and a report;
+  :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates.
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
 * :mod:`lpfa.scorecard` — each claim of the paper, our committed result and a verdict (the intro's table).
 * :mod:`lpfa.scaling` — DDP agreement, throughput and the cost of runs at scale.

@@ -14,7 +14,8 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
   :func:`lpfa.diagnostics.tie_fraction`);
 * ``p_bar_ones`` — P̄ entries exactly 1 per row, mean over rows, ``paper`` policy (:func:`lpfa.mechanism.p_bar_ones`;
   with the whole-row max, exact for sequences up to its 512-key block);
-* ``wq_spectral_norm``, ``wk_spectral_norm`` — ‖W_Q[h]‖₂ and ‖W_K[h]‖₂ (Figs. 3, 11);
+* ``wq_spectral_norm``, ``wk_spectral_norm`` — ‖W_Q[h]‖₂ and ‖W_K[h]‖₂ (Figs. 3, 11); ``wq_outlier`` — ‖W_Q[h]‖₂ over
+  the median of its layer's heads (Fig. 3's "a few heads" stand out);
 * ``delta_err_{paper,fa2}``, ``delta_t_{paper,fa2}`` — δ_lp − δ_hp (:func:`lpfa.mechanism.delta_error`): its mean
   over all rows of the batch and the one-sample t-statistic of that mean (mean / (sd/√rows)); the BF16 side as
   the ``paper`` and ``fa2`` policies compute it, the FP32 side in float64, on the same q, k, v and dO. dO is real:
@@ -27,8 +28,8 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
 
 :func:`diagnose` adds a ``verdict`` per head: ``runaway`` when ``max_logit`` ≥ the runaway threshold, else
 ``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
-:func:`current_thresholds` (for now :func:`_default_thresholds`; ``lpfa.alarms.thresholds()`` with measured false-positive
-and false-negative rates replaces it there). A threshold on a measure the table lacks (``wq_growth`` needs two
+:func:`current_thresholds`: :func:`lpfa.alarms.thresholds`, learnt from the committed runs' diagnostics with their
+measured false-positive and false-negative rates (on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks (``wq_growth`` needs two
 checkpoints) is reported and not used.
 
 **Input** (:func:`detect_format`, from the path alone): a folder whose ``config.json`` holds ``"format":
@@ -87,6 +88,7 @@ MEASURES = [
     ("delta_t_fa2", "t-statistic of δ_lp − δ_hp, fa2 policy", "t", "RdBu_r", True),
     ("rank1_median", "median similarity of (PK)[T]ᵀX[T] (Fig. 9)", "cosine similarity", "RdBu_r", True),
     ("wq_spectral_norm", "‖W_Q‖₂ per head (Figs. 3, 11)", "‖W_Q‖₂", "viridis", False),
+    ("wq_outlier", "‖W_Q[h]‖₂ over its layer's median (Fig. 3)", "ratio to the layer's median", "viridis", False),
     ("wk_spectral_norm", "‖W_K‖₂ per head", "‖W_K‖₂", "viridis", False),
 ]
 VERDICT_COLORS = {"healthy": "#56B4E9", "precursor": "#E69F00", "runaway": "#D55E00"}  # Okabe–Ito
@@ -101,16 +103,22 @@ class DoctorError(ValueError):
 
 
 def _default_thresholds() -> dict:
-    """Stand-in thresholds until ``lpfa.alarms.thresholds()`` lands: a max logit of 100 is where QK-clip starts
-    (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is a logit no stable run reaches; 20 % of rows tied in BF16."""
+    """Fixed round thresholds (for tests and for a project without committed runs): a max logit of 100 is where
+    QK-clip starts (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is the runaway criterion's; 20 % of rows tied in BF16."""
     return {"max_logit": {"precursor": 100.0, "runaway": 1000.0}, "tie_fraction_bf16": {"precursor": 0.2}}
 
 
 def current_thresholds() -> dict:
-    """The thresholds the doctor uses when none are given: ``{measure: {"precursor": x, "runaway": y}}``."""
-    # SWAP: once lpfa.alarms lands on main, this line becomes
-    #     from lpfa.alarms import thresholds as alarm_thresholds; return alarm_thresholds()
-    return _default_thresholds()
+    """The thresholds the doctor uses when none are given: those learnt from the committed runs
+    (:func:`lpfa.alarms.thresholds`, with their false-positive and false-negative rates), or
+    :func:`_default_thresholds` where no committed run has the diagnostics to learn from."""
+    from lpfa.alarms import thresholds
+
+    try:
+        learnt = thresholds()
+    except (FileNotFoundError, ValueError):
+        return _default_thresholds()
+    return learnt if any("precursor" in v for v in learnt.values()) else _default_thresholds()
 
 
 def _level(thr: dict, measure: str, level: str) -> float | None:
@@ -347,8 +355,9 @@ def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, ra
     for layer, cap in enumerate(tqdm(caps, desc="doctor: layers", unit="layer", disable=not progress, file=sys.stderr)):
         m = layer_measures(cap, eps, rank1_tokens)
         H = len(m["max_logit"])
-        rows.append(pd.DataFrame({"layer": layer, "head": np.arange(H), **m,
-                                  "wq_spectral_norm": wq[layer].double().cpu().numpy(),
+        wq_l = wq[layer].double().cpu().numpy()
+        rows.append(pd.DataFrame({"layer": layer, "head": np.arange(H), **m, "wq_spectral_norm": wq_l,
+                                  "wq_outlier": wq_l / np.nanmedian(wq_l),  # ‖W_Q[h]‖₂ over the layer's median (Fig. 3)
                                   "wk_spectral_norm": wk[layer].double().cpu().numpy()}))
         for key in cap:  # free this layer's tensors as we go
             cap[key] = None
@@ -363,10 +372,18 @@ def verdict_counts(table) -> dict[str, int]:
     return {v: int((table["verdict"] == v).sum()) for v in VERDICTS}
 
 
+def _rates(level) -> str:
+    """" (false positives 12%, false negatives 34%)" for a learnt level (:func:`lpfa.alarms.thresholds`), else ""."""
+    if isinstance(level, dict) and "fpr" in level and "fnr" in level:
+        return f" (false positives {level['fpr']:.0%}, false negatives {level['fnr']:.0%})"
+    return ""
+
+
 def _thresholds_text(thr: dict, table) -> str:
     parts = []
     for m in thr:
-        levels = [f"{lv} ≥ {_level(thr, m, lv):g}" for lv in ("precursor", "runaway") if _level(thr, m, lv) is not None]
+        levels = [f"{lv} ≥ {_level(thr, m, lv):.3g}" + _rates(thr[m][lv]) for lv in ("precursor", "runaway")
+                  if _level(thr, m, lv) is not None]
         if levels:
             parts.append(f"{m}: {', '.join(levels)}" + (" (not measured)" if m not in table else ""))
     return "; ".join(parts)

@@ -1,0 +1,156 @@
+"""Early-warning thresholds for the failure, derived from the committed runs (issue 20).
+
+A head is judged by three of the chain's links that one probe batch and the weights show: its largest attention
+logit (the runaway, Fig. 2's precursor), the share of its rows with tied maxima in BF16 scores (Fig. 13) and how far
+its ‖W_Q[h]‖₂ stands out from the other heads of its layer (Fig. 3: ``wq_outlier`` = the norm over the layer's median).
+
+The thresholds are not typed in: :func:`thresholds` learns them from the diagnostics that every committed training run
+logged every 200 steps (``results/*/*/<run>/metrics.jsonl.gz``), one sample per (run, step, layer), a layer's value being
+its largest over heads (a layer is flagged when any of its heads is):
+
+* **positives**: the layer that ran away (:class:`lpfa.explosion.RunawayCriterion`) in a run with low-precision
+  attention there, at the diagnostics steps of the ``lead`` steps before the runaway (what a warning should catch);
+* **negatives**: every layer and step of the runs that neither ran away nor exploded, in layers whose scores are
+  FP32 (``max_logit``, ``wq_outlier``; FP32 runs log ties of FP32 scores, a different quantity) or BF16
+  (``tie_fraction_bf16``: the BF16 runs that stayed clean).
+
+Each precursor threshold is the value that maximises the true-positive minus the false-positive rate on those samples
+(Youden's J), reported with its false-positive rate (share of negatives at or above it), false-negative rate (share of
+positives below it) and the sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from lpfa.attention.policy import BF16, FP32_POLICY
+from lpfa.explosion import RunawayCriterion
+from lpfa.paths import results_dir
+from lpfa.run import Run, run_verdict
+from lpfa.runs import head_metric_frame
+
+LEAD_STEPS = 1000  # how long before the runaway a sample counts as a positive
+MEASURES = ("max_logit", "tie_fraction_bf16", "wq_outlier")
+
+
+def training_runs(root=None) -> list[Path]:
+    """Every committed training run folder: ``<results>/<experiment>/<run>/<label>/`` with a config and metrics."""
+    base = Path(root) if root else results_dir()
+    return sorted(c.parent for c in base.glob("*/*/*/config.json")
+                  if any((c.parent / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz")))
+
+
+def _layer_precision(run: Run) -> list[str]:
+    """Per layer: "fp32" where its attention scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs or
+    the fp32 policy), "bf16" where its scores are BF16, "mixed" otherwise (e.g. FP32 scores, BF16 P̄: fa2)."""
+    m = run.model_config()
+    out = []
+    for i in range(m.n_layer):
+        backend, pol = m.layer_backend(i), m.policy(i)
+        if backend == "sdpa_fp32" or (pol is not None and pol.with_(name=FP32_POLICY.name) == FP32_POLICY):
+            out.append("fp32")
+        elif pol is not None and pol.scores == BF16:
+            out.append("bf16")
+        else:  # FP32 scores with later BF16 roundings (fa2, SDPA under BF16 autocast)
+            out.append("mixed")
+    return out
+
+
+def layer_samples(run_dir) -> pd.DataFrame:
+    """One row per (step, layer) of a run's diagnostics: ``max_logit`` and ``tie_fraction`` (largest over heads),
+    ``wq_outlier`` (largest ‖W_Q[h]‖₂ over the layer's median) and the layer's score ``precision``."""
+    run = Run(run_dir)
+    frames = {m: head_metric_frame(run_dir, m).groupby(["step", "layer"]).value
+              for m in ("max_logit", "tie_fraction", "wq_spectral_norm")}
+    out = pd.DataFrame({"max_logit": frames["max_logit"].max(), "tie_fraction": frames["tie_fraction"].max(),
+                        "wq_outlier": frames["wq_spectral_norm"].max() / frames["wq_spectral_norm"].median()}).reset_index()
+    return out.assign(precision=out.layer.map(dict(enumerate(_layer_precision(run)))))
+
+
+def labelled_samples(root=None, lead: int = LEAD_STEPS) -> pd.DataFrame:
+    """:func:`layer_samples` of every committed run (:func:`training_runs`) with ``run`` (experiment/run/label),
+    ``class`` ("positive", "negative" or None, as the module docstring defines) and the run's ``runaway step``."""
+    out = []
+    for d in training_runs(root):
+        try:
+            s = layer_samples(d)
+        except (ValueError, KeyError, FileNotFoundError):  # a run without per-head diagnostics
+            continue
+        v = run_verdict(d)
+        ra, layer = v["runaway_step"], v["runaway_layer"]
+        cls = pd.Series(None, index=s.index, dtype=object)
+        if ra is not None:
+            pos = (s.layer == layer) & (s.step < ra) & (s.step >= ra - lead) & (s.precision != "fp32")
+            cls[pos] = "positive"
+        elif not v["exploded"]:
+            cls[:] = "negative"
+        out.append(s.assign(run="/".join(d.parts[-3:]), **{"class": cls, "runaway step": ra}))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame()
+
+
+def best_threshold(pos, neg) -> dict:
+    """The threshold t maximising TPR − FPR (a sample is flagged when its value ≥ t) over the candidate values of
+    ``pos`` and ``neg``: ``{"value", "fpr", "fnr", "positives", "negatives"}``."""
+    pos, neg = np.asarray(pos, float), np.asarray(neg, float)
+    pos, neg = pos[np.isfinite(pos)], neg[np.isfinite(neg)]
+    if not len(pos) or not len(neg):
+        raise ValueError(f"need positive and negative samples, got {len(pos)} and {len(neg)}")
+    cands = np.unique(np.concatenate([pos, neg]))
+    tpr = (pos[None, :] >= cands[:, None]).mean(1)
+    fpr = (neg[None, :] >= cands[:, None]).mean(1)
+    i = int(np.argmax(tpr - fpr))
+    return {"value": float(cands[i]), "fpr": float(fpr[i]), "fnr": float(1 - tpr[i]),
+            "positives": int(len(pos)), "negatives": int(len(neg))}
+
+
+def derive(samples: pd.DataFrame) -> dict:
+    """Thresholds from :func:`labelled_samples` (see the module docstring); a measure without both classes is absent."""
+    pos, neg = samples[samples["class"] == "positive"], samples[samples["class"] == "negative"]
+    out = {}
+    for measure, column, neg_precision in (("max_logit", "max_logit", "fp32"), ("wq_outlier", "wq_outlier", "fp32"),
+                                           ("tie_fraction_bf16", "tie_fraction", "bf16")):
+        p = pos[pos.precision == "bf16"] if measure == "tie_fraction_bf16" else pos
+        n = neg[neg.precision == neg_precision]
+        try:
+            out[measure] = {"precursor": best_threshold(p[column], n[column])}
+        except ValueError:
+            continue
+    out.setdefault("max_logit", {})["runaway"] = {"value": RunawayCriterion().logit}
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _cached(root: str | None, lead: int) -> dict:
+    return derive(labelled_samples(root, lead))
+
+
+def thresholds(root=None, lead: int = LEAD_STEPS) -> dict:
+    """``{measure: {"precursor": {"value", "fpr", "fnr", "positives", "negatives"}}}`` for :data:`MEASURES`, plus
+    ``max_logit["runaway"]``, learnt from the committed runs under ``root`` (default: the project's results)."""
+    import copy
+
+    return copy.deepcopy(_cached(None if root is None else str(root), lead))
+
+
+def lead_times(samples: pd.DataFrame, thr: dict) -> pd.DataFrame:
+    """Per run that ran away: the first diagnostics step at which its runaway layer crossed each precursor threshold
+    (before the runaway), and how many steps earlier that was (``lead``); NaN where it never warned in time."""
+    rows = {}
+    for run, s in samples[samples["runaway step"].notna()].groupby("run"):
+        ra = int(s["runaway step"].iloc[0])
+        layer = s[s["class"] == "positive"].layer
+        if layer.empty:
+            continue
+        s = s[(s.layer == layer.iloc[0]) & (s.step < ra)]
+        row = {"runaway step": ra}
+        for measure, column in (("max_logit", "max_logit"), ("wq_outlier", "wq_outlier"),
+                                ("tie_fraction_bf16", "tie_fraction")):
+            if measure in thr and "precursor" in thr[measure]:
+                hit = s[s[column] >= thr[measure]["precursor"]["value"]].step
+                row[f"{measure} lead"] = float(ra - hit.min()) if len(hit) else np.nan
+        rows[run] = row
+    return pd.DataFrame.from_dict(rows, orient="index")

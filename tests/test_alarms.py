@@ -1,0 +1,72 @@
+"""lpfa.alarms: thresholds learnt from run folders whose classes are known by construction."""
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from lpfa import alarms
+from lpfa.model import GPTConfig
+
+
+def _run(root, name, logits, ties, wq, backend="lpfa", policy="paper", losses=None):
+    """A run folder under root/exp/run/name with a 2-layer, 3-head model: layer 1 head 2 carries ``logits``, ``ties``
+    and ``wq`` per diagnostics step (every 100 steps), every other head small."""
+    d = root / "exp" / "r1" / name
+    d.mkdir(parents=True)
+    model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
+    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
+        "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
+    n = 100 * len(logits)
+    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * n)]
+    for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
+        recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
+                                               "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],
+                                               "wq_spectral_norm": [[1.0, 1.0, 1.0], [1.0, 1.0, w]]}})
+    (d / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in recs).encode()))
+    return d
+
+
+def test_thresholds_separate_known_classes(tmp_path):
+    rng = np.random.default_rng()
+    lo = list(rng.uniform(5, 20, size=20))  # FP32 runs: logits 5..20, W_Q 1..1.2x the median, ties of FP32 scores
+    for i in range(3):
+        _run(tmp_path, f"fp32_{i}", lo, [0.5] * 20, list(rng.uniform(1.0, 1.2, size=20)), backend="sdpa_fp32")
+    _run(tmp_path, "bf16_clean", lo, list(rng.uniform(0.0, 0.05, size=20)), [1.0] * 20)  # BF16, never ran away
+    # BF16 runs that run away at step 1000 (5 records > 1000 from there): logit 300, ties 0.3, W_Q 3x before it
+    up = [10.0] * 5 + [300.0] * 5 + [5000.0] * 10
+    for i in range(2):
+        _run(tmp_path, f"bf16_{i}", up, [0.01] * 5 + [0.3] * 15, [1.0] * 5 + [3.0] * 15)
+    s = alarms.labelled_samples(tmp_path, lead=500)
+    pos = s[s["class"] == "positive"]
+    assert set(pos.run) == {"exp/r1/bf16_0", "exp/r1/bf16_1"} and set(pos.step) == {500, 600, 700, 800, 900}
+    assert (pos.layer == 1).all() and (s[s.run == "exp/r1/fp32_0"]["class"] == "negative").all()
+    assert (s[s.run == "exp/r1/fp32_0"].precision == "fp32").all() and (pos.precision == "bf16").all()
+    thr = alarms.derive(s)
+    # perfect separation: every positive at or above, every negative below
+    assert 20 < thr["max_logit"]["precursor"]["value"] <= 300 and thr["max_logit"]["runaway"]["value"] == 1000.0
+    assert thr["max_logit"]["precursor"]["fpr"] == 0 and thr["max_logit"]["precursor"]["fnr"] == 0
+    assert thr["max_logit"]["precursor"]["positives"] == 10 and thr["max_logit"]["precursor"]["negatives"] == 3 * 20 * 2
+    assert 1.2 < thr["wq_outlier"]["precursor"]["value"] <= 3.0 and thr["wq_outlier"]["precursor"]["fnr"] == 0
+    tie = thr["tie_fraction_bf16"]["precursor"]  # negatives: the clean BF16 run only (FP32 runs log FP32 ties)
+    assert tie["negatives"] == 40 and 0.05 < tie["value"] <= 0.3 and tie["fpr"] == 0
+    lead = alarms.lead_times(s, thr)
+    assert list(lead.index) == ["exp/r1/bf16_0", "exp/r1/bf16_1"] and (lead["max_logit lead"] == 500).all()
+    assert alarms.thresholds(tmp_path, lead=500) == thr
+
+
+def test_best_threshold_counts_rates_and_refuses_one_class():
+    r = alarms.best_threshold([3, 4, 5, 1.5], [1, 2, 2.5, 3.5])
+    assert r["value"] == 3 and r["fpr"] == 0.25 and r["fnr"] == 0.25 and (r["positives"], r["negatives"]) == (4, 4)
+    with pytest.raises(ValueError, match="need positive and negative samples, got 2 and 0"):
+        alarms.best_threshold([1, 2], [])
+
+
+def test_committed_runs_give_every_threshold():
+    """On the project's own results: every measure gets a threshold from both classes (the values move as runs are
+    added; the doctor reports them with their rates)."""
+    thr = alarms.thresholds()
+    for m in alarms.MEASURES:
+        p = thr[m]["precursor"]
+        assert p["positives"] > 0 and p["negatives"] > 0 and 0 <= p["fpr"] <= 1 and 0 <= p["fnr"] <= 1
