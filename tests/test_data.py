@@ -124,3 +124,19 @@ def test_build_from_hf_dataset_on_a_local_dataset(tmp_path, no_bpe_cache):
     with pytest.raises(ValueError, match="no column 'content'"):
         data.build_from_hf_dataset(tmp_path / "ds", tmp_path / "out2", tokenizer="bytes", text_field="content")
     assert not (tmp_path / "out2" / "train.bin").exists()
+
+
+def test_gpu_corpus_size_matches_the_corpus_where_present():
+    """lpfa.data.GPU_CORPUS_TRAIN_TOKENS is the GPU corpus's train.bin size: checked against the shipped xz file when
+    the checkout sits next to ../shared/corpus (the GPU runs' corpus; CI may not have it)."""
+    import lzma
+
+    from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+    from lpfa.paths import repo_root
+
+    xz = repo_root().parent / "shared" / "corpus" / "train.bin.xz"
+    if not xz.is_file():
+        pytest.skip(f"{xz} is not here")
+    with lzma.open(xz) as f:
+        n = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 24), b"")) // 2  # uint16 token ids
+    assert n == GPU_CORPUS_TRAIN_TOKENS

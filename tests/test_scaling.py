@@ -196,3 +196,30 @@ def test_batch_for_steps_bad_input(kw):
     args = dict(tokens_per_s=250_000, seconds=1000, min_steps=8000, block_size=1024) | kw
     with pytest.raises(ValueError, match=next(iter(kw)) if "tokens_per_s" not in kw or kw["tokens_per_s"] <= 0 else "do not fit"):
         batch_for_steps(**args)
+
+
+def test_micro_batches_and_paper_scale_plan():
+    """Issue 21's launch arithmetic: tokens per step split over GPUs, micro-batches and accumulation; the plan picks the
+    paper's batch when it fits the budget, else the authors' smaller one, else none."""
+    from lpfa.scaling import AUTHORS_TOKENS_PER_STEP, PAPER_TOKENS_PER_STEP, micro_batches, paper_scale_plan
+
+    assert micro_batches(PAPER_TOKENS_PER_STEP, 8) == (16, 4) and micro_batches(AUTHORS_TOKENS_PER_STEP, 8) == (10, 4)  # 40 per GPU
+    assert micro_batches(PAPER_TOKENS_PER_STEP, 2, micro_max=12) == (8, 32)  # 256 sequences per GPU: 8 divides it
+    for gpus in (1, 2, 4, 8):
+        for tps in (PAPER_TOKENS_PER_STEP, AUTHORS_TOKENS_PER_STEP):
+            m, a = micro_batches(tps, gpus)
+            assert gpus * m * a * 1024 == tps and m <= 16
+    with pytest.raises(ValueError, match=r"tokens_per_step=1,000 is not a whole number of 1024-token sequences on each of 8 GPUs"):
+        micro_batches(1000, 8)
+    with pytest.raises(ValueError, match=r"gpus=0: expected a positive integer"):
+        micro_batches(PAPER_TOKENS_PER_STEP, 0)
+    fast = paper_scale_plan(1e6, gpus=8)  # 8M tokens/s: both fit, the paper's batch is chosen
+    assert fast.loc["paper", "s/step"] == pytest.approx(PAPER_TOKENS_PER_STEP / 8e6)
+    assert fast.loc["paper", "minutes to step 6,600"] == pytest.approx((6600 * PAPER_TOKENS_PER_STEP / 8e6 + 120) / 60)
+    assert list(fast["chosen"]) == [True, False]
+    mid = paper_scale_plan(250_000, gpus=8)  # 2M tokens/s: 28.4 min with the paper's batch, 17.7 with the authors'
+    assert list(mid["fits"]) == [False, True] and list(mid["chosen"]) == [False, True]
+    slow = paper_scale_plan(250_000, gpus=8, efficiency=0.3)
+    assert not slow["fits"].any() and not slow["chosen"].any()
+    with pytest.raises(ValueError, match=r"efficiency=1.5: expected a fraction in \(0, 1\]"):
+        paper_scale_plan(250_000, efficiency=1.5)

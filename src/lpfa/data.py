@@ -48,6 +48,9 @@ _GPT2_BPE_URLS = (
     "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json",
 )
 TOKENIZERS = ("auto", "gpt2", "bytes")
+GPU_CORPUS_TRAIN_TOKENS = 43_109_361
+"""Tokens in ``train.bin`` of the GPU runs' corpus (``../shared/corpus``: Debian documentation, GPT-2 BPE; not
+OpenWebText), for epoch counts on the pages; ``tests/test_data.py`` checks it against the corpus where it is present."""
 
 
 @dataclass(frozen=True)

@@ -260,3 +260,52 @@ def wall_minutes(steps: int, tokens_per_s: float, train_conf: dict, runs: int = 
     """Minutes for ``runs`` runs of ``steps`` steps at ``tokens_per_s`` per GPU, placed round-robin on ``gpus``
     GPUs: the busiest GPU holds ceil(runs / gpus) of them, and runs sharing a GPU gain no total throughput."""
     return math.ceil(runs / gpus) * steps * tokens_per_step(train_conf) / tokens_per_s / 60
+
+
+PAPER_TOKENS_PER_STEP = 524_288
+"""The paper's Fig. 2 batch: 512 sequences of 1,024 tokens per optimizer step."""
+AUTHORS_TOKENS_PER_STEP = 327_680
+"""The batch of the authors' released code: 320 sequences of 1,024 tokens."""
+
+
+def micro_batches(tokens_per_step: int, gpus: int, block_size: int = 1024, micro_max: int = 16) -> tuple[int, int]:
+    """``(micro_batch, grad_accum)`` per GPU with ``gpus · micro_batch · grad_accum · block_size == tokens_per_step``:
+    the largest micro-batch up to ``micro_max`` sequences (fewest accumulation steps, so fewest gradient syncs)."""
+    for name, v in (("tokens_per_step", tokens_per_step), ("gpus", gpus), ("block_size", block_size),
+                    ("micro_max", micro_max)):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"{name}={v!r}: expected a positive integer")
+    if tokens_per_step % (gpus * block_size):
+        raise ValueError(f"tokens_per_step={tokens_per_step:,} is not a whole number of {block_size}-token sequences "
+                         f"on each of {gpus} GPUs")
+    per_gpu = tokens_per_step // (gpus * block_size)
+    micro = max(m for m in range(1, min(micro_max, per_gpu) + 1) if per_gpu % m == 0)
+    return micro, per_gpu // micro
+
+
+def paper_scale_plan(tokens_per_s_per_gpu: float, gpus: int = 8, efficiency: float = 1.0,
+                     steps: int = PAPER_EXPLOSION_STEP, budget_s: float = 25 * 60, overhead_s: float = 120.0,
+                     block_size: int = 1024, micro_max: int = 16):
+    """Issue 21's run on ``gpus`` GPUs: for the paper's and the authors' tokens per step, the micro-batch and
+    accumulation per GPU (:func:`micro_batches`), the predicted seconds per step at ``tokens_per_s_per_gpu`` (one
+    GPU's measured speed) × ``gpus`` × ``efficiency`` (DDP scaling, 1 = perfect), the minutes to reach ``steps``
+    (plus ``overhead_s`` for start-up and compilation) and whether that fits ``budget_s``. One row per batch, a
+    ``chosen`` column marking the largest batch that fits (none if neither does)."""
+    import pandas as pd
+
+    for name, v in (("tokens_per_s_per_gpu", tokens_per_s_per_gpu), ("budget_s", budget_s)):
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{name}={v!r}: expected a finite number > 0")
+    if not (isinstance(efficiency, (int, float)) and 0 < efficiency <= 1):
+        raise ValueError(f"efficiency={efficiency!r}: expected a fraction in (0, 1]")
+    rows = []
+    for label, tps in (("paper", PAPER_TOKENS_PER_STEP), ("authors' code", AUTHORS_TOKENS_PER_STEP)):
+        micro, accum = micro_batches(tps, gpus, block_size, micro_max)
+        step_s = tps / (tokens_per_s_per_gpu * gpus * efficiency)
+        minutes = (steps * step_s + overhead_s) / 60
+        rows.append({"batch": label, "tokens/step": tps, "GPUs": gpus, "micro-batch": micro, "grad_accum": accum,
+                     "s/step": step_s, f"minutes to step {steps:,}": minutes, "fits": minutes * 60 <= budget_s})
+    plan = pd.DataFrame(rows).set_index("batch")
+    fits = plan.index[plan["fits"]]
+    plan["chosen"] = plan.index == (fits[0] if len(fits) else None)
+    return plan
