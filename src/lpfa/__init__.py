@@ -19,6 +19,8 @@ Modules, one per concept:
 * :mod:`lpfa.doctor` — ``lpfa doctor CHECKPOINT``: every link of the failure chain measured per layer and head of one
   checkpoint (ours, nanoGPT's, Hugging Face GPT-2) on a probe batch, a verdict per head and a report;
   :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates.
+* :mod:`lpfa.monitor` — ``AttentionMonitor``: per-head max logit, BF16 ties and W_Q growth inside any training loop,
+  warning when a head crosses those thresholds; its replay over the committed runs (lead times, false alarms).
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
 * :mod:`lpfa.scorecard` — each claim of the paper, our committed result and a verdict (the intro's table).
 * :mod:`lpfa.scaling` — DDP agreement, throughput and the cost of runs at scale.

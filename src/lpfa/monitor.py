@@ -1,0 +1,556 @@
+"""An early warning of the failure inside any PyTorch training loop (issue 20): :class:`AttentionMonitor`.
+
+Every ``every`` steps the monitor looks at that step's forward pass, measures the links of the paper's chain that
+one batch and the weights show, per layer and head, and warns when one crosses its threshold::
+
+    monitor = AttentionMonitor(model, every=100)           # thresholds learnt from the committed runs
+    for step, (x, y) in enumerate(loader):
+        with monitor.step(step):                           # captures q, k on steps 0, 100, 200, ... only
+            _, loss = model(x, y)
+        loss.backward(); opt.step(); opt.zero_grad()
+    monitor.history                                        # DataFrame: step, layer, head, every measure
+
+**Capture.** On a capture step the monitor sees each attention's q and k (detached; no copy) as the forward makes
+them: for :class:`lpfa.model.GPT` through its attention modules' ``capture`` hook, for any other model (Hugging Face
+GPT-2, a user's module) through a :class:`torch.overrides.TorchFunctionMode` that records every
+``torch.nn.functional.scaled_dot_product_attention`` call of the forward (call index = layer) with its causal flag,
+mask and scale. On other steps :meth:`AttentionMonitor.step` returns a no-op context: no hook, no mode, no cost.
+Wrap one forward pass (one micro-batch). A model compiled with ``torch.compile`` may hide its SDPA calls from the
+mode (the capture step then fails with an error saying so): monitoring compiled models is untested.
+
+**Measures** (per layer and head, on the first ``sequences`` sequences of the batch, :data:`MEASURE_COLUMNS`):
+
+* ``max_logit`` — the largest attention logit q·k·scale (plus the call's additive mask; causal/masked keys
+  excluded), in float64 from the captured q and k (the runaway of Fig. 2);
+* ``tie_fraction_bf16`` — the share of rows whose scores, rounded to BF16 as the ``paper`` policy rounds them
+  (:func:`lpfa.attention.reference._scores`), have more than one value within ``eps`` of the row max (Fig. 13), as
+  :func:`lpfa.diagnostics.tie_fraction` counts them — whatever precision the model itself computes in;
+* ``wq_spectral_norm`` ‖W_Q[h]‖₂, ``wq_outlier`` (that over its layer's median, as :mod:`lpfa.alarms`) and
+  ``wq_growth`` (its relative growth per 1000 steps since the previous capture), where W_Q is reachable: our GPT's
+  :meth:`~lpfa.model.GPT.w_q`, or a user's ``w_q=lambda layer: tensor`` ((n_head, head_dim, n_embd), or
+  (n_head·head_dim, n_embd) split by the captured head count; for Hugging Face GPT-2:
+  ``lambda i: m.transformer.h[i].attn.c_attn.weight[:, :768].T``).
+
+**Decision** (:func:`crossings`, shared with the replay of logged runs): a (layer, head) crosses a measure's level
+(``"precursor"``, ``"runaway"``) where its value is at or above it (a NaN or infinite ``max_logit``: the top level);
+the monitor reports a head's measure when it crosses upwards (not again while it stays above), through
+``on_warning(event)`` (an :class:`AttentionEvent`) or else :func:`warnings.warn` with an :class:`AttentionWarning`.
+Thresholds default to :func:`lpfa.doctor.current_thresholds` (those of :func:`lpfa.alarms.thresholds`, learnt from
+the committed runs with their error rates); a dict in the same format replaces them.
+
+**Replay** (:func:`replay_logged`, :func:`warning_table`): the committed runs' logged diagnostics through the same
+decision, giving each run's first warning and its lead over the runaway or the explosion, and the false alarms of the
+runs that stayed clean. The logged tie fraction is of the scores as the run computed them: it stands for
+``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.alarms._layer_precision`).
+
+**What the replay found** (the 57 committed runs with per-head diagnostics, when this module was written): with the
+default (learnt) thresholds every run warns at its first diagnostics steps (100–200), the 28 that ran away and the
+29 clean ones alike: the thresholds are learnt per (run, step, layer) sample, with false-positive rates of 12–31 % a
+sample, and a run has hundreds of samples, so as a run-level alarm they are not specific. The ``runaway`` level alone
+warns 3 of 28 failures before their runaway verdict, with 4 false alarms out of 29. Pass stricter thresholds (e.g.
+``{"max_logit": {"precursor": 500.0, "runaway": 1000.0}}``: 21 of 28 warned, median lead 200 steps, 9 false alarms)
+and check them with :func:`warning_table`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_outlier", "wq_growth")
+LEVELS = ("precursor", "runaway")  # a measure's thresholds, lowest first
+GROWTH_STEPS = 1000  # wq_growth is the relative growth of ‖W_Q[h]‖₂ per this many steps
+SEQUENCES = 4  # sequences of the batch measured (the training runs' diag_batch)
+EPS = 1e-3  # scores within EPS of their row's max count as tied (lpfa.train's tie_eps)
+
+
+class MonitorError(ValueError):
+    """Bad input to the monitor: one line naming the value and what is expected."""
+
+
+class AttentionWarning(UserWarning):
+    """A head of the monitored model crossed a threshold (:class:`AttentionMonitor`)."""
+
+
+@dataclass(frozen=True)
+class AttentionEvent:
+    """One head crossing one threshold at one step."""
+
+    step: int
+    layer: int
+    head: int
+    measure: str
+    level: str  # "precursor" or "runaway"
+    value: float
+    threshold: float
+
+    def __str__(self) -> str:
+        return (f"step {self.step}: layer {self.layer} head {self.head} {self.measure} = {self.value:.4g} "
+                f"reached the {self.level} threshold {self.threshold:.4g}")
+
+
+# --------------------------------------------------------------------------------------------------
+# thresholds and the decision (shared by the live monitor and the replay of logged runs)
+
+
+def normalise_thresholds(thresholds: dict) -> dict[str, dict[str, float]]:
+    """``{measure: {level: value}}`` from :func:`lpfa.alarms.thresholds`' format (a level a number, or a dict with
+    ``"value"``); a one-line error for a measure the monitor does not compute, an unknown level or a missing value."""
+    if not isinstance(thresholds, dict):
+        raise MonitorError(f"thresholds must be a dict like lpfa.alarms.thresholds() returns, got {type(thresholds).__name__}")
+    out = {}
+    for measure, levels in thresholds.items():
+        if measure not in MEASURE_COLUMNS:
+            raise MonitorError(f"thresholds name measure {measure!r}; the monitor computes {', '.join(MEASURE_COLUMNS)}")
+        if not isinstance(levels, dict):
+            raise MonitorError(f"thresholds[{measure!r}] must be a dict of levels ({', '.join(LEVELS)}), got {levels!r}")
+        out[measure] = {}
+        for level, x in levels.items():
+            if level not in LEVELS:
+                raise MonitorError(f"thresholds[{measure!r}] has level {level!r}; expected {' and/or '.join(LEVELS)}")
+            v = x.get("value") if isinstance(x, dict) else x
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+                raise MonitorError(f"thresholds[{measure!r}][{level!r}] must be a number or a dict with a numeric 'value', got {x!r}")
+            out[measure][level] = float(v)
+    return out
+
+
+def default_thresholds() -> dict:
+    """The doctor's: learnt from the committed runs (:func:`lpfa.alarms.thresholds`), else round defaults."""
+    from lpfa.doctor import current_thresholds
+
+    return current_thresholds()
+
+
+def wq_growth(norm, before, steps):
+    """Relative growth of ‖W_Q[h]‖₂ per :data:`GROWTH_STEPS` steps, from ``before`` to ``norm`` over ``steps`` steps."""
+    return (np.asarray(norm, float) / np.asarray(before, float) - 1.0) * GROWTH_STEPS / np.asarray(steps, float)
+
+
+def add_derived(frame, previous=None):
+    """``frame`` (step, layer, head, max_logit, tie_fraction_bf16, wq_spectral_norm) with ``wq_outlier`` (‖W_Q[h]‖₂
+    over its layer's median at that step) and ``wq_growth`` (:func:`wq_growth` since the same head's previous step,
+    in ``frame`` or else in ``previous``, an earlier frame; NaN for a head's first step)."""
+    import pandas as pd
+
+    wq = frame["wq_spectral_norm"].astype(float)
+    frame = frame.assign(wq_outlier=wq / wq.groupby([frame["step"], frame["layer"]]).transform("median"))
+    base = ["step", "layer", "head", "wq_spectral_norm"]
+    both = frame[base].assign(_row=np.arange(len(frame)))
+    if previous is not None and not previous.empty:
+        both = pd.concat([previous[base].assign(_row=-1), both], ignore_index=True)
+    both = both.sort_values(["layer", "head", "step"], kind="stable")
+    g = both.groupby(["layer", "head"])
+    both["_growth"] = wq_growth(both["wq_spectral_norm"], g["wq_spectral_norm"].shift(), both["step"] - g["step"].shift())
+    both = both[both["_row"] >= 0].sort_values("_row")
+    return frame.assign(wq_growth=both["_growth"].to_numpy())
+
+
+def crossings(frame, thresholds: dict):
+    """Every (row of ``frame``, measure) at or above one of the measure's levels, with the highest level it reaches:
+    a DataFrame (step, layer, head, measure, level, value, threshold) sorted by step, then the worst level first.
+    A NaN or infinite ``max_logit`` (a model that blew up) reaches its top level; other NaN measures reach none
+    (not measured). ``thresholds`` as :func:`normalise_thresholds` accepts. The one decision rule of the monitor
+    and of :func:`replay_logged`."""
+    import pandas as pd
+
+    thr = normalise_thresholds(thresholds)
+    parts = []
+    for measure, levels in thr.items():
+        if measure not in frame or not levels:
+            continue
+        v = frame[measure].to_numpy(dtype=float)
+        level = np.full(len(v), None, dtype=object)
+        at = np.full(len(v), np.nan)
+        for name, x in sorted(levels.items(), key=lambda kv: kv[1]):  # the higher level wins
+            hit = v >= x
+            level[hit], at[hit] = name, x
+        if measure == "max_logit":
+            top, x = max(levels.items(), key=lambda kv: kv[1])
+            blown = np.isnan(v) | np.isposinf(v)
+            level[blown], at[blown] = top, x
+        hit = level != None  # noqa: E711 (elementwise)
+        if hit.any():
+            parts.append(pd.DataFrame({"step": frame["step"].to_numpy()[hit], "layer": frame["layer"].to_numpy()[hit],
+                                       "head": frame["head"].to_numpy()[hit], "measure": measure,
+                                       "level": level[hit].astype(str), "value": v[hit], "threshold": at[hit]}))
+    cols = ["step", "layer", "head", "measure", "level", "value", "threshold"]
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=float if c in ("value", "threshold") else object) for c in cols})
+    out = pd.concat(parts, ignore_index=True)
+    out["_rank"] = out["level"].map({lv: -i for i, lv in enumerate(LEVELS)})
+    return (out.sort_values(["step", "_rank", "layer", "head"], kind="stable").drop(columns="_rank")
+            .reset_index(drop=True)[cols])
+
+
+# --------------------------------------------------------------------------------------------------
+# measuring captured q and k
+
+
+def _normalise_qk(q, k):
+    """q, k as (B, H, L, D) and (B, H, S, D), k's heads repeated for grouped-query attention as SDPA does."""
+    if q.ndim < 3 or k.ndim != q.ndim:
+        raise MonitorError(f"scaled_dot_product_attention got q {tuple(q.shape)} and k {tuple(k.shape)}; the monitor "
+                           "expects (..., heads, tokens, head_dim) for both")
+    if q.ndim == 3:
+        q, k = q.unsqueeze(0), k.unsqueeze(0)
+    q, k = q.reshape(-1, *q.shape[-3:]), k.reshape(-1, *k.shape[-3:])
+    if k.shape[1] != q.shape[1] and k.shape[1] and q.shape[1] % k.shape[1] == 0:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return q, k
+
+
+@torch.no_grad()
+def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = None, eps: float = EPS) -> dict:
+    """``{"max_logit", "tie_fraction_bf16"}``, each an (H,) float64 array, for one attention call's q (B, H, L, D) and
+    k (B, H, S, D) (as :func:`torch.nn.functional.scaled_dot_product_attention` takes them: ``causal`` is its
+    top-left ``is_causal``, a boolean ``mask`` marks visible keys, a float one is added to the logits), over all
+    of the batch it is given (the max over sequences; the tie fraction is each sequence's, averaged)."""
+    from lpfa.attention import get_policy
+    from lpfa.attention.reference import _r, _scores
+
+    q, k = _normalise_qk(q, k)
+    B, H, L, D = q.shape
+    S = k.shape[2]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    pol = get_policy("paper")
+    vis = torch.ones(L, S, dtype=torch.bool, device=q.device).tril() if causal else None
+    maxes, ties = [], []
+    for b in range(B):  # one sequence at a time bounds the H × L × S memory
+        m = mask
+        if m is not None and m.ndim == 4:
+            m = m[b] if m.shape[0] > 1 else m[0]
+        v_b, add = vis, None
+        if m is not None and m.dtype == torch.bool:
+            v_b = m if v_b is None else v_b & m
+        elif m is not None:
+            add = m
+        s = (q[b].double() @ k[b].double().transpose(-1, -2)) * scale  # the logits in float64
+        sb = _scores(q[b : b + 1], k[b : b + 1], scale, pol)[0]  # as the paper policy rounds them: BF16
+        if add is not None:
+            s, sb = s + add.double(), _r(sb + add.float(), pol.scores)
+        if v_b is not None:
+            s, sb = s.masked_fill(~v_b, -math.inf), sb.masked_fill(~v_b, -math.inf)
+        maxes.append(s.amax(dim=(-1, -2)))
+        rm = sb.amax(dim=-1)  # (H, L), as lpfa.attention.reference.fill_tie_stats counts ties
+        rows = rm != -math.inf  # rows with a visible key
+        rs = (sb >= _r(rm - eps, pol.scores)[..., None]).sum(dim=-1)
+        ties.append(((rs > 1) & rows).sum(-1).double() / rows.sum(-1).clamp_min(1).double())
+    return {"max_logit": torch.stack(maxes).amax(0).cpu().numpy(), "tie_fraction_bf16": torch.stack(ties).mean(0).cpu().numpy()}
+
+
+def _spectral_norms(w: torch.Tensor) -> np.ndarray:
+    from lpfa.doctor import _spectral_norms as norms
+
+    return norms(w.detach()).double().cpu().numpy()
+
+
+# --------------------------------------------------------------------------------------------------
+# capture
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _SDPARecorder(torch.overrides.TorchFunctionMode):
+    """Records q, k (detached, first ``sequences``), mask, causal flag and scale of every SDPA call, in order."""
+
+    def __init__(self, layers, sequences: int):
+        super().__init__()
+        self.layers, self.sequences, self.calls, self.count = layers, sequences, {}, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            a = dict(zip(_SDPA_ARGS, args), **kwargs)
+            if self.layers is None or self.count in self.layers:
+                mask = a.get("attn_mask")
+                self.calls[self.count] = {"q": a["query"].detach()[: self.sequences], "k": a["key"].detach()[: self.sequences],
+                                          "mask": mask.detach() if isinstance(mask, torch.Tensor) else None,
+                                          "causal": bool(a.get("is_causal", False)), "scale": a.get("scale")}
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def _unwrap(model):
+    """The module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (getattr(model, "module", None) if type(model).__name__ in
+                                                      ("DistributedDataParallel", "DataParallel") else None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _lpfa_attentions(model):
+    """Our GPT's attention modules (with the ``capture`` hook), or None for any other model."""
+    h = getattr(getattr(model, "transformer", None), "h", None)
+    if h is None or not hasattr(model, "w_q") or not all(hasattr(getattr(b, "attn", None), "capture") for b in h):
+        return None
+    return [b.attn for b in h]
+
+
+class _Capture:
+    """The context of one capture step (:meth:`AttentionMonitor.step`)."""
+
+    def __init__(self, monitor: "AttentionMonitor", step: int):
+        self.monitor, self.step, self.mode = monitor, step, None
+
+    def __enter__(self):
+        mon = self.monitor
+        if mon._attns is not None:
+            for i, a in enumerate(mon._attns):
+                a.capture = {} if mon.layers is None or i in mon.layers else None
+        else:
+            self.mode = _SDPARecorder(mon.layers, mon.sequences)
+            self.mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        mon = self.monitor
+        if self.mode is not None:
+            self.mode.__exit__(exc_type, exc, tb)
+            calls, n_calls = self.mode.calls, self.mode.count
+        else:
+            calls = {i: {"q": a.capture["q"][: mon.sequences], "k": a.capture["k"][: mon.sequences], "mask": None,
+                         "causal": True, "scale": None}
+                     for i, a in enumerate(mon._attns) if a.capture and "q" in a.capture}
+            n_calls = len(mon._attns) if calls else 0
+            for a in mon._attns:
+                a.capture = None
+        if exc_type is None:
+            mon._measure(self.step, calls, n_calls)
+        return False
+
+
+# --------------------------------------------------------------------------------------------------
+# the monitor
+
+
+class AttentionMonitor:
+    """Per-head early warning of attention-logit runaway for any PyTorch model (see the module docstring).
+
+    ``model``: :class:`lpfa.model.GPT` (through its capture hook; W_Q reachable) or any module whose attention calls
+    ``torch.nn.functional.scaled_dot_product_attention``. ``every``: capture on steps divisible by it. ``layers``:
+    the layer indices (SDPA call indices) to measure, None for all. ``thresholds``: as :func:`lpfa.alarms.thresholds`
+    returns (default :func:`default_thresholds`). ``on_warning``: called with each :class:`AttentionEvent`, instead of
+    :func:`warnings.warn`. ``tensorboard``: a ``SummaryWriter`` (anything with ``add_scalar``) or a log folder (a
+    ``torch.utils.tensorboard.SummaryWriter`` is made, needing the ``tensorboard`` package). ``w_q``: ``layer ->
+    tensor`` for models other than ours. ``sequences``: how many sequences of the batch to measure."""
+
+    def __init__(self, model, every: int = 100, layers=None, thresholds: dict | None = None, on_warning=None,
+                 tensorboard=None, w_q=None, sequences: int = SEQUENCES, eps: float = EPS):
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise MonitorError(f"every must be an integer >= 1 (capture every that many steps), got {every!r}")
+        if not isinstance(model, torch.nn.Module):
+            raise MonitorError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
+            raise MonitorError(f"sequences must be an integer >= 1 (sequences of the batch measured), got {sequences!r}")
+        if on_warning is not None and not callable(on_warning):
+            raise MonitorError(f"on_warning must be callable with an AttentionEvent, got {on_warning!r}")
+        if w_q is not None and not callable(w_q):
+            raise MonitorError(f"w_q must be callable as w_q(layer) -> tensor, got {w_q!r}")
+        self.model, self.every, self.sequences, self.eps = model, every, sequences, eps
+        self._attns = _lpfa_attentions(_unwrap(model))
+        if layers is not None:
+            layers = [layers] if isinstance(layers, int) else list(layers)
+            bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or x < 0
+                   or (self._attns is not None and x >= len(self._attns))]
+            if bad:
+                have = f"0..{len(self._attns) - 1}" if self._attns is not None else "non-negative indices"
+                raise MonitorError(f"layers {bad} are not layers of the model: expected {have}")
+            layers = sorted(set(layers))
+        self.layers = layers
+        self.thresholds = normalise_thresholds(default_thresholds() if thresholds is None else thresholds)
+        self.on_warning = on_warning
+        if isinstance(tensorboard, (str, Path)):
+            from torch.utils.tensorboard import SummaryWriter  # optional dependency: only when asked for
+
+            tensorboard = SummaryWriter(str(tensorboard))
+        if tensorboard is not None and not callable(getattr(tensorboard, "add_scalar", None)):
+            raise MonitorError(f"tensorboard must be a SummaryWriter (with add_scalar) or a log folder, got {tensorboard!r}")
+        self.writer = tensorboard
+        if w_q is None and self._attns is not None:
+            inner = _unwrap(model)
+            w_q = inner.w_q
+        self.w_q = w_q
+        self._count = 0  # the next step when step() is called without one
+        self._frames = []
+        self._above: set = set()
+        self.events: list[AttentionEvent] = []
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a capture step."""
+        return step % self.every == 0
+
+    def step(self, step: int | None = None):
+        """The context to run one step's forward in: a capture on steps divisible by ``every``, else a no-op.
+        ``step`` defaults to a counter of calls (0, 1, 2, ...)."""
+        if step is None:
+            step = self._count
+        elif isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise MonitorError(f"step must be an integer >= 0, got {step!r}")
+        step = int(step)
+        self._count = step + 1
+        return _Capture(self, step) if step % self.every == 0 else contextlib.nullcontext()
+
+    @property
+    def history(self):
+        """Every measure of every capture: a DataFrame (step, layer, head, then :data:`MEASURE_COLUMNS`)."""
+        import pandas as pd
+
+        if not self._frames:
+            return pd.DataFrame(columns=["step", "layer", "head", *MEASURE_COLUMNS])
+        return pd.concat(self._frames, ignore_index=True)
+
+    # ----------------------------------------------------------------------------------------------
+    def _weights(self, layer: int, heads: int) -> np.ndarray:
+        if self.w_q is None:
+            return np.full(heads, np.nan)
+        w = self.w_q(layer)
+        if not isinstance(w, torch.Tensor) or w.ndim not in (2, 3):
+            raise MonitorError(f"w_q({layer}) must return a tensor (n_head, head_dim, n_embd) or (n_head*head_dim, n_embd), "
+                               f"got {type(w).__name__}{tuple(w.shape) if isinstance(w, torch.Tensor) else ''}")
+        if w.ndim == 2:
+            if w.shape[0] % heads:
+                raise MonitorError(f"w_q({layer}) has {w.shape[0]} rows, not a multiple of the {heads} heads its attention call had")
+            w = w.reshape(heads, w.shape[0] // heads, w.shape[1])
+        if w.shape[0] != heads:
+            raise MonitorError(f"w_q({layer}) has {w.shape[0]} heads; its attention call had {heads}")
+        return _spectral_norms(w)
+
+    @torch.no_grad()
+    def _measure(self, step: int, calls: dict, n_calls: int):
+        import pandas as pd
+
+        if not n_calls:
+            raise MonitorError(f"step {step}: the forward run inside monitor.step() made no scaled_dot_product_attention "
+                               "call; expected an lpfa.model.GPT or a model whose attention calls "
+                               "torch.nn.functional.scaled_dot_product_attention (not compiled with torch.compile)")
+        if self.layers is not None and self.layers[-1] >= n_calls:
+            raise MonitorError(f"layers {[x for x in self.layers if x >= n_calls]} are not layers of the model: its forward "
+                               f"made {n_calls} attention calls (layers 0..{n_calls - 1})")
+        rows = []
+        for layer, c in sorted(calls.items()):
+            m = call_measures(c["q"], c["k"], c["causal"], c["mask"], c["scale"], self.eps)
+            H = len(m["max_logit"])
+            rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H), **m,
+                                      "wq_spectral_norm": self._weights(layer, H)}))
+        frame = add_derived(pd.concat(rows, ignore_index=True), self._frames[-1] if self._frames else None)
+        self._frames.append(frame)
+        if self.writer is not None:
+            for r in frame.itertuples(index=False):
+                for measure in MEASURE_COLUMNS:
+                    v = float(getattr(r, measure))
+                    if math.isfinite(v):
+                        self.writer.add_scalar(f"attention/{measure}/layer{r.layer}/head{r.head}", v, step)
+        hits = crossings(frame, self.thresholds)
+        above = set()
+        for r in hits.itertuples(index=False):
+            key = (r.layer, r.head, r.measure, r.level)
+            above.add(key)
+            if key in self._above:
+                continue  # still above since the last capture: reported then
+            ev = AttentionEvent(step, int(r.layer), int(r.head), r.measure, r.level, float(r.value), float(r.threshold))
+            self.events.append(ev)
+            if self.on_warning is not None:
+                self.on_warning(ev)
+            else:
+                warnings.warn(str(ev), AttentionWarning, stacklevel=3)
+        self._above = above
+
+
+# --------------------------------------------------------------------------------------------------
+# replay of logged runs
+
+
+def logged_frame(run_dir):
+    """A run's logged diagnostics (:func:`lpfa.runs.head_metric_frame`) as the monitor's measures: a DataFrame
+    (step, layer, head, :data:`MEASURE_COLUMNS`); ``tie_fraction_bf16`` is the logged tie fraction in layers whose
+    scores are BF16 (:func:`lpfa.alarms._layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
+    import pandas as pd
+
+    from lpfa.alarms import _layer_precision
+    from lpfa.run import Run
+    from lpfa.runs import head_metric_frame
+
+    key = ["step", "layer", "head"]
+    cols = {}
+    for name, metric in (("max_logit", "max_logit"), ("tie_fraction_bf16", "tie_fraction"), ("wq_spectral_norm", "wq_spectral_norm")):
+        cols[name] = head_metric_frame(run_dir, metric).drop_duplicates(key, keep="last").set_index(key)["value"]
+    frame = pd.DataFrame(cols).reset_index()
+    precision = dict(enumerate(_layer_precision(Run(run_dir))))
+    frame.loc[frame["layer"].map(precision) != "bf16", "tie_fraction_bf16"] = np.nan
+    return add_derived(frame)
+
+
+def first_warning(run_dir, thresholds: dict | None = None):
+    """The first crossing of a run's logged diagnostics (a row of :func:`crossings` as a dict: step, layer, head,
+    measure, level, value, threshold), or None."""
+    hits = crossings(logged_frame(run_dir), default_thresholds() if thresholds is None else thresholds)
+    if hits.empty:
+        return None
+    r = hits.iloc[0]
+    return {"step": int(r["step"]), "layer": int(r["layer"]), "head": int(r["head"]), "measure": r["measure"],
+            "level": r["level"], "value": float(r["value"]), "threshold": float(r["threshold"])}
+
+
+def replay_logged(run_dir, thresholds: dict | None = None) -> int | None:
+    """The step at which :class:`AttentionMonitor` would first have warned on a run, its logged diagnostics fed
+    through the monitor's decision (:func:`crossings`); None if it never would."""
+    hit = first_warning(run_dir, thresholds)
+    return None if hit is None else int(hit["step"])
+
+
+def warning_table(root=None, thresholds: dict | None = None):
+    """One row per committed training run with diagnostics (:func:`lpfa.alarms.training_runs` under ``root``):
+    its ``runaway step`` and ``explosion step`` (:func:`lpfa.run.run_verdict`), the ``first warning step`` and what
+    warned (layer, head, measure, level), ``lead`` (steps from the first warning to the runaway, or to the explosion
+    where there is none; negative: after it), ``warned before`` (lead > 0) and ``false alarm`` (a run that neither ran
+    away nor exploded, but warned). Indexed by run (experiment/run/label)."""
+    import pandas as pd
+
+    from lpfa.alarms import training_runs
+    from lpfa.run import run_verdict
+
+    thr = default_thresholds() if thresholds is None else thresholds
+    rows = {}
+    for d in training_runs(root):
+        try:
+            hit = first_warning(d, thr)
+        except (ValueError, KeyError, FileNotFoundError):  # a run without per-head diagnostics
+            continue
+        v = run_verdict(d)
+        ra, ex = v["runaway_step"], v["explosion_step"]
+        fail = ra if ra is not None else ex
+        warn = None if hit is None else int(hit["step"])
+        lead = fail - warn if fail is not None and warn is not None else None
+        rows["/".join(Path(d).parts[-3:])] = {
+            "policy": v["policy"], "runaway step": ra, "explosion step": ex, "first warning step": warn,
+            "warning": None if hit is None else f"layer {hit['layer']} head {hit['head']} {hit['measure']} ({hit['level']})",
+            "lead": lead, "warned before": lead is not None and lead > 0,
+            "false alarm": fail is None and warn is not None}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    for c in ("runaway step", "explosion step", "first warning step", "lead"):
+        if c in out:
+            out[c] = out[c].astype("Int64")
+    return out
+
+
+def warning_summary(table) -> dict:
+    """The headline of :func:`warning_table`: failed runs (ran away or exploded), how many were warned before,
+    the median lead, and the false alarms among the clean runs."""
+    failed = table["runaway step"].notna() | table["explosion step"].notna()
+    warned = table["warned before"] & failed
+    lead = table.loc[warned, "lead"].astype(float)
+    return {"runs": int(len(table)), "failed": int(failed.sum()), "ran away": int(table["runaway step"].notna().sum()),
+            "exploded": int(table["explosion step"].notna().sum()), "warned before": int(warned.sum()),
+            "median lead": float(lead.median()) if len(lead) else None, "clean": int((~failed).sum()),
+            "false alarms": int(table["false alarm"].sum())}

@@ -1,0 +1,264 @@
+"""lpfa.monitor: the live early-warning monitor (our GPT's hook and the SDPA TorchFunctionMode) and its replay."""
+
+import gzip
+import json
+import math
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lpfa import monitor as mon
+from lpfa.attention import get_policy
+from lpfa.diagnostics import capture_qkv, tie_fraction, wq_spectral_norms
+from lpfa.model import GPT, GPTConfig
+from lpfa.run import run_verdict
+
+QUIET = {"max_logit": {"precursor": {"value": 1e9}, "runaway": {"value": 1e10}}}  # never crossed
+
+
+def _gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig.from_size("debug", vocab_size=256, block_size=32, attn_backend="sdpa")).eval()
+
+
+class PlainAttention(nn.Module):
+    """A user's model: ``n_layer`` attention layers calling F.scaled_dot_product_attention, no lpfa anywhere;
+    ``probe`` records the torch-function mode stack depth seen inside each forward."""
+
+    def __init__(self, n_layer=2, n_head=3, d=24, causal=True):
+        super().__init__()
+        self.n_head, self.causal = n_head, causal
+        self.qkv = nn.ModuleList(nn.Linear(d, 3 * d, bias=False) for _ in range(n_layer))
+        self.stack_depths = []
+
+    def forward(self, x):
+        self.stack_depths.append(torch._C._len_torch_function_stack())
+        B, T, C = x.shape
+        for lin in self.qkv:
+            q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in lin(x).split(C, dim=2))
+            x = x + F.scaled_dot_product_attention(q, k, v, is_causal=self.causal).transpose(1, 2).reshape(B, T, C)
+        return x
+
+
+def _logits64(q, k, causal=True):
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        T = q.shape[-2]
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    return s.amax(dim=(0, 2, 3)).numpy()
+
+
+def test_gpt_capture_matches_float64_and_lpfa_diagnostics():
+    model, x = _gpt(), torch.randint(0, 256, (6, 32))
+    m = mon.AttentionMonitor(model, every=1, thresholds=QUIET, sequences=4)
+    with m.step(0):
+        model(x)
+    h = m.history
+    assert list(h.columns) == ["step", "layer", "head", *mon.MEASURE_COLUMNS] and len(h) == 2 * 2
+    caps = capture_qkv(model, x[:4])
+    wq = wq_spectral_norms(model).double().numpy()
+    for layer, cap in enumerate(caps):
+        rows = h[h.layer == layer].sort_values("head")
+        np.testing.assert_allclose(rows.max_logit, _logits64(cap["q"], cap["k"]), rtol=1e-12)
+        np.testing.assert_array_equal(rows.tie_fraction_bf16, tie_fraction(cap, get_policy("paper")).numpy())
+        np.testing.assert_allclose(rows.wq_spectral_norm, wq[layer], rtol=1e-6)
+        np.testing.assert_allclose(rows.wq_outlier, wq[layer] / np.median(wq[layer]), rtol=1e-6)
+    assert h.wq_growth.isna().all()  # the first capture has nothing to grow from
+
+
+def test_sdpa_mode_captures_a_plain_module_with_its_wq():
+    torch.manual_seed(1)
+    model, x = PlainAttention(), torch.randn(5, 16, 24)
+    m = mon.AttentionMonitor(model, every=10, thresholds=QUIET, w_q=lambda i: model.qkv[i].weight[:24] * (1 + i))
+    with m.step(10):
+        model(x)
+    h = m.history
+    assert sorted(set(h.layer)) == [0, 1] and (h.step == 10).all() and len(h) == 2 * 3
+    # recompute layer 0's q, k as the module does
+    B, T, C = x.shape
+    q, k, _ = (t.view(B, T, 3, -1).transpose(1, 2) for t in model.qkv[0](x).split(C, dim=2))
+    np.testing.assert_allclose(h[h.layer == 0].sort_values("head").max_logit, _logits64(q[:4].detach(), k[:4].detach()),
+                               rtol=1e-12)
+    w = model.qkv[1].weight[:24].detach().view(3, 8, 24) * 2
+    np.testing.assert_allclose(h[h.layer == 1].sort_values("head").wq_spectral_norm,
+                               torch.linalg.matrix_norm(w, ord=2).double().numpy(), rtol=1e-6)
+    # a second capture 10 steps later: W_Q grew by 10 % → wq_growth = 0.1 per 10 steps = 10 per 1000 steps
+    with torch.no_grad():
+        model.qkv[1].weight[:24] *= 1.1
+    with m.step(20):
+        model(x)
+    np.testing.assert_allclose(m.history.query("step == 20 and layer == 1").wq_growth, 10.0, rtol=1e-5)
+
+
+def test_masks_measure_as_causal():
+    """A boolean lower-triangular mask, an additive -inf mask and is_causal give the same measures."""
+    torch.manual_seed(2)
+    q, k = torch.randn(2, 3, 12, 8) * 3, torch.randn(2, 3, 12, 8) * 3
+    ref = mon.call_measures(q, k, causal=True)
+    vis = torch.ones(12, 12, dtype=torch.bool).tril()
+    add = torch.zeros(12, 12).masked_fill(~vis, -math.inf)
+    for got in (mon.call_measures(q, k, causal=False, mask=vis), mon.call_measures(q, k, causal=False, mask=add)):
+        np.testing.assert_array_equal(got["max_logit"], ref["max_logit"])
+        np.testing.assert_array_equal(got["tie_fraction_bf16"], ref["tie_fraction_bf16"])
+    np.testing.assert_allclose(ref["max_logit"], _logits64(q, k), rtol=1e-12)
+
+
+def _runaway_gpt():
+    """Layer 1 head 0's W_Q set to 1e5 × its W_K: q·k = 1e5 ‖k‖² on the diagonal, logits far above 1000."""
+    model = _gpt()
+    attn = model.transformer.h[1].attn
+    C, D = model.config.n_embd, attn.head_dim
+    with torch.no_grad():
+        attn.c_attn.weight[:D] = 1e5 * attn.c_attn.weight[C : C + D]
+    return model
+
+
+THR = {"max_logit": {"precursor": {"value": 100.0}, "runaway": {"value": 1000.0}}}
+
+
+def test_runaway_head_calls_back_once_then_warns_without_callback():
+    model, x = _runaway_gpt(), torch.randint(0, 256, (2, 32))
+    events = []
+    m = mon.AttentionMonitor(model, every=2, thresholds=THR, on_warning=events.append)
+    for _ in range(5):  # steps 0..4: captures at 0, 2, 4
+        with m.step():
+            model(x)
+    assert sorted(m.history.step.unique()) == [0, 2, 4]
+    assert [(e.step, e.layer, e.head, e.measure, e.level) for e in events] == [(0, 1, 0, "max_logit", "runaway")]
+    assert events[0].value > 1000 and events[0].threshold == 1000.0 and m.events == events  # not again while above
+    m2 = mon.AttentionMonitor(model, every=1, thresholds=THR)
+    with pytest.warns(mon.AttentionWarning, match=r"^step 3: layer 1 head 0 max_logit = .* runaway threshold 1000$") as rec:
+        with m2.step(3):
+            model(x)
+    assert len(rec) == 1
+
+
+def test_non_capture_steps_record_nothing_and_install_nothing():
+    model, x = PlainAttention(), torch.randn(2, 8, 24)
+    m = mon.AttentionMonitor(model, every=3, thresholds=QUIET)
+    for s in range(4):
+        with m.step(s):
+            model(x)
+    assert model.stack_depths == [1, 0, 0, 1] and sorted(m.history.step.unique()) == [0, 3]
+    assert torch._C._len_torch_function_stack() == 0
+    gpt, seen = _gpt(), []
+    gpt.transformer.h[0].attn.register_forward_pre_hook(lambda mod, a: seen.append(mod.capture is not None))
+    m = mon.AttentionMonitor(gpt, every=3, thresholds=QUIET)
+    for s in range(1, 4):
+        with m.step(s):
+            gpt(torch.randint(0, 256, (1, 8)))
+    assert seen == [False, False, True] and (m.history.step == 3).all()
+    assert all(b.attn.capture is None for b in gpt.transformer.h)  # the hook is cleared after the capture
+
+
+class FakeWriter:
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def test_tensorboard_gets_every_finite_measure():
+    model, w = _gpt(), FakeWriter()
+    m = mon.AttentionMonitor(model, every=5, thresholds=QUIET, tensorboard=w)
+    with m.step(5):
+        model(torch.randint(0, 256, (2, 16)))
+    assert len(w.scalars) == 2 * 2 * 4  # wq_growth is NaN on the first capture: not logged
+    row = m.history.query("layer == 1 and head == 0").iloc[0]
+    assert ("attention/max_logit/layer1/head0", row.max_logit, 5) in w.scalars
+
+
+def _run(root, name, logits, ties, wq, backend="lpfa", policy="paper", losses=None):
+    """A run folder (as tests/test_alarms.py writes them): 2 layers × 3 heads, layer 1 head 2 carries ``logits``,
+    ``ties`` and ``wq`` at diagnostics steps 0, 100, ...; every other head 1.0 (ties 0)."""
+    d = root / "exp" / "r1" / name
+    d.mkdir(parents=True)
+    model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
+    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
+        "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
+    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * (100 * len(logits)))]
+    for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
+        recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
+                                               "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],
+                                               "wq_spectral_norm": [[1.0, 1.0, 1.0], [1.0, 1.0, w]]}})
+    (d / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in recs).encode()))
+    return d
+
+
+UP = [10.0] * 5 + [300.0] * 5 + [5000.0] * 10  # ran away at step 1000
+TIES = [0.01] * 3 + [0.3] * 17  # BF16 ties rise at step 300
+ALL = {**THR, "tie_fraction_bf16": {"precursor": {"value": 0.2}}, "wq_outlier": {"precursor": {"value": 2.0}}}
+
+
+def test_replay_logged_uses_the_shared_decision_and_bf16_ties_only(tmp_path):
+    bf16 = _run(tmp_path, "bf16", UP, TIES, [1.0] * 20)
+    fp32 = _run(tmp_path, "fp32", UP, TIES, [1.0] * 20, backend="sdpa_fp32")  # its ties are of FP32 scores
+    assert mon.replay_logged(bf16, ALL) == 300 and mon.replay_logged(fp32, ALL) == 500
+    assert mon.replay_logged(bf16, THR) == 500 and mon.replay_logged(bf16, {"max_logit": {"runaway": 1000.0}}) == 1000
+    frame = mon.logged_frame(fp32)
+    assert frame.tie_fraction_bf16.isna().all() and list(frame.columns) == ["step", "layer", "head", *mon.MEASURE_COLUMNS]
+    hit = mon.first_warning(bf16, ALL)
+    assert hit == {"step": 300, "layer": 1, "head": 2, "measure": "tie_fraction_bf16", "level": "precursor",
+                   "value": 0.3, "threshold": 0.2}
+    assert mon.replay_logged(_run(tmp_path, "quiet", [10.0] * 20, [0.0] * 20, [1.0] * 20), ALL) is None
+
+
+def test_warning_table_leads_and_false_alarms(tmp_path):
+    _run(tmp_path, "ran_away", UP, [0.0] * 20, [1.0] * 20)  # warned at 500, ran away at 1000
+    boom = _run(tmp_path, "exploded", [10.0] * 7 + [150.0] * 13, [0.0] * 20, [1.0] * 20,
+                losses=[3.0] * 1500 + [10.0] * 500)  # no runaway; warned at 700, exploded near 1500
+    _run(tmp_path, "clean_warned", [10.0] * 20, [0.0] * 20, [1.0] * 4 + [2.5] * 16, backend="sdpa_fp32")
+    _run(tmp_path, "clean", [10.0] * 20, [0.0] * 20, [1.0] * 20, backend="sdpa_fp32")
+    thr = {"max_logit": {"precursor": 100.0, "runaway": 1000.0}, "wq_outlier": {"precursor": 2.0}}
+    t = mon.warning_table(tmp_path, thr)
+    assert list(t.index) == [f"exp/r1/{n}" for n in ("clean", "clean_warned", "exploded", "ran_away")]
+    r = t.loc["exp/r1/ran_away"]
+    assert (r["runaway step"], r["first warning step"], r["lead"], r["warned before"], r["false alarm"]) == (1000, 500, 500, True, False)
+    ex = run_verdict(boom)["explosion_step"]
+    r = t.loc["exp/r1/exploded"]
+    assert ex is not None and r["runaway step"] is pd.NA and r["lead"] == ex - 700 and r["warned before"]
+    assert t.loc["exp/r1/clean_warned", "false alarm"] and t.loc["exp/r1/clean_warned", "first warning step"] == 400
+    assert not t.loc["exp/r1/clean", "false alarm"] and pd.isna(t.loc["exp/r1/clean", "warning"])
+    s = mon.warning_summary(t)
+    assert (s["failed"], s["warned before"], s["clean"], s["false alarms"], s["median lead"]) == (2, 2, 2, 1, (500 + ex - 700) / 2)
+
+
+def test_bad_input_one_line_errors():
+    gpt = _gpt()
+    for every in (0, -5, 2.5, "100", True):
+        with pytest.raises(mon.MonitorError, match=f"every must be an integer >= 1 .*got {every!r}"):
+            mon.AttentionMonitor(gpt, every=every, thresholds=QUIET)
+    with pytest.raises(mon.MonitorError, match=r"layers \[5\] are not layers of the model: expected 0..1"):
+        mon.AttentionMonitor(gpt, layers=[0, 5], thresholds=QUIET)
+    with pytest.raises(mon.MonitorError, match="thresholds name measure 'loss'"):
+        mon.AttentionMonitor(gpt, thresholds={"loss": {"precursor": 1.0}})
+    with pytest.raises(mon.MonitorError, match=r"thresholds\['max_logit'\] has level 'warn'"):
+        mon.AttentionMonitor(gpt, thresholds={"max_logit": {"warn": 1.0}})
+    with pytest.raises(mon.MonitorError, match="tensorboard must be a SummaryWriter"):
+        mon.AttentionMonitor(gpt, thresholds=QUIET, tensorboard=object())
+    with pytest.raises(mon.MonitorError, match="step must be an integer >= 0, got -1"):
+        mon.AttentionMonitor(gpt, thresholds=QUIET).step(-1)
+    plain = PlainAttention()  # 2 SDPA calls: layer 4 shows only on the first capture
+    m = mon.AttentionMonitor(plain, layers=[4], thresholds=QUIET)
+    with pytest.raises(mon.MonitorError, match=r"layers \[4\] are not layers of the model: its forward made 2 attention calls"):
+        with m.step(0):
+            plain(torch.randn(1, 4, 24))
+    lin = nn.Linear(4, 4)
+    m = mon.AttentionMonitor(lin, thresholds=QUIET)
+    with pytest.raises(mon.MonitorError, match="step 0: the forward run inside monitor.step.. made no scaled_dot_product_attention call"):
+        with m.step(0):
+            lin(torch.randn(2, 4))
+    with m.step(1):  # not a capture step: nothing checked
+        lin(torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="boom"):  # the body's error passes through, the mode is removed
+            with mon.AttentionMonitor(plain, thresholds=QUIET).step(0):
+                raise RuntimeError("boom")
+    assert torch._C._len_torch_function_stack() == 0
