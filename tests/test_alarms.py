@@ -44,23 +44,31 @@ def test_thresholds_separate_known_classes(tmp_path):
     assert (pos.layer == 1).all() and (s[s.run == "exp/r1/fp32_0"]["class"] == "negative").all()
     assert (s[s.run == "exp/r1/fp32_0"].precision == "fp32").all() and (pos.precision == "bf16").all()
     thr = alarms.derive(s)
-    # perfect separation: every positive at or above, every negative below
-    assert 20 < thr["max_logit"]["precursor"]["value"] <= 300 and thr["max_logit"]["runaway"]["value"] == 1000.0
+    # perfect separation: the threshold lies above every negative (the 0.1% cap allows none of 120) and at or below
+    # every positive
+    assert max(lo) < thr["max_logit"]["precursor"]["value"] <= 300 and thr["max_logit"]["runaway"]["value"] == 1000.0
     assert thr["max_logit"]["precursor"]["fpr"] == 0 and thr["max_logit"]["precursor"]["fnr"] == 0
     assert thr["max_logit"]["precursor"]["positives"] == 10 and thr["max_logit"]["precursor"]["negatives"] == 3 * 20 * 2
-    assert 1.2 < thr["wq_outlier"]["precursor"]["value"] <= 3.0 and thr["wq_outlier"]["precursor"]["fnr"] == 0
+    assert 1.0 < thr["wq_outlier"]["precursor"]["value"] <= 3.0 and thr["wq_outlier"]["precursor"]["fnr"] == 0
     tie = thr["tie_fraction_bf16"]["precursor"]  # negatives: the clean BF16 run only (FP32 runs log FP32 ties)
-    assert tie["negatives"] == 40 and 0.05 < tie["value"] <= 0.3 and tie["fpr"] == 0
+    assert tie["negatives"] == 40 and 0.0 < tie["value"] <= 0.3 and tie["fpr"] == 0
     lead = alarms.lead_times(s, thr)
     assert list(lead.index) == ["exp/r1/bf16_0", "exp/r1/bf16_1"] and (lead["max_logit lead"] == 500).all()
     assert alarms.thresholds(tmp_path, lead=500) == thr
 
 
-def test_best_threshold_counts_rates_and_refuses_one_class():
-    r = alarms.best_threshold([3, 4, 5, 1.5], [1, 2, 2.5, 3.5])
+def test_threshold_at_fpr_counts_rates_and_refuses_one_class():
+    pos, neg = [3, 4, 5, 1.5], [1, 2, 2.5, 3.5]
+    r = alarms.threshold_at_fpr(pos, neg, max_fpr=0.25)  # 3 flags one negative of 4 (3.5): within the cap
     assert r["value"] == 3 and r["fpr"] == 0.25 and r["fnr"] == 0.25 and (r["positives"], r["negatives"]) == (4, 4)
+    r = alarms.threshold_at_fpr(pos, neg, max_fpr=0.0)  # just above every negative: 4 and 5 flagged
+    assert r["value"] == np.nextafter(3.5, np.inf) and r["fpr"] == 0 and r["fnr"] == 0.5
+    r = alarms.threshold_at_fpr([1.0], [2.0], max_fpr=0.0)  # no positive above the negatives: just above the largest
+    assert r["value"] == np.nextafter(2.0, np.inf) and r["fnr"] == 1.0
     with pytest.raises(ValueError, match="need positive and negative samples, got 2 and 0"):
-        alarms.best_threshold([1, 2], [])
+        alarms.threshold_at_fpr([1, 2], [])
+    with pytest.raises(ValueError, match=r"max_fpr=1.5: expected a fraction in \[0, 1\)"):
+        alarms.threshold_at_fpr([1], [2], max_fpr=1.5)
 
 
 def test_committed_runs_give_every_threshold():

@@ -225,8 +225,10 @@ def test_warning_table_leads_and_false_alarms(tmp_path):
     assert ex is not None and r["runaway step"] is pd.NA and r["lead"] == ex - 700 and r["warned before"]
     assert t.loc["exp/r1/clean_warned", "false alarm"] and t.loc["exp/r1/clean_warned", "first warning step"] == 400
     assert not t.loc["exp/r1/clean", "false alarm"] and pd.isna(t.loc["exp/r1/clean", "warning"])
+    assert list(t["attention"]) == ["fp32", "fp32", "low precision", "low precision"]
     s = mon.warning_summary(t)
     assert (s["failed"], s["warned before"], s["clean"], s["false alarms"], s["median lead"]) == (2, 2, 2, 1, (500 + ex - 700) / 2)
+    assert (s["fp32 clean"], s["fp32 false alarms"], s["low-precision clean"], s["low-precision clean warned"]) == (2, 1, 0, 0)
 
 
 def test_bad_input_one_line_errors():

@@ -43,13 +43,10 @@ decision, giving each run's first warning and its lead over the runaway or the e
 runs that stayed clean. The logged tie fraction is of the scores as the run computed them: it stands for
 ``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.alarms._layer_precision`).
 
-**What the replay found** (the 57 committed runs with per-head diagnostics, when this module was written): with the
-default (learnt) thresholds every run warns at its first diagnostics steps (100–200), the 28 that ran away and the
-29 clean ones alike: the thresholds are learnt per (run, step, layer) sample, with false-positive rates of 12–31 % a
-sample, and a run has hundreds of samples, so as a run-level alarm they are not specific. The ``runaway`` level alone
-warns 3 of 28 failures before their runaway verdict, with 4 false alarms out of 29. Pass stricter thresholds (e.g.
-``{"max_logit": {"precursor": 500.0, "runaway": 1000.0}}``: 21 of 28 warned, median lead 200 steps, 9 false alarms)
-and check them with :func:`warning_table`.
+**What the replay finds** is computed on the early-warning page (``notebooks/15_early_warning.ipynb``) from
+:func:`warning_table` and :func:`warning_summary`. Runs that neither ran away nor exploded are of two kinds there:
+FP32-attention runs (true negatives: a warning is a false alarm) and low-precision runs that did not fail within their
+steps (many show the precursor on the isolation page, so a warning there may be right).
 """
 
 from __future__ import annotations
@@ -514,10 +511,12 @@ def warning_table(root=None, thresholds: dict | None = None):
     its ``runaway step`` and ``explosion step`` (:func:`lpfa.run.run_verdict`), the ``first warning step`` and what
     warned (layer, head, measure, level), ``lead`` (steps from the first warning to the runaway, or to the explosion
     where there is none; negative: after it), ``warned before`` (lead > 0) and ``false alarm`` (a run that neither ran
-    away nor exploded, but warned). Indexed by run (experiment/run/label)."""
+    away nor exploded, but warned), and ``attention``: "fp32" where every layer's attention is FP32
+    (:func:`lpfa.alarms._layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
     import pandas as pd
 
-    from lpfa.alarms import training_runs
+    from lpfa.alarms import _layer_precision, training_runs
+    from lpfa.run import Run
     from lpfa.run import run_verdict
 
     thr = default_thresholds() if thresholds is None else thresholds
@@ -532,8 +531,9 @@ def warning_table(root=None, thresholds: dict | None = None):
         fail = ra if ra is not None else ex
         warn = None if hit is None else int(hit["step"])
         lead = fail - warn if fail is not None and warn is not None else None
+        fp32 = all(p == "fp32" for p in _layer_precision(Run(d)))
         rows["/".join(Path(d).parts[-3:])] = {
-            "policy": v["policy"], "runaway step": ra, "explosion step": ex, "first warning step": warn,
+            "policy": v["policy"], "attention": "fp32" if fp32 else "low precision", "runaway step": ra, "explosion step": ex, "first warning step": warn,
             "warning": None if hit is None else f"layer {hit['layer']} head {hit['head']} {hit['measure']} ({hit['level']})",
             "lead": lead, "warned before": lead is not None and lead > 0,
             "false alarm": fail is None and warn is not None}
@@ -546,11 +546,17 @@ def warning_table(root=None, thresholds: dict | None = None):
 
 def warning_summary(table) -> dict:
     """The headline of :func:`warning_table`: failed runs (ran away or exploded), how many were warned before,
-    the median lead, and the false alarms among the clean runs."""
+    the median lead; the clean runs and their warnings, split into FP32-attention runs (``fp32 false alarms`` of
+    ``fp32 clean``) and low-precision runs that did not fail in their steps (``low-precision clean warned``)."""
     failed = table["runaway step"].notna() | table["explosion step"].notna()
     warned = table["warned before"] & failed
     lead = table.loc[warned, "lead"].astype(float)
+    clean_fp32 = ~failed & (table["attention"] == "fp32")
+    clean_lp = ~failed & (table["attention"] != "fp32")
     return {"runs": int(len(table)), "failed": int(failed.sum()), "ran away": int(table["runaway step"].notna().sum()),
             "exploded": int(table["explosion step"].notna().sum()), "warned before": int(warned.sum()),
             "median lead": float(lead.median()) if len(lead) else None, "clean": int((~failed).sum()),
-            "false alarms": int(table["false alarm"].sum())}
+            "false alarms": int(table["false alarm"].sum()),
+            "fp32 clean": int(clean_fp32.sum()), "fp32 false alarms": int((table["false alarm"] & clean_fp32).sum()),
+            "low-precision clean": int(clean_lp.sum()),
+            "low-precision clean warned": int((table["false alarm"] & clean_lp).sum())}
