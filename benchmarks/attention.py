@@ -8,13 +8,19 @@ Three parts, all in one run on one GPU:
 2. **speed** — forward, backward and forward+backward TFLOP/s for each preset, for SDPA's flash and
    cuDNN backends, and for the reference ``paper`` path, measured in the same run; ratios to SDPA-flash.
 3. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
+4. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
+   FP32 operands, issue 17) and ``fa2`` against float64 attention on the same inputs (BF16 and FP32 q, k, v; FP32
+   dO): max and mean error relative to the float64 tensor's max and mean magnitude (:mod:`lpfa.attention.accuracy`).
+
+The speed part also times SDPA on FP32 q, k, v (``sdpa_fp32``: the experiments' FP32 twin today, TF32 off), the row
+that ``fp32_split`` has to beat to replace it.
 
 Usage::
 
-    python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick]
+    python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick] [--parts check,error,speed]
 
-Writes ``check.json``, ``bench.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s and
-ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
+Writes ``check.json``, ``error.json``, ``bench.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s
+and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from lpfa.attention import PRESETS, attention
 from lpfa.attention import reference as ref
 from lpfa.provenance import provenance, write_json
 
-PRESET_ORDER = ["fa2", "paper", "fp32", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32", "paper_untiled"]
+PRESET_ORDER = ["fa2", "paper", "fp32", "fp32_split", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32", "paper_untiled"]
 
 
 def flops(B, H, T, D, mode):
@@ -89,6 +95,27 @@ def check(B, H, T, D):
     return out
 
 
+ERROR_POLICIES = ["fp32", "fp32_split", "fa2"]
+
+
+def error(B, H, T, D):
+    """``{input dtype: {policy: {part: {"max_rel", "mean_rel"}}}}`` against float64 (lpfa.attention.accuracy)."""
+    from lpfa.attention.accuracy import errors_vs_float64
+
+    out = {}
+    for dname, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        g = torch.Generator(device="cuda").manual_seed(2)
+        q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+        do = torch.randn(B, H, T, D, device="cuda", generator=g)  # FP32: the FP32 policies' O (and dO) is FP32
+        out[dname] = errors_vs_float64(q, k, v, do, ERROR_POLICIES, 1 / math.sqrt(D))
+        for name, parts in out[dname].items():
+            print(f"error {dname} inputs {name:11s} " + "  ".join(
+                f"{n}: max {e['max_rel']:.2e} mean {e['mean_rel']:.2e}" for n, e in parts.items()), flush=True)
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    return out
+
+
 def speed(B, H, T, D, budget_s):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -132,6 +159,8 @@ def speed(B, H, T, D, budget_s):
 
     measure("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))
     measure("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
+    # the experiments' FP32 twin today (lpfa.model attn_backend="sdpa_fp32"): SDPA's own choice on FP32 q, k, v
+    measure("sdpa_fp32", lambda: torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True))
     for name in PRESET_ORDER:
         measure(name, lambda name=name: attention(q, k, v, policy=name, backend="triton"))
     measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"))
@@ -191,7 +220,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
-    p.add_argument("--parts", default="check,speed,memory,compile")
+    p.add_argument("--parts", default="check,error,speed,memory,compile")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -207,6 +236,11 @@ def main():
     if "check" in parts:
         results["check"] = check(2 if a.quick else B, H, T, D)
         write_json(out / "check.json", {"shape": [B, H, T, D], "presets": results["check"], "compile": results.get("compile")})
+    if "error" in parts:
+        B_err = 2 if a.quick else 4  # float64 autograd holds a few (B, H, T, T) tensors
+        results["error"] = error(B_err, H, T, D)
+        write_json(out / "error.json", {"shape": [B_err, H, T, D], "dO": "fp32", "policies": ERROR_POLICIES,
+                                        "inputs": results["error"]})
     if "speed" in parts:
         rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0)
         write_json(out / "bench.json", {"shape": [B, H, T, D], "rows": rows})

@@ -110,7 +110,7 @@ def test_nonfinite_reaches_the_same_entries_as_the_reference(which, name):
             assert torch.isfinite(a[:, :, :127]).all()  # no row before the first poisoned position sees it
 
 
-@pytest.mark.parametrize("name", ["fa2", "paper", "paper_sfa", "fp32", "delta_dp", "paper_untiled"])
+@pytest.mark.parametrize("name", ["fa2", "paper", "paper_sfa", "fp32", "fp32_split", "delta_dp", "paper_untiled"])
 @pytest.mark.parametrize("T", [1000, 1024, 77])
 def test_causal_split_is_bit_identical_on_the_gpu(name, T):
     """The unmasked off-diagonal tiles (causal_split=True, the default) give the same bits as masking every tile, on
@@ -127,3 +127,29 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
         outs[split] = (o, lse, *flash_backward(do, q, k, v, o.float(), lse, pol, scale, causal_split=split))
     for a, b, what in zip(outs[True], outs[False], ("o", "lse", "dq", "dk", "dv")):
         assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), what
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1000, 1024])
+def test_fp32_split_on_tensor_cores_is_fp32_level(T, dtype):
+    """``fp32_split`` (gemm="bf16x6": split FP32 operands on BF16 tensor cores, issue 17) against float64 next to
+    ``fp32`` (IEEE FP32 GEMMs) on the same inputs: within 4× of its errors for O, lse, dq, dk, dv (max and mean),
+    which also checks the tensor cores' FP32 accumulation; and against the reference at FP32 tolerance."""
+    from lpfa.attention.accuracy import errors_vs_float64, run_policy
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, H, D = 2, 12, 64
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g).to(dtype) for _ in range(3))
+    do = torch.randn(B, H, T, D, device="cuda", generator=g)
+    err = errors_vs_float64(q, k, v, do, ["fp32", "fp32_split"], 1 / math.sqrt(D))
+    print(f"T={T} {dtype} seed={seed}: {err}")
+    for part, e in err["fp32_split"].items():
+        for stat, x in e.items():
+            assert x <= 4 * err["fp32"][part][stat], (part, stat, x, err["fp32"][part][stat], seed)
+    got = run_policy(q, k, v, do, "fp32_split", 1 / math.sqrt(D))
+    want = run_policy(q, k, v, do, "fp32_split", 1 / math.sqrt(D), backend="reference")
+    for part in ("o", "lse", "dq", "dk", "dv"):
+        a, b = got[part].float(), want[part]
+        rel = ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
+        assert rel < 1e-5, (part, rel, seed)

@@ -133,7 +133,7 @@ def test_compute_tiles_inside_policy_blocks(name, bq, bk, T, D):
     _check(grads, refs, pol, terms=terms)
 
 
-@pytest.mark.parametrize("name", ["fp32", "fa2", "paper", "delta_dp"])
+@pytest.mark.parametrize("name", ["fp32", "fp32_split", "fa2", "paper", "delta_dp"])
 def test_fp32_inputs_and_odd_blocks(name):
     """FP32 inputs (not BF16-representable), non-power-of-two blocks, block_q != block_k."""
     pol = PRESETS[name].with_(block_q=12, block_k=20)

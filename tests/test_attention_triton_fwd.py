@@ -77,7 +77,7 @@ def test_matches_reference(name, T, D, B):
         raise AssertionError(f"{e} (inputs: _inputs({B}, 2, {T}, {D}, torch.bfloat16, seed={seed}))") from e
 
 
-@pytest.mark.parametrize("name", ["fp32", "fa2", "paper"])
+@pytest.mark.parametrize("name", ["fp32", "fp32_split", "fa2", "paper"])
 def test_fp32_inputs_and_odd_blocks(name):
     """FP32 inputs (not BF16-representable), non-power-of-two blocks, block_q != block_k, name lookup."""
     pol = PRESETS[name].with_(block_q=12, block_k=20)

@@ -15,7 +15,9 @@ block and each key block (Alg. 1 of FlashAttention-2, in the paper's notation)::
 
 and the backward recomputes ``P = exp(S − lse)`` per block pair, with GEMM outputs and gradient
 accumulators in BF16 or FP32 (``policy.backward``) and ``delta`` from one of three formulas
-(``policy.delta``, Sec. 3.2 isolation experiments).
+(``policy.delta``, Sec. 3.2 isolation experiments). ``policy.gemm`` says how every GEMM multiplies the
+operands it keeps in FP32: exactly (``"ieee"``) or through BF16 tensor cores with a 3-way split (``"bf16x6"``,
+:data:`GEMM_SPLIT_DOC`).
 """
 
 from __future__ import annotations
@@ -30,11 +32,45 @@ BF16, FP32 = "bf16", "fp32"
 _PRECISIONS = (BF16, FP32)
 DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
 DOSE_SIGNS = ("bias", "control")
+IEEE, BF16X6 = "ieee", "bf16x6"
+GEMMS = (IEEE, BF16X6)
 
 
 MIN_SHIFT = 2.0**-8
 """SFA's smallest shift m − rm: bf16(exp(−x)) rounds to 1 for x < 2⁻⁹, so a shift of 2⁻⁸ is the least that keeps
 every shifted P̄ < 1 (exp(−2⁻⁸) rounds to 1 − 2⁻⁸ in BF16)."""
+
+
+GEMM_SPLIT_DOC = """``gemm="bf16x6"``: FP32 products through BF16 tensor cores (issue 17's fast FP32 twin).
+
+Each FP32 operand x of a GEMM is split into three BF16 values (round to nearest even)::
+
+    x0 = bf16(x),   x1 = bf16(x − x0),   x2 = bf16(x − x0 − x1)
+
+``x − x0`` and ``x − x0 − x1`` are exact in FP32, and x2 needs no rounding, so x = x0 + x1 + x2 exactly for
+every finite FP32 x up to BF16's overflow threshold (|x| < 2¹²⁸·(1 − 2⁻⁹) ≈ 3.39e38) whose x2 is not below
+BF16's subnormal range (|x| ≳ 2⁻¹¹⁰): with u = 2⁻⁸ (BF16's unit roundoff), |x1| ≤ u·|x| and |x2| ≤ u²·|x|.
+A product a·b = Σᵢⱼ aᵢ·bⱼ is taken as the six terms with i + j ≤ 2, summed in FP32 (the small terms first)::
+
+    a·b ≈ a1·b1 + a0·b2 + a2·b0 + a0·b1 + a1·b0 + a0·b0          (6 BF16 GEMMs, FP32 accumulation)
+
+Each aᵢ·bⱼ is exact in FP32 (8 × 8 significant bits), as on a tensor core. The three dropped terms
+a1·b2 + a2·b1 + a2·b2 bound the error of one product by (2u³ + u⁴)·|a·b| ≈ 2⁻²³·|a·b|, against IEEE FP32's
+rounding of one product, ≤ 2⁻²⁴·|a·b|; both are then summed in FP32, which adds the usual K·2⁻²⁴·Σ|aₖbₖ|
+(K = the GEMM's inner length; here each product's six terms are six of the summands). So a bf16x6 GEMM is
+accurate to about twice FP32's unit roundoff per product, i.e. FP32 level, not BF16 level (the name counts
+BF16 GEMMs, as Triton's ``tf32x3`` does; three terms, i + j ≤ 1, would stop at u² = 2⁻¹⁶).
+
+An operand that is BF16 already (BF16 inputs; P̄, P or dS rounded by the policy) has x1 = x2 = 0, so only the
+other operand is split and its three products a·b0, a·b1, a·b2 are exact. The kernels skip the vanishing
+terms (``SPLIT_A``/``SPLIT_B`` in :func:`lpfa.attention.triton_common.gemm_mode`); with both operands BF16
+the GEMM is the one plain BF16 GEMM it always was, so ``gemm`` changes nothing where the policy rounds both.
+
+Non-finite operands: where x0 is ±inf or NaN, x1 = x2 = 0 and the cross terms use x0 = 0, so only a0·b0
+carries the inf or NaN, as an IEEE product would (inf·b for b ≠ 0; inf·0 = NaN). Hardware caveat (GPU
+only): a tensor core's FP32 accumulation is not an IEEE sum in every respect (its alignment of the addends
+truncates); the GPU tests measure the result against the reference instead of assuming it.
+"""
 
 
 @dataclass(frozen=True)
@@ -94,6 +130,11 @@ class PrecisionPolicy:
       the one whose P the backward differentiates (P = exp(S − lse) from the BF16 S), so this δ is
       inconsistent with P (:func:`lpfa.mechanism.delta_formulas` measures it).
     * ``backward``: BF16 GEMM outputs and gradient accumulators (the paper's code) or FP32 (FA2).
+    * ``gemm``: how every GEMM (QKᵀ, P̄V; dP = dO Vᵀ, dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q) multiplies operands it
+      keeps in FP32: ``"ieee"`` = exact FP32 products (``tl.dot(input_precision="ieee")``, CUDA cores) or
+      ``"bf16x6"`` = each FP32 operand split into three BF16 parts and six BF16 tensor-core GEMMs summed in FP32,
+      about 2⁻²³ relative error per product (:data:`GEMM_SPLIT_DOC`). Operands the policy rounds to BF16, and BF16
+      inputs, are multiplied as they are either way.
     * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
     * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
     * ``sfa``: :class:`SFA` or ``None``.
@@ -112,6 +153,7 @@ class PrecisionPolicy:
     o_store: str = BF16
     delta: str = "o_stored"
     backward: str = FP32
+    gemm: str = IEEE
     block_q: int | None = 128
     block_k: int | None = 128
     row_sum_clamp: float | None = None
@@ -126,6 +168,8 @@ class PrecisionPolicy:
             v = getattr(self, f)
             if not (isinstance(v, str) and v in _PRECISIONS):
                 raise ValueError(f"PrecisionPolicy.{f}={v!r}: expected 'bf16' or 'fp32'")
+        if not (isinstance(self.gemm, str) and self.gemm in GEMMS):
+            raise ValueError(f"PrecisionPolicy.gemm={self.gemm!r}: expected 'ieee' (exact FP32 products) or 'bf16x6' (3-way BF16 split)")
         if not (isinstance(self.delta, str) and self.delta in DELTA_FORMULAS):
             raise ValueError(f"PrecisionPolicy.delta={self.delta!r}: expected one of {', '.join(map(repr, DELTA_FORMULAS))}")
         for f in ("block_q", "block_k"):
@@ -188,10 +232,15 @@ FP32_POLICY = PrecisionPolicy(
 )
 """Everything in FP32 (TF32 off): the stable twin of Sec. 3.1."""
 
+FP32_SPLIT = replace(FP32_POLICY, gemm=BF16X6, name="fp32_split")
+"""``fp32`` with its FP32 GEMMs through BF16 tensor cores, each FP32 operand split in three BF16 parts (issue 17's
+fast FP32 twin; error bound in :data:`GEMM_SPLIT_DOC`). Not yet the experiments' twin (that waits for GPU speed)."""
+
 PRESETS: dict[str, PrecisionPolicy] = {
     "paper": PAPER,
     "fa2": FA2,
     "fp32": FP32_POLICY,
+    "fp32_split": FP32_SPLIT,
     # SFA validation (Sec. 4, Fig. 7)
     "paper_sfa": replace(PAPER, sfa=SFA(), name="paper_sfa"),
     "fa2_sfa": replace(FA2, sfa=SFA(), name="fa2_sfa"),

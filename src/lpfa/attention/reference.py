@@ -4,7 +4,9 @@ This is the semantic ground truth for every other implementation. Values live in
 rounding point of the policy is an explicit round-to-nearest-even to BF16 (:func:`_r`). GEMMs and row
 sums are computed in float64 and rounded once to FP32, i.e. an FP32 accumulation without order
 effects: a kernel's FP32 accumulation differs from it only by FP32 rounding noise (which can flip a
-later BF16 rounding by one ulp, rarely).
+later BF16 rounding by one ulp, rarely). With ``policy.gemm == "bf16x6"`` a GEMM's value is the exact sum of
+the six BF16 products of its split operands (:func:`split3`, :func:`_mm`), rounded once to FP32: the products
+the kernels compute on tensor cores, the three smallest dropped, without order effects.
 
 Masked scores are ``−inf`` (the paper's code uses ``−max_bf16``; both give P̄ = 0 exactly). Key blocks
 entirely above the diagonal are skipped, and a row with no visible key in a block leaves the running
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, fp32_twin
+from lpfa.attention.policy import BF16, FP32, IEEE, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, fp32_twin
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -36,21 +38,44 @@ def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32) if prec == BF16 else x
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` with FP32 accumulation modelled exactly: float64 product, one rounding to FP32."""
-    return torch.matmul(a.double(), b.double()).float()
+def split3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The 3-way BF16 split of an FP32 tensor (:data:`lpfa.attention.policy.GEMM_SPLIT_DOC`): ``(x0, h, x1, x2)``
+    with x0 = bf16(x), x1 = bf16(x − x0), x2 = bf16(x − x0 − x1) (FP32 tensors holding BF16 values; x = x0 + x1 + x2
+    exactly for finite x in BF16's range) and h = x0 with 0 where x0 is ±inf or NaN (where x1 = x2 = 0 too): the head
+    that the cross terms use, so that only x0·y0 carries a non-finite value."""
+    x = x.float()
+    x0 = x.to(torch.bfloat16).float()
+    fin = torch.isfinite(x0)
+    r = torch.where(fin, x - x0, torch.zeros((), device=x.device))
+    x1 = r.to(torch.bfloat16).float()
+    x2 = (r - x1).to(torch.bfloat16).float()
+    return x0, torch.where(fin, x0, torch.zeros((), device=x.device)), x1, x2
 
 
-def _mm_visible(a: torch.Tensor, b: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+def _mm(a: torch.Tensor, b: torch.Tensor, gemm: str = IEEE) -> torch.Tensor:
+    """``a @ b`` with FP32 accumulation modelled exactly: float64 product, one rounding to FP32.
+
+    ``gemm="bf16x6"``: the six BF16 products of the split operands (:func:`split3`), a0·b0 + h_a·b1 + a1·h_b +
+    h_a·b2 + a1·b1 + a2·h_b, each exact, summed in float64 and rounded once to FP32. A BF16 operand splits into
+    (x, x, 0, 0) (x finite), so its remainder terms are exact zeros: what the kernels skip."""
+    if gemm == IEEE:
+        return torch.matmul(a.double(), b.double()).float()
+    a0, ha, a1, a2 = (t.double() for t in split3(a))
+    b0, hb, b1, b2 = (t.double() for t in split3(b))
+    mm = torch.matmul
+    return (mm(a1, b1) + mm(ha, b2) + mm(a2, hb) + mm(ha, b1) + mm(a1, hb) + mm(a0, b0)).float()
+
+
+def _mm_visible(a: torch.Tensor, b: torch.Tensor, visible: torch.Tensor | None, gemm: str = IEEE) -> torch.Tensor:
     """``a @ b`` summed over visible pairs only: ``a`` (…, M, K) is 0 where ``visible`` (M, K) is False (None: all
     visible), ``b`` (…, K, N) may hold inf or NaN. A non-finite b[k, n] makes out[m, n] NaN exactly where (m, k)
     is visible; 0·NaN would otherwise carry it to rows that cannot see key k."""
     bad = ~torch.isfinite(b)
     if not bool(bad.any()):
-        return _mm(a, b)
+        return _mm(a, b, gemm)
     vis = torch.ones(a.shape[-2:], dtype=torch.bool, device=a.device) if visible is None else visible
     reach = torch.matmul(vis.double(), bad.double()) > 0  # (…, M, N): a visible key holds a non-finite b
-    return _mm(a, b.masked_fill(bad, 0.0)).masked_fill(reach, math.nan)
+    return _mm(a, b.masked_fill(bad, 0.0), gemm).masked_fill(reach, math.nan)
 
 
 @dataclass
@@ -101,7 +126,7 @@ def _blocks(n: int, size: int | None):
 
 def _scores(q_b, k_b, scale, policy: PrecisionPolicy):
     """S = Q_b K_bᵀ · scale at the policy's precision: ``bf16(bf16(QKᵀ)·scale)`` or FP32."""
-    s = _mm(q_b, k_b.transpose(-1, -2))
+    s = _mm(q_b, k_b.transpose(-1, -2), policy.gemm)
     return _r(_r(s, policy.scores) * scale, policy.scores)
 
 
@@ -185,7 +210,7 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             p_pv = _r(p_bar, policy.p_bar)
             if stats is not None:
                 counts["ones"] += (p_pv == 1.0).sum(dim=(-1, -2))
-            o_bar = _r(_mm_visible(p_pv, v[:, :, ks:ke], vis), policy.o_block)
+            o_bar = _r(_mm_visible(p_pv, v[:, :, ks:ke], vis, policy.gemm), policy.o_block)
             c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
             l = _r(c * l + block_sum, acc)
@@ -285,7 +310,7 @@ def _delta_formula(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: fl
     delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
     for qs, qe, ks, ke in _block_pairs(T, policy, causal):
         p, vis = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
-        dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2)), bw)
+        dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2), policy.gemm), bw)
         delta64[:, :, qs:qe] += _masked(dp.double() * p.double(), vis).sum(dim=-1)
     return delta64.float()
 
@@ -295,11 +320,12 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
 
     GEMM operands are rounded to BF16 when ``policy.backward == "bf16"`` or ``policy.p_bar == "bf16"``
     (FlashAttention-2 feeds P and dS to tensor cores in BF16); GEMM outputs and the dq/dk/dv
-    accumulators are rounded to ``policy.backward``.
+    accumulators are rounded to ``policy.backward``. Every GEMM multiplies as ``policy.gemm`` says (:func:`_mm`).
     """
     T = q.shape[2]
     bw = policy.backward
     op = BF16 if (bw == BF16 or policy.p_bar == BF16) else FP32
+    g = policy.gemm
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -311,14 +337,14 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
         vis_t = None if vis is None else vis.transpose(-1, -2)
         do_b = do[:, :, qs:qe]
         # dV_j += Pᵀ dO
-        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t), bw), bw)
+        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t, g), bw), bw)
         # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale, exactly 0 where the key is invisible
-        dp = _r(_mm(do_b, v[:, :, ks:ke].transpose(-1, -2)), bw)
+        dp = _r(_mm(do_b, v[:, :, ks:ke].transpose(-1, -2), g), bw)
         ds = _masked(p * scale * (dp - delta[:, :, qs:qe, None]), vis)
         ds_op = _r(ds, op)
         # dQ_i += dS K_j ;  dK_j += dSᵀ Q_i
-        dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm_visible(ds_op, k[:, :, ks:ke], vis), bw), bw)
-        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(_mm_visible(ds_op.transpose(-1, -2), q[:, :, qs:qe], vis_t), bw), bw)
+        dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm_visible(ds_op, k[:, :, ks:ke], vis, g), bw), bw)
+        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(_mm_visible(ds_op.transpose(-1, -2), q[:, :, qs:qe], vis_t, g), bw), bw)
     return dq, dk, dv
 
 

@@ -46,9 +46,12 @@ already holds a ``bw`` value, so skipping them is exact.
 Interpreter-safe rounding (as in :mod:`lpfa.attention.triton_fwd`): every value lives in an FP32
 register, each BF16 rounding point is ``_rnd`` (round to nearest even: the hardware conversion on a GPU, integer
 arithmetic on the FP32 bit pattern under the interpreter), GEMMs
-are ``tl.dot`` on FP32 operands with ``input_precision="ieee"``. On a GPU the constexpr ``DOT_BF16``
-flags cast GEMM operands to ``tl.bfloat16`` only where they are BF16-representable by construction
-(inputs given as bf16, or operands rounded to ``op`` = BF16); FP contraction is disabled at launch
+are ``tl.dot`` on FP32 operands with ``input_precision="ieee"``. On a GPU the ``*_DOT`` constexprs (one MODE per
+GEMM, :func:`lpfa.attention.triton_common.gemm_mode`) cast GEMM operands to ``tl.bfloat16`` only where they are
+BF16-representable by construction (inputs given as bf16, or operands rounded to ``op`` = BF16); with
+``policy.gemm == "bf16x6"`` every other operand is split in three exact BF16 parts first (six BF16 GEMMs, or three
+when one operand is BF16: :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`), in every GEMM (dP, dV, dQ, dK, the
+recomputed S, and δ's dP for ``dp_p``); FP contraction is disabled at launch
 (``dS = P·scale·(dP − δ)`` rounds each product as in the reference) and ``PRECISE_MATH`` uses
 libdevice ``expf``. Under the interpreter the wrapper converts all inputs to contiguous FP32 copies;
 on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registers.
@@ -57,7 +60,7 @@ Remaining differences from the reference: the reference sums GEMMs and row sums 
 rounds once to FP32; the kernels accumulate in FP32 in their own order, so an FP32 difference of an
 ulp can occasionally flip a later BF16 rounding by one BF16 ulp (and that ulp propagates through the
 BF16 accumulators). The interpreter path is tested on every machine; the GPU path (native-dtype loads,
-``DOT_BF16``, ``PRECISE_MATH``, hardware BF16 rounding) against the reference on the same GPU by
+``*_DOT``, ``PRECISE_MATH``, hardware BF16 rounding) against the reference on the same GPU by
 ``tests/test_attention_gpu.py``.
 """
 
@@ -78,6 +81,7 @@ from lpfa.attention.triton_common import (
     _next_pow2,
     _rnd,
     check_triton_inputs,
+    gemm_mode,
     libdevice,
     nonfinite_flags,
     policy_tiles,
@@ -115,7 +119,7 @@ if triton is not None:
         T, scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -142,26 +146,26 @@ if triton is not None:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
             # S = scores(scores(Q Kᵀ)·scale), exactly as the forward
-            s = _rnd(_dot(q, kt, QK_DOT_BF16), SCORES_BF16)
+            s = _rnd(_dot(q, kt, QK_DOT), SCORES_BF16)
             s = _rnd(s * scale, SCORES_BF16)
             # P = exp(S − lse), 0 where key > query or out of range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
             # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P) over visible keys (no 0·NaN from an invisible V)
-            dp = _rnd(_dot(do, vt, DOV_DOT_BF16), BW_BF16)
+            dp = _rnd(_dot(do, vt, DOV_DOT), BW_BF16)
             acc += tl.sum(tl.where(visible, dp * p, 0.0), axis=1)
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
     def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                  QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr):
+                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr):
         """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse), dP = bw(u wᵀ) and
         dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
         come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
-        s = _rnd(_dot(x, yt, QK_DOT_BF16), SCORES_BF16)
+        s = _rnd(_dot(x, yt, QK_DOT), SCORES_BF16)
         s = _rnd(s * scale, SCORES_BF16)
         p = _keep_visible(_exp(s - lse, PRECISE_MATH), visible, 0.0)
-        dp = _rnd(_dot(u, wt, DOV_DOT_BF16), BW_BF16)
+        dp = _rnd(_dot(u, wt, DOV_DOT), BW_BF16)
         ds = _keep_visible(p * scale * (dp - delta), visible, 0.0)
         return p, ds
 
@@ -169,8 +173,8 @@ if triton is not None:
     def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, base, row_base,
                     scale, q_nonfinite, do_nonfinite,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                    OP_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr,
-                    PDO_DOT_BF16: tl.constexpr, DSQ_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                    OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                    PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
                     MASKED: tl.constexpr):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
@@ -192,10 +196,10 @@ if triton is not None:
 
             # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
             pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, SCORES_BF16,
-                                BW_BF16, QK_DOT_BF16, DOV_DOT_BF16, PRECISE_MATH)
+                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
-            dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT_BF16)
-            dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT_BF16)
+            dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
+            dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
         return dv_part, dk_part
 
     @triton.jit
@@ -209,8 +213,8 @@ if triton is not None:
         TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (BK // BLOCK_N, or 1)
         NK: tl.constexpr,  # keys of a tile inside its policy block: min(BLOCK_N, BK)
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, PDO_DOT_BF16: tl.constexpr,
-        DSQ_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
+        DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
     ):
         pid_n = tl.program_id(0)  # key compute tile
@@ -259,15 +263,15 @@ if triton is not None:
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=True)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=False)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT_BF16, DOV_DOT_BF16, PDO_DOT_BF16, DSQ_DOT_BF16, PRECISE_MATH, MASKED=True)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
@@ -279,8 +283,8 @@ if triton is not None:
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, base, scale, k_nonfinite,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                  OP_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr,
-                  DSK_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
+                  OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                  DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
         """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
         the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
         at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
@@ -298,9 +302,9 @@ if triton is not None:
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
             p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, SCORES_BF16, BW_BF16,
-                              QK_DOT_BF16, DOV_DOT_BF16, PRECISE_MATH)
+                              QK_DOT, DOV_DOT, PRECISE_MATH)
             # dQ partial += op(dS) K, over visible pairs
-            dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT_BF16)
+            dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT)
         return dq_part
 
     @triton.jit
@@ -314,7 +318,7 @@ if triton is not None:
         TILES_PER_BQ: tl.constexpr,
         NQ: tl.constexpr,  # rows of a tile inside its policy block: min(BLOCK_M, BQ)
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-        QK_DOT_BF16: tl.constexpr, DOV_DOT_BF16: tl.constexpr, DSK_DOT_BF16: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
     ):
@@ -356,11 +360,11 @@ if triton is not None:
             else:
                 k_mid = k_blk
             dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
-                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT_BF16,
-                                DOV_DOT_BF16, DSK_DOT_BF16, PRECISE_MATH, MASKED=False)
+                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False)
             dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
-                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT_BF16,
-                                DOV_DOT_BF16, DSK_DOT_BF16, PRECISE_MATH, MASKED=True)
+                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
 
@@ -448,9 +452,13 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     else:
         do_, q_, k_, v_, o_ = (t.contiguous() for t in (do, q, k, v, o_store))
     lse_ = lse.contiguous()
+    # one MODE per GEMM (triton_common.gemm_mode): BF16 tensor cores where both operands are BF16 by construction,
+    # with gemm="bf16x6" every other operand split in three BF16 parts. q, k share a dtype, so QKᵀ and KQᵀ share one;
+    # dP = dO Vᵀ (dQ and δ kernels) and dPᵀ = V dOᵀ (dK/dV kernel) are each other's mirror image
+    g = pol.gemm
     flags = dict(
-        QK_DOT_BF16=bool(dot_bf16 and is_bf["q"] and is_bf["k"]),
-        DOV_DOT_BF16=bool(dot_bf16 and is_bf["do"] and is_bf["v"]),
+        QK_DOT=gemm_mode(g, dot_bf16, is_bf["q"], is_bf["k"]),
+        DOV_DOT=gemm_mode(g, dot_bf16, is_bf["do"], is_bf["v"]),
         PRECISE_MATH=bool(precise_math),
     )
 
@@ -476,16 +484,16 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     _bwd_dkdv_kernel[(n_ktiles, B * H)](
         q_, k_, v_, do_, lse_, delta, dk, dv, nonfinite_flags(q_), nonfinite_flags(do_), T, float(scale),
         TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
-        PDO_DOT_BF16=bool(dot_bf16 and op_bf16),
-        DSQ_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["q"]),
-        **common,
+        PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
+        DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
+        **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
     )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * TPB_Q
     _bwd_dq_kernel[(n_qtiles, B * H)](
         q_, k_, v_, do_, lse_, delta, dq, nonfinite_flags(k_), T, float(scale),
         TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
-        DSK_DOT_BF16=bool(dot_bf16 and op_bf16 and is_bf["k"]),
+        DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
         **common,
     )
     return dq, dk, dv

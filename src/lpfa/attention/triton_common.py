@@ -1,4 +1,8 @@
-"""Shared pieces of the Triton kernels: interpreter-safe BF16 rounding and precise exp/log.
+"""Shared pieces of the Triton kernels: interpreter-safe BF16 rounding, GEMMs, precise exp/log.
+
+GEMMs go through :func:`_dot` with one MODE constexpr each (:func:`gemm_mode`): IEEE FP32 products, one BF16
+tensor-core GEMM (operands exactly BF16), or the policy's ``gemm="bf16x6"``: each FP32 operand split in three
+BF16 parts (:func:`_split3`) and six BF16 GEMMs (:func:`_dot_split3`; :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`).
 
 Every value lives in an FP32 register; a BF16 rounding point is :func:`_round_bf16` (round to nearest
 even by integer arithmetic on the FP32 bit pattern), which is exact under Triton's CPU interpreter,
@@ -86,31 +90,89 @@ if triton is not None:
         return tl.reduce(x, 1, _max_nan)
 
     @triton.jit
-    def _dot(a, b, AS_BF16: tl.constexpr):
-        """a @ b with FP32 accumulation; BF16 tensor-core operands when AS_BF16 (exact values only), else IEEE FP32."""
+    def _dot_part(a, b, acc, AS_BF16: tl.constexpr):
+        """acc + a @ b (acc None: a @ b) with FP32 accumulation: BF16 tensor-core operands when AS_BF16 (exact values
+        only), else IEEE FP32 (the interpreter: products of BF16 values are exact there too)."""
         if AS_BF16:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc, out_dtype=tl.float32)
         else:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee", out_dtype=tl.float32)
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee", out_dtype=tl.float32)
 
     @triton.jit
-    def _dot_visible(a, b, visible, b_nonfinite, AS_BF16: tl.constexpr):
+    def _split3(x):
+        """The 3-way BF16 split of FP32 values (:func:`lpfa.attention.reference.split3`): ``(x0, h, x1, x2)`` with
+        x0 = bf16(x), x1 = bf16(x − x0), x2 = bf16(x − x0 − x1), all FP32 registers holding BF16 values, and h = x0
+        with 0 where x0 is ±inf or NaN (x1 = x2 = 0 there): the head the cross terms use."""
+        x = x.to(tl.float32)
+        x0 = _round_bf16(x)
+        fin = tl.abs(x0) < float("inf")  # False for ±inf and NaN
+        r = tl.where(fin, x - x0, 0.0)  # exact in FP32
+        x1 = _round_bf16(r)
+        x2 = _round_bf16(r - x1)  # r − x1 is exact and BF16 already (but for subnormals): a no-op rounding
+        return x0, tl.where(fin, x0, 0.0), x1, x2
+
+    @triton.jit
+    def _dot_split3(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, AS_BF16: tl.constexpr):
+        """a @ b through BF16 products of split operands (``gemm="bf16x6"``, :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`),
+        FP32 accumulation, small terms first. Both split: a1·b1 + h_a·b2 + a2·h_b + h_a·b1 + a1·h_b + a0·b0 (the six
+        terms with i + j ≤ 2). Only a split (b is BF16): a2·b' + a1·b' + a0·b (b' = b with 0 where non-finite): the
+        exact product; only b split, the mirror image. Every part is exactly BF16, so AS_BF16 (GPU) casts losslessly."""
+        if SPLIT_A and SPLIT_B:
+            a0, ha, a1, a2 = _split3(a)
+            b0, hb, b1, b2 = _split3(b)
+            acc = _dot_part(a1, b1, None, AS_BF16)
+            acc = _dot_part(ha, b2, acc, AS_BF16)
+            acc = _dot_part(a2, hb, acc, AS_BF16)
+            acc = _dot_part(ha, b1, acc, AS_BF16)
+            acc = _dot_part(a1, hb, acc, AS_BF16)
+            acc = _dot_part(a0, b0, acc, AS_BF16)
+        elif SPLIT_A:
+            a0, ha, a1, a2 = _split3(a)
+            b = b.to(tl.float32)
+            hb = tl.where(tl.abs(b) < float("inf"), b, 0.0)
+            acc = _dot_part(a2, hb, None, AS_BF16)
+            acc = _dot_part(a1, hb, acc, AS_BF16)
+            acc = _dot_part(a0, b, acc, AS_BF16)
+        else:
+            b0, hb, b1, b2 = _split3(b)
+            a = a.to(tl.float32)
+            ha = tl.where(tl.abs(a) < float("inf"), a, 0.0)
+            acc = _dot_part(ha, b2, None, AS_BF16)
+            acc = _dot_part(ha, b1, acc, AS_BF16)
+            acc = _dot_part(a, b0, acc, AS_BF16)
+        return acc
+
+    @triton.jit
+    def _dot(a, b, MODE: tl.constexpr):
+        """a @ b with FP32 accumulation, as the GEMM's MODE (:func:`gemm_mode`) says: 0 = IEEE FP32 products; 1 = BF16
+        tensor-core operands (exact values only); bits 2 / 4 = split a / b in three BF16 parts (:func:`_dot_split3`),
+        bit 1 then = cast the parts to BF16 for the tensor cores. A bool works as MODE 0 / 1."""
+        if (MODE & 6) != 0:
+            return _dot_split3(a, b, (MODE & 2) != 0, (MODE & 4) != 0, (MODE & 1) != 0)
+        elif (MODE & 1) != 0:
+            return _dot_part(a, b, None, True)
+        else:
+            return _dot_part(a, b, None, False)
+
+    @triton.jit
+    def _dot_visible(a, b, visible, b_nonfinite, MODE: tl.constexpr):
         """a @ b summed over visible pairs only (:func:`lpfa.attention.reference._mm_visible`): ``a`` (M, K) is 0
         where ``visible`` (M, K) is False (``None``: every pair is visible, an unmasked tile), ``b`` (K, N) may
         hold inf/NaN when the runtime flag ``b_nonfinite`` is set (one flag per batch·head, from the wrapper). A
         non-finite b[k, n] then makes out[m, n] NaN exactly where (m, k) is visible: b's finite part goes through
         the GEMM, and a second GEMM of 0/1 indicators (exact counts) finds where a non-finite entry is reached
-        (with every pair visible: every row, so a column test does). Without the flag this is one plain GEMM."""
+        (with every pair visible: every row, so a column test does). Without the flag this is one plain GEMM.
+        MODE: as :func:`_dot`."""
         if b_nonfinite != 0:
             bad = (b != b) | (b == float("inf")) | (b == float("-inf"))
-            out = _dot(a, tl.where(bad, 0.0, b), AS_BF16)
+            out = _dot(a, tl.where(bad, 0.0, b), MODE)
             if visible is None:  # reach[m, n] = any_k bad[k, n], the same for every row m
                 reach = tl.max(bad.to(tl.int32), axis=0)[None, :]
-            else:  # reach[m, n] = #{k: visible[m, k] and bad[k, n]}
-                reach = _dot(visible.to(tl.float32), bad.to(tl.float32), AS_BF16)
+            else:  # reach[m, n] = #{k: visible[m, k] and bad[k, n]} (0/1 operands: exact in BF16, never split)
+                reach = _dot(visible.to(tl.float32), bad.to(tl.float32), MODE & 1)
             out = tl.where(reach > 0, float("nan"), out)
         else:
-            out = _dot(a, b, AS_BF16)
+            out = _dot(a, b, MODE)
         return out
 
     @triton.jit
@@ -144,6 +206,22 @@ if triton is not None:
         else:
             return tl.log(x)
 
+
+
+def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
+    """The MODE constexpr of one GEMM for :func:`_dot`. ``gemm``: the policy's ``gemm`` field; ``dot_bf16``: the
+    launch's tensor-core switch (off under the interpreter); ``a_bf16``/``b_bf16``: the operand holds BF16 values by
+    construction (a BF16 input, or rounded to BF16 by the policy). With ``gemm="bf16x6"`` every other operand is
+    split (bits 2, 4), and all the parts are BF16, so the tensor cores take them (bit 1 = ``dot_bf16``); with
+    ``"ieee"`` the tensor cores take the GEMM only when both operands are BF16 (as before ``gemm`` existed)."""
+    from lpfa.attention.policy import BF16X6, GEMMS
+
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm={gemm!r}: expected one of {', '.join(map(repr, GEMMS))}")
+    split_a = gemm == BF16X6 and not a_bf16
+    split_b = gemm == BF16X6 and not b_bf16
+    exact = (a_bf16 or split_a) and (b_bf16 or split_b)
+    return int(bool(dot_bf16) and exact) | (2 if split_a else 0) | (4 if split_b else 0)
 
 
 def nonfinite_flags(x):

@@ -36,9 +36,14 @@ nearest even. So the kernel never holds a BF16 value in a BF16 register:
 * GEMMs are ``tl.dot`` on FP32 operands with ``input_precision="ieee"`` (no TF32): the operands
   already hold BF16-representable values where the policy rounds them, so an FP32 GEMM computes
   the same products as a BF16 tensor-core GEMM with FP32 accumulation. On a GPU the constexprs
-  ``QK_DOT_BF16``/``PV_DOT_BF16`` may instead cast those (already exact) operands to ``tl.bfloat16`` for tensor-core
-  speed; it is applied only where the operands are BF16-representable by construction (Q, K, V
-  given as bf16; P̄ rounded by ``policy.p_bar``). It defaults to ``not interpreter``.
+  ``QK_DOT``/``PV_DOT`` (one MODE each, :func:`lpfa.attention.triton_common.gemm_mode`) may instead cast
+  those (already exact) operands to ``tl.bfloat16`` for tensor-core speed; it is applied only where the
+  operands are BF16-representable by construction (Q, K, V given as bf16; P̄ rounded by ``policy.p_bar``).
+  It defaults to ``not interpreter``.
+* ``policy.gemm == "bf16x6"``: an operand not BF16 by construction (FP32 inputs; P̄ under ``p_bar="fp32"``)
+  is split in three BF16 parts and the GEMM is six BF16 GEMMs (three when the other operand is BF16), summed in
+  FP32 (:data:`lpfa.attention.policy.GEMM_SPLIT_DOC`); the parts are exact BF16 values, cast to ``tl.bfloat16``
+  on a GPU and kept in FP32 registers (exact products) under the interpreter.
 
 Under the interpreter the wrapper hands the kernel contiguous FP32 copies of q, k, v (values unchanged); on a GPU
 the kernel loads the native dtype and keeps BF16 operands for the tensor cores where they are exact.
@@ -71,6 +76,7 @@ from lpfa.attention.triton_common import (
     _rnd,
     _row_max,
     check_triton_inputs,
+    gemm_mode,
     libdevice,
     nonfinite_flags,
     policy_tiles,
@@ -90,7 +96,7 @@ if triton is not None:
 
     @triton.jit
     def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr, MASKED: tl.constexpr):
+                     SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
         FP32. MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
         [0, T) and its block, at or below the diagonal for every row: a plain load, no mask."""
@@ -98,7 +104,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
         kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok)
-        s = _dot(q, kt, QK_DOT_BF16)  # BF16 operands (exact) or IEEE FP32, FP32 accumulation
+        s = _dot(q, kt, QK_DOT)  # BF16 operands (exact), IEEE FP32 or BF16 split (policy.gemm), FP32 accumulation
         s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
         s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
         visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
@@ -108,8 +114,8 @@ if triton is not None:
     def _block_tiles(rm, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
                      q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr,
-                     PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
+                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
+                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                      MASKED: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S); 1 (SFA): rs = #{S ≥
@@ -119,7 +125,7 @@ if triton is not None:
         for t in range(t_lo, t_hi):
             k_lo = kb_lo + t * BLOCK_N
             s = s_block if N_SUB == 1 else _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                                        SCORES_BF16, QK_DOT_BF16, MASKED=MASKED)
+                                                        SCORES_BF16, QK_DOT, MASKED=MASKED)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
                 rm = _max_nan(rm, _row_max(s))
@@ -135,28 +141,28 @@ if triton is not None:
                 key_ok = ((offs_n < kb_hi) & (offs_n < T))[:, None] if MASKED else None
                 v = _load_tile(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], key_ok)
                 # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
-                o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT_BF16)
+                o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT)
         return rm, rs, block_sum, o_blk
 
     @triton.jit
     def _block_pass(rm, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
                     q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
-                    SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT_BF16: tl.constexpr,
-                    PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
+                    SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
+                    PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                     MASKED: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, rs, block_sum, o_blk = _block_tiles(
                 rm, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
-                scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+                scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                 PRECISE_MATH, PASS, MASKED=False)
         if MASKED:
             rm, rs, block_sum, o_blk = _block_tiles(
                 rm, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
-                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16,
-                PV_DOT_BF16, PRECISE_MATH, PASS, MASKED=True)
+                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True)
         return rm, rs, block_sum, o_blk
 
     @triton.jit
@@ -165,7 +171,7 @@ if triton is not None:
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
-                   USE_SFA: tl.constexpr, QK_DOT_BF16: tl.constexpr, PV_DOT_BF16: tl.constexpr,
+                   USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                    PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
@@ -176,12 +182,12 @@ if triton is not None:
         o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
         s = _scores_tile(q, K, base, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
-                         QK_DOT_BF16, MASKED=MASKED) if N_SUB == 1 else None
+                         QK_DOT, MASKED=MASKED) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles) ----
         rm, rs, block_sum, o_blk = _block_pass(
             rm, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
-            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=0, MASKED=MASKED)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
@@ -191,7 +197,7 @@ if triton is not None:
             thr = _rnd(rm - sfa_eps, SCORES_BF16)
             rm, rs, block_sum, o_blk = _block_pass(
                 rm, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
-                v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+                v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                 PRECISE_MATH, PASS=1, MASKED=MASKED)
             tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
@@ -207,7 +213,7 @@ if triton is not None:
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
         rm, rs, block_sum, o_blk = _block_pass(
             rm, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
-            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT_BF16, PV_DOT_BF16,
+            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=2, MASKED=MASKED)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
@@ -233,7 +239,7 @@ if triton is not None:
         SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, OBLOCK_BF16: tl.constexpr,
         ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
         USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
-        QK_DOT_BF16: tl.constexpr, PV_DOT_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
     ):
         pid_m = tl.program_id(0)  # query tile
@@ -248,7 +254,7 @@ if triton is not None:
 
         # Q tile: (BLOCK_M, D); padded rows are 0
         q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        q = q.to(tl.bfloat16) if QK_DOT_BF16 else q.to(tl.float32)  # converted once, not per key tile
+        q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
         v_nonfinite = tl.load(V_NONFINITE + pid_bh)
 
         # running state: m = −inf, l = 0, o = 0
@@ -266,7 +272,7 @@ if triton is not None:
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
-                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT_BF16, PV_DOT_BF16,
+                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, MASKED=False)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
@@ -277,7 +283,7 @@ if triton is not None:
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
-                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT_BF16, PV_DOT_BF16,
+                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, MASKED=True)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
@@ -343,8 +349,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         SCORES_BF16=pol.scores == BF16, PBAR_BF16=pol.p_bar == BF16, OBLOCK_BF16=pol.o_block == BF16,
         ACC_BF16=pol.accumulator == BF16, OSTORE_BF16=pol.o_store == BF16,
         USE_CLAMP=pol.row_sum_clamp is not None, USE_SFA=pol.sfa is not None,
-        QK_DOT_BF16=bool(dot_bf16 and inputs_bf16),
-        PV_DOT_BF16=bool(dot_bf16 and inputs_bf16 and pol.p_bar == BF16),
+        QK_DOT=gemm_mode(pol.gemm, dot_bf16, inputs_bf16, inputs_bf16),
+        PV_DOT=gemm_mode(pol.gemm, dot_bf16, pol.p_bar == BF16, inputs_bf16),
         PRECISE_MATH=bool(precise_math),
         CAUSAL_SPLIT=bool(causal_split),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
