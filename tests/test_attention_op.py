@@ -150,3 +150,31 @@ def test_model_with_mixed_backends_compiles():
     assert float(loss_c.detach()) == pytest.approx(loss_e, rel=1e-4)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, g_e[n], rtol=0, atol=1e-2 * float(g_e[n].abs().max()), msg=n)
+
+
+def test_inputs_are_validated_once_per_call(monkeypatch):
+    """The policy and the inputs are checked once, in attention(); the op's forward and backward launches trust it
+    (issue 18: they were checked three times per call). Direct calls of the wrappers still check."""
+    import lpfa.attention as la
+    import lpfa.attention.triton_common as tc
+    from lpfa.attention.triton_fwd import flash_forward
+
+    calls = {"inputs": 0, "support": 0}
+    real_inputs, real_support = la.check_inputs, tc.check_triton_support
+
+    def count_inputs(*a, **k):
+        calls["inputs"] += 1
+        return real_inputs(*a, **k)
+
+    def count_support(*a, **k):
+        calls["support"] += 1
+        return real_support(*a, **k)
+
+    monkeypatch.setattr(la, "check_inputs", count_inputs)
+    monkeypatch.setattr(tc, "check_triton_support", count_support)
+    q, k, v = _qkv(T=24)
+    attention(q, k, v, policy=PRESETS["paper"].with_(block_q=16, block_k=16), backend="triton").float().sum().backward()
+    assert calls == {"inputs": 1, "support": 1} and q.grad is not None
+    with pytest.raises(ValueError, match="causal only"):
+        flash_forward(q.detach(), k.detach(), v.detach(), "paper", 0.25, causal=False)
+    assert calls["inputs"] == 2  # the direct call checked its inputs

@@ -402,25 +402,8 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     return delta
 
 
-def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
-                   precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
-                   num_warps: int = 4, num_stages: int = 3,
-                   causal_split: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal flash-attention backward with the rounding points of ``policy``.
-
-    ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
-    stored O values (B, H, T, D), ``lse``: (B, H, T) FP32 log-sum-exp, as returned by
-    :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`.
-    Returns ``(dq, dk, dv)`` as FP32 tensors with the values of
-    :func:`lpfa.attention.reference.backward`.
-
-    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
-    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
-    ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
-    the policy's blocks fix the rounding. ``causal_split=False`` runs every sub-tile through the masked path
-    (the kernels before the causal split; bit-identical results, for tests and benchmarks).
-    """
-    pol: PrecisionPolicy = get_policy(policy)
+def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scale, causal) -> None:
+    """:func:`flash_backward`'s input checks: q, k, v as the forward's, then do, o_store and lse against q."""
     check_triton_inputs(q, k, v, pol, scale, causal)
     for name, t, shape, dtypes in (("do", do, q.shape, (torch.bfloat16, torch.float32)),
                                    ("o_store", o_store, q.shape, (torch.bfloat16, torch.float32)),
@@ -434,6 +417,31 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     devs = {t.device for t in (do, q, o_store, lse)}
     if len(devs) != 1:
         raise ValueError(f"do, q, k, v, o_store, lse must be on one device, got {sorted(str(d) for d in devs)}")
+
+
+def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
+                   precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
+                   num_warps: int = 4, num_stages: int = 3, causal_split: bool = True,
+                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Causal flash-attention backward with the rounding points of ``policy``.
+
+    ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
+    stored O values (B, H, T, D), ``lse``: (B, H, T) FP32 log-sum-exp, as returned by
+    :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`.
+    Returns ``(dq, dk, dv)`` as FP32 tensors with the values of
+    :func:`lpfa.attention.reference.backward`.
+
+    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
+    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
+    ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
+    the policy's blocks fix the rounding. ``causal_split=False`` runs every sub-tile through the masked path
+    (the kernels before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
+    the input checks for a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose
+    saved tensors the forward checked and whose dO autograd shapes).
+    """
+    pol: PrecisionPolicy = get_policy(policy)
+    if validate:
+        _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
     B, H, T, D = q.shape
     BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, "block_q", block_m)
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, "block_k", block_n)

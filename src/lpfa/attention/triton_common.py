@@ -253,10 +253,10 @@ def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[
     return size, tile, 1
 
 
-def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
-    """Clear errors for what the Triton kernels do not take (besides :func:`lpfa.attention.check_inputs`)."""
-    from lpfa.attention import check_inputs
-
+def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal) -> None:
+    """Clear errors for what the Triton kernels do not take, for inputs that :func:`lpfa.attention.check_inputs`
+    has already accepted: no Triton, a non-causal call, FP32 heads inside one launch, an unsupported head dim, a bad
+    scale."""
     if triton is None:
         raise ImportError("the Triton attention kernels need the `triton` package")
     if not causal:
@@ -266,6 +266,17 @@ def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None
             f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
             "split the FP32 heads off in the caller and run them with the fp32 policy"
         )
-    check_inputs(q, k, v, head_dims=HEAD_DIMS)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} is not supported here; supported: {HEAD_DIMS}")
     if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+
+
+def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None:
+    """Every check of a direct call of the kernels' wrappers: :func:`lpfa.attention.check_inputs` on q, k, v, then
+    :func:`check_triton_support`. :func:`lpfa.attention.attention` runs them once per call and launches the kernels
+    with ``validate=False``."""
+    from lpfa.attention import check_inputs
+
+    check_inputs(q, k, v)
+    check_triton_support(q.shape[-1], policy, scale, causal)

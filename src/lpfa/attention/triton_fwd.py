@@ -300,7 +300,7 @@ BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut in
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int = BLOCK_N_DEFAULT, num_warps: int | None = None,
-                  num_stages: int = 3, causal_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_stages: int = 3, causal_split: bool = True, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -312,10 +312,13 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
     ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
     policy's blocks fix the rounding. ``causal_split=False`` runs every key tile through the masked path
-    (the kernel before the causal split; bit-identical results, for tests and benchmarks).
+    (the kernel before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
+    the input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once,
+    as :func:`lpfa.attention.attention` does.
     """
     pol: PrecisionPolicy = get_policy(policy)
-    check_triton_inputs(q, k, v, pol, scale, causal)
+    if validate:
+        check_triton_inputs(q, k, v, pol, scale, causal)
     B, H, T, D = q.shape
     BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, "block_k", block_n)
     # launch defaults from benchmarks/tune_attention.py on an H200 (GPT-2 shapes): one tile per policy
