@@ -30,3 +30,26 @@ def byte_tokens(tmp_path_factory):
     out = tmp_path_factory.mktemp("tokens")
     lpfa_data.build_token_files(src, out, tokenizer="bytes", val_fraction=0.1)
     return out
+
+
+def write_diag_run(root, name, logits, ties, wq, backend="lpfa", policy="paper", losses=None):
+    """A training-run folder ``root/exp/r1/name`` (config.json + metrics.jsonl.gz) with a 2-layer, 3-head model:
+    layer 1 head 2 carries ``logits``, ``ties`` and ``wq`` at diagnostics steps 0, 100, ...; every other head 1.0
+    (ties 0). The loss is ``losses`` per step (default 3.0 for every step up to the last diagnostics)."""
+    import gzip
+    import json
+
+    from lpfa.model import GPTConfig
+
+    d = root / "exp" / "r1" / name
+    d.mkdir(parents=True)
+    model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
+    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
+        "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
+    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * (100 * len(logits)))]
+    for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
+        recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
+                                               "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],
+                                               "wq_spectral_norm": [[1.0, 1.0, 1.0], [1.0, 1.0, w]]}})
+    (d / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in recs).encode()))
+    return d

@@ -1,43 +1,23 @@
 """lpfa.alarms: thresholds learnt from run folders whose classes are known by construction."""
 
-import gzip
-import json
 
 import numpy as np
 import pytest
+from conftest import write_diag_run
 
 from lpfa import alarms
-from lpfa.model import GPTConfig
-
-
-def _run(root, name, logits, ties, wq, backend="lpfa", policy="paper", losses=None):
-    """A run folder under root/exp/run/name with a 2-layer, 3-head model: layer 1 head 2 carries ``logits``, ``ties``
-    and ``wq`` per diagnostics step (every 100 steps), every other head small."""
-    d = root / "exp" / "r1" / name
-    d.mkdir(parents=True)
-    model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
-    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
-        "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
-    n = 100 * len(logits)
-    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * n)]
-    for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
-        recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
-                                               "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],
-                                               "wq_spectral_norm": [[1.0, 1.0, 1.0], [1.0, 1.0, w]]}})
-    (d / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in recs).encode()))
-    return d
 
 
 def test_thresholds_separate_known_classes(tmp_path):
     rng = np.random.default_rng()
     lo = list(rng.uniform(5, 20, size=20))  # FP32 runs: logits 5..20, W_Q 1..1.2x the median, ties of FP32 scores
     for i in range(3):
-        _run(tmp_path, f"fp32_{i}", lo, [0.5] * 20, list(rng.uniform(1.0, 1.2, size=20)), backend="sdpa_fp32")
-    _run(tmp_path, "bf16_clean", lo, list(rng.uniform(0.0, 0.05, size=20)), [1.0] * 20)  # BF16, never ran away
+        write_diag_run(tmp_path, f"fp32_{i}", lo, [0.5] * 20, list(rng.uniform(1.0, 1.2, size=20)), backend="sdpa_fp32")
+    write_diag_run(tmp_path, "bf16_clean", lo, list(rng.uniform(0.0, 0.05, size=20)), [1.0] * 20)  # BF16, never ran away
     # BF16 runs that run away at step 1000 (5 records > 1000 from there): logit 300, ties 0.3, W_Q 3x before it
     up = [10.0] * 5 + [300.0] * 5 + [5000.0] * 10
     for i in range(2):
-        _run(tmp_path, f"bf16_{i}", up, [0.01] * 5 + [0.3] * 15, [1.0] * 5 + [3.0] * 15)
+        write_diag_run(tmp_path, f"bf16_{i}", up, [0.01] * 5 + [0.3] * 15, [1.0] * 5 + [3.0] * 15)
     s = alarms.labelled_samples(tmp_path, lead=500)
     pos = s[s["class"] == "positive"]
     assert set(pos.run) == {"exp/r1/bf16_0", "exp/r1/bf16_1"} and set(pos.step) == {500, 600, 700, 800, 900}

@@ -1,13 +1,12 @@
 """lpfa.monitor: the live early-warning monitor (our GPT's hook and the SDPA TorchFunctionMode) and its replay."""
 
-import gzip
-import json
 import math
 import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import write_diag_run
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -174,31 +173,14 @@ def test_tensorboard_gets_every_finite_measure():
     assert ("attention/max_logit/layer1/head0", row.max_logit, 5) in w.scalars
 
 
-def _run(root, name, logits, ties, wq, backend="lpfa", policy="paper", losses=None):
-    """A run folder (as tests/test_alarms.py writes them): 2 layers × 3 heads, layer 1 head 2 carries ``logits``,
-    ``ties`` and ``wq`` at diagnostics steps 0, 100, ...; every other head 1.0 (ties 0)."""
-    d = root / "exp" / "r1" / name
-    d.mkdir(parents=True)
-    model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
-    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
-        "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
-    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * (100 * len(logits)))]
-    for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
-        recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
-                                               "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],
-                                               "wq_spectral_norm": [[1.0, 1.0, 1.0], [1.0, 1.0, w]]}})
-    (d / "metrics.jsonl.gz").write_bytes(gzip.compress("\n".join(json.dumps(r) for r in recs).encode()))
-    return d
-
-
 UP = [10.0] * 5 + [300.0] * 5 + [5000.0] * 10  # ran away at step 1000
 TIES = [0.01] * 3 + [0.3] * 17  # BF16 ties rise at step 300
 ALL = {**THR, "tie_fraction_bf16": {"precursor": {"value": 0.2}}, "wq_outlier": {"precursor": {"value": 2.0}}}
 
 
 def test_replay_logged_uses_the_shared_decision_and_bf16_ties_only(tmp_path):
-    bf16 = _run(tmp_path, "bf16", UP, TIES, [1.0] * 20)
-    fp32 = _run(tmp_path, "fp32", UP, TIES, [1.0] * 20, backend="sdpa_fp32")  # its ties are of FP32 scores
+    bf16 = write_diag_run(tmp_path, "bf16", UP, TIES, [1.0] * 20)
+    fp32 = write_diag_run(tmp_path, "fp32", UP, TIES, [1.0] * 20, backend="sdpa_fp32")  # its ties are of FP32 scores
     assert mon.replay_logged(bf16, ALL) == 300 and mon.replay_logged(fp32, ALL) == 500
     assert mon.replay_logged(bf16, THR) == 500 and mon.replay_logged(bf16, {"max_logit": {"runaway": 1000.0}}) == 1000
     frame = mon.logged_frame(fp32)
@@ -206,15 +188,15 @@ def test_replay_logged_uses_the_shared_decision_and_bf16_ties_only(tmp_path):
     hit = mon.first_warning(bf16, ALL)
     assert hit == {"step": 300, "layer": 1, "head": 2, "measure": "tie_fraction_bf16", "level": "precursor",
                    "value": 0.3, "threshold": 0.2}
-    assert mon.replay_logged(_run(tmp_path, "quiet", [10.0] * 20, [0.0] * 20, [1.0] * 20), ALL) is None
+    assert mon.replay_logged(write_diag_run(tmp_path, "quiet", [10.0] * 20, [0.0] * 20, [1.0] * 20), ALL) is None
 
 
 def test_warning_table_leads_and_false_alarms(tmp_path):
-    _run(tmp_path, "ran_away", UP, [0.0] * 20, [1.0] * 20)  # warned at 500, ran away at 1000
-    boom = _run(tmp_path, "exploded", [10.0] * 7 + [150.0] * 13, [0.0] * 20, [1.0] * 20,
+    write_diag_run(tmp_path, "ran_away", UP, [0.0] * 20, [1.0] * 20)  # warned at 500, ran away at 1000
+    boom = write_diag_run(tmp_path, "exploded", [10.0] * 7 + [150.0] * 13, [0.0] * 20, [1.0] * 20,
                 losses=[3.0] * 1500 + [10.0] * 500)  # no runaway; warned at 700, exploded near 1500
-    _run(tmp_path, "clean_warned", [10.0] * 20, [0.0] * 20, [1.0] * 4 + [2.5] * 16, backend="sdpa_fp32")
-    _run(tmp_path, "clean", [10.0] * 20, [0.0] * 20, [1.0] * 20, backend="sdpa_fp32")
+    write_diag_run(tmp_path, "clean_warned", [10.0] * 20, [0.0] * 20, [1.0] * 4 + [2.5] * 16, backend="sdpa_fp32")
+    write_diag_run(tmp_path, "clean", [10.0] * 20, [0.0] * 20, [1.0] * 20, backend="sdpa_fp32")
     thr = {"max_logit": {"precursor": 100.0, "runaway": 1000.0}, "wq_outlier": {"precursor": 2.0}}
     t = mon.warning_table(tmp_path, thr)
     assert list(t.index) == [f"exp/r1/{n}" for n in ("clean", "clean_warned", "exploded", "ran_away")]
