@@ -302,6 +302,7 @@ NOTEBOOK = [
     ("14_running_at_scale", {"skip": -1}, r"skip=-1: expected an int >= 0"),
     ("14_running_at_scale", {"gpus_at_scale": 0}, r"gpus_at_scale=0: expected an int >= 1"),
     ("15_early_warning", {"max_fpr": 1.5}, r"max_fpr=1.5: expected a finite number in \[0, 1\)"),
+    ("16_kernel_bias", {"seq_len": 0}, r"seq_len=0: expected an int >= 1"),
     ("08_tie_frequency", {"run": 5}, r"run=5: expected None or a non-empty string"),
     ("10_isolation", {"logit_ratio": 0}, r"logit_ratio=0: expected a finite number > 0"),
     ("11_seeds", {"gpus": 0}, r"gpus=0: expected an int >= 1"),

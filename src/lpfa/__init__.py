@@ -21,6 +21,7 @@ Modules, one per concept:
   :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates.
 * :mod:`lpfa.monitor` — ``AttentionMonitor``: per-head max logit, BF16 ties and W_Q growth inside any training loop,
   warning when a head crosses those thresholds; its replay over the committed runs (lead times, false alarms).
+* :mod:`lpfa.audit` — is your attention kernel biased? Signed errors of O, δ and dQ·u against float64 per kernel.
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
 * :mod:`lpfa.scorecard` — each claim of the paper, our committed result and a verdict (the intro's table).
 * :mod:`lpfa.scaling` — DDP agreement, throughput and the cost of runs at scale.

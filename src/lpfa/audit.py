@@ -1,0 +1,237 @@
+"""Is your attention kernel biased? (issue 19 §2): signed mean errors of attention kernels against float64.
+
+The paper's chain is tied BF16 row maxima → P̄ entries exactly 1 → a biased BF16 rounding of Ō = P̄V (V of one
+sign) → δ = rowsum(dO∘O) biased → a W_Q gradient error along a low-rank direction. This module measures the
+three links a kernel controls, for any kernel, on the same inputs, against causal attention in float64
+(:func:`lpfa.attention.accuracy.attention64`):
+
+* ``o``: O − O₆₄, averaged over the D features of each row;
+* ``o_radial``: (O − O₆₄)·sign(O₆₄), averaged over the features of each row: negative when the kernel shrinks |O|
+  towards 0 (what a numerator of BF16 P̄ over a row sum of FP32 P̄ does if BF16 rounds P̄ down on average, the
+  claim of flash-attention PR #2721), whatever the sign of V;
+* ``delta``: δ − δ₆₄ with δ₆₄ = rowsum(dO∘O₆₄) in float64. For lpfa presets δ is the one their backward uses
+  (:func:`lpfa.attention.reference.backward_delta`); for other kernels, whose δ is internal, it is
+  rowsum(dO∘O) of the O they return, in float64 (FlashAttention computes it in FP32 from the same stored O);
+* ``dq_u``: (dQ − dQ₆₄)·u per row, u the unit low-rank direction of the head (below).
+
+Each is reduced to one value per query row (B·H·T rows) and reported as the signed mean over rows with a 95%
+confidence interval, mean ± 1.96·sd/√n (:func:`bias`).
+
+**The direction u.** A δ error e_T on row T changes dQ[T] by −scale·e_T·(PK)[T] (dS = P∘(dP − δ), dQ = scale·dS K),
+so the W_Q gradient error G = scale·Σ_T e_T (PK)[T]ᵀ X[T] of :func:`lpfa.replay._w_q_error` has its column space
+in the span of the rows (PK)[T]. Without a layer input X (these are bare attention calls) we take the same
+structure one step earlier: u is the top right singular vector of the float64 matrix PK (T × D) of the head
+(P the float64 probabilities), oriented so that Σ_T (PK)[T]·u > 0. It depends only on q and k, not on the kernel,
+so every kernel is projected on the same direction; a negative δ bias then shows as a positive ``dq_u``.
+
+**Input families** (:func:`inputs`; q, k, v, dO in BF16, deterministic from the seed):
+
+* ``"random"``: every entry N(0, 1);
+* ``"ties"`` (the paper's Fig. 6 setting): in each head one key vector k* is repeated exactly at every
+  ``TIE_STRIDE``-th position (0, 4, 8, …), and every query is q = c·k* + 0.3·N(0, 1) with c chosen so that
+  q·k*·scale ≈ ``TIE_LOGIT`` (12: the large-logit regime where the runs fail; the other keys are N(0, 1), whose
+  scores stay within a few units of 0, so the tied keys dominate each row as in the paper's Fig. 6). Identical keys give
+  identical scores at any precision, so every row t has ⌊t/4⌋ + 1 keys tied exactly at its BF16 row max
+  (P̄ = 1 there). V = −|N(0, 1)| (one sign, negative, as the tied values in the paper's Fig. 6) and
+  dO = +|N(0, 1)| (one sign, so that a one-signed O error becomes a δ error of known sign; with zero-mean dO
+  a biased O gives an unbiased δ).
+
+**Kernels** (:data:`KERNELS`): ``float64`` (the reference itself: zero error, a check), ``ref:<preset>`` (lpfa
+presets through the exact PyTorch reference, CPU and GPU), ``triton:<preset>`` (lpfa's Triton kernels, GPU),
+``sdpa:flash`` / ``sdpa:cudnn`` / ``sdpa:efficient`` (PyTorch SDPA backends on BF16 inputs, GPU),
+``sdpa:math`` (SDPA's math backend on BF16 inputs, CPU and GPU) and ``flex`` (FlexAttention, GPU).
+:func:`audit` runs a grid of them and lists a kernel that cannot run on the device with its reason.
+
+FP8 kernels and inputs captured from a trained layer (issue 19's family iii) are out of scope here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FAMILIES = ("random", "ties")
+QUANTITIES = ("o", "o_radial", "delta", "dq_u")
+TIE_STRIDE = 4
+TIE_LOGIT = 12.0
+PRESET_KERNELS = ("paper", "fa2", "fp32", "paper_sfa", "fa2_sfa")
+KERNELS = ("float64", *(f"ref:{p}" for p in PRESET_KERNELS), *(f"triton:{p}" for p in PRESET_KERNELS),
+           "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math", "flex")
+CPU_KERNELS = tuple(k for k in KERNELS if k == "float64" or k.startswith("ref:") or k == "sdpa:math")
+Z95 = 1.96
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if not (isinstance(value, str) and value in choices):
+        raise ValueError(f"{name}={value!r}: expected one of {', '.join(map(repr, choices))}")
+
+
+def inputs(family: str = "random", B: int = 1, H: int = 2, T: int = 64, D: int = 32, seed: int = 0) -> dict:
+    """``{"q", "k", "v", "do"}``, BF16 tensors (B, H, T, D) on the CPU, of ``family`` (module docstring)."""
+    _check_choice("family", family, FAMILIES)
+    for n, x in (("B", B), ("H", H), ("T", T), ("D", D)):
+        if not (isinstance(x, int) and not isinstance(x, bool) and x >= 1):
+            raise ValueError(f"{n}={x!r}: expected an int >= 1")
+    g = torch.Generator().manual_seed(int(seed))
+    n = lambda: torch.randn(B, H, T, D, generator=g)  # noqa: E731
+    if family == "random":
+        q, k, v, do = n(), n(), n(), n()
+    else:
+        scale = 1.0 / math.sqrt(D)
+        k_star = torch.randn(B, H, 1, D, generator=g).bfloat16().float()
+        k = n()
+        k[:, :, ::TIE_STRIDE] = k_star
+        c = TIE_LOGIT / (scale * k_star.pow(2).sum(-1, keepdim=True))
+        q = c * k_star + 0.3 * n()
+        v, do = -n().abs(), n().abs()
+    return {name: t.bfloat16() for name, t in zip(("q", "k", "v", "do"), (q, k, v, do))}
+
+
+def direction(q, k, scale: float | None = None) -> torch.Tensor:
+    """(B, H, D) unit low-rank direction u per head: the top right singular vector of the float64 PK, oriented so
+    that Σ_T (PK)[T]·u > 0 (module docstring)."""
+    q, k = q.double(), k.double()
+    T, D = q.shape[-2], q.shape[-1]
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    pk = torch.softmax(s, -1) @ k
+    u = torch.linalg.svd(pk, full_matrices=False)[2][..., 0, :]
+    sign = torch.sign((pk.sum(-2) * u).sum(-1, keepdim=True))
+    return u * torch.where(sign == 0, torch.ones_like(sign), sign)
+
+
+def _unavailable(kernel: str, device: str) -> str | None:
+    """Why ``kernel`` cannot run on ``device`` (None when it can)."""
+    cuda = device.startswith("cuda")
+    if kernel.startswith(("triton:", "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex")) and not cuda:
+        return "needs a CUDA GPU"
+    if cuda and not torch.cuda.is_available():
+        return "no CUDA device is available"
+    if kernel.startswith("triton:"):
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "Triton is not installed"
+    if kernel == "flex":
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401
+        except ImportError:
+            return "torch.nn.attention.flex_attention is missing in this PyTorch"
+    return None
+
+
+def _sdpa(kernel, q, k, v, do, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = {"sdpa:flash": SDPBackend.FLASH_ATTENTION, "sdpa:cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa:efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa:math": SDPBackend.MATH}[kernel]
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel([backend]):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o.backward(do)
+    return o.detach(), q.grad
+
+
+def _flex(q, k, v, do, scale):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, T, _ = q.shape
+    mask = create_block_mask(lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=T, KV_LEN=T, device=q.device)
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o = torch.compile(flex_attention)(q, k, v, block_mask=mask, scale=scale)
+    o.backward(do)
+    return o.detach(), q.grad
+
+
+def run_kernel(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
+    """``{"o", "delta", "dq"}`` of ``kernel`` on BF16 inputs (on the inputs' device), as float64 tensors."""
+    _check_choice("kernel", kernel, KERNELS)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if kernel == "float64":
+        from lpfa.attention.accuracy import attention64
+
+        t = attention64(q, k, v, do, scale)
+        o, dq = t["o"], t["dq"]
+        delta = (do.double() * o).sum(-1)
+    elif kernel.startswith(("ref:", "triton:")):
+        from lpfa.attention import get_policy
+        from lpfa.attention.accuracy import run_policy
+        from lpfa.attention.reference import backward_delta
+
+        backend, preset = kernel.split(":")
+        pol = get_policy(preset)
+        with torch.no_grad():
+            got = run_policy(q, k, v, do, pol, scale, "reference" if backend == "ref" else "triton")
+            delta = backward_delta(do.float(), q.float(), k.float(), v.float(), got["o"].float(), got["lse"].float(), pol, scale)
+        o, dq = got["o"], got["dq"]
+    elif kernel == "flex":
+        o, dq = _flex(q, k, v, do, scale)
+        delta = (do.double() * o.double()).sum(-1)
+    else:
+        o, dq = _sdpa(kernel, q, k, v, do, scale)
+        delta = (do.double() * o.double()).sum(-1)
+    return {"o": o.double(), "delta": delta.double(), "dq": dq.double()}
+
+
+def _ci(x: torch.Tensor) -> dict:
+    x = x.double().flatten()
+    n = x.numel()
+    m = float(x.mean())
+    half = Z95 * float(x.std()) / math.sqrt(n) if n > 1 else float("nan")
+    return {"mean": m, "ci_low": m - half, "ci_high": m + half, "n": n}
+
+
+def bias(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
+    """Signed mean errors of ``kernel`` against float64 on (B, H, T, D) inputs: ``{quantity: {"mean", "ci_low",
+    "ci_high", "n"}}`` for ``o`` (per row, averaged over features), ``delta`` and ``dq_u`` (module docstring);
+    the CI is mean ± 1.96·sd/√n over the n = B·H·T rows."""
+    from lpfa.attention.accuracy import attention64
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    got = run_kernel(kernel, q, k, v, do, scale)
+    dev = got["o"].device
+    q, k, v, do = (t.to(dev) for t in (q, k, v, do))
+    t = attention64(q, k, v, do, scale)
+    delta64 = (do.double() * t["o"]).sum(-1)
+    u = direction(q, k, scale)
+    err = {"o": (got["o"] - t["o"]).mean(-1), "o_radial": ((got["o"] - t["o"]) * torch.sign(t["o"])).mean(-1), "delta": got["delta"] - delta64,
+           "dq_u": ((got["dq"] - t["dq"]) * u[..., None, :]).sum(-1)}
+    return {name: _ci(e) for name, e in err.items()}
+
+
+def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 1, H: int = 2, T: int = 64,
+          D: int = 32, seed: int = 0):
+    """A tidy DataFrame, one row per (kernel, family, quantity): ``mean``, ``ci_low``, ``ci_high``, ``n``, ``device``
+    and ``unavailable`` (the reason a kernel cannot run on ``device``, its numbers then missing)."""
+    import pandas as pd
+
+    families, kernels = list(families), list(kernels)
+    for f in families:
+        _check_choice("family", f, FAMILIES)
+    for kname in kernels:
+        _check_choice("kernel", kname, KERNELS)
+    if not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda[:N]'")
+    rows = []
+    for f in families:
+        x = inputs(f, B, H, T, D, seed)
+        x = {n: t.to(device) if torch.cuda.is_available() or device == "cpu" else t for n, t in x.items()}
+        for kname in kernels:
+            why = _unavailable(kname, device)
+            res = None
+            if why is None:
+                try:
+                    res = bias(kname, x["q"], x["k"], x["v"], x["do"])
+                except Exception as e:  # a backend that refuses these shapes or this GPU: say so, keep going
+                    why = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            for qn in QUANTITIES:
+                base = {"kernel": kname, "family": f, "quantity": qn, "device": device}
+                if res is None:
+                    rows.append({**base, "mean": float("nan"), "ci_low": float("nan"), "ci_high": float("nan"),
+                                 "n": 0, "unavailable": why})
+                else:
+                    rows.append({**base, **res[qn], "unavailable": None})
+    cols = ["kernel", "family", "quantity", "mean", "ci_low", "ci_high", "n", "device", "unavailable"]
+    return pd.DataFrame(rows, columns=cols)

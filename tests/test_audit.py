@@ -1,0 +1,62 @@
+"""lpfa.audit: the input families, a zero-bias float64 kernel, the paper's sign on tied rows, unavailable kernels."""
+
+import math
+
+import pytest
+import torch
+
+from lpfa import audit as A
+from lpfa.mechanism import p_bar_ones
+
+
+def test_ties_family_has_tied_bf16_maxima_and_one_signed_v():
+    x = A.inputs("ties", B=1, H=2, T=64, D=32, seed=3)
+    assert all(t.dtype == torch.bfloat16 for t in x.values())
+    s = (x["q"].double() @ x["k"].double().transpose(-1, -2)).to(torch.bfloat16).float() / math.sqrt(32)
+    s = s.to(torch.bfloat16).float().masked_fill(torch.ones(64, 64, dtype=torch.bool).triu(1), -math.inf)
+    rowmax = s.amax(-1, keepdim=True)
+    ties = (s == rowmax).sum(-1)
+    t = torch.arange(64)
+    assert torch.equal(ties[0, 0], t // A.TIE_STRIDE + 1) and torch.equal(ties[0, 1], t // A.TIE_STRIDE + 1)
+    assert torch.equal(p_bar_ones(x["q"], x["k"], "paper_untiled")[0, 0], t // A.TIE_STRIDE + 1)
+    assert (x["v"] <= 0).all() and (x["do"] >= 0).all()
+    y = A.inputs("ties", B=1, H=2, T=64, D=32, seed=3)
+    assert all(torch.equal(x[n], y[n]) for n in x)  # deterministic from the seed
+
+
+def test_float64_kernel_has_zero_bias():
+    x = A.inputs("random", B=1, H=2, T=32, D=16, seed=0)
+    for q, r in A.bias("float64", x["q"], x["k"], x["v"], x["do"]).items():
+        assert r["mean"] == 0 and r["ci_low"] == 0 == r["ci_high"] and r["n"] == 64, q
+
+
+def test_paper_preset_is_biased_on_tied_rows_with_the_papers_sign():
+    """Fig. 6: the BF16 sum over P̄ = 1 keys of negative V grows in magnitude, so O and δ are biased negative
+    (dO > 0) and dQ moves along +u; FP32 attention shows no bias."""
+    x = A.inputs("ties", B=2, H=4, T=128, D=32, seed=0)
+    r = A.bias("ref:paper", x["q"], x["k"], x["v"], x["do"])
+    assert r["o"]["ci_high"] < 0 and r["delta"]["ci_high"] < 0 and r["dq_u"]["ci_low"] > 0
+    f = A.bias("ref:fp32", x["q"], x["k"], x["v"], x["do"])
+    assert abs(f["o"]["mean"]) < 1e-3 * abs(r["o"]["mean"])
+
+
+def test_unavailable_kernels_are_listed_with_a_reason_on_cpu():
+    df = A.audit(["random"], ["ref:fp32", "triton:fa2", "sdpa:flash", "sdpa:cudnn", "flex"], "cpu", T=16, D=16)
+    gpu = df[df.kernel != "ref:fp32"]
+    assert (gpu.unavailable == "needs a CUDA GPU").all() and gpu["mean"].isna().all() and (gpu.n == 0).all()
+    assert df[df.kernel == "ref:fp32"].unavailable.isna().all()
+    assert set(df.columns) >= {"kernel", "family", "quantity", "mean", "ci_low", "ci_high", "n", "device"}
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: A.inputs("tied"), r"family='tied': expected one of 'random', 'ties'"),
+    (lambda: A.audit(["random", "noise"]), r"family='noise': expected one of"),
+    (lambda: A.audit(["random"], ["sdpa:fast"]), r"kernel='sdpa:fast': expected one of 'float64'"),
+    (lambda: A.bias("ref:papr", *A.inputs("random", T=8, D=8).values()), r"kernel='ref:papr': expected one of"),
+    (lambda: A.inputs("random", T=0), r"T=0: expected an int >= 1"),
+    (lambda: A.audit(device="tpu"), r"device='tpu': expected 'cpu' or 'cuda\[:N\]'"),
+])
+def test_bad_input_gives_one_line_naming_the_value(call, message):
+    with pytest.raises(ValueError, match=f"^{message}") as e:
+        call()
+    assert "\n" not in str(e.value)
