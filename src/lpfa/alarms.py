@@ -47,7 +47,7 @@ def training_runs(root=None) -> list[Path]:
                   if any((c.parent / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz")))
 
 
-def _layer_precision(run: Run) -> list[str]:
+def layer_precision(run: Run) -> list[str]:
     """Per layer: "fp32" where its attention scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs or
     the fp32 policy), "bf16" where its scores are BF16, "mixed" otherwise (e.g. FP32 scores, BF16 P̄: fa2)."""
     m = run.model_config()
@@ -71,7 +71,7 @@ def layer_samples(run_dir) -> pd.DataFrame:
               for m in ("max_logit", "tie_fraction", "wq_spectral_norm")}
     out = pd.DataFrame({"max_logit": frames["max_logit"].max(), "tie_fraction": frames["tie_fraction"].max(),
                         "wq_outlier": frames["wq_spectral_norm"].max() / frames["wq_spectral_norm"].median()}).reset_index()
-    return out.assign(precision=out.layer.map(dict(enumerate(_layer_precision(run)))))
+    return out.assign(precision=out.layer.map(dict(enumerate(layer_precision(run)))))
 
 
 def labelled_samples(root=None, lead: int = LEAD_STEPS) -> pd.DataFrame:
@@ -140,6 +140,23 @@ def thresholds(root=None, lead: int = LEAD_STEPS, max_fpr: float = MAX_FPR) -> d
     import copy
 
     return copy.deepcopy(_cached(None if root is None else str(root), lead, max_fpr))
+
+
+def fixed_thresholds() -> dict:
+    """Fixed round thresholds (for tests and for a project without committed runs): a max logit of 100 is where
+    QK-clip starts (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is the runaway criterion's; 20 % of rows tied in BF16."""
+    return {"max_logit": {"precursor": 100.0, "runaway": RunawayCriterion().logit}, "tie_fraction_bf16": {"precursor": 0.2}}
+
+
+def current_thresholds() -> dict:
+    """The thresholds ``lpfa doctor`` and :class:`lpfa.monitor.AttentionMonitor` use when none are given:
+    :func:`thresholds` learnt from the committed runs, or :func:`fixed_thresholds` where no committed run has the
+    diagnostics to learn from."""
+    try:
+        learnt = thresholds()
+    except (FileNotFoundError, ValueError):
+        return fixed_thresholds()
+    return learnt if any("precursor" in v for v in learnt.values()) else fixed_thresholds()
 
 
 def lead_times(samples: pd.DataFrame, thr: dict) -> pd.DataFrame:

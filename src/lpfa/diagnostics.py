@@ -23,6 +23,16 @@ from lpfa.attention.reference import fill_stats, fill_tie_stats
 
 
 @torch.no_grad()
+def spectral_norms(w: torch.Tensor) -> torch.Tensor:
+    """(H,) ‖w[h]‖₂ of (H, rows, cols) matrices in FP32; NaN for a matrix with a non-finite entry (SVD refuses it):
+    the per-head norms of a checkpoint that blew up (:mod:`lpfa.doctor`, :mod:`lpfa.monitor`)."""
+    w = w.float()
+    ok = torch.isfinite(w).flatten(1).all(1)
+    norms = torch.linalg.matrix_norm(torch.where(ok[:, None, None], w, torch.zeros_like(w)), ord=2)
+    return torch.where(ok, norms, torch.full_like(norms, math.nan))
+
+
+@torch.no_grad()
 def wq_spectral_norms(model) -> torch.Tensor:
     """(n_layer, n_head) spectral norms ‖W_Q[h]‖₂ of each head's query projection, in FP32."""
     return torch.stack([torch.linalg.matrix_norm(model.w_q(i).float(), ord=2) for i in range(model.config.n_layer)])

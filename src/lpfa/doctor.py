@@ -28,7 +28,7 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
 
 :func:`diagnose` adds a ``verdict`` per head: ``runaway`` when ``max_logit`` ≥ the runaway threshold, else
 ``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
-:func:`current_thresholds`: :func:`lpfa.alarms.thresholds`, learnt from the committed runs' diagnostics with their
+:func:`lpfa.alarms.current_thresholds`: :func:`lpfa.alarms.thresholds`, learnt from the committed runs' diagnostics with their
 measured false-positive and false-negative rates (on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks (``wq_growth`` needs two
 checkpoints) is reported and not used.
 
@@ -67,6 +67,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lpfa.alarms import current_thresholds, fixed_thresholds
+from lpfa.diagnostics import spectral_norms
+
 FORMATS = ("lpfa", "nanogpt", "hf")
 # GPTConfig fields set on loading: the probe runs every layer in FP32 with PyTorch's SDPA, no dropout
 PROBE_OVERRIDES = {"attn_backend": "sdpa", "layer_policies": {}, "fp32_heads": {}, "dropout": 0.0}
@@ -102,23 +105,7 @@ class DoctorError(ValueError):
 # thresholds
 
 
-def _default_thresholds() -> dict:
-    """Fixed round thresholds (for tests and for a project without committed runs): a max logit of 100 is where
-    QK-clip starts (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is the runaway criterion's; 20 % of rows tied in BF16."""
-    return {"max_logit": {"precursor": 100.0, "runaway": 1000.0}, "tie_fraction_bf16": {"precursor": 0.2}}
-
-
-def current_thresholds() -> dict:
-    """The thresholds the doctor uses when none are given: those learnt from the committed runs
-    (:func:`lpfa.alarms.thresholds`, with their false-positive and false-negative rates), or
-    :func:`_default_thresholds` where no committed run has the diagnostics to learn from."""
-    from lpfa.alarms import thresholds
-
-    try:
-        learnt = thresholds()
-    except (FileNotFoundError, ValueError):
-        return _default_thresholds()
-    return learnt if any("precursor" in v for v in learnt.values()) else _default_thresholds()
+_default_thresholds = fixed_thresholds  # the round levels the tests pin (lpfa.alarms.fixed_thresholds)
 
 
 def _level(thr: dict, measure: str, level: str) -> float | None:
@@ -289,22 +276,14 @@ def capture_all(model, x: torch.Tensor, y: torch.Tensor) -> list[dict]:
             p.requires_grad_(f)
 
 
-def _spectral_norms(w: torch.Tensor) -> torch.Tensor:
-    """(H,) ‖w[h]‖₂ of (H, rows, cols) matrices in FP32; NaN for a matrix with a non-finite entry (SVD refuses it)."""
-    w = w.float()
-    ok = torch.isfinite(w).flatten(1).all(1)
-    norms = torch.linalg.matrix_norm(torch.where(ok[:, None, None], w, torch.zeros_like(w)), ord=2)
-    return torch.where(ok, norms, torch.full_like(norms, math.nan))
-
-
 @torch.no_grad()
 def head_weight_norms(model) -> tuple[torch.Tensor, torch.Tensor]:
     """(n_layer, n_head) spectral norms of W_Q[h] and W_K[h] (each (head_dim, n_embd)), in FP32, as
     :func:`lpfa.diagnostics.wq_spectral_norms` (NaN for a head with a non-finite weight)."""
     C, H = model.config.n_embd, model.config.n_head
     w_k = [b.attn.c_attn.weight[C : 2 * C].view(H, C // H, C) for b in model.transformer.h]
-    return (torch.stack([_spectral_norms(model.w_q(i)) for i in range(model.config.n_layer)]),
-            torch.stack([_spectral_norms(w) for w in w_k]))
+    return (torch.stack([spectral_norms(model.w_q(i)) for i in range(model.config.n_layer)]),
+            torch.stack([spectral_norms(w) for w in w_k]))
 
 
 def _cos(a: torch.Tensor) -> torch.Tensor:
@@ -538,7 +517,7 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
            out=None, thresholds: dict | None = None, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS, progress: bool = True,
            command: str | None = None) -> dict:
     """Load ``checkpoint``, draw the probe batch, measure every head, give verdicts (``thresholds``, default
-    :func:`current_thresholds`) and, with ``out``, write the report. Returns ``{"table": DataFrame, "thresholds", "info"}``."""
+    :func:`lpfa.alarms.current_thresholds`) and, with ``out``, write the report. Returns ``{"table": DataFrame, "thresholds", "info"}``."""
     from lpfa.run import resolve_device
 
     t0 = time.time()
@@ -547,7 +526,7 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise DoctorError(f"--device {device}: no CUDA device is visible; use cpu or auto")
     device = resolve_device(device)
-    source = "given" if thresholds is not None else "lpfa.doctor.current_thresholds()"
+    source = "given" if thresholds is not None else "lpfa.alarms.current_thresholds()"
     thr = current_thresholds() if thresholds is None else thresholds
     model, fmt, path = load_model(checkpoint, device)
     cfg = model.config

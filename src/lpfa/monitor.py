@@ -35,13 +35,13 @@ mode (the capture step then fails with an error saying so): monitoring compiled 
 (``"precursor"``, ``"runaway"``) where its value is at or above it (a NaN or infinite ``max_logit``: the top level);
 the monitor reports a head's measure when it crosses upwards (not again while it stays above), through
 ``on_warning(event)`` (an :class:`AttentionEvent`) or else :func:`warnings.warn` with an :class:`AttentionWarning`.
-Thresholds default to :func:`lpfa.doctor.current_thresholds` (those of :func:`lpfa.alarms.thresholds`, learnt from
+Thresholds default to :func:`lpfa.alarms.current_thresholds` (those of :func:`lpfa.alarms.thresholds`, learnt from
 the committed runs with their error rates); a dict in the same format replaces them.
 
 **Replay** (:func:`replay_logged`, :func:`warning_table`): the committed runs' logged diagnostics through the same
 decision, giving each run's first warning and its lead over the runaway or the explosion, and the false alarms of the
 runs that stayed clean. The logged tie fraction is of the scores as the run computed them: it stands for
-``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.alarms._layer_precision`).
+``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.alarms.layer_precision`).
 
 **What the replay finds** is computed on the early-warning page (``notebooks/15_early_warning.ipynb``) from
 :func:`warning_table` and :func:`warning_summary`. Runs that neither ran away nor exploded are of two kinds there:
@@ -120,8 +120,8 @@ def normalise_thresholds(thresholds: dict) -> dict[str, dict[str, float]]:
 
 
 def default_thresholds() -> dict:
-    """The doctor's: learnt from the committed runs (:func:`lpfa.alarms.thresholds`), else round defaults."""
-    from lpfa.doctor import current_thresholds
+    """:func:`lpfa.alarms.current_thresholds`: learnt from the committed runs, else round defaults (the doctor's too)."""
+    from lpfa.alarms import current_thresholds
 
     return current_thresholds()
 
@@ -244,9 +244,9 @@ def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = No
 
 
 def _spectral_norms(w: torch.Tensor) -> np.ndarray:
-    from lpfa.doctor import _spectral_norms as norms
+    from lpfa.diagnostics import spectral_norms
 
-    return norms(w.detach()).double().cpu().numpy()
+    return spectral_norms(w.detach()).double().cpu().numpy()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -471,10 +471,10 @@ class AttentionMonitor:
 def logged_frame(run_dir):
     """A run's logged diagnostics (:func:`lpfa.runs.head_metric_frame`) as the monitor's measures: a DataFrame
     (step, layer, head, :data:`MEASURE_COLUMNS`); ``tie_fraction_bf16`` is the logged tie fraction in layers whose
-    scores are BF16 (:func:`lpfa.alarms._layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
+    scores are BF16 (:func:`lpfa.alarms.layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
     import pandas as pd
 
-    from lpfa.alarms import _layer_precision
+    from lpfa.alarms import layer_precision
     from lpfa.run import Run
     from lpfa.runs import head_metric_frame
 
@@ -483,7 +483,7 @@ def logged_frame(run_dir):
     for name, metric in (("max_logit", "max_logit"), ("tie_fraction_bf16", "tie_fraction"), ("wq_spectral_norm", "wq_spectral_norm")):
         cols[name] = head_metric_frame(run_dir, metric).drop_duplicates(key, keep="last").set_index(key)["value"]
     frame = pd.DataFrame(cols).reset_index()
-    precision = dict(enumerate(_layer_precision(Run(run_dir))))
+    precision = dict(enumerate(layer_precision(Run(run_dir))))
     frame.loc[frame["layer"].map(precision) != "bf16", "tie_fraction_bf16"] = np.nan
     return add_derived(frame)
 
@@ -512,10 +512,10 @@ def warning_table(root=None, thresholds: dict | None = None):
     warned (layer, head, measure, level), ``lead`` (steps from the first warning to the runaway, or to the explosion
     where there is none; negative: after it), ``warned before`` (lead > 0) and ``false alarm`` (a run that neither ran
     away nor exploded, but warned), and ``attention``: "fp32" where every layer's attention is FP32
-    (:func:`lpfa.alarms._layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
+    (:func:`lpfa.alarms.layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
     import pandas as pd
 
-    from lpfa.alarms import _layer_precision, training_runs
+    from lpfa.alarms import layer_precision, training_runs
     from lpfa.run import Run
     from lpfa.run import run_verdict
 
@@ -531,7 +531,7 @@ def warning_table(root=None, thresholds: dict | None = None):
         fail = ra if ra is not None else ex
         warn = None if hit is None else int(hit["step"])
         lead = fail - warn if fail is not None and warn is not None else None
-        fp32 = all(p == "fp32" for p in _layer_precision(Run(d)))
+        fp32 = all(p == "fp32" for p in layer_precision(Run(d)))
         rows["/".join(Path(d).parts[-3:])] = {
             "policy": v["policy"], "attention": "fp32" if fp32 else "low precision", "runaway step": ra, "explosion step": ex, "first warning step": warn,
             "warning": None if hit is None else f"layer {hit['layer']} head {hit['head']} {hit['measure']} ({hit['level']})",

@@ -129,15 +129,16 @@ def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral
     return ax.figure
 
 
-def layer_peaks(runs: dict, metric: str = "max_logit"):
+def layer_peaks(runs: dict, metric: str = "max_logit", verdicts: dict | None = None):
     """Long DataFrame (run, layer, value): each layer's largest ``metric`` over its heads and over the diagnostics steps
-    before the run's loss explosion (every step if it did not explode), as :func:`sfa_findings` counts runaway layers."""
+    before the run's loss explosion (every step if it did not explode), as :func:`sfa_findings` counts runaway layers.
+    ``verdicts``: ``{label: run_verdict(run)}`` where the caller has them already."""
     import pandas as pd
 
     rows = []
     for label, d in runs.items():
         f = head_metric_frame(d, metric)
-        boom = run_verdict(d)["explosion_step"]
+        boom = ((verdicts or {}).get(label) or run_verdict(d))["explosion_step"]
         if boom is not None:
             f = f[f.step < boom]
         rows.append(f.groupby("layer").value.max().rename("value").reset_index().assign(run=label))
@@ -632,9 +633,9 @@ def sfa_findings(runs: dict, smooth: int = 200, logit: float = 1000.0) -> dict:
     it); and, per run, ``runaway layers``: the layers whose largest attention logit (over heads, on the diagnostics batch)
     exceeded ``logit`` at some diagnostics step before the run's explosion (all its steps if it did not explode)."""
     out = {"steps": {}, "explosion step": {}, "runaway": {}, "loss": {}, "runaway layers": {}}
-    peaks = layer_peaks(runs)
-    for label, d in runs.items():
-        v = run_verdict(d)
+    verdicts = {label: run_verdict(d) for label, d in runs.items()}
+    peaks = layer_peaks(runs, verdicts=verdicts)
+    for label, v in verdicts.items():
         out["steps"][label], out["explosion step"][label] = v["steps"], v["explosion_step"]
         out["runaway"][label] = None if v["runaway_step"] is None else (v["runaway_step"], v["runaway_layer"])
         p = peaks[peaks.run == label]
