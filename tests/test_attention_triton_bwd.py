@@ -5,10 +5,12 @@ accumulate in FP32 in their own order. With ``m`` per gradient the larger of max
 term of its sum (dV: max|dO|, P ≤ 1; dQ: scale·max|dO|·max|V|·max|K|; dK the same with Q), so that a gradient
 that cancels to ~0 (T = 1: dS = P·(dP − δ) with dP = δ exactly) is held to the rounding of its terms, not to 0:
 
-* ``policy.backward == "fp32"`` (the ``fp32`` preset, and ``fa2``-like presets whose GEMM operands are
-  BF16 but whose outputs and accumulators are FP32): close at rtol = 1e-4, atol = 1e-5·m (what is
-  seen: |diff| <= 3e-7·m; an FP32 ulp of S may flip a BF16 rounding of P or dS, which is still far
-  below this);
+* ``policy.backward == "fp32"`` with every forward rounding point FP32 (the ``fp32`` preset): close at
+  rtol = 1e-4, atol = 1e-5·m (seen: |diff| <= 3e-7·m);
+* ``policy.backward == "fp32"`` after a BF16 rounding point (``fa2``-like presets: BF16 P̄ or scores, FP32
+  outputs and accumulators): >= 99% of the elements as close as that, and every element within 2**-7·m. An FP32
+  ulp of S can flip a BF16 rounding of P by one ulp (2**-8 relative), which moves the elements that term feeds by
+  about that much of the term: seen once with fresh inputs, dv off by 4.7e-5 where 1e-5·m allowed 3.8e-5;
 * ``policy.backward == "bf16"``: at least 98% of each gradient's elements bit-identical to the
   reference and every element within |diff| <= 2**-6·|ref| + 2**-6·m (an FP32 ulp can flip one BF16
   rounding by an ulp, which then propagates through the BF16 accumulators). Seen: 100% identical at
@@ -68,12 +70,25 @@ def _term_sizes(q, k, v, do, scale):
     return scale * mx[3] * mx[2] * mx[1], scale * mx[3] * mx[2] * mx[0], mx[3]
 
 
+def _rounds_to_bf16(policy) -> bool:
+    """Whether any rounding point of the policy's forward is BF16 (what the backward recomputes from)."""
+    return BF16 in (policy.scores, policy.p_bar, policy.o_block, policy.accumulator, policy.o_store)
+
+
 def _check(grads, refs, policy, loose=False, terms=(0.0, 0.0, 0.0)):
     for gname, a, b, term in zip(("dq", "dk", "dv"), grads, refs, terms):
         assert a.shape == b.shape and a.dtype == torch.float32, gname
         m = max(b.abs().max().item(), term)
         if policy.backward != BF16:
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * m, msg=lambda s: f"{gname}: {s}")
+            if not _rounds_to_bf16(policy):  # FP32 throughout: every element within FP32 summation-order noise
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * m, msg=lambda s: f"{gname}: {s}")
+                continue
+            # a BF16 rounding point upstream (scores, P̄, Ō, ...) can flip by one BF16 ulp where the kernel's FP32
+            # sums and the reference's float64 ones round differently: rare elements, each off by about one ulp of a
+            # term (2⁻⁸ relative); the rest within FP32 noise
+            close = (a - b).abs() <= 1e-4 * b.abs() + 1e-5 * m
+            assert close.double().mean() >= 0.99, f"{gname}: only {close.double().mean():.4%} within FP32 noise"
+            assert ((a - b).abs() <= 2.0**-7 * m).all(), f"{gname}: an element beyond 2⁻⁷·max|ref|"
             continue
         same = (a == b).double().mean().item()
         frac, tol = (0.95, 2.0**-5) if loose else (0.98, 2.0**-6)
