@@ -113,6 +113,7 @@ def _compile(i: int, arch: int, cubin: bool, dump: str | None) -> dict:
                "stages": [s for s in ("ttir", "ttgir", "llir", "ptx", "cubin") if s in asm]}
         if "cubin" in asm:
             res["regs"] = _regs_from_cubin(asm["cubin"])
+            res["sass"] = _sass_counts(asm["cubin"])
         if dump and "ptx" in asm:
             with open(os.path.join(dump, f"{kernel.fn.__name__}_{i}.ptx"), "w") as f:
                 f.write(asm["ptx"])
@@ -173,6 +174,33 @@ def _regs_from_cubin(cubin: bytes):
     return f"{m.group(1)}" + (f", stack {st.group(1)}" if st and int(st.group(1)) else "")
 
 
+SASS_OPS = {"HGMMA": "tensor-core GEMMs (wgmma)", "HMMA": "older mma.sync GEMMs", "LDL": "local loads (spills)",
+            "STL": "local stores (spills)", "MUFU.EX2": "hardware exp2"}
+
+
+def _sass_counts(cubin: bytes) -> dict | None:
+    """How often each opcode of :data:`SASS_OPS` appears in the cubin's SASS (Triton's bundled cuobjdump), or None.
+    Static counts, not executed ones: a spill (LDL/STL) in the inner loop is what costs."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
+        except Exception:
+            return None
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return {op: sum(1 for o in ops if o == op or o.startswith(op + ".")) for op in SASS_OPS}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--presets", nargs="+", default=DEFAULT_PRESETS)
@@ -182,6 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, default=90, help="CUDA compute capability (90: H100/H200)")
     ap.add_argument("--num-stages", type=int, help="passed to both wrappers (default: theirs)")
     ap.add_argument("--num-warps", type=int, help="passed to both wrappers (default: theirs)")
+    ap.add_argument("--block-m", type=int, help="query compute tile, passed to both wrappers (default: theirs)")
+    ap.add_argument("--block-n", type=int, help="key compute tile, passed to both wrappers (default: theirs)")
     ap.add_argument("--no-cubin", action="store_true", help="stop at PTX (no ptxas)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     ap.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's PTX there")
@@ -210,7 +240,8 @@ def main(argv=None) -> int:
             continue
         for dt in a.dtype:
             for D in a.d:
-                launch = {k: v for k, v in (("num_stages", a.num_stages), ("num_warps", a.num_warps)) if v is not None}
+                launch = {k: v for k, v in (("num_stages", a.num_stages), ("num_warps", a.num_warps), ("block_m", a.block_m),
+                                                 ("block_n", a.block_n)) if v is not None}
                 for kernel, args, kwargs in capture(preset, dtypes[dt], B, H, T, D, launch):
                     k = _key(kernel, _spec(kernel, args, kwargs, backend))
                     if k not in keys:
@@ -252,8 +283,10 @@ def main(argv=None) -> int:
     for name, preset, dt, D, i in rows:
         r = results[i]
         if r["ok"]:
+            sass = r.get("sass") or {}
             extra = ", ".join(x for x in (f"regs {r['regs']}" if r.get("regs") is not None else "",
-                                          f"smem {r['shared']}" if r.get("shared") is not None else "") if x)
+                                          f"smem {r['shared']}" if r.get("shared") is not None else "",
+                                          " ".join(f"{op} {n}" for op, n in sass.items() if n)) if x)
             res = f"ok ({'+'.join(r['stages'][-2:])}{'; ' + extra if extra else ''})"
             lim = MAX_SHARED.get(a.arch)
             if lim is not None and r.get("shared") is not None and r["shared"] > lim:

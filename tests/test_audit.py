@@ -48,6 +48,14 @@ def test_unavailable_kernels_are_listed_with_a_reason_on_cpu():
     assert set(df.columns) >= {"kernel", "family", "quantity", "mean", "ci_low", "ci_high", "n", "device"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the reason given on a machine without a GPU")
+def test_cuda_device_without_a_gpu_lists_every_kernel_with_a_reason():
+    """device="cuda" on a machine without one: each kernel is listed unavailable, none crashes the audit (the first
+    GPU run of benchmarks/kernel_bias.py died here on a local import that shadowed ``torch``)."""
+    df = A.audit(["random"], ["ref:fp32", "triton:fa2", "sdpa:math", "flex"], "cuda", T=16, D=16)
+    assert (df.unavailable == "no CUDA device is available").all() and df["mean"].isna().all()
+
+
 @pytest.mark.parametrize("call, message", [
     (lambda: A.inputs("tied"), r"family='tied': expected one of 'random', 'ties'"),
     (lambda: A.audit(["random", "noise"]), r"family='noise': expected one of"),

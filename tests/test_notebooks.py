@@ -163,6 +163,8 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
     assert "At β = 2 it silenced between 21.5% and 24.9% of layer 1's rows" in sfa
     assert "the BF16 run exploded at step 1,296 (its logits ran away in layer 6 from step 800); the FP32 run exploded at step 1,609" in sfa
     assert "Both precisions explode" in sfa and "Not run yet" not in sfa
+    assert "At Muon lr 0.05 (3,003–3,119 steps), the BF16 run exploded at step 932; the FP32 run exploded at step 1,314" in sfa
+    assert "a second realisation of the same twins" in sfa  # results/muon_long trained fewer steps than results/sfa_muon
     root = tmp_path / "root"
     (root / "notebooks").mkdir(parents=True)
     (root / "_toc.yml").write_text("format: jb-book\n")
@@ -173,6 +175,7 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
     sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09b.ipynb"))
     assert "**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)" in sfa and "**Not run yet** (`sizes`" in sfa
     assert "With Muon** (" not in sfa
+    assert "The Muon twins at lr 0.05 (`lpfa.experiments.MUON_LONG`) are not run yet." in sfa
 
 
 def test_structure_page_on_committed_gpu_results(tmp_path):

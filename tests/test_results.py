@@ -84,13 +84,15 @@ def test_committed_explosions_name_every_exploded_run():
 
     t = committed_explosions()
     boom = t[t["exploded"]]
-    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_paper_recipe", "bf16_paper_recipe_s1",
-                                                         "delta_o_exact", "fp32_gpt2s"]
+    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_muon_lr2", "bf16_paper_recipe",
+                                                         "bf16_paper_recipe_s1", "delta_o_exact", "fp32_gpt2s",
+                                                         "fp32_muon_lr2"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
+    assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
     assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe")]  # Fig. 2, one seed
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "5 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "7 exploded" in text and "its FP32 twin too" in text
     assert "its FP32 twin not" in text
 
 
@@ -195,3 +197,21 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
         want = "exploded" if v["exploded"] else "clean" if v["steps"] > boom else "too short"
         assert t.loc[label, "verdict"] == want and t.loc[label, "steps"] == v["steps"]
     assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
+
+
+def test_muon_text_gives_each_learning_rate_its_verdicts():
+    """Page 09's Muon sentences from results/muon_long: the verdicts as in the runs' files, and the lr-0.05 pair called
+    generic because both precisions exploded."""
+    from lpfa.experiments import MUON_LONG, MUON_LR2
+    from lpfa.results import experiment_rows
+    from lpfa.run import run_verdict
+    from lpfa.runs import muon_text
+
+    runs = experiment_rows("muon_long", list(MUON_LONG))
+    v = {label: run_verdict(d) for label, d in runs.items()}
+    text = muon_text(runs)
+    assert text.count("At Muon lr") == 2 and f"At Muon lr {MUON_LR2:g}" in text
+    for label in ("bf16_muon_lr2", "fp32_muon_lr2"):
+        assert v[label]["exploded"] and f"exploded at step {v[label]['explosion_step']:,}" in text
+    assert "Both precisions exploded" in text and "the SFA run stayed clean" in text
+    assert f"ran away from step {v['bf16_muon']['runaway_step']:,}" in text

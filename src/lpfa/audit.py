@@ -47,6 +47,7 @@ FP8 kernels and inputs captured from a trained layer (issue 19's family iii) are
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
@@ -110,14 +111,10 @@ def _unavailable(kernel: str, device: str) -> str | None:
     if cuda and not torch.cuda.is_available():
         return "no CUDA device is available"
     if kernel.startswith("triton:"):
-        try:
-            import triton  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("triton") is None:
             return "Triton is not installed"
     if kernel == "flex":
-        try:
-            import torch.nn.attention.flex_attention  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             return "torch.nn.attention.flex_attention is missing in this PyTorch"
     return None
 

@@ -553,7 +553,7 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     return fig
 
 
-def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa_muon", "sizes"), root=None):
+def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa_muon", "muon_long", "sizes"), root=None):
     """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
     indexed by (experiment, label) with ``change`` (:data:`lpfa.experiments.DESCRIPTIONS`), ``attention``, ``steps``,
     ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
@@ -622,6 +622,40 @@ def seeds_text(table) -> str:
             + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")
     missing = [f"`fp32{label[4:]}`" for label in table.index[table["fp32 exploded"].isna()]]
     return text + (f"; still to run: {', '.join(missing)}." if missing else ".")
+
+
+def _verdict_words(v: dict) -> str:
+    """One run's :func:`lpfa.run.run_verdict` in words: exploded (where), else ran away (where), else clean."""
+    if v["exploded"]:
+        return f"exploded at step {v['explosion_step']:,}"
+    if v["runaway_step"] is not None:
+        return f"did not explode, but its layer-{v['runaway_layer']} logits ran away from step {v['runaway_step']:,}"
+    return "stayed clean"
+
+
+def muon_text(runs: dict) -> str:
+    """The Muon twins (:data:`lpfa.experiments.MUON_LONG`, ``{label: run dir}``) in sentences, one per Muon learning
+    rate: how long the runs trained, each one's verdict, and whether an explosion was BF16's alone or both precisions'
+    (then it is the generic instability of too high a learning rate, not the paper's failure)."""
+    groups: dict[float, dict[str, Run]] = {}
+    for label, d in runs.items():
+        r = Run(d)
+        groups.setdefault(float(r.train["muon_lr"]), {})[label.split("_")[0]] = r
+    text = []
+    for lr, g in sorted(groups.items()):
+        v = {mode: r.verdict() for mode, r in g.items()}
+        steps = sorted(x["steps"] for x in v.values())
+        span = f"{steps[0]:,}" if steps[0] == steps[-1] else f"{steps[0]:,}–{steps[-1]:,}"
+        line = (f"At Muon lr {lr:g} ({span} steps), "
+                + "; ".join(f"the {m.upper()} run {_verdict_words(v[m])}" for m in ("bf16", "fp32", "sfa") if m in v) + ".")
+        if "bf16" in v and "fp32" in v and v["bf16"]["exploded"]:
+            line += (" Both precisions exploded: at this learning rate the failure is generic, not BF16's." if v["fp32"]["exploded"]
+                     else f" A BF16-only loss explosion (Fig. 2 with Muon): the FP32 twin ran {v['fp32']['steps']:,} steps clean.")
+        stopped = [m.upper() for m, r in g.items() if r.summary and r.summary.get("status") == "stopped"]
+        if stopped:
+            line += f" ({_and(stopped)} stopped by hand after {'it' if len(stopped) == 1 else 'they'} had exploded.)"
+        text.append(line)
+    return " ".join(text) if text else "No Muon run is committed."
 
 
 def sfa_findings(runs: dict, smooth: int = 200, logit: float = 1000.0) -> dict:
