@@ -41,11 +41,13 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--presets", default="fa2,paper")
+    p.add_argument("--quick", action="store_true",
+                   help="a few launch configurations each (precise math only), for a short GPU call")
     p.add_argument("--compare-split", action="store_true",
                    help="also time every configuration with causal_split=False (every tile masked, as before issue 17)")
     a = p.parse_args()
     out = Path(a.out)
-    write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets,
+    write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
                                                           "compare_split": a.compare_split}))
     f_fwd = 4 * B * H * T * T * D / 2
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -70,6 +72,11 @@ def main():
     bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                 for (m, n, w, s) in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3),
                                      (64, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 3), (128, 128, 8, 2)]]
+    if a.quick:
+        fwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, precise_math=True)
+                    for (m, n, w, s) in [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]]
+        bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
+                    for (m, n, w, s) in [(64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]]
     if a.compare_split:
         fwd_cfgs += [dict(cfg, causal_split=False) for cfg in fwd_cfgs]
         bwd_cfgs += [dict(cfg, causal_split=False) for cfg in bwd_cfgs]

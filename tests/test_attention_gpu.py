@@ -118,7 +118,8 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
     from lpfa.attention.triton_bwd import flash_backward
     from lpfa.attention.triton_fwd import flash_forward
 
-    torch.manual_seed(torch.seed() % 2**31)
+    seed = torch.seed() % 2**31
+    torch.manual_seed(seed)
     q, k, v, do = (torch.randn(2, 12, T, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     pol, scale = PRESETS[name], 0.125
     outs = {}
@@ -126,7 +127,10 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
         o, lse = flash_forward(q, k, v, pol, scale, causal_split=split)
         outs[split] = (o, lse, *flash_backward(do, q, k, v, o.float(), lse, pol, scale, causal_split=split))
     for a, b, what in zip(outs[True], outs[False], ("o", "lse", "dq", "dk", "dv")):
-        assert torch.equal(a.float().view(torch.int32), b.float().view(torch.int32)), what
+        diff = a.float().view(torch.int32) != b.float().view(torch.int32)
+        where = diff.nonzero()[:3].tolist()
+        assert not diff.any(), (what, f"{int(diff.sum())} of {diff.numel()} differ, first at {where}", f"seed={seed}",
+                                f"max |a-b| {(a.float() - b.float()).abs().max().item():.3g}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

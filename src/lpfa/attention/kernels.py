@@ -79,7 +79,7 @@ def _bwd_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from lpfa.attention.triton_bwd import flash_backward
 
-    dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, _policy(key), scale, validate=False)
+    dq, dk, dv = flash_backward(do, q, k, v, o, lse, _policy(key), scale, validate=False)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

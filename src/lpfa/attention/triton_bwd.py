@@ -37,6 +37,11 @@ their order: ``_bwd_dkdv_kernel`` runs the query sub-tiles masked while they tou
 then masked again for one running past the block's end or T; ``_bwd_dq_kernel`` the key sub-tiles unmasked
 up to the diagonal, then masked. The results are bit-identical to masking everything (``causal_split=False``).
 
+Registers: K, V (dK/dV kernel) and Q, dO (dQ kernel) stay in their input dtype for the whole loop (a BF16 tile
+feeds the tensor cores as it is); with an FP32 backward the block partials are the accumulators themselves (there is
+no rounding point at a block's end, so only the FP32 order changes); and each kernel runs twice, the second launch
+only for the batch·heads whose Q or dO (dK/dV) or K (dQ) holds an inf or NaN (``NONFINITE``, as the forward's).
+
 Compute tiles are separate from policy blocks (the ``paper`` preset uses 512 × 512 blocks): a tile is
 64 rows/keys when the policy block is a multiple of 64, else one tile of next_pow2(block) (>= 16) per
 policy block, masked. A tile never straddles two policy blocks. Sub-tiles (and whole policy blocks)
@@ -185,10 +190,9 @@ if triton is not None:
             offs_m = q0 + loc_m
             row_ok = offs_m < q_hi if MASKED else None
             # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
+            # in their own dtype: a BF16 tile goes to the tensor cores as it is (_dot converts where a GEMM needs FP32)
             qt = _load_tile(Q + base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], row_ok[None, :] if MASKED else None)
-            qt = qt.to(tl.float32)
             do = _load_tile(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], row_ok[:, None] if MASKED else None)
-            do = do.to(tl.float32)
             lse = _load_tile(LSE + row_base + offs_m, row_ok)
             delta = _load_tile(DELTA + row_base + offs_m, row_ok)
             # visible: key <= query, both in range
@@ -216,9 +220,18 @@ if triton is not None:
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
         DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads they are not
     ):
         pid_n = tl.program_id(0)  # key compute tile
         pid_bh = tl.program_id(1)  # (batch, head)
+        if NONFINITE:
+            q_nonfinite = tl.load(Q_NONFINITE + pid_bh)
+            do_nonfinite = tl.load(DO_NONFINITE + pid_bh)
+            if (q_nonfinite == 0) & (do_nonfinite == 0):
+                return
+        else:
+            q_nonfinite = 0
+            do_nonfinite = 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM
         row_base = pid_bh.to(tl.int64) * T
 
@@ -231,11 +244,9 @@ if triton is not None:
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
         kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
-        v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0).to(tl.float32)
-
-        q_nonfinite = tl.load(Q_NONFINITE + pid_bh)
-        do_nonfinite = tl.load(DO_NONFINITE + pid_bh)
+        # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
+        k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0)
 
         # dK_j, dV_j accumulators (bw precision), across policy query blocks
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -247,8 +258,14 @@ if triton is not None:
             q_blk = i * BQ
             q_hi = tl.minimum(q_blk + BQ, T)  # exclusive end of policy query block i
             # FP32 partials over ALL queries of block i: Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q
-            dv_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-            dk_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            # (an FP32 backward has no rounding point at the block's end: the partials are dV_j, dK_j themselves,
+            # an FP32 reordering of the same sum, and two tiles' fewer registers)
+            if BW_BF16:
+                dv_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+                dk_part = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+            else:
+                dv_part = dv
+                dk_part = dk
             # query sub-tiles q0 = q_lo, q_lo + BLOCK_M, … < q_hi from max(block start, first key): queries before
             # it see none of the keys. In ascending order (the FP32 partials keep their order): masked while a key
             # of the tile lies above row q0 (q0 < k_start + NK − 1), unmasked from q_mid, masked again from q_tail
@@ -274,8 +291,12 @@ if triton is not None:
                 QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
-            dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
-            dk = _rnd(dk + _rnd(dk_part, BW_BF16), BW_BF16)
+            if BW_BF16:
+                dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
+                dk = _rnd(dk + _rnd(dk_part, BW_BF16), BW_BF16)
+            else:
+                dv = dv_part
+                dk = dk_part
 
         tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
         tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
@@ -295,9 +316,7 @@ if triton is not None:
             key_ok = offs_n < k_to if MASKED else None
             # Kᵀ, Vᵀ: (D, BLOCK_N)
             kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
-            kt = kt.to(tl.float32)
             vt = _load_tile(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
-            vt = vt.to(tl.float32)
             # visible: key <= query, both in range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
@@ -321,9 +340,16 @@ if triton is not None:
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        NONFINITE: tl.constexpr,  # as the dK/dV kernel's, for K
     ):
         pid_m = tl.program_id(0)  # query compute tile
         pid_bh = tl.program_id(1)
+        if NONFINITE:
+            k_nonfinite = tl.load(K_NONFINITE + pid_bh)
+            if k_nonfinite == 0:
+                return
+        else:
+            k_nonfinite = 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM
         row_base = pid_bh.to(tl.int64) * T
 
@@ -336,12 +362,11 @@ if triton is not None:
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
         q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        do = tl.load(DO + q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0)  # in their own dtype, as k, v above
+        do = tl.load(DO + q_ptrs, mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
-        k_nonfinite = tl.load(K_NONFINITE + pid_bh)
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
         # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
@@ -351,7 +376,7 @@ if triton is not None:
         for j in range(0, (k_end + BK - 1) // BK):
             k_blk = j * BK
             k_hi = tl.minimum(k_blk + BK, k_end)
-            dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+            dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) if BW_BF16 else dq  # FP32: dQ_i itself
             # key sub-tiles k0 = k_blk, k_blk + BLOCK_N, … < k_hi, ascending: those up to k_mid lie inside the
             # block and end at or before key q_start, so every row sees them whole (no mask); the rest touch
             # the diagonal, the block's end or T (a padded sub-tile, BLOCK_N > BK, always does)
@@ -366,7 +391,10 @@ if triton is not None:
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
                                 DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
-            dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
+            if BW_BF16:
+                dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
+            else:
+                dq = dq_part
 
         tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
 
@@ -488,20 +516,28 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         num_warps=num_warps,
         num_stages=num_stages,
     )
+    # each kernel twice: every batch·head with its operands taken as finite, then only those whose are not
+    # (NONFINITE: the non-finite path costs registers, and choosing on the host would need a sync)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
-    _bwd_dkdv_kernel[(n_ktiles, B * H)](
-        q_, k_, v_, do_, lse_, delta, dk, dv, nonfinite_flags(q_), nonfinite_flags(do_), T, float(scale),
-        TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
-        PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
-        DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-        **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
-    )
+    q_flags, do_flags = nonfinite_flags(q_), nonfinite_flags(do_)
+    for nonfinite in (False, True):
+        _bwd_dkdv_kernel[(n_ktiles, B * H)](
+            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale),
+            TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
+            PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
+            DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
+            NONFINITE=nonfinite,
+            **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
+        )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * TPB_Q
-    _bwd_dq_kernel[(n_qtiles, B * H)](
-        q_, k_, v_, do_, lse_, delta, dq, nonfinite_flags(k_), T, float(scale),
-        TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
-        DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
-        **common,
-    )
+    k_flags = nonfinite_flags(k_)
+    for nonfinite in (False, True):
+        _bwd_dq_kernel[(n_qtiles, B * H)](
+            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),
+            TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
+            DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
+            NONFINITE=nonfinite,
+            **common,
+        )
     return dq, dk, dv

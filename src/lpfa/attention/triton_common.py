@@ -61,16 +61,19 @@ if triton is not None:
         On a GPU this is one hardware conversion there and back (``cvt.rn.bf16.f32``: round to nearest even,
         subnormals kept; a NaN comes back as the canonical NaN). The interpreter's float → bf16 cast truncates, so
         there the rounding is done on the FP32 bit pattern instead, with the same result for every non-NaN value."""
-        if _HW_ROUND:
-            return x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
-        bits = x.to(tl.uint32, bitcast=True)
-        # bits + 0x7FFF + lsb(bits >> 16), then clear the low 16 bits: round half to even
-        lsb = (bits >> 16) & 1
-        rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
-        y = rounded.to(tl.float32, bitcast=True)
-        # exponent all ones = inf or nan: leave as is (the carry would corrupt a nan payload)
-        finite = (bits & 0x7F800000) != 0x7F800000
-        return tl.where(finite, y, x)
+        if x.dtype == tl.bfloat16:  # a BF16 input tile: exactly BF16 already
+            y = x.to(tl.float32)
+        elif _HW_ROUND:
+            y = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
+        else:
+            bits = x.to(tl.uint32, bitcast=True)
+            # bits + 0x7FFF + lsb(bits >> 16), then clear the low 16 bits: round half to even
+            lsb = (bits >> 16) & 1
+            rounded = ((bits + 0x7FFF + lsb) >> 16) << 16
+            # exponent all ones = inf or nan: leave as is (the carry would corrupt a nan payload)
+            finite = (bits & 0x7F800000) != 0x7F800000
+            y = tl.where(finite, rounded.to(tl.float32, bitcast=True), x)
+        return y
 
     @triton.jit
     def _rnd(x, TO_BF16: tl.constexpr):

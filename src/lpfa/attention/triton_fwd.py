@@ -22,6 +22,15 @@ multi-pass row max) each pass again runs the tiles that end at or before q_start
 masked, in ascending order, so every FP32 sum keeps its order and the results are bit-identical to masking
 every tile (``causal_split=False``).
 
+Non-finite V: two launches
+--------------------------
+A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.attention.triton_common._dot_visible`),
+which takes a second GEMM and masks; compiled into the hot loop, that path alone pushed the kernel into register
+spills (``benchmarks/compile_check.py`` counts them). So :func:`flash_forward` launches the kernel twice: with
+``NONFINITE=False`` for every batch·head (plain P̄V GEMMs), then with ``NONFINITE=True``, whose programs return
+at once unless their batch·head's V holds an inf or NaN, and then recompute its O and lse with the full path. The
+per-batch·head flags are computed on the device, so there is no host sync.
+
 Interpreter-safe rounding design
 --------------------------------
 Triton's CPU interpreter (``TRITON_INTERPRET=1``) does not do BF16 arithmetic faithfully: a BF16
@@ -241,9 +250,19 @@ if triton is not None:
         USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
         QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
+        NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
         pid_m = tl.program_id(0)  # query tile
         pid_bh = tl.program_id(1)  # (batch, head)
+        # Two launches (flash_forward): NONFINITE=False for every batch·head, with plain P̄V GEMMs (the nonfinite
+        # path of _dot_visible, compiled in, costs registers and spills); then NONFINITE=True, whose programs return
+        # at once unless V of their batch·head holds an inf or NaN, and then overwrite its O and lse.
+        if NONFINITE:
+            v_nonfinite = tl.load(V_NONFINITE + pid_bh)
+            if v_nonfinite == 0:
+                return
+        else:
+            v_nonfinite = 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM
 
         q_start = pid_m * BLOCK_M
@@ -255,7 +274,6 @@ if triton is not None:
         # Q tile: (BLOCK_M, D); padded rows are 0
         q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
-        v_nonfinite = tl.load(V_NONFINITE + pid_bh)
 
         # running state: m = −inf, l = 0, o = 0
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -340,9 +358,21 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     o = torch.empty(B, H, T, D, device=q.device, dtype=torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
+    v_flags = nonfinite_flags(v)
+    for nonfinite in (False, True):  # all batch·heads with V taken as finite, then those whose V is not (no host sync)
+        _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
+                        dot_bf16, precise_math, causal_split, nonfinite, num_warps, num_stages)
+    if pol.o_store == BF16 and o.dtype != torch.bfloat16:
+        o = o.to(torch.bfloat16)  # exact: the values are BF16 already
+    return o, lse
+
+
+def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
+                    dot_bf16, precise_math, causal_split, nonfinite, num_warps, num_stages):
+    """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE)."""
     _flash_fwd_kernel[grid](
         q, k, v, o, lse,
-        nonfinite_flags(v),
+        v_flags,
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
         float(pol.sfa.beta) if pol.sfa is not None else 1.0,
@@ -356,10 +386,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         PV_DOT=gemm_mode(pol.gemm, dot_bf16, pol.p_bar == BF16, inputs_bf16),
         PRECISE_MATH=bool(precise_math),
         CAUSAL_SPLIT=bool(causal_split),
+        NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if pol.o_store == BF16 and o.dtype != torch.bfloat16:
-        o = o.to(torch.bfloat16)  # exact: the values are BF16 already
-    return o, lse
