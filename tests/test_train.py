@@ -258,3 +258,80 @@ def test_float64_needs_a_float64_attention(token_dir, tmp_path):
     with pytest.raises(ValueError, match=r"dtype='float64': expected attn_backend sdpa or math in every layer"):
         cfg(token_dir, tmp_path / "f", dtype="float64", attn_backend="lpfa")
     cfg(token_dir, tmp_path / "f", dtype="float64", attn_backend="sdpa")  # fine
+
+
+def _warning_records(out_dir):
+    return [r for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines()) if "warning" in r]
+
+
+def _thresholds_file(tmp_path, logit):
+    """Thresholds any head crosses: max_logit at ``logit`` (precursor) and far above (runaway)."""
+    path = tmp_path / "thresholds.json"
+    path.write_text(json.dumps({"max_logit": {"precursor": logit, "runaway": 1e9}}))
+    return str(path)
+
+
+def test_on_warning_log_records_each_new_crossing_and_trains_on(token_dir, tmp_path):
+    c = cfg(token_dir, tmp_path / "run", diag_interval=4, on_warning="log",
+            warning_thresholds=_thresholds_file(tmp_path, -1e9))
+    s = train(c)
+    assert s["status"] == "completed" and s["steps"] == 12 and "switched_layers" not in s
+    w = _warning_records(tmp_path / "run")
+    n_layer, n_head = 2, 2  # model="debug"
+    assert {r["step"] for r in w} == {4}  # every head crosses at the first record, and stays above: reported once
+    assert len(w) == n_layer * n_head and {r["warning"]["action"] for r in w} == {"logged"}
+    assert {(r["warning"]["layer"], r["warning"]["head"]) for r in w} == {(a, b) for a in range(n_layer) for b in range(n_head)}
+    assert "warning: step 4: layer 0 head 0 max_logit" in (tmp_path / "run" / "log.txt").read_text()
+
+
+def test_on_warning_stop_ends_the_run_with_a_checkpoint(token_dir, tmp_path):
+    s = train(cfg(token_dir, tmp_path / "run", diag_interval=4, on_warning="stop",
+                  warning_thresholds=_thresholds_file(tmp_path, -1e9)))
+    assert s["status"] == "warned" and s["steps"] == 4
+    assert (tmp_path / "run" / "ckpt" / "model.safetensors").exists()
+
+
+def test_on_warning_sfa_switches_the_flagged_layer_and_resume_keeps_it(token_dir, tmp_path):
+    from lpfa.checkpoints import load_checkpoint
+
+    kw = dict(diag_interval=4, on_warning="sfa", attn_policy="paper", warning_thresholds=_thresholds_file(tmp_path, -1e9))
+    s = train(cfg(token_dir, tmp_path / "part", stop_at_step=8, **kw))
+    assert s["status"] == "stopped" and s["switched_layers"] == {0: "paper_sfa", 1: "paper_sfa"}
+    actions = [r["warning"]["action"] for r in _warning_records(tmp_path / "part")]
+    assert actions.count("layer 0 switched to paper_sfa") == 1 and actions.count("layer 1 switched to paper_sfa") == 1
+    ck = load_checkpoint(tmp_path / "part" / "ckpt")  # the checkpoint's model runs the switched layers
+    assert {int(k): v for k, v in ck.config["model"]["layer_policies"].items()} == {0: "paper_sfa", 1: "paper_sfa"}
+    # the switch changes the run from step 4 on, and a resume continues it exactly: as one run that never stopped
+    train(cfg(token_dir, tmp_path / "full", **kw))
+    train(cfg(token_dir, tmp_path / "part", resume=True, **kw))
+    full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
+    assert [full[i] for i in range(12)] == [part[i] for i in range(12)]
+
+
+def test_on_warning_fp32_switches_to_sdpa_fp32(token_dir, tmp_path):
+    s = train(cfg(token_dir, tmp_path / "run", diag_interval=4, on_warning="fp32", attn_policy="paper",
+                  warning_thresholds=_thresholds_file(tmp_path, -1e9)))
+    assert s["switched_layers"] == {0: "sdpa_fp32", 1: "sdpa_fp32"}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(on_warning="explode"), r"^on_warning='explode': expected one of 'off', 'log', 'stop', 'sfa', 'fp32'"),
+    (dict(on_warning="log"), r"^on_warning='log': expected diag_interval > 0"),
+    (dict(on_warning="sfa", diag_interval=4, attn_policy="delta_o_exact"),
+     r"^on_warning='sfa': layer 0's policy 'delta_o_exact' has no SFA preset"),
+    (dict(on_warning="sfa", diag_interval=4, attn_policy="paper_untiled", block_size=1024),
+     r"^on_warning='sfa': layer 0's policy 'paper_untiled' has no SFA preset"),
+])
+def test_on_warning_config_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kw)
+
+
+def test_on_warning_thresholds_file_errors(token_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"^warning_thresholds='.*nope.json': expected a JSON file of thresholds"):
+        train(cfg(token_dir, tmp_path / "a", diag_interval=4, on_warning="log", warning_thresholds=str(tmp_path / "nope.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"max_logits": {"precursor": 1}}))
+    with pytest.raises(ValueError, match=r"^warning_thresholds='.*bad.json': thresholds name measure 'max_logits'"):
+        train(cfg(token_dir, tmp_path / "b", diag_interval=4, on_warning="log", warning_thresholds=str(bad)))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

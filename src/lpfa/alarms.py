@@ -47,10 +47,11 @@ def training_runs(root=None) -> list[Path]:
                   if any((c.parent / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz")))
 
 
-def layer_precision(run: Run) -> list[str]:
-    """Per layer: "fp32" where its attention scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs or
-    the fp32 policy), "bf16" where its scores are BF16, "mixed" otherwise (e.g. FP32 scores, BF16 P̄: fa2)."""
-    m = run.model_config()
+def layer_precision(run) -> list[str]:
+    """Per layer of a :class:`~lpfa.run.Run` (or of a :class:`lpfa.model.GPTConfig`): "fp32" where its attention
+    scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs or the fp32 policy), "bf16" where its scores
+    are BF16, "mixed" otherwise (e.g. FP32 scores, BF16 P̄: fa2)."""
+    m = run.model_config() if isinstance(run, Run) else run
     out = []
     for i in range(m.n_layer):
         backend, pol = m.layer_backend(i), m.policy(i)

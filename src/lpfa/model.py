@@ -23,7 +23,7 @@ Stabilisers, for comparison with the paper's discussion: ``qk_norm`` (LayerNorm 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -262,6 +262,22 @@ class GPT(nn.Module):
             logits_hp = logits if logits.dtype == torch.float64 else logits.float()  # FP32 or better for the loss
             loss = F.cross_entropy(logits_hp.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def set_layer_policy(self, layer: int, name: str) -> None:
+        """Run ``layer``'s attention with ``name`` from the next forward on (a preset or a backend, as a
+        ``GPTConfig.layer_policies`` value): ``lpfa.train``'s ``on_warning`` switch. The config records it, so the
+        model's checkpoints carry it; a model compiled with ``torch.compile`` must be re-traced
+        (``torch._dynamo.reset()``)."""
+        if not (isinstance(layer, int) and 0 <= layer < self.config.n_layer):
+            raise ValueError(f"layer={layer!r}: expected a layer 0..{self.config.n_layer - 1}")
+        changed = replace(self.config, layer_policies={**self.config.layer_policies, layer: name})  # validated there
+        self.config = changed
+        attn = self.transformer.h[layer].attn
+        attn.backend, attn.policy = changed.layer_backend(layer), changed.policy(layer)
+        if attn.policy is not None:
+            from lpfa.attention.kernels import register
+
+            register(attn.policy)
 
     def w_q(self, layer: int) -> torch.Tensor:
         """W_Q of ``layer`` as (n_head, head_dim, n_embd): q_h = W_Q[h] x (paper Figs. 3, 11)."""

@@ -187,6 +187,48 @@ def crossings(frame, thresholds: dict):
             .reset_index(drop=True)[cols])
 
 
+class Alarm:
+    """The monitor's decision over successive measurements of one model: each frame through :func:`add_derived` (W_Q
+    growth since the previous frame) and :func:`crossings`, a (layer, head, measure, level) reported once when it
+    crosses upwards (not again while it stays above). Used by :class:`AttentionMonitor` and by ``lpfa.train``'s
+    ``on_warning``."""
+
+    def __init__(self, thresholds: dict | None = None):
+        self.thresholds = normalise_thresholds(default_thresholds() if thresholds is None else thresholds)
+        self.previous = None
+        self._above: set = set()
+
+    def feed(self, frame):
+        """``frame`` (step, layer, head, max_logit, tie_fraction_bf16, wq_spectral_norm) of one step: returns it with
+        the derived measures, and an :class:`AttentionEvent` for each new crossing, worst level first."""
+        frame = add_derived(frame, self.previous)
+        self.previous = frame
+        events, above = [], set()
+        for r in crossings(frame, self.thresholds).itertuples(index=False):
+            key = (r.layer, r.head, r.measure, r.level)
+            above.add(key)
+            if key not in self._above:  # (still above since the last frame: reported then)
+                events.append(AttentionEvent(int(r.step), int(r.layer), int(r.head), r.measure, r.level,
+                                             float(r.value), float(r.threshold)))
+        self._above = above
+        return frame, events
+
+
+def record_frame(step: int, record: dict, precision):
+    """One diagnostics record of ``lpfa.train`` (:func:`lpfa.diagnostics.probe_record`: per layer, per head) as the
+    frame :meth:`Alarm.feed` takes; ``tie_fraction_bf16`` is NaN in layers whose scores are not BF16 (``precision``:
+    per layer, as :func:`lpfa.alarms.layer_precision` gives it), where the logged ties are not BF16 ties."""
+    import pandas as pd
+
+    logit = np.asarray(record["max_logit"], dtype=float)
+    L, H = logit.shape
+    ties = np.asarray(record["tie_fraction"], dtype=float).copy()
+    ties[np.asarray([p != "bf16" for p in precision])] = np.nan
+    return pd.DataFrame({"step": int(step), "layer": np.repeat(np.arange(L), H), "head": np.tile(np.arange(H), L),
+                         "max_logit": logit.ravel(), "tie_fraction_bf16": ties.ravel(),
+                         "wq_spectral_norm": np.asarray(record["wq_spectral_norm"], dtype=float).ravel()})
+
+
 # --------------------------------------------------------------------------------------------------
 # measuring captured q and k
 
@@ -365,7 +407,8 @@ class AttentionMonitor:
                 raise MonitorError(f"layers {bad} are not layers of the model: expected {have}")
             layers = sorted(set(layers))
         self.layers = layers
-        self.thresholds = normalise_thresholds(default_thresholds() if thresholds is None else thresholds)
+        self._alarm = Alarm(thresholds)
+        self.thresholds = self._alarm.thresholds
         self.on_warning = on_warning
         if isinstance(tensorboard, (str, Path)):
             from torch.utils.tensorboard import SummaryWriter  # optional dependency: only when asked for
@@ -380,7 +423,6 @@ class AttentionMonitor:
         self.w_q = w_q
         self._count = 0  # the next step when step() is called without one
         self._frames = []
-        self._above: set = set()
         self.events: list[AttentionEvent] = []
 
     def due(self, step: int) -> bool:
@@ -440,7 +482,7 @@ class AttentionMonitor:
             H = len(m["max_logit"])
             rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H), **m,
                                       "wq_spectral_norm": self._weights(layer, H)}))
-        frame = add_derived(pd.concat(rows, ignore_index=True), self._frames[-1] if self._frames else None)
+        frame, events = self._alarm.feed(pd.concat(rows, ignore_index=True))
         self._frames.append(frame)
         if self.writer is not None:
             for r in frame.itertuples(index=False):
@@ -448,20 +490,12 @@ class AttentionMonitor:
                     v = float(getattr(r, measure))
                     if math.isfinite(v):
                         self.writer.add_scalar(f"attention/{measure}/layer{r.layer}/head{r.head}", v, step)
-        hits = crossings(frame, self.thresholds)
-        above = set()
-        for r in hits.itertuples(index=False):
-            key = (r.layer, r.head, r.measure, r.level)
-            above.add(key)
-            if key in self._above:
-                continue  # still above since the last capture: reported then
-            ev = AttentionEvent(step, int(r.layer), int(r.head), r.measure, r.level, float(r.value), float(r.threshold))
+        for ev in events:
             self.events.append(ev)
             if self.on_warning is not None:
                 self.on_warning(ev)
             else:
                 warnings.warn(str(ev), AttentionWarning, stacklevel=3)
-        self._above = above
 
 
 # --------------------------------------------------------------------------------------------------

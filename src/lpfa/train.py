@@ -16,7 +16,9 @@ Outputs in ``out_dir``: ``config.json``, ``metrics.jsonl`` (every step; evals an
 ``summary.json``. A non-finite loss stops the run and keeps the last good checkpoint and all logs; a
 wall-clock budget (``time_budget_s``) or a file named ``STOP`` in ``out_dir`` ends it cleanly with a
 checkpoint; ``resume=true`` continues exactly where the checkpoint left off (``config.json`` keeps the first
-start's record and lists each resume, with what it changed, under ``resumes``).
+start's record and lists each resume, with what it changed, under ``resumes``). ``on_warning`` (with
+``diag_interval``) feeds each diagnostics record to the early-warning thresholds (:class:`lpfa.monitor.Alarm`) and
+logs, stops, or switches the flagged layer to SFA or FP32 attention; a switch is kept in the checkpoints.
 """
 
 from __future__ import annotations
@@ -104,6 +106,8 @@ class TrainConfig:
     time_budget_s: float = 0.0  # wall-clock budget; 0 = none
     stop_at_step: int = 0  # stop cleanly (with a checkpoint) after this many steps, as if killed; 0 = off
     explosion_stop: int = 0  # stop this many steps after the loss explodes (lpfa.explosion's criterion); 0 = never
+    on_warning: str = "off"  # when a diagnostics record crosses the early-warning thresholds (lpfa.monitor.Alarm): off, log, stop, sfa (the flagged layer's policy with SFA from then on) or fp32 (the flagged layer in FP32, sdpa_fp32); needs diag_interval
+    warning_thresholds: str = ""  # a JSON file of thresholds as lpfa.alarms.thresholds() returns them; "" = lpfa.alarms.current_thresholds()
     replay: str = ""  # a replay.jsonl to follow instead of the seeded batch order
     resume: bool = False  # continue the run in out_dir from its checkpoint (ckpt/)
     progress: bool = True  # show a progress bar
@@ -133,9 +137,33 @@ class TrainConfig:
             raise ValueError(f"dtype='float64': expected attn_backend sdpa or math in every layer (attn_backend="
                              f"{self.attn_backend!r}, layer_policies={self.layer_policies!r}): lpfa policies take "
                              "bfloat16 or float32")
+        if self.on_warning != "off" and not self.diag_interval:
+            raise ValueError(f"on_warning={self.on_warning!r}: expected diag_interval > 0 (the warnings are decided on "
+                             "the diagnostics records), got diag_interval=0")
+        if self.on_warning == "sfa":
+            for layer in range(n_layer):  # (a layer on another backend has no policy to add SFA to: it stays as it is)
+                name = self.layer_policies.get(layer)
+                lpfa_layer = name not in ATTN_BACKENDS if name is not None else self.attn_backend == "lpfa"
+                name = name if name is not None else self.attn_policy
+                if lpfa_layer and sfa_switch(name, self.block_size) is None:
+                    raise ValueError(f"on_warning='sfa': layer {layer}'s policy {name!r} has no SFA preset to switch to "
+                                     f"(expected one of {', '.join(repr(b) for b in SFA_SWITCH)}; paper_untiled at block_size <= 512)")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
                              "from lr to min_lr")
+
+
+ON_WARNING = ("off", "log", "stop", "sfa", "fp32")
+SFA_SWITCH = {"paper": "paper_sfa", "fa2": "fa2_sfa", "paper_sfa": "paper_sfa", "fa2_sfa": "fa2_sfa"}
+
+
+def sfa_switch(name: str, block_size: int) -> str | None:
+    """The preset ``on_warning="sfa"`` switches a layer running preset ``name`` to: the same rounding with SFA (Eq. 6).
+    ``paper_untiled`` takes ``paper_sfa`` while the sequence fits one of the paper's 512-key blocks (the same blocks
+    then). None where there is no such preset."""
+    if name == "paper_untiled":
+        return "paper_sfa" if block_size <= 512 else None
+    return SFA_SWITCH.get(name)
 
 
 def recorded_config(run) -> TrainConfig:
@@ -197,6 +225,8 @@ FIELD_CHECKS: dict[str, Param] = {
     "time_budget_s": real(0),
     "stop_at_step": integer(0),
     "explosion_stop": integer(0),
+    "on_warning": text(*ON_WARNING),
+    "warning_thresholds": text(),
     "replay": text(),
     "resume": boolean(),
     "progress": boolean(),
@@ -514,6 +544,58 @@ def _stop_requested(out_dir: Path, world: int, device: str) -> bool:
 # --------------------------------------------------------------------------------------------
 # The loop
 # --------------------------------------------------------------------------------------------
+def _alarm(cfg: TrainConfig):
+    """The :class:`lpfa.monitor.Alarm` of ``on_warning`` (None when it is off), with ``warning_thresholds``' thresholds."""
+    if cfg.on_warning == "off":
+        return None
+    from lpfa.checkpoints import read_json
+    from lpfa.monitor import Alarm
+
+    thresholds = None
+    if cfg.warning_thresholds:
+        path = Path(cfg.warning_thresholds)
+        if not path.is_file():
+            raise FileNotFoundError(f"warning_thresholds={cfg.warning_thresholds!r}: expected a JSON file of thresholds "
+                                    "(as lpfa.alarms.thresholds() returns them), but there is no such file")
+        thresholds = read_json(path, ": expected thresholds as lpfa.alarms.thresholds() returns them")
+    try:
+        return Alarm(thresholds)
+    except ValueError as e:
+        raise ValueError(f"warning_thresholds={cfg.warning_thresholds!r}: {e}") from e
+
+
+def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfig, switched: dict, run) -> bool:
+    """``on_warning``: feed one diagnostics record to ``alarm`` and act on each new crossing: log it (always, to the
+    log and to metrics.jsonl as ``{"step", "warning": {event, "action"}}``), and with ``stop`` return True; with ``sfa``
+    or ``fp32`` switch the flagged layer (once; ``switched`` records it for the checkpoints) to
+    :func:`sfa_switch`'s preset or to ``sdpa_fp32``."""
+    from lpfa.alarms import layer_precision
+    from lpfa.monitor import record_frame
+
+    _, events = alarm.feed(record_frame(step, record, layer_precision(model.config)))
+    stop = False
+    for ev in events:
+        action = "logged"
+        if cfg.on_warning == "stop":
+            action, stop = "stop", True
+        elif cfg.on_warning in ("sfa", "fp32") and ev.layer not in switched:
+            mc = model.config
+            now = mc.layer_policies.get(ev.layer, mc.attn_policy if mc.attn_backend == "lpfa" else mc.attn_backend)
+            if cfg.on_warning == "fp32":
+                target = "sdpa_fp32"
+            else:  # a layer on another backend has no policy to add SFA to
+                target = sfa_switch(now, cfg.block_size) if mc.layer_backend(ev.layer) == "lpfa" else None
+            if target is not None and target != now:
+                model.set_layer_policy(ev.layer, target)
+                switched[ev.layer] = target
+                action = f"layer {ev.layer} switched to {target}"
+                if cfg.compile:
+                    torch._dynamo.reset()  # the compiled graph holds the old policy: trace again
+        run.log(f"warning: {ev} ({action})")
+        run.metric({"step": step, "warning": {**asdict(ev), "action": action}})
+    return stop
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
     from lpfa.checkpoints import save_checkpoint
@@ -521,6 +603,10 @@ def train(cfg: TrainConfig) -> dict:
     from lpfa.run import read_run_config
 
     rank, world, local_rank = _dist_setup()
+    if world > 1 and cfg.on_warning in ("stop", "sfa", "fp32"):
+        raise ValueError(f"on_warning={cfg.on_warning!r}: expected 'off' or 'log' with {world} processes (the diagnostics "
+                         "run on rank 0 only, so the other ranks would not follow its stop or switch)")
+    alarm = _alarm(cfg) if rank == 0 else None  # a bad thresholds file fails here, before anything is written
     out_dir = Path(cfg.out_dir)
     ckpt_dir = out_dir / "ckpt"
     # everything that can be wrong with the config, the data or the run folder is checked before anything is written
@@ -594,6 +680,10 @@ def train(cfg: TrainConfig) -> dict:
         if "torch_rng" in ck.extra_state:
             torch.set_rng_state(ck.extra_state["torch_rng"].cpu())
         run.log(f"resumed from {ckpt_dir} at step {start_step}")
+    # layers switched by on_warning before the checkpoint (sfa / fp32) keep their switch
+    switched: dict[int, str] = {int(k): v for k, v in ((ck.extra_state or {}).get("switched_layers") or {}).items()} if ck else {}
+    for layer, name in switched.items():
+        model.set_layer_policy(layer, name)
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
@@ -650,7 +740,8 @@ def train(cfg: TrainConfig) -> dict:
         if rank == 0:
             save_checkpoint(ckpt_dir, raw_model, None, step=step, train_config=asdict(cfg),
                             extra_state={"torch_rng": torch.get_rng_state(),
-                                         "optimizers": [o.state_dict() for o in optimizers]})
+                                         "optimizers": [o.state_dict() for o in optimizers],
+                                         "switched_layers": dict(switched)})
         if world > 1:
             import torch.distributed as dist
 
@@ -691,8 +782,13 @@ def train(cfg: TrainConfig) -> dict:
                 st = lpfa_data.batch_starts(cfg.seed + 2, done, 0, cfg.diag_batch, len(val_tokens), cfg.block_size)
                 x, _ = lpfa_data.get_batch(val_tokens, st, cfg.block_size, device)
                 raw_model.eval()
-                run.metric({"step": done, "diag": probe_record(raw_model, x, cfg.tie_eps, autocast)})
+                rec = probe_record(raw_model, x, cfg.tie_eps, autocast)
+                run.metric({"step": done, "diag": rec})
                 raw_model.train()
+                if alarm is not None and _act_on_warnings(alarm, done, rec, raw_model, cfg, switched, run):
+                    status = "warned"
+                    run.log(f"stopped after step {step} on an early warning (on_warning='stop'); resume=true continues")
+                    break
             if cfg.eval_interval and done % cfg.eval_interval == 0 and done < cfg.max_steps:
                 val = evaluate()
                 run.metric({"step": done, "val_loss": val})
@@ -737,6 +833,8 @@ def train(cfg: TrainConfig) -> dict:
         run.metric({"step": step, "val_loss": final_val})
     summary = {"status": status, "steps": step, "last": last, "final_val_loss": final_val,
                "wall_s": time.time() - t_start, "out_dir": str(out_dir)}
+    if switched:
+        summary["switched_layers"] = switched  # on_warning's switches (each also a "warning" record in metrics.jsonl)
     if rank == 0:
         verdict = run_verdict(out_dir)  # policy, seed, exploded, explosion_step, criterion
         verdict.pop("steps")  # "steps" stays the number of completed steps
