@@ -96,6 +96,12 @@ MUON_LONG: dict[str, list[str]] = {
     **SFA_MUON,
     **{f"{mode}_muon_lr2": [*TWINS[mode], "optimizer=muon", f"muon_lr={MUON_LR2}"] for mode in ("bf16", "fp32")},
 }
+# The rescue (issue 20): the dose that derails the BF16 run (layer 1's δ error × 128, results/dose) with lpfa.train's
+# on_warning: at the first early warning (lpfa.monitor.Alarm on the run's diagnostics, thresholds of
+# lpfa.alarms.current_thresholds) the flagged layer switches to SFA or to FP32 attention for the rest of the run.
+# Held against the dose table's bias_x128 (same seed and data order), which exploded.
+RESCUE_DOSE = 128
+RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_DOSE), f"on_warning={to}"] for to in ("sfa", "fp32")}
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
@@ -138,12 +144,15 @@ DESCRIPTIONS: dict[str, str] = {
         ("delta_dp", "δ = rowsum(dP∘P) instead of rowsum(dO∘O)"),
         ("o_fp32", "O in FP32: Ō, the running output and the stored O (P̄ still BF16)"),
         ("fp32_outlier_heads", "FP32 O for only the outlier heads 7 and 9 of layer 1"))},
+    **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
+                                       f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
+       for to in ("sfa", "fp32")},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
                                                  "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
-                                                 "muon_long": MUON_LONG}
+                                                 "muon_long": MUON_LONG, "rescue": RESCUE}
 EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper"}  # the rest run on "repro"
 
 
