@@ -30,6 +30,7 @@ import numpy as np
 import pandas as pd
 
 from lpfa.attention.policy import BF16, FP32_POLICY
+from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
 from lpfa.run import Run, run_verdict
@@ -68,10 +69,12 @@ def layer_samples(run_dir) -> pd.DataFrame:
     """One row per (step, layer) of a run's diagnostics: ``max_logit`` and ``tie_fraction`` (largest over heads),
     ``wq_outlier`` (largest ‖W_Q[h]‖₂ over the layer's median) and the layer's score ``precision``."""
     run = Run(run_dir)
-    frames = {m: head_metric_frame(run_dir, m).groupby(["step", "layer"]).value
-              for m in ("max_logit", "tie_fraction", "wq_spectral_norm")}
+    frames = {m: head_metric_frame(run_dir, m) for m in ("max_logit", "tie_fraction", "wq_spectral_norm")}
+    wq = frames["wq_spectral_norm"]
+    wq = wq.assign(value=wq.groupby(["step", "layer"]).value.transform(lambda x: wq_outlier(x.to_numpy())))
+    frames = {m: f.groupby(["step", "layer"]).value for m, f in (*frames.items(), ("wq_outlier", wq))}
     out = pd.DataFrame({"max_logit": frames["max_logit"].max(), "tie_fraction": frames["tie_fraction"].max(),
-                        "wq_outlier": frames["wq_spectral_norm"].max() / frames["wq_spectral_norm"].median()}).reset_index()
+                        "wq_outlier": frames["wq_outlier"].max()}).reset_index()
     return out.assign(precision=out.layer.map(dict(enumerate(layer_precision(run)))))
 
 

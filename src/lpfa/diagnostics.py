@@ -38,6 +38,19 @@ def wq_spectral_norms(model) -> torch.Tensor:
     return torch.stack([torch.linalg.matrix_norm(model.w_q(i).float(), ord=2) for i in range(model.config.n_layer)])
 
 
+def wq_outlier(norms):
+    """‖W_Q[h]‖₂ over the median of its layer's heads (Fig. 3: a few heads' norms stand out), NaN-aware: ``norms``
+    (..., n_head), one layer per last-axis row. The one definition the doctor, the monitor and the alarms use."""
+    import warnings
+
+    import numpy as np
+
+    norms = np.asarray(norms, dtype=float)
+    with warnings.catch_warnings():  # a layer without norms (a model whose W_Q is out of reach) stays NaN, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return norms / np.nanmedian(norms, axis=-1, keepdims=True)
+
+
 DOMINANT_SIGN = 0.9  # a V column has a dominant sign when at least this share of its keys' values share one sign
 
 

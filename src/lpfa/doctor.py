@@ -68,7 +68,7 @@ import numpy as np
 import torch
 
 from lpfa.alarms import current_thresholds, fixed_thresholds
-from lpfa.diagnostics import spectral_norms
+from lpfa.diagnostics import spectral_norms, wq_outlier
 
 FORMATS = ("lpfa", "nanogpt", "hf")
 # GPTConfig fields set on loading: the probe runs every layer in FP32 with PyTorch's SDPA, no dropout
@@ -336,7 +336,7 @@ def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, ra
         H = len(m["max_logit"])
         wq_l = wq[layer].double().cpu().numpy()
         rows.append(pd.DataFrame({"layer": layer, "head": np.arange(H), **m, "wq_spectral_norm": wq_l,
-                                  "wq_outlier": wq_l / np.nanmedian(wq_l),  # ‖W_Q[h]‖₂ over the layer's median (Fig. 3)
+                                  "wq_outlier": wq_outlier(wq_l),
                                   "wk_spectral_norm": wk[layer].double().cpu().numpy()}))
         for key in cap:  # free this layer's tensors as we go
             cap[key] = None

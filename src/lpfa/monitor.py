@@ -137,8 +137,10 @@ def add_derived(frame, previous=None):
     in ``frame`` or else in ``previous``, an earlier frame; NaN for a head's first step)."""
     import pandas as pd
 
+    from lpfa.diagnostics import wq_outlier
+
     wq = frame["wq_spectral_norm"].astype(float)
-    frame = frame.assign(wq_outlier=wq / wq.groupby([frame["step"], frame["layer"]]).transform("median"))
+    frame = frame.assign(wq_outlier=wq.groupby([frame["step"], frame["layer"]]).transform(lambda x: wq_outlier(x.to_numpy())))
     base = ["step", "layer", "head", "wq_spectral_norm"]
     both = frame[base].assign(_row=np.arange(len(frame)))
     if previous is not None and not previous.empty:
