@@ -1,14 +1,17 @@
 """GPU check and benchmark of lpfa's precision-policy attention against PyTorch SDPA (issue 3).
 
-Three parts, all in one run on one GPU:
+Its parts, all in one run on one GPU:
 
 1. **check** — at GPT-2 shapes (B=16, H=12, T=1024, D=64), every preset through the Triton kernels
    (native BF16 tensor-core path) against the PyTorch reference on the same GPU: the fraction of O,
    lse, dq, dk, dv elements bit-identical, and the largest difference relative to the tensor's max.
 2. **speed** — forward, backward and forward+backward TFLOP/s for each preset, for SDPA's flash and
    cuDNN backends, and for the reference ``paper`` path, measured in the same run; ratios to SDPA-flash.
-3. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
-4. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
+3. **shapes** — the same at D = 128, T = 4k and 16k (GPT-2's width, about 16k tokens per call) for ``fa2``, ``paper``
+   and their SFA presets, with SFA's time over its base preset's (``shapes.json``, ``shapes.txt``); the kernels are
+   causal only, so there is no non-causal row.
+4. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
+5. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
    FP32 operands, issue 17) and ``fa2`` against float64 attention on the same inputs (BF16 and FP32 q, k, v; FP32
    dO): max and mean error relative to the float64 tensor's max and mean magnitude (:mod:`lpfa.attention.accuracy`).
 
@@ -105,7 +108,9 @@ def error(B, H, T, D):
     return out
 
 
-def speed(B, H, T, D, budget_s):
+def speed(B, H, T, D, budget_s, presets=None, extras=True):
+    """``{impl: times and TFLOP/s}`` at (B, H, T, D): SDPA's flash and cuDNN backends, then lpfa's ``presets`` (default
+    :data:`PRESET_ORDER`) through the Triton kernels; ``extras``: also SDPA on FP32 inputs and the reference path."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = {}
@@ -149,12 +154,40 @@ def speed(B, H, T, D, budget_s):
     measure("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))
     measure("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
     # the experiments' FP32 twin today (lpfa.model attn_backend="sdpa_fp32"): SDPA's own choice on FP32 q, k, v
-    measure("sdpa_fp32", lambda: torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True))
-    for name in PRESET_ORDER:
+    if extras:
+        measure("sdpa_fp32", lambda: torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                                                     is_causal=True))
+    for name in PRESET_ORDER if presets is None else presets:
         measure(name, lambda name=name: attention(q, k, v, policy=name, backend="triton"))
-    measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"))
-    # SFA overhead: the same kernel with and without SFA
+    if extras:
+        measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"))
     return rows
+
+
+# issue 17's other shapes, at GPT-2's model width (H·D = 768) and about 16k tokens per call; non-causal attention is not
+# in the table: the Triton kernels are causal only (lpfa.attention.triton_common.check_triton_support)
+SHAPES = [(16, 12, 1024, 64), (16, 6, 1024, 128), (4, 12, 4096, 64), (1, 12, 16384, 64)]
+SHAPE_PRESETS = ["fa2", "paper", "fa2_sfa", "paper_sfa"]
+
+
+def shapes(budget_s, deadline):
+    """The kernels against SDPA at each of :data:`SHAPES`: one row per (shape, impl) with fwd, bwd, fwd+bwd TFLOP/s
+    and the fwd+bwd ratio to SDPA-flash at that shape, and the SFA presets' time over their base preset's."""
+    out = []
+    for B, H, T, D in SHAPES:
+        if time.time() > deadline:
+            print(f"shapes: out of time before {(B, H, T, D)}", flush=True)
+            break
+        rows = speed(B, H, T, D, budget_s, presets=SHAPE_PRESETS, extras=False)
+        base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
+        for name, r in rows.items():
+            sfa_over = None
+            if name.endswith("_sfa") and name[:-4] in rows:
+                sfa_over = {p: r[f"{p}_ms"] / rows[name[:-4]][f"{p}_ms"] - 1 for p in ("fwd", "bwd", "fwd_bwd")}
+            out.append({"B": B, "H": H, "T": T, "D": D, "impl": name, **r,
+                        "ratio_to_sdpa_flash": r["fwd_bwd_tflops"] / base if base else None, "sfa_overhead": sfa_over})
+        torch.cuda.empty_cache()
+    return out
 
 
 def memory(Ts, H, D, deadline):
@@ -209,7 +242,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
-    p.add_argument("--parts", default="check,error,speed,memory,compile")
+    p.add_argument("--parts", default="check,error,speed,shapes,memory,compile")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
@@ -250,6 +283,19 @@ def main():
         table = "\n".join(lines)
         print(table, flush=True)
         (out / "table.txt").write_text(table + "\n")
+    if "shapes" in parts:
+        rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)
+        write_json(out / "shapes.json", {"rows": rows})
+        lines = [f"{'B':>3s} {'H':>3s} {'T':>6s} {'D':>4s} {'impl':12s} {'fwd':>7s} {'bwd':>7s} {'fwd+bwd':>8s} {'ratio':>6s} "
+                 f"{'SFA over base':>14s}   (TFLOP/s; ratio = fwd+bwd / SDPA-flash at that shape)"]
+        for r in rows:
+            sfa = f"{r['sfa_overhead']['fwd_bwd']:+.1%}" if r["sfa_overhead"] else ""
+            ratio = f"{r['ratio_to_sdpa_flash']:.3f}" if r["ratio_to_sdpa_flash"] is not None else "-"
+            lines.append(f"{r['B']:3d} {r['H']:3d} {r['T']:6d} {r['D']:4d} {r['impl']:12s} {r['fwd_tflops']:7.1f} "
+                         f"{r['bwd_tflops']:7.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:>6s} {sfa:>14s}")
+        table = "\n".join(lines)
+        print(table, flush=True)
+        (out / "shapes.txt").write_text(table + "\n")
     if "memory" in parts:
         Ts = [1024, 4096] if a.quick else [1024, 2048, 4096, 8192, 16384]
         H_mem = 4  # peak memory is linear in heads; 4 keeps the FP32 policy's 16k run short

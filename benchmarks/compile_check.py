@@ -29,6 +29,7 @@ import argparse
 import concurrent.futures as cf
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 import traceback
@@ -148,8 +149,8 @@ def _compile_ptx(src, target, opts):
     return asm
 
 
-def _regs_from_cubin(cubin: bytes):
-    """Registers per thread from ``cuobjdump -res-usage`` (Triton's bundled cuobjdump), or None."""
+def _cuobjdump(cubin: bytes, flag: str) -> str | None:
+    """``cuobjdump FLAG`` of a cubin (Triton's bundled cuobjdump): its output, or None without the tool or on failure."""
     import subprocess
     import tempfile
 
@@ -162,15 +163,18 @@ def _regs_from_cubin(cubin: bytes):
         f.write(cubin)
         f.flush()
         try:
-            out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, timeout=60).stdout
+            return subprocess.run([tool, flag, f.name], capture_output=True, text=True, timeout=120).stdout
         except Exception:
             return None
-    import re
 
-    m = re.search(r"REG:(\d+)", out)
-    st = re.search(r"STACK:(\d+)", out)
+
+def _regs_from_cubin(cubin: bytes):
+    """Registers per thread (and stack bytes, when any) from ``cuobjdump -res-usage``, or None."""
+    out = _cuobjdump(cubin, "-res-usage")
+    m = re.search(r"REG:(\d+)", out or "")
     if not m:
         return None
+    st = re.search(r"STACK:(\d+)", out)
     return f"{m.group(1)}" + (f", stack {st.group(1)}" if st and int(st.group(1)) else "")
 
 
@@ -179,24 +183,11 @@ SASS_OPS = {"HGMMA": "tensor-core GEMMs (wgmma)", "HMMA": "older mma.sync GEMMs"
 
 
 def _sass_counts(cubin: bytes) -> dict | None:
-    """How often each opcode of :data:`SASS_OPS` appears in the cubin's SASS (Triton's bundled cuobjdump), or None.
-    Static counts, not executed ones: a spill (LDL/STL) in the inner loop is what costs."""
-    import re
-    import subprocess
-    import tempfile
-
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    if not os.path.exists(tool):
+    """How often each opcode of :data:`SASS_OPS` appears in the cubin's SASS (``cuobjdump -sass``), or None. Static
+    counts, not executed ones: a spill (LDL/STL) in the inner loop is what costs."""
+    sass = _cuobjdump(cubin, "-sass")
+    if sass is None:
         return None
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        try:
-            sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, timeout=120).stdout
-        except Exception:
-            return None
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     return {op: sum(1 for o in ops if o == op or o.startswith(op + ".")) for op in SASS_OPS}
 

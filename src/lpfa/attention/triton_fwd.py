@@ -317,7 +317,7 @@ BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut in
 
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int | None = None,
-                  block_n: int = BLOCK_N_DEFAULT, num_warps: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
@@ -338,13 +338,18 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if validate:
         check_triton_inputs(q, k, v, pol, scale, causal)
     B, H, T, D = q.shape
+    # launch defaults. At D = 64, timed on an H200 (results/attention_tuning/h200-2026-12-01, GPT-2 shapes): a policy
+    # block of one 128-key tile (fa2) runs best as 64 × 128 tiles with 4 warps, the paper's 512-key blocks as 64 × 64
+    # with 4 warps. At D = 128, not timed yet: 64 × 64 with 8 warps, the tiles without register spills
+    # (benchmarks/compile_check.py counts them).
+    if block_n is None:
+        one_tile = pol.block_k is not None and pol.block_k <= BLOCK_N_DEFAULT
+        block_n = BLOCK_N_DEFAULT if (one_tile and D <= 64) else 64
     BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, "block_k", block_n)
-    # launch defaults from benchmarks/tune_attention.py on an H200 (GPT-2 shapes): one tile per policy
-    # block runs best at 64 rows and 4 warps, multi-tile blocks (the paper's 512) at 128 rows and 8 warps
     if block_m is None:
-        block_m = 64 if N_SUB == 1 else 128
+        block_m = 64
     if num_warps is None:
-        num_warps = 4 if (N_SUB == 1 and D <= 64) else 8
+        num_warps = 4 if D <= 64 else 8
 
     interp = _interpreter()
     if dot_bf16 is None:
