@@ -35,6 +35,22 @@ def test_run_dir_load_and_experiment_rows(tmp_path):
     assert results.experiment_rows("nothing", root=tmp_path) == {}
 
 
+def test_load_takes_each_file_from_the_latest_run_that_has_it(tmp_path):
+    """A run may measure only some parts (the 2026-12-01 attention benchmark has no memory.json): without a run named,
+    each file comes from the latest run that holds it; a named run gives its own file or a clear error."""
+    exp = tmp_path / "attention_benchmark"
+    for name, files in (("h200-2026-01-01", ("bench.json", "memory.json")), ("h200-2026-02-01", ("bench.json",))):
+        (exp / name).mkdir(parents=True)
+        (exp / name / "provenance.json").write_text(json.dumps({"date_utc": name[5:]}))
+        for f in files:
+            (exp / name / f).write_text(json.dumps({"run": name}))
+    assert results.load("attention_benchmark", "bench.json", root=tmp_path) == {"run": "h200-2026-02-01"}
+    assert results.load("attention_benchmark", "memory.json", root=tmp_path) == {"run": "h200-2026-01-01"}
+    assert results.file_run("attention_benchmark", "memory.json", root=tmp_path).name == "h200-2026-01-01"
+    with pytest.raises(FileNotFoundError, match=r"memory.json does not exist; the run has \['bench.json', 'provenance.json'\]"):
+        results.load("attention_benchmark", "memory.json", "h200-2026-02-01", root=tmp_path)
+
+
 def test_runs_are_ordered_by_their_provenance_date(tmp_path):
     """The latest run is the one made last, not the last name: "h200x2-…" sorts before "h200x4-…" of the same day."""
     exp = tmp_path / "replays"

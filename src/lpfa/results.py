@@ -44,14 +44,24 @@ def run_dir(experiment: str, run: str | None = None, root: str | Path | None = N
 
 
 def load(experiment: str, name: str, run: str | None = None, root: str | Path | None = None):
-    """A JSON file of a run, parsed; other files as text. Raises if the run has no provenance."""
-    d = run_dir(experiment, run, root)
+    """A JSON file of a run, parsed; other files as text. Raises if the run has no provenance. ``run`` None: the
+    latest run that holds ``name`` (:func:`file_run`; a run may measure only some parts, e.g. no memory.json)."""
+    d = run_dir(experiment, run, root) if run is not None else file_run(experiment, name, root)
     if not (d / "provenance.json").is_file():
         raise FileNotFoundError(f"{d} has no provenance.json: results without provenance are not used")
     path = d / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; the run has {sorted(p.name for p in d.iterdir())}")
     return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
+
+
+def file_run(experiment: str, name: str, root: str | Path | None = None) -> Path:
+    """The latest run folder of ``experiment`` (:func:`runs`) that holds the file ``name``; the latest run if none does
+    (so that :func:`load` names what it has)."""
+    all_runs = runs(experiment, root)
+    if not all_runs:
+        raise FileNotFoundError(f"experiment {experiment!r} has no runs yet")
+    return next((r for r in reversed(all_runs) if (r / name).is_file()), all_runs[-1])
 
 
 def experiment_rows(experiment: str, labels=None, root: str | Path | None = None) -> dict[str, Path]:
