@@ -231,3 +231,18 @@ def test_muon_text_gives_each_learning_rate_its_verdicts():
         assert v[label]["exploded"] and f"exploded at step {v[label]['explosion_step']:,}" in text
     assert "Both precisions exploded" in text and "the SFA run stayed clean" in text
     assert f"ran away from step {v['bf16_muon']['runaway_step']:,}" in text
+
+
+def test_tuning_best_picks_each_pass_best_launch():
+    """Page 12's sweep table from results/attention_tuning: the best row per (implementation, pass), its ratio to the
+    SDPA-flash row of the same sweep."""
+    from lpfa.attention.report import tuning_best
+
+    for d in results.runs("attention_tuning"):
+        tune = json.loads((d / "tune.json").read_text())
+        best = tuning_best(tune)
+        sdpa = next(r for r in tune["rows"] if r["impl"] == "sdpa_flash")
+        for (impl, pss), row in best.iterrows():
+            mine = [r["tflops"] for r in tune["rows"] if r.get("impl") == impl and r.get("pass") == pss and "tflops" in r]
+            assert row["TFLOP/s"] == max(mine) and row["ratio to SDPA-flash"] == max(mine) / sdpa[f"{pss}_tflops"]
+        assert set(best.index) == {(i, p) for i in ("fa2", "paper") for p in ("fwd", "bwd")}

@@ -56,3 +56,23 @@ def plot_memory(memory: dict):
     ax.set_title(f"B=1, H={memory['H']}, D={memory['D']}", fontsize=9)
     ax.legend()
     return fig
+
+
+def tuning_best(tune: dict):
+    """The launch sweep of ``benchmarks/tune_attention.py`` (its ``tune.json``): per implementation and pass (fwd, bwd),
+    the best TFLOP/s with its launch configuration, and the ratio to SDPA-flash measured in the same run. A DataFrame
+    indexed by (implementation, pass); SDPA-flash is the first row of the sweep."""
+    import pandas as pd
+
+    sdpa = next(r for r in tune["rows"] if r["impl"] == "sdpa_flash")
+    out = {}
+    for r in tune["rows"]:
+        if r["impl"] == "sdpa_flash" or "tflops" not in r:
+            continue
+        key = (r["impl"], r["pass"])
+        if key not in out or r["tflops"] > out[key]["TFLOP/s"]:
+            cfg = {k: r[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if k in r}
+            out[key] = {"TFLOP/s": r["tflops"], "SDPA-flash TFLOP/s": sdpa[f"{r['pass']}_tflops"],
+                        "ratio to SDPA-flash": r["tflops"] / sdpa[f"{r['pass']}_tflops"],
+                        "launch": " ".join(f"{k}={v}" for k, v in cfg.items())}
+    return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
