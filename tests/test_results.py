@@ -101,14 +101,16 @@ def test_committed_explosions_name_every_exploded_run():
     t = committed_explosions()
     boom = t[t["exploded"]]
     assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_muon_lr2", "bf16_paper_recipe",
-                                                         "bf16_paper_recipe_s1", "delta_o_exact", "fp32_gpt2s",
-                                                         "fp32_muon_lr2"]
+                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2", "delta_o_exact",
+                                                         "fp32_gpt2s", "fp32_muon_lr2"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
-    assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe")]  # Fig. 2, one seed
+    assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337 and 1;
+                                                   ("paper_recipe", "bf16_paper_recipe_s1")]  # seed 2 has no FP32 twin yet
+    assert t.loc[("paper_recipe", "bf16_paper_recipe_s2"), "fp32 twin exploded"] is None
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "7 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "8 exploded" in text and "its FP32 twin too" in text
     assert "its FP32 twin not" in text
 
 
@@ -163,7 +165,7 @@ def test_scorecard_is_computed_from_the_committed_runs():
     b, f = run_verdict(pair["bf16"]), run_verdict(pair["fp32"])
     fig2 = card.iloc[0]
     assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
-    assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,} steps" in fig2["our result"]
+    assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
     counts = card["verdict"].value_counts()
     assert summary_text(card).startswith(f"Of the {len(card)} claims") and all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
 
