@@ -11,7 +11,10 @@ Its parts, all in one run on one GPU:
    and their SFA presets, with SFA's time over its base preset's (``shapes.json``, ``shapes.txt``); the kernels are
    causal only, so there is no non-causal row.
 4. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
-5. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
+5. **overhead** — per call of SDPA-flash, ``fa2`` and ``paper`` (forward, and forward+backward): the host's issue
+   time, the GPU's busy time summed over the kernels (by name, torch.profiler), and the time of calls back to back
+   with and without an L2 flush between them, to tell launch overhead from kernel time (``overhead.json``).
+6. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
    FP32 operands, issue 17) and ``fa2`` against float64 attention on the same inputs (BF16 and FP32 q, k, v; FP32
    dO): max and mean error relative to the float64 tensor's max and mean magnitude (:mod:`lpfa.attention.accuracy`).
 
@@ -22,7 +25,7 @@ Usage::
 
     python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick] [--parts check,error,speed]
 
-Writes ``check.json``, ``error.json``, ``bench.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s
+Writes ``check.json``, ``error.json``, ``bench.json``, ``overhead.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s
 and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
 """
 
@@ -108,9 +111,10 @@ def error(B, H, T, D):
     return out
 
 
-def speed(B, H, T, D, budget_s, presets=None, extras=True):
+def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
     """``{impl: times and TFLOP/s}`` at (B, H, T, D): SDPA's flash and cuDNN backends, then lpfa's ``presets`` (default
-    :data:`PRESET_ORDER`) through the Triton kernels; ``extras``: also SDPA on FP32 inputs and the reference path."""
+    :data:`PRESET_ORDER`) through the Triton kernels; ``extras``: also SDPA on FP32 inputs and the reference path.
+    ``save(rows)``, if given, runs after each row, so that a run cut by its time limit keeps the rows it measured."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = {}
@@ -142,6 +146,8 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True):
             "fwd_bwd_tflops": flops(B, H, T, D, "fwd_bwd") / t_fb / 1e9,
         }
         r = rows[name]
+        if save is not None:
+            save(rows)
         print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  fwd+bwd {r['fwd_bwd_tflops']:7.1f} TFLOP/s", flush=True)
 
     def sdpa(backend):
@@ -187,6 +193,73 @@ def shapes(budget_s, deadline):
             out.append({"B": B, "H": H, "T": T, "D": D, "impl": name, **r,
                         "ratio_to_sdpa_flash": r["fwd_bwd_tflops"] / base if base else None, "sfa_overhead": sfa_over})
         torch.cuda.empty_cache()
+    return out
+
+
+def overhead(B, H, T, D, presets=("fa2", "paper"), n=20):
+    """Where the op's time goes, per call, for SDPA-flash and ``presets`` through ``attention()``: the forward alone
+    (no grad) and forward+backward. ``host_us``: the host's time to issue one call (n calls back to back, no sync;
+    the GPU queue does not fill at this n); ``gpu_us``: the GPU's busy time per call, the sum of its kernels'
+    durations (torch.profiler), with the kernels by name; ``loop_us``: n calls back to back between two events (no
+    L2 flush, the GPU never waits for the host when host_us < gpu_us); ``do_bench_us``: the speed part's method
+    (L2 flushed before each call, so the host's issue time shows wherever it exceeds the flush's)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+    from triton.testing import do_bench
+
+    q, k, v = inputs(B, H, T, D)
+    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+
+    def call(name):
+        if name == "sdpa_flash":
+            def fwd():
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return fwd
+        return lambda: attention(q, k, v, policy=name, backend="triton")
+
+    out = {}
+    for name in ("sdpa_flash", *presets):
+        fwd = call(name)
+
+        def f():
+            with torch.no_grad():
+                fwd()
+
+        def fb():
+            fwd().backward(do)
+
+        for what, fn in (("fwd", f), ("fwd_bwd", fb)):
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(n):
+                fn()
+            host = (time.perf_counter() - t0) / n * 1e6
+            e.record()
+            torch.cuda.synchronize()
+            loop = s.elapsed_time(e) / n * 1e3
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(n):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = {}
+            for ev in prof.key_averages():
+                t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+                if t > 0:
+                    kernels[ev.key[:80]] = t / n
+            row = {"host_us": host, "gpu_us": sum(kernels.values()), "loop_us": loop,
+                   "do_bench_us": do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3,
+                   "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+            out[f"{name}/{what}"] = row
+            for t in (q, k, v):
+                t.grad = None
+            print(f"overhead {name:10s} {what:7s} host {row['host_us']:7.1f} us  gpu {row['gpu_us']:7.1f} us  "
+                  f"loop {row['loop_us']:7.1f} us  do_bench {row['do_bench_us']:7.1f} us  ({len(kernels)} kernels: "
+                  + ", ".join(f"{k[:40]} {t:.0f}" for k, t in list(row["kernels_us"].items())[:6]) + ")", flush=True)
     return out
 
 
@@ -264,8 +337,11 @@ def main():
         write_json(out / "error.json", {"shape": [B_err, H, T, D], "dO": "fp32", "policies": ERROR_POLICIES,
                                         "inputs": results["error"]})
     if "speed" in parts:
-        rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0)
-        write_json(out / "bench.json", {"shape": [B, H, T, D], "rows": rows})
+        def save(rows, done=False):
+            write_json(out / "bench.json", {"shape": [B, H, T, D], "rows": rows, "complete": done})
+
+        rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0, save=save)
+        save(rows, done=True)
         base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
         summary = {
             "shape": {"B": B, "H": H, "T": T, "D": D},
@@ -296,6 +372,8 @@ def main():
         table = "\n".join(lines)
         print(table, flush=True)
         (out / "shapes.txt").write_text(table + "\n")
+    if "overhead" in parts:
+        write_json(out / "overhead.json", {"shape": [B, H, T, D], "rows": overhead(B, H, T, D)})
     if "memory" in parts:
         Ts = [1024, 4096] if a.quick else [1024, 2048, 4096, 8192, 16384]
         H_mem = 4  # peak memory is linear in heads; 4 keeps the FP32 policy's 16k run short

@@ -166,9 +166,23 @@ def test_bad_inputs_raise():
         flash_forward(q, q[:, :1], q, "fa2", 0.25)
     with pytest.raises(ValueError, match="unknown precision policy"):
         flash_forward(q, q, q, "nope", 0.25)
-    big = torch.randn(1, 1, 1025, 16)
-    with pytest.raises(ValueError, match="at most 1024"):
-        flash_forward(big, big, big, "paper_untiled", 0.25)
+
+
+@pytest.mark.parametrize("block,T,preferred,want", [
+    (512, 1024, 64, (512, 64, 8)),  # the paper's blocks: whole tiles
+    (None, 1000, 64, (1000, 64, 16)),  # paper_untiled at T = 1000: 15 tiles of 64 and one of 40 keys
+    (None, 100_000, 64, (100_000, 64, 1563)),  # any length: the tile stays 64 (no 2^17-key tile)
+    (20, 45, 16, (20, 16, 2)),  # a block cut short: 16 + 4
+    (20, 45, 32, (20, 32, 1)),  # a block shorter than the tile: one padded tile
+    (5, 9, 64, (5, 16, 1)),  # at least MIN_TILE
+    (128, 512, 128, (128, 128, 1)),
+])
+def test_policy_tiles_never_exceed_the_preferred_tile(block, T, preferred, want):
+    """Policy blocks are cut into compute tiles of at most ``preferred`` keys whatever their length, so a long
+    untiled block compiles as the tiled ones do (one 1024-key tile took minutes to compile and spilled)."""
+    from lpfa.attention.triton_common import policy_tiles
+
+    assert policy_tiles(block, T, "block_k", preferred) == want
 
 
 # ---- causal split: key tiles every row sees whole run without masks (issue 17) ----------------------------------
@@ -208,8 +222,9 @@ SPLIT_CASES = [
     ("paper_sfa", 32, 129, 32, 16),  # SFA's tie count over unmasked and masked tiles of one block
     ("fa2_sfa", 16, 100, 32, 16),  # SFA, query tile of 32 over 16-key blocks: two diagonal blocks per tile
     ("paper", 16, 1, 16, 16),  # T = 1: no unmasked tile
-    ("fa2", 20, 45, 16, 16),  # policy block 20: a padded 32-key tile, masked always
-    ("paper_untiled", None, 40, 16, 16),  # one block over T (not a multiple of 16): one padded tile
+    ("fa2", 20, 45, 16, 16),  # policy block 20 cut into 16 + 4 keys: the first tile unmasked below the diagonal
+    ("fa2", 20, 45, 32, 32),  # policy block 20 in one padded 32-key tile: masked always
+    ("paper_untiled", None, 40, 16, 16),  # one block over T, cut into tiles of 16, 16 and 8
 ]
 
 
@@ -235,9 +250,9 @@ def test_causal_split_bit_identical(name, block, T, block_m, block_n, tile_paths
         assert torch.equal(_bits(o), _bits(o_all)) and torch.equal(_bits(lse), _bits(lse_all))
         ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
         _check(o, lse, ro, rlse, pol)
-        # a tile is unmasked when it is whole inside one policy block (no padded tile) and ends at or before the
-        # first row of a query tile, e.g. of the last one
-        whole = (T if block is None else block) % block_n == 0 and (T - 1) // block_m * block_m >= block_n - 1
+        # a tile is unmasked when it is whole inside one policy block (not padded, not cut short by the block's end)
+        # and ends at or before the first row of a query tile, e.g. of the last one
+        whole = (T if block is None else block) >= block_n and (T - 1) // block_m * block_m >= block_n - 1
         assert (unmasked > 0) == whole, (unmasked, tile_paths[True])
     except AssertionError as e:
         raise AssertionError(f"{e} (seed={seed})") from e

@@ -4,7 +4,7 @@
 #
 #   bash scripts/gpu/kernels.sh          # results in $OUT/bench, $OUT/tune, $OUT/gpu_tests.txt
 #
-# Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (check,speed,shapes),
+# Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (overhead,check,speed,shapes),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), TESTS_S (180) tests/test_attention_gpu.py
 # (-k "$TESTS_K" when set). Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step
 # writes its own provenance.json (the tests: the device line at the end of gpu_tests.txt). Commit the folders
@@ -15,7 +15,7 @@ PY=${PY:-python3}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv,noheader
-timeout "${BENCH_S:-240}" $PY benchmarks/attention.py --out "$OUT/bench" --parts "${PARTS:-check,speed,shapes}" 2>&1 \
+timeout "${BENCH_S:-240}" $PY benchmarks/attention.py --out "$OUT/bench" --parts "${PARTS:-overhead,check,speed,shapes}" 2>&1 \
     | grep -v "^check \|^error " | tail -45
 timeout "${TUNE_S:-150}" $PY benchmarks/tune_attention.py --out "$OUT/tune" ${TUNE_ARGS:---quick} 2>&1 | tail -20
 timeout "${TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py ${TESTS_K:+-k "$TESTS_K"} \

@@ -214,8 +214,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
-        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (BK // BLOCK_N, or 1)
-        NK: tl.constexpr,  # keys of a tile inside its policy block: min(BLOCK_N, BK)
+        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (ceil(BK / BLOCK_N); the last may be cut short)
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
         DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
@@ -237,6 +236,7 @@ if triton is not None:
 
         # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
         k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
+        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
         loc_n = tl.arange(0, BLOCK_N)
         offs_n = k_start + loc_n
         key_ok = (loc_n < NK) & (offs_n < T)
@@ -334,8 +334,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
-        TILES_PER_BQ: tl.constexpr,
-        NQ: tl.constexpr,  # rows of a tile inside its policy block: min(BLOCK_M, BQ)
+        TILES_PER_BQ: tl.constexpr,  # query tiles per policy query block (ceil(BQ / BLOCK_M); the last may be cut short)
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
@@ -355,6 +354,7 @@ if triton is not None:
 
         # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
         q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
+        NQ = tl.minimum(BLOCK_M, BQ - (pid_m % TILES_PER_BQ) * BLOCK_M)  # rows of the tile inside its policy block
         loc_m = tl.arange(0, BLOCK_M)
         offs_m = q_start + loc_m
         row_ok = (loc_m < NQ) & (offs_m < T)
@@ -525,7 +525,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False, True):
         _bwd_dkdv_kernel[(n_ktiles, B * H)](
             q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale),
-            TILES_PER_BK=TPB_K, NK=min(BLOCK_N, BK),
+            TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
             NONFINITE=nonfinite,
@@ -537,7 +537,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False, True):
         _bwd_dq_kernel[(n_qtiles, B * H)](
             q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),
-            TILES_PER_BQ=TPB_Q, NQ=min(BLOCK_M, BQ),
+            TILES_PER_BQ=TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
             NONFINITE=nonfinite,
             **common,

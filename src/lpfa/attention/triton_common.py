@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover
     libdevice = None
 
 HEAD_DIMS = (16, 32, 64, 128)
-MAX_TILE = 1024  # largest BLOCK_M / BLOCK_N tile (and untiled sequence length) the kernel accepts
 MIN_TILE = 16  # tl.dot needs every dimension >= 16
 
 
@@ -240,20 +239,17 @@ def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[
     """Split a policy block into compute tiles: ``(block size, tile, tiles per block)``.
 
     The policy block (``None`` = the whole sequence) fixes where the algorithm rounds; the tile is what
-    one ``tl.dot`` handles. A block that is a multiple of ``preferred`` is cut into ``preferred``-sized
-    tiles; any other block is one tile of the next power of two (masked at the block's edge).
+    one ``tl.dot`` handles. A block longer than ``preferred`` is cut into ``preferred``-sized tiles, the last
+    one masked at the block's edge when the block is not a multiple of ``preferred`` (``paper_untiled`` at
+    T = 1000: 16 tiles of 64, the last holding 40 keys); a shorter block is one tile of the next power of two
+    (at least :data:`MIN_TILE`), masked likewise. So a tile never exceeds ``preferred``, whatever T.
     """
     size = T if block is None else int(block)
-    if size % preferred == 0:
-        return size, preferred, size // preferred
-    tile = max(_next_pow2(size), MIN_TILE)
-    if tile > MAX_TILE:
-        what = "None (one block over the sequence)" if block is None else str(block)
-        raise ValueError(
-            f"policy.{name}={what} at T={T} needs a tile of {tile} keys or queries: expected blocks that are "
-            f"multiples of {preferred} or at most {MAX_TILE} long (the Triton kernels' limit; backend='reference' has none)"
-        )
-    return size, tile, 1
+    if size > preferred:
+        return size, preferred, -(-size // preferred)
+    if size == preferred:
+        return size, preferred, 1
+    return size, max(_next_pow2(size), MIN_TILE), 1
 
 
 def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal) -> None:

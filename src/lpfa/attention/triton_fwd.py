@@ -297,7 +297,9 @@ if triton is not None:
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
             # first t_full of them ending at or before key q_start (a block of one tile is masked whole here)
             n_sub = tl.minimum((q_last - kb_lo) // BLOCK_N + 1, N_SUB) if N_SUB > 1 else 1
-            t_full = tl.minimum(tl.maximum(q_start + 1 - kb_lo, 0) // BLOCK_N, n_sub) if (CAUSAL_SPLIT and N_SUB > 1) else 0
+            # (never a block's last tile when it is cut short by the block's end: BK // BLOCK_N whole tiles)
+            t_full = tl.minimum(tl.maximum(q_start + 1 - kb_lo, 0) // BLOCK_N,
+                                tl.minimum(n_sub, BK // BLOCK_N)) if (CAUSAL_SPLIT and N_SUB > 1) else 0
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
