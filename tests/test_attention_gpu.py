@@ -157,3 +157,20 @@ def test_fp32_split_on_tensor_cores_is_fp32_level(T, dtype):
         a, b = got[part].float(), want[part]
         rel = ((a - b).abs().max() / b.abs().max().clamp_min(1.0)).item()
         assert rel < 1e-5, (part, rel, seed)
+
+
+@pytest.mark.parametrize("name", ["fa2", "paper", "fp32"])
+def test_bf16_gradients_stored_by_the_kernels_match_a_cast(name):
+    """The op's BF16 gradients, stored by the kernels themselves (``grad_dtype``), are the FP32 gradients rounded to
+    nearest even by PyTorch, bit for bit, on the tensor-core path."""
+    from lpfa.attention.triton_bwd import flash_backward
+    from lpfa.attention.triton_fwd import flash_forward
+
+    seed = torch.seed() % 2**31
+    torch.manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 12, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    o, lse = flash_forward(q, k, v, name, 0.125)
+    want = flash_backward(do, q, k, v, o, lse, name, 0.125)
+    got = flash_backward(do, q, k, v, o, lse, name, 0.125, grad_dtype=torch.bfloat16)
+    for part, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (part, f"seed={seed}")

@@ -136,3 +136,23 @@ def test_masked_minus_inf_key_keeps_rows_finite():
         s = s.masked_fill(torch.tensor(keep)[None, :] > torch.arange(8)[:, None], -math.inf)
         want = torch.softmax(s.double(), -1) @ v[..., keep, :].double()
         torch.testing.assert_close(o[0, 0, 3:].double(), want[0, 0, 3:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,D", [(1, 16), (33, 16), (300, 16)])  # 300·16 > one program's 4096 elements
+def test_nonfinite_flags_name_exactly_the_poisoned_batch_heads(T, D, dtype):
+    """The kernels' per-(batch, head) flags (one Triton pass, :func:`nonfinite_flags`) against torch.isfinite, with
+    NaN, +inf, −inf and the largest finite value at fresh random places, in slices longer than one program's."""
+    from lpfa.attention.triton_common import nonfinite_flags
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    B, H = 2, 5
+    x = torch.randn(B, H, T, D, generator=g).to(dtype)
+    x[0, 1].view(-1)[-1] = torch.finfo(dtype).max  # finite: must not flag
+    for bh, value in zip(torch.randperm(B * H, generator=g)[:3].tolist(), (math.nan, math.inf, -math.inf)):
+        x.view(B * H, -1)[bh, torch.randint(T * D, (1,), generator=g)] = value
+    want = (~torch.isfinite(x)).flatten(2).any(dim=-1).flatten().to(torch.int32)
+    got = nonfinite_flags(x.float() if dtype == torch.bfloat16 else x)  # the wrappers hand the interpreter FP32
+    assert torch.equal(got, want), (got.tolist(), want.tolist(), f"seed={seed}")
+    assert int(want.sum()) == 3

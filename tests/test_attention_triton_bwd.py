@@ -290,3 +290,18 @@ def test_causal_split_nonfinite_in_unmasked_tiles(which, tile_paths):
             assert torch.equal(torch.isfinite(a), torch.isfinite(r)), gname
     except AssertionError as e:
         raise AssertionError(f"{e} (inputs: _inputs(1, 3, {T}, 16, torch.bfloat16, seed={seed}))") from e
+
+
+def test_grad_dtype_bf16_is_the_fp32_gradients_rounded():
+    """``grad_dtype=torch.bfloat16`` (what the autograd op asks for with BF16 inputs) gives the FP32 gradients rounded
+    to nearest even, bit for bit; anything but FP32 or BF16 is refused in one line."""
+    pol = PRESETS["paper"].with_(block_q=16, block_k=16)
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(1, 2, 37, 16, torch.bfloat16, seed)
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    want = flash_backward(do, q, k, v, o, lse, pol, 0.3)
+    got = flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.bfloat16)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (name, seed)
+    with pytest.raises(ValueError, match=r"grad_dtype=torch.float16: expected torch.float32 or torch.bfloat16"):
+        flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.float16)

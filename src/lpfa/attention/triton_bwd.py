@@ -298,8 +298,9 @@ if triton is not None:
                 dv = dv_part
                 dk = dk_part
 
-        tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
-        tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
+        # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
+        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
+        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, base, scale, k_nonfinite,
@@ -396,7 +397,7 @@ if triton is not None:
             else:
                 dq = dq_part
 
-        tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
+        tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags):
@@ -450,14 +451,15 @@ def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scal
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
-                   validate: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   validate: bool = True, grad_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
     stored O values (B, H, T, D), ``lse``: (B, H, T) FP32 log-sum-exp, as returned by
     :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`.
-    Returns ``(dq, dk, dv)`` as FP32 tensors with the values of
-    :func:`lpfa.attention.reference.backward`.
+    Returns ``(dq, dk, dv)`` with the values of :func:`lpfa.attention.reference.backward`, as FP32 tensors, or in
+    ``grad_dtype`` (``torch.bfloat16`` for BF16 inputs, as the autograd op does): the kernels then store the rounded
+    values themselves, which spares a pass over each FP32 gradient (the same bits as ``.to(torch.bfloat16)``).
 
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
@@ -507,7 +509,11 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
-    dq = torch.empty(B, H, T, D, device=q.device, dtype=torch.float32)
+    if grad_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"grad_dtype={grad_dtype}: expected torch.float32 or torch.bfloat16")
+    # the interpreter's float → bf16 cast truncates: there the kernels store FP32 and the rounding happens below
+    store_dtype = torch.float32 if interp else grad_dtype
+    dq = torch.empty(B, H, T, D, device=q.device, dtype=store_dtype)
     dk = torch.empty_like(dq)
     dv = torch.empty_like(dq)
     common = dict(
@@ -542,4 +548,6 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
             NONFINITE=nonfinite,
             **common,
         )
+    if store_dtype != grad_dtype:
+        dq, dk, dv = (t.to(grad_dtype) for t in (dq, dk, dv))
     return dq, dk, dv

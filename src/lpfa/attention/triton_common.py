@@ -208,6 +208,17 @@ if triton is not None:
         else:
             return tl.log(x)
 
+    @triton.jit
+    def _nonfinite_kernel(X, FLAGS, N, BLOCK: tl.constexpr):
+        """FLAGS[bh] = 1 if the bh-th slice of N contiguous elements of X holds an inf or NaN; one program per
+        BLOCK elements of a slice, so a long sequence is spread over many programs (FLAGS starts at 0)."""
+        pid_c = tl.program_id(0)  # chunk of the slice
+        pid_bh = tl.program_id(1)  # (batch, head)
+        offs = pid_c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + pid_bh.to(tl.int64) * N + offs, mask=offs < N, other=0.0).to(tl.float32)
+        bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)  # NaN, or ±inf
+        if bad > 0:
+            tl.atomic_max(FLAGS + pid_bh, 1)
 
 
 def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
@@ -226,9 +237,16 @@ def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
     return int(bool(dot_bf16) and exact) | (2 if split_a else 0) | (4 if split_b else 0)
 
 
+NONFINITE_BLOCK = 4096  # elements per program of _nonfinite_kernel
+
+
 def nonfinite_flags(x):
-    """(B·H,) int32: 1 where the (batch, head) slice of ``x`` (B, H, T, D) holds an inf or NaN (for :func:`_dot_visible`)."""
-    return (~torch.isfinite(x)).flatten(2).any(dim=-1).flatten().to(torch.int32)
+    """(B·H,) int32: 1 where the (batch, head) slice of ``x`` (B, H, T, D, contiguous) holds an inf or NaN (for
+    :func:`_dot_visible`). One pass over ``x`` in one launch, on the device (no host sync)."""
+    B, H, T, D = x.shape
+    flags = torch.zeros(B * H, device=x.device, dtype=torch.int32)
+    _nonfinite_kernel[(triton.cdiv(T * D, NONFINITE_BLOCK), B * H)](x, flags, T * D, BLOCK=NONFINITE_BLOCK)
+    return flags
 
 
 def _next_pow2(n: int) -> int:
