@@ -15,6 +15,7 @@
 # DATA (data/corpus), GPUS (default every GPU, one twin each), EXTRA (more key=value for every run), POLL (60).
 set -u
 NAME=${NAME:-paper_recipe}; ROOT=${ROOT:-/tmp/runs}; DATA=${DATA:-data/corpus}
+EXPERIMENT=${EXPERIMENT:-paper_recipe}  # or stabilisers (lpfa.experiments.STABILISERS: same preset, judged against these)
 ONLY=${ONLY:-bf16_paper_recipe fp32_paper_recipe}
 export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LPFA_RUNS=$ROOT
 PY=${PY:-python3}
@@ -27,7 +28,7 @@ start)
   GPUS=${GPUS:-$(nvidia-smi --query-gpu=index --format=csv,noheader | tr '\n' ' ')}
   if [ -z "${BATCH:-}" ]; then
   $L start --name "$NAME/probe" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size=16 grad_accum=1 \
-      time_budget_s="${PROBE:-150}" eval_interval=0 --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
+      time_budget_s="${PROBE:-150}" eval_interval=0 --experiment "$EXPERIMENT" --only $ONLY --gpus $GPUS || exit 1
   $L wait --name "$NAME/probe" --max-s "$(( ${PROBE:-150} + 240 ))" --poll-s 30
   BATCH=$($PY - "$ROOT/$NAME/probe" "${BUDGET:?}" "${MIN_STEPS:-8000}" <<'EOF'
 import sys
@@ -42,7 +43,7 @@ EOF
   echo "batch_size=$BATCH (x 1024 tokens = $(( BATCH * 1024 )) tokens/step)" | tee "$ROOT/$NAME/probe/batch.txt"
   fi  # BATCH given: no probe (e.g. BATCH=24, the committed twins' batch, for more seeds or the SFA twin)
   $L start --name "$NAME" --preset gpt2-s-paper --set "${COMMON[@]}" batch_size="$BATCH" grad_accum=1 \
-      time_budget_s="${BUDGET:?BUDGET (seconds per run) must be set}" --experiment paper_recipe --only $ONLY --gpus $GPUS || exit 1
+      time_budget_s="${BUDGET:?BUDGET (seconds per run) must be set}" --experiment "$EXPERIMENT" --only $ONLY --gpus $GPUS || exit 1
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
   ;;
 wait|finish)

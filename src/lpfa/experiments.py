@@ -102,6 +102,15 @@ MUON_LONG: dict[str, list[str]] = {
 # Held against the dose table's bias_x128 (same seed and data order), which exploded.
 RESCUE_DOSE = 128
 RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_DOSE), f"on_warning={to}"] for to in ("sfa", "fp32")}
+# Stabilisers (issue 19): each a change of the paper-recipe BF16 run (bf16_paper_recipe, same preset, seed 1337,
+# batch and data order), where the BF16 loss explodes and FP32 attention's does not (results/paper_recipe). Stochastic
+# rounding changes only the attention's rounding, so it is judged against paper_recipe's fp32_paper_recipe; QK-norm and
+# the output gate change the model, so each has its own FP32 twin. SFA's row is paper_recipe's sfa_paper_recipe.
+STABILISERS: dict[str, list[str]] = {
+    "sr": ["attn_policy=paper_sr"],
+    **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
+       for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true")) for mode in ("bf16", "fp32")},
+}
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
@@ -147,13 +156,17 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
                                        f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
        for to in ("sfa", "fp32")},
+    "sr": "BF16 flash attention with Ō, the running o and O rounded stochastically (unbiased), the paper's GPT-2 S recipe",
+    **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
+       for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
+                          ("gated", "a sigmoid output gate per head and channel")) for m in ("bf16", "fp32")},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
                                                  "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
-                                                 "muon_long": MUON_LONG, "rescue": RESCUE}
-EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper"}  # the rest run on "repro"
+                                                 "muon_long": MUON_LONG, "rescue": RESCUE, "stabilisers": STABILISERS}
+EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper", "stabilisers": "gpt2-s-paper"}  # the rest: "repro"
 
 
 @dataclass(frozen=True)

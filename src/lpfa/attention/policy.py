@@ -34,6 +34,7 @@ DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
 DOSE_SIGNS = ("bias", "control")
 IEEE, BF16X6 = "ieee", "bf16x6"
 GEMMS = (IEEE, BF16X6)
+SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o, O)
 
 
 MIN_SHIFT = 2.0**-8
@@ -138,6 +139,16 @@ class PrecisionPolicy:
     * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
     * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
     * ``sfa``: :class:`SFA` or ``None``.
+    * ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o: o·c, o + Ō and o / l;
+      not l or m) and ``"o_store"`` (O), that round to BF16 stochastically instead of to nearest (issue 19's
+      stabiliser; each must be a BF16 point of the policy). A value x between the BF16 neighbours a < x < b rounds to
+      b with probability (x − a)/(b − a), so the rounding is unbiased. The random threshold is a hash of ``sr_seed``,
+      the rounding point, the (batch·head, row, column) position, the key block and x's BF16-truncated bits
+      (:func:`lpfa.attention.reference.stochastic_round_bf16`): reproducible bit for bit, the same in the reference
+      and the kernels, and insensitive to an FP32 ulp of x. The step is not hashed: a value that stays in the same
+      BF16 interval at the same position rounds the same way at every step; the rounding is unbiased over positions
+      (the columns a row's δ sums, the tokens a W_Q gradient sums), and changes wherever the values do.
+    * ``sr_seed``: the stochastic rounding's seed (an int in [0, 2³²)).
     * ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
     * ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
       δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
@@ -158,6 +169,8 @@ class PrecisionPolicy:
     block_k: int | None = 128
     row_sum_clamp: float | None = None
     sfa: SFA | None = None
+    stochastic: frozenset[str] = field(default_factory=frozenset)
+    sr_seed: int = 0
     fp32_heads: frozenset[int] = field(default_factory=frozenset)
     dose: float = 1.0
     dose_sign: str = "bias"
@@ -185,6 +198,20 @@ class PrecisionPolicy:
             object.__setattr__(self, "row_sum_clamp", float(c))
         if self.sfa is not None and not isinstance(self.sfa, SFA):
             raise TypeError(f"PrecisionPolicy.sfa={self.sfa!r}: expected an SFA(beta, eps) or None")
+        pts = self.stochastic
+        if isinstance(pts, (str, bytes)) or not isinstance(pts, (set, frozenset, list, tuple)) or any(
+                p not in SR_POINTS for p in pts):
+            raise ValueError(f"PrecisionPolicy.stochastic={pts!r}: expected a set of rounding points from "
+                             f"{', '.join(map(repr, SR_POINTS))}")
+        object.__setattr__(self, "stochastic", frozenset(pts))
+        for p in sorted(self.stochastic):
+            if getattr(self, p) != BF16:
+                raise ValueError(f"PrecisionPolicy.stochastic names {p!r}, but {p}={getattr(self, p)!r}: only a BF16 "
+                                 "rounding point can round stochastically")
+        sd = self.sr_seed
+        if not (isinstance(sd, numbers.Integral) and not isinstance(sd, (bool, np.bool_)) and 0 <= sd < 2**32):
+            raise ValueError(f"PrecisionPolicy.sr_seed={sd!r}: expected an int in [0, 2**32)")
+        object.__setattr__(self, "sr_seed", int(sd))
         heads = self.fp32_heads
         if isinstance(heads, (str, bytes)) or not isinstance(heads, (set, frozenset, list, tuple, range)) or any(
                 not isinstance(h, numbers.Integral) or isinstance(h, (bool, np.bool_)) or h < 0 for h in heads):
@@ -254,6 +281,8 @@ PRESETS: dict[str, PrecisionPolicy] = {
     # the same from FP32 scores: what "delta_o_fp32" computed up to commit 60e6089 (results/isolation says why it moved)
     "delta_o_exact": replace(PAPER, delta="o_exact", name="delta_o_exact"),
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
+    # not in the paper (issue 19's stabilisers): `paper` with Ō, the running o and O rounded stochastically (unbiased)
+    "paper_sr": replace(PAPER, stochastic=frozenset(SR_POINTS), name="paper_sr"),
     # tiled at T = 512: 4 × 4 blocks of 128 (the isolation table's "tiling" comparison with paper_untiled)
     "paper_tiled": replace(PAPER, block_q=128, block_k=128, name="paper_tiled"),
 }
@@ -272,7 +301,7 @@ def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
-                   fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
+                   stochastic=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
 
 
 def delta_dose_active(policy: PrecisionPolicy) -> bool:

@@ -38,6 +38,56 @@ def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
     return x.to(torch.bfloat16).to(torch.float32) if prec == BF16 else x
 
 
+# ---- stochastic rounding (PrecisionPolicy.stochastic): a counter-based hash, the same bits as the kernels' ----
+_MASK32 = 0xFFFFFFFF
+SR_POINT_IDS = {"o_block": 1, "o_scale": 2, "o_add": 3, "o_div": 4, "o_store": 5}  # one hash stream per rounding
+
+
+def _mul32(a, c: int):
+    """a·c mod 2³² for 0 <= a < 2³² (an int or an int64 tensor), in 16-bit halves so no int64 product overflows."""
+    return ((a & 0xFFFF) * c + ((((a >> 16) * (c & 0xFFFF)) & 0xFFFF) << 16)) & _MASK32
+
+
+def mix32(x):
+    """lowbias32 (C. Wellons' 32-bit integer hash) on values in [0, 2³²): an int or an int64 tensor. The kernels' twin,
+    :func:`lpfa.attention.triton_common._mix32`, runs on uint32 with wrapping multiplies."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def stochastic_round_bf16(x: torch.Tensor, seed: int, point: str, j: int, row0: int) -> torch.Tensor:
+    """Round the FP32 tensor ``x`` (B, H, n, D), rows ``row0 .. row0 + n − 1`` of key block ``j``, to BF16
+    stochastically (:attr:`PrecisionPolicy.stochastic`): returned as FP32 holding BF16 values.
+
+    With u the FP32 bits of x, the threshold r = hash(seed, point, batch·head, row·D + column, u >> 16) >> 16 is
+    added to u and the low 16 bits cleared, so x rounds away from zero with probability (low 16 bits of u)/2¹⁶:
+    unbiased, and an FP32 ulp of difference in x (the kernel's FP32 sums against the reference's) moves the
+    result only where it crosses r. hash = mix32(mix32(salt ^ position) ^ (u >> 16)), salt = mix32(mix32(mix32(
+    mix32(seed) ^ point) ^ batch·head) ^ j). ±inf stay; NaN stays NaN."""
+    B, H, n, D = x.shape
+    dev = x.device
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
+    salt = mix32(mix32(mix32(mix32(seed) ^ SR_POINT_IDS[point]) ^ bh) ^ j)
+    pos = torch.arange(row0, row0 + n, device=dev, dtype=torch.int64)[:, None] * D + torch.arange(D, device=dev)[None, :]
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _MASK32
+    h = mix32(mix32(salt ^ pos) ^ (bits >> 16))
+    out = (bits + (h >> 16)) & 0xFFFF0000
+    out = torch.where(out >= 2**31, out - 2**32, out).to(torch.int32).view(torch.float32)
+    return torch.where(torch.isnan(x), x, out)
+
+
+def _rs(x: torch.Tensor, prec: str, policy: PrecisionPolicy, point: str, j: int, row0: int) -> torch.Tensor:
+    """A rounding point of O's path: stochastic where ``policy.stochastic`` names its field (``point``'s), else
+    :func:`_r`."""
+    field = {"o_block": "o_block", "o_store": "o_store"}.get(point, "accumulator")
+    if prec == BF16 and field in policy.stochastic:
+        return stochastic_round_bf16(x, policy.sr_seed, point, j, row0)
+    return _r(x, prec)
+
+
 def split3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The 3-way BF16 split of an FP32 tensor (:data:`lpfa.attention.policy.GEMM_SPLIT_DOC`): ``(x0, h, x1, x2)``
     with x0 = bf16(x), x1 = bf16(x − x0), x2 = bf16(x − x0 − x1) (FP32 tensors holding BF16 values; x = x0 + x1 + x2
@@ -187,7 +237,7 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
         o = torch.zeros(B, H, n, D, device=dev)
         shifted = torch.zeros(B, H, n, dtype=torch.bool, device=dev)
         live_any = torch.zeros(n, dtype=torch.bool, device=dev)
-        for ks, ke in _blocks(T, policy.block_k):
+        for j, (ks, ke) in enumerate(_blocks(T, policy.block_k)):
             if causal and ks > qe - 1:
                 break  # every key of this block lies above the diagonal
             vis = _mask(qs, qe, ks, ke, causal, dev)
@@ -210,15 +260,15 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             p_pv = _r(p_bar, policy.p_bar)
             if stats is not None:
                 counts["ones"] += (p_pv == 1.0).sum(dim=(-1, -2))
-            o_bar = _r(_mm_visible(p_pv, v[:, :, ks:ke], vis, policy.gemm), policy.o_block)
+            o_bar = _rs(_mm_visible(p_pv, v[:, :, ks:ke], vis, policy.gemm), policy.o_block, policy, "o_block", j, qs)
             c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
             l = _r(c * l + block_sum, acc)
             l_raw = _r(c * l_raw + block_raw, acc)
-            o = _r(o * c[..., None], acc)
-            o = _r(o + o_bar, acc)
+            o = _rs(o * c[..., None], acc, policy, "o_scale", j, qs)
+            o = _rs(o + o_bar, acc, policy, "o_add", j, qs)
             m = m_new
-        o_out[:, :, qs:qe] = _r(_r(o / l[..., None], acc), policy.o_store)
+        o_out[:, :, qs:qe] = _rs(_rs(o / l[..., None], acc, policy, "o_div", 0, qs), policy.o_store, policy, "o_store", 0, qs)
         lse[:, :, qs:qe] = torch.log(l) + m
         if stats is not None:
             counts["sfa"] += shifted.sum(dim=-1)

@@ -75,6 +75,43 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _mix32(x):
+        """lowbias32 on uint32 (wrapping multiplies): :func:`lpfa.attention.reference.mix32`, bit for bit."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _sr_salt(seed, point: tl.constexpr, bh, j):
+        """The hash's start for one (seed, rounding point, batch·head, key block): reference.stochastic_round_bf16."""
+        zero = bh * 0  # seed and j may arrive as Python ints (a literal j, a seed of 1 specialised by Triton)
+        x = _mix32(_mix32((seed + zero).to(tl.uint32)) ^ point)
+        return _mix32(_mix32(x ^ bh.to(tl.uint32)) ^ (j + zero).to(tl.uint32))
+
+    @triton.jit
+    def _round_bf16_sr(x, salt, offs_m, offs_d, HEAD_DIM: tl.constexpr):
+        """Stochastic rounding of the (rows offs_m, columns offs_d) tile x to BF16 (returned as FP32):
+        u + (hash >> 16) with the low 16 bits cleared, hash = mix32(mix32(salt ^ (row·D + column)) ^ (u >> 16)),
+        :func:`lpfa.attention.reference.stochastic_round_bf16`'s bits. ±inf stay, NaN stays NaN."""
+        bits = x.to(tl.uint32, bitcast=True)
+        pos = (offs_m[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.uint32)
+        h = _mix32(_mix32(salt ^ pos) ^ (bits >> 16))
+        rounded = ((bits + (h >> 16)) >> 16) << 16
+        return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _rnd_o(x, TO_BF16: tl.constexpr, SR: tl.constexpr, seed, point: tl.constexpr, bh, j, offs_m, offs_d,
+               HEAD_DIM: tl.constexpr):
+        """A rounding point on O's path (Ō, the running o, O): stochastic when SR (policy.stochastic), else _rnd."""
+        if TO_BF16 and SR:
+            x = _round_bf16_sr(x, _sr_salt(seed, point, bh, j), offs_m, offs_d, HEAD_DIM)
+        else:
+            x = _rnd(x, TO_BF16)
+        return x
+
+    @triton.jit
     def _rnd(x, TO_BF16: tl.constexpr):
         """One rounding point: BF16 round-trip when TO_BF16, else identity (FP32)."""
         if TO_BF16:

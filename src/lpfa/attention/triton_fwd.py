@@ -83,6 +83,7 @@ from lpfa.attention.triton_common import (
     _log,
     _max_nan,
     _rnd,
+    _rnd_o,
     _row_max,
     check_triton_inputs,
     gemm_mode,
@@ -176,12 +177,12 @@ if triton is not None:
 
     @triton.jit
     def _fwd_block(acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
-                   scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
+                   scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                   PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
+                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -226,15 +227,18 @@ if triton is not None:
             PRECISE_MATH, PASS=2, MASKED=MASKED)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
-        o_bar = _rnd(o_blk, OBLOCK_BF16)  # the block's Ō = P̄V output
+        # the block's Ō = P̄V output (to nearest, or stochastically: policy.stochastic, hashed by position and block)
+        offs_d = tl.arange(0, HEAD_DIM)
+        j = kb_lo // BK
+        o_bar = _rnd_o(o_blk, OBLOCK_BF16, SR_OBLOCK, sr_seed, 1, pid_bh, j, offs_m, offs_d, HEAD_DIM)
 
         # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
         c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
         c = tl.where(row_live, c, 1.0)
         # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
         l_i = _rnd(c * l_i + block_sum, ACC_BF16)
-        acc = _rnd(acc * c[:, None], ACC_BF16)
-        acc = _rnd(acc + o_bar, ACC_BF16)
+        acc = _rnd_o(acc * c[:, None], ACC_BF16, SR_ACC, sr_seed, 2, pid_bh, j, offs_m, offs_d, HEAD_DIM)
+        acc = _rnd_o(acc + o_bar, ACC_BF16, SR_ACC, sr_seed, 3, pid_bh, j, offs_m, offs_d, HEAD_DIM)
         return acc, l_i, m_new
 
     @triton.jit
@@ -242,6 +246,7 @@ if triton is not None:
         Q, K, V, O, LSE,  # contiguous (B*H, T, D) in the input / o_store dtype, and FP32 (B*H, T)
         V_NONFINITE,  # (B*H,) int32: V of this batch·head holds an inf or NaN (lpfa.attention.triton_common)
         T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
+        sr_seed,  # policy.sr_seed (stochastic rounding)
         HEAD_DIM: tl.constexpr,
         BLOCK_M: tl.constexpr,  # query rows per program (rows are independent in the forward)
         BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,  # policy key block = N_SUB tiles
@@ -249,6 +254,7 @@ if triton is not None:
         ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
         USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
         QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, SR_OSTORE: tl.constexpr,  # policy.stochastic
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
         NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
@@ -289,9 +295,9 @@ if triton is not None:
         for j in range(0, n_full):
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
-                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
-                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, MASKED=False)
+                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
+                N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -302,12 +308,13 @@ if triton is not None:
                                 tl.minimum(n_sub, BK // BLOCK_N)) if (CAUSAL_SPLIT and N_SUB > 1) else 0
             acc, l_i, m_i = _fwd_block(
                 acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
-                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
-                SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, MASKED=True)
+                scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
+                N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
-        out = _rnd(_rnd(acc / l_i[:, None], ACC_BF16), OSTORE_BF16)
+        out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
+        out = _rnd_o(out, OSTORE_BF16, SR_OSTORE, sr_seed, 5, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
         lse = _log(l_i, PRECISE_MATH) + m_i
         # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
         tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -385,6 +392,7 @@ def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, B
         float(pol.sfa.beta) if pol.sfa is not None else 1.0,
         float(pol.sfa.eps) if pol.sfa is not None else 0.0,
         float(pol.sfa.min_shift) if pol.sfa is not None else 0.0,
+        pol.sr_seed,
         HEAD_DIM=D, BLOCK_M=block_m, BK=BK, BLOCK_N=BLOCK_N, N_SUB=N_SUB,
         SCORES_BF16=pol.scores == BF16, PBAR_BF16=pol.p_bar == BF16, OBLOCK_BF16=pol.o_block == BF16,
         ACC_BF16=pol.accumulator == BF16, OSTORE_BF16=pol.o_store == BF16,
@@ -392,6 +400,8 @@ def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, B
         QK_DOT=gemm_mode(pol.gemm, dot_bf16, inputs_bf16, inputs_bf16),
         PV_DOT=gemm_mode(pol.gemm, dot_bf16, pol.p_bar == BF16, inputs_bf16),
         PRECISE_MATH=bool(precise_math),
+        SR_OBLOCK="o_block" in pol.stochastic, SR_ACC="accumulator" in pol.stochastic,
+        SR_OSTORE="o_store" in pol.stochastic,
         CAUSAL_SPLIT=bool(causal_split),
         NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
