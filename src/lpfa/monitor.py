@@ -255,7 +255,7 @@ def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = No
     top-left ``is_causal``, a boolean ``mask`` marks visible keys, a float one is added to the logits), over all
     of the batch it is given (the max over sequences; the tie fraction is each sequence's, averaged)."""
     from lpfa.attention import get_policy
-    from lpfa.attention.reference import _r, _scores
+    from lpfa.attention.reference import _r, _scores, near_max_counts
 
     q, k = _normalise_qk(q, k)
     B, H, L, D = q.shape
@@ -280,9 +280,7 @@ def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = No
         if v_b is not None:
             s, sb = s.masked_fill(~v_b, -math.inf), sb.masked_fill(~v_b, -math.inf)
         maxes.append(s.amax(dim=(-1, -2)))
-        rm = sb.amax(dim=-1)  # (H, L), as lpfa.attention.reference.fill_tie_stats counts ties
-        rows = rm != -math.inf  # rows with a visible key
-        rs = (sb >= _r(rm - eps, pol.scores)[..., None]).sum(dim=-1)
+        rs, rows = near_max_counts(sb, eps, pol.scores)  # (H, L): Fig. 13's count, as fill_tie_stats takes it
         ties.append(((rs > 1) & rows).sum(-1).double() / rows.sum(-1).clamp_min(1).double())
     return {"max_logit": torch.stack(maxes).amax(0).cpu().numpy(), "tie_fraction_bf16": torch.stack(ties).mean(0).cpu().numpy()}
 

@@ -281,6 +281,14 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
     return o_out, lse
 
 
+def near_max_counts(s: torch.Tensor, eps: float, prec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rs, live)`` for scores ``s`` (…, rows, keys; −inf where a key is not visible): rs = #{S ≥ prec(rowmax − eps)}
+    per row (Fig. 13's tie count; a row is tied when rs > 1) and ``live``, the rows with a visible key (a row of only
+    −inf would count every key). The one definition behind :func:`fill_tie_stats` and the monitor's tie fraction."""
+    rm = s.amax(dim=-1)
+    return (s >= _r(rm - eps, prec)[..., None]).sum(dim=-1), rm != -math.inf
+
+
 def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, causal: bool):
     """Fill ``stats``' tie counts from the full score matrix at the policy's score precision (one batch at a time)."""
     eps = stats.eps if stats.eps is not None else (policy.sfa.eps if policy.sfa else 1e-3)
@@ -291,9 +299,8 @@ def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, 
         s = _scores(q[b : b + 1], k[b : b + 1], scale, policy)
         if causal:
             s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
-        rm = s.amax(dim=-1)
-        rs = (s >= _r(rm - eps, policy.scores)[..., None]).sum(dim=-1)
-        tied.append((rs > 1).sum(dim=-1))
+        rs, live = near_max_counts(s, eps, policy.scores)
+        tied.append(((rs > 1) & live).sum(dim=-1))
         rs_sum.append(rs.sum(dim=-1))
     stats.tied_rows = torch.cat(tied)
     stats.rs_sum = torch.cat(rs_sum)
