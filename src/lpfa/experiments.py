@@ -104,10 +104,13 @@ RESCUE_DOSE = 128
 RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_DOSE), f"on_warning={to}"] for to in ("sfa", "fp32")}
 # Stabilisers (issue 19): each a change of the paper-recipe BF16 run (bf16_paper_recipe, same preset, seed 1337,
 # batch and data order), where the BF16 loss explodes and FP32 attention's does not (results/paper_recipe). Stochastic
-# rounding changes only the attention's rounding, so it is judged against paper_recipe's fp32_paper_recipe; QK-norm and
-# the output gate change the model, so each has its own FP32 twin. SFA's row is paper_recipe's sfa_paper_recipe.
+# rounding changes only the attention's rounding, so it is judged against paper_recipe's fp32_paper_recipe; QK-norm, the
+# output gate and the logit soft-cap change the model, so each has its own FP32 twin (the soft-cap's: the FP32 policy on
+# split-BF16 tensor cores, fp32_softcap, since SDPA has no cap). SFA's row is paper_recipe's sfa_paper_recipe.
 STABILISERS: dict[str, list[str]] = {
     "sr": ["attn_policy=paper_sr"],
+    "bf16_softcap": ["attn_policy=paper_softcap"],
+    "fp32_softcap": ["attn_policy=fp32_softcap"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true")) for mode in ("bf16", "fp32")},
 }
@@ -159,7 +162,8 @@ DESCRIPTIONS: dict[str, str] = {
     "sr": "BF16 flash attention with Ō, the running o and O rounded stochastically (unbiased), the paper's GPT-2 S recipe",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
-                          ("gated", "a sigmoid output gate per head and channel")) for m in ("bf16", "fp32")},
+                          ("gated", "a sigmoid output gate per head and channel"),
+                          ("softcap", "logits soft-capped at 50 (Gemma 2)")) for m in ("bf16", "fp32")},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }

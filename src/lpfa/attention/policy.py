@@ -149,6 +149,10 @@ class PrecisionPolicy:
       BF16 interval at the same position rounds the same way at every step; the rounding is unbiased over positions
       (the columns a row's δ sums, the tokens a W_Q gradient sums), and changes wherever the values do.
     * ``sr_seed``: the stochastic rounding's seed (an int in [0, 2³²)).
+    * ``softcap``: logit soft-capping (Gemma 2; issue 19's stabiliser), ``None`` = off, else a cap c > 0:
+      S' = c·tanh(S / c), each of its three operations rounded as the scores are, and the backward's
+      dS = dS'·(1 − t²) with t the rounded tanh. tanh is taken as (1 − e)/(1 + e) with e = exp(−2|x|), in FP32
+      (the reference and the kernels alike). Part of the model, not of the precision: FP32 twins keep it.
     * ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
     * ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
       δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
@@ -171,6 +175,7 @@ class PrecisionPolicy:
     sfa: SFA | None = None
     stochastic: frozenset[str] = field(default_factory=frozenset)
     sr_seed: int = 0
+    softcap: float | None = None
     fp32_heads: frozenset[int] = field(default_factory=frozenset)
     dose: float = 1.0
     dose_sign: str = "bias"
@@ -212,6 +217,11 @@ class PrecisionPolicy:
         if not (isinstance(sd, numbers.Integral) and not isinstance(sd, (bool, np.bool_)) and 0 <= sd < 2**32):
             raise ValueError(f"PrecisionPolicy.sr_seed={sd!r}: expected an int in [0, 2**32)")
         object.__setattr__(self, "sr_seed", int(sd))
+        cap = self.softcap
+        if cap is not None and not (_is_number(cap) and math.isfinite(cap) and cap > 0):
+            raise ValueError(f"PrecisionPolicy.softcap={cap!r}: expected a positive finite number, or None for no soft-capping")
+        if cap is not None:
+            object.__setattr__(self, "softcap", float(cap))
         heads = self.fp32_heads
         if isinstance(heads, (str, bytes)) or not isinstance(heads, (set, frozenset, list, tuple, range)) or any(
                 not isinstance(h, numbers.Integral) or isinstance(h, (bool, np.bool_)) or h < 0 for h in heads):
@@ -283,14 +293,18 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
     # not in the paper (issue 19's stabilisers): `paper` with Ō, the running o and O rounded stochastically (unbiased)
     "paper_sr": replace(PAPER, stochastic=frozenset(SR_POINTS), name="paper_sr"),
+    # logit soft-capping at Gemma 2's cap for attention logits (50), on `paper` and on the fast FP32 twin
+    "paper_softcap": replace(PAPER, softcap=50.0, name="paper_softcap"),
+    "fp32_softcap": replace(FP32_SPLIT, softcap=50.0, name="fp32_softcap"),
     # tiled at T = 512: 4 × 4 blocks of 128 (the isolation table's "tiling" comparison with paper_untiled)
     "paper_tiled": replace(PAPER, block_q=128, block_k=128, name="paper_tiled"),
 }
 
 
 def fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """The all-FP32 policy with ``policy``'s blocks: what its FP32 heads run, and the O of ``delta="o_exact"``."""
-    return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, name="fp32")
+    """The all-FP32 policy with ``policy``'s blocks and soft-cap: what its FP32 heads run, and the O of
+    ``delta="o_exact"``."""
+    return FP32_POLICY.with_(block_q=policy.block_q, block_k=policy.block_k, softcap=policy.softcap, name="fp32")
 
 
 def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:

@@ -174,10 +174,29 @@ def _blocks(n: int, size: int | None):
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+def tanh_f32(x: torch.Tensor) -> torch.Tensor:
+    """tanh as the soft-cap takes it (:attr:`PrecisionPolicy.softcap`), in FP32: sign(x)·(1 − e)/(1 + e) with
+    e = exp(−2|x|), no cancellation for large |x| and within a few FP32 ulps of tanh (the kernels' formula)."""
+    e = torch.exp(-2.0 * x.abs())
+    t = (1.0 - e) / (1.0 + e)
+    return torch.where(x < 0, -t, t)
+
+
+def _capped_scores(q_b, k_b, scale, policy: PrecisionPolicy):
+    """``(S, t)``: S = Q_b K_bᵀ · scale at the policy's precision (``bf16(bf16(QKᵀ)·scale)`` or FP32), soft-capped
+    when ``policy.softcap`` is set (S' = c·tanh(S / c), each operation rounded as the scores are; t the rounded tanh,
+    for the backward's 1 − t²); t is None without a cap."""
+    sc = policy.scores
+    s = _r(_r(_mm(q_b, k_b.transpose(-1, -2), policy.gemm), sc) * scale, sc)
+    if policy.softcap is None:
+        return s, None
+    t = _r(tanh_f32(_r(s / policy.softcap, sc)), sc)
+    return _r(t * policy.softcap, sc), t
+
+
 def _scores(q_b, k_b, scale, policy: PrecisionPolicy):
-    """S = Q_b K_bᵀ · scale at the policy's precision: ``bf16(bf16(QKᵀ)·scale)`` or FP32."""
-    s = _mm(q_b, k_b.transpose(-1, -2), policy.gemm)
-    return _r(_r(s, policy.scores) * scale, policy.scores)
+    """S as the forward computes it (:func:`_capped_scores`, soft-cap included)."""
+    return _capped_scores(q_b, k_b, scale, policy)[0]
 
 
 def _mask(qs, qe, ks, ke, causal, device):
@@ -307,11 +326,14 @@ def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, 
     stats.rows = T
 
 
-def _attention_fp32(q, k, v, scale, causal):
-    """Plain softmax attention in float64, rounded to FP32 (the high-precision O of ``delta="o_exact"``)."""
+def _attention_fp32(q, k, v, scale, causal, softcap: float | None = None):
+    """Plain softmax attention in float64, rounded to FP32 (the high-precision O of ``delta="o_exact"``), the logits
+    soft-capped (exact tanh) when ``softcap`` is set."""
     T = q.shape[-2]
     vis = _mask(0, T, 0, T, causal, q.device)
     s = torch.matmul(q.double(), k.double().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     if vis is not None:
         s = s.masked_fill(~vis, -math.inf)
     return _mm_visible(torch.softmax(s, dim=-1), v.double(), vis)
@@ -327,11 +349,13 @@ def _block_pairs(T: int, policy: PrecisionPolicy, causal: bool):
 
 
 def _p_block(q, k, lse, qs, qe, ks, ke, scale, policy: PrecisionPolicy, causal: bool):
-    """``(P, visible)`` of one block pair: P = exp(S − lse) as the backward recomputes it, exactly 0 where the key
-    is invisible (whatever S or lse hold there); ``visible`` as :func:`_mask` (None: all visible)."""
+    """``(P, visible, t)`` of one block pair: P = exp(S − lse) as the backward recomputes it, exactly 0 where the
+    key is invisible (whatever S or lse hold there); ``visible`` as :func:`_mask` (None: all visible); t the soft-cap's
+    tanh (:func:`_capped_scores`, None without a cap)."""
     vis = _mask(qs, qe, ks, ke, causal, q.device)
-    p = torch.exp(_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy) - lse[:, :, qs:qe, None])
-    return (p if vis is None else p.masked_fill(~vis, 0.0)), vis
+    s, t = _capped_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy)
+    p = torch.exp(s - lse[:, :, qs:qe, None])
+    return (p if vis is None else p.masked_fill(~vis, 0.0)), vis, t
 
 
 def _masked(x, vis):
@@ -361,12 +385,12 @@ def _delta_formula(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: fl
         o_hp, _ = forward(q, k, v, delta_o_policy(policy), scale, causal)
         return (do * o_hp).double().sum(dim=-1).float()
     if policy.delta == "o_exact":
-        return (do * _attention_fp32(q, k, v, scale, causal)).double().sum(dim=-1).float()
+        return (do * _attention_fp32(q, k, v, scale, causal, policy.softcap)).double().sum(dim=-1).float()
     # "dp_p": rowsum(dP ∘ P) over all key blocks, dP and P as the backward computes them
     B, H, T, _ = q.shape
     delta64 = torch.zeros(B, H, T, dtype=torch.float64, device=q.device)
     for qs, qe, ks, ke in _block_pairs(T, policy, causal):
-        p, vis = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        p, vis, _ = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
         dp = _r(_mm(do[:, :, qs:qe], v[:, :, ks:ke].transpose(-1, -2), policy.gemm), bw)
         delta64[:, :, qs:qe] += _masked(dp.double() * p.double(), vis).sum(dim=-1)
     return delta64.float()
@@ -390,14 +414,15 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
     delta = backward_delta(do, q, k, v, o_store, lse, policy, scale, causal)
 
     for qs, qe, ks, ke in _block_pairs(T, policy, causal):
-        p, vis = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
+        p, vis, t = _p_block(q, k, lse, qs, qe, ks, ke, scale, policy, causal)
         vis_t = None if vis is None else vis.transpose(-1, -2)
         do_b = do[:, :, qs:qe]
         # dV_j += Pᵀ dO
         dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t, g), bw), bw)
-        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale, exactly 0 where the key is invisible
+        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale (· (1 − t²) through a soft-cap), exactly 0 where the key is invisible
         dp = _r(_mm(do_b, v[:, :, ks:ke].transpose(-1, -2), g), bw)
-        ds = _masked(p * scale * (dp - delta[:, :, qs:qe, None]), vis)
+        ds = p * scale * (dp - delta[:, :, qs:qe, None])
+        ds = _masked(ds if t is None else ds * (1.0 - t * t), vis)
         ds_op = _r(ds, op)
         # dQ_i += dS K_j ;  dK_j += dSᵀ Q_i
         dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm_visible(ds_op, k[:, :, ks:ke], vis, g), bw), bw)

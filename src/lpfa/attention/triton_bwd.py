@@ -85,6 +85,7 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _next_pow2,
     _rnd,
+    _softcap,
     check_triton_inputs,
     gemm_mode,
     libdevice,
@@ -124,7 +125,7 @@ if triton is not None:
         T, scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -153,6 +154,7 @@ if triton is not None:
             # S = scores(scores(Q Kᵀ)·scale), exactly as the forward
             s = _rnd(_dot(q, kt, QK_DOT), SCORES_BF16)
             s = _rnd(s * scale, SCORES_BF16)
+            s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)
             # P = exp(S − lse), 0 where key > query or out of range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
             p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
@@ -163,15 +165,19 @@ if triton is not None:
 
     @triton.jit
     def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr):
+                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
         """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse), dP = bw(u wᵀ) and
         dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
         come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
         s = _rnd(_dot(x, yt, QK_DOT), SCORES_BF16)
         s = _rnd(s * scale, SCORES_BF16)
+        s, t = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # S' = c·tanh(S / c) where policy.softcap is set
         p = _keep_visible(_exp(s - lse, PRECISE_MATH), visible, 0.0)
         dp = _rnd(_dot(u, wt, DOV_DOT), BW_BF16)
-        ds = _keep_visible(p * scale * (dp - delta), visible, 0.0)
+        ds = p * scale * (dp - delta)
+        if SOFTCAP > 0:  # through the cap: dS = dS'·(1 − t²)
+            ds = ds * (1.0 - t * t)
+        ds = _keep_visible(ds, visible, 0.0)
         return p, ds
 
     @triton.jit
@@ -180,7 +186,7 @@ if triton is not None:
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                    MASKED: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
         lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
@@ -200,7 +206,7 @@ if triton is not None:
 
             # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
             pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, SCORES_BF16,
-                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH)
+                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
             dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
@@ -219,6 +225,7 @@ if triton is not None:
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
         DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads they are not
     ):
         pid_n = tl.program_id(0)  # key compute tile
@@ -280,15 +287,15 @@ if triton is not None:
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True)
+                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -306,7 +313,7 @@ if triton is not None:
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, base, scale, k_nonfinite,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                   OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
-                  DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr):
+                  DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
         """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
         the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
         at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
@@ -322,7 +329,7 @@ if triton is not None:
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
             p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, SCORES_BF16, BW_BF16,
-                              QK_DOT, DOV_DOT, PRECISE_MATH)
+                              QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP)
             # dQ partial += op(dS) K, over visible pairs
             dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT)
         return dq_part
@@ -340,6 +347,7 @@ if triton is not None:
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         NONFINITE: tl.constexpr,  # as the dK/dV kernel's, for K
     ):
         pid_m = tl.program_id(0)  # query compute tile
@@ -387,10 +395,10 @@ if triton is not None:
                 k_mid = k_blk
             dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False)
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
             dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True)
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             if BW_BF16:
                 dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
@@ -410,7 +418,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
         _bwd_delta_dpp_kernel[(triton.cdiv(T, t_m), B * H)](
             q_, k_, v_, do_, lse_, delta, T, float(scale),
             HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
-            SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags,
+            SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags, SOFTCAP=float(pol.softcap or 0.0),
             enable_fp_fusion=False,
         )
         return delta
@@ -520,6 +528,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         HEAD_DIM=D, BQ=BQ, BK=BK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
         CAUSAL_SPLIT=bool(causal_split),
+        SOFTCAP=float(pol.softcap or 0.0),
         enable_fp_fusion=False,  # no FMA: P·scale·(dP − δ) rounds each product, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,

@@ -239,6 +239,24 @@ if triton is not None:
             return tl.exp(x)
 
     @triton.jit
+    def _tanh(x, PRECISE_MATH: tl.constexpr):
+        """tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp(−2|x|), in FP32: :func:`lpfa.attention.reference.tanh_f32`."""
+        e = _exp(-2.0 * tl.abs(x), PRECISE_MATH)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+    @triton.jit
+    def _softcap(s, SCORES_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
+        """``(S', t)``: S' = scores(c·scores(tanh(scores(S / c)))) with c = SOFTCAP (policy.softcap, Gemma 2's logit
+        soft-capping) and t the rounded tanh, for the backward's 1 − t²; ``(S, S)`` when SOFTCAP is 0 (off)."""
+        if SOFTCAP > 0:
+            t = _rnd(_tanh(_rnd(s / SOFTCAP, SCORES_BF16), PRECISE_MATH), SCORES_BF16)
+            s = _rnd(t * SOFTCAP, SCORES_BF16)
+        else:
+            t = s
+        return s, t
+
+    @triton.jit
     def _log(x, PRECISE_MATH: tl.constexpr):
         if PRECISE_MATH:
             return libdevice.log(x)

@@ -85,6 +85,7 @@ from lpfa.attention.triton_common import (
     _rnd,
     _rnd_o,
     _row_max,
+    _softcap,
     check_triton_inputs,
     gemm_mode,
     libdevice,
@@ -106,7 +107,8 @@ if triton is not None:
 
     @triton.jit
     def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
-                     SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr):
+                     SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr,
+                     PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
         FP32. MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
         [0, T) and its block, at or below the diagonal for every row: a plain load, no mask."""
@@ -117,6 +119,7 @@ if triton is not None:
         s = _dot(q, kt, QK_DOT)  # BF16 operands (exact), IEEE FP32 or BF16 split (policy.gemm), FP32 accumulation
         s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
         s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
+        s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
         visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
         return _keep_visible(s, visible, float("-inf"))
 
@@ -126,7 +129,7 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                     MASKED: tl.constexpr):
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S); 1 (SFA): rs = #{S ≥
         thr}; 2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
@@ -135,7 +138,8 @@ if triton is not None:
         for t in range(t_lo, t_hi):
             k_lo = kb_lo + t * BLOCK_N
             s = s_block if N_SUB == 1 else _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                                        SCORES_BF16, QK_DOT, MASKED=MASKED)
+                                                        SCORES_BF16, QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH,
+                                                        SOFTCAP=SOFTCAP)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
                 rm = _max_nan(rm, _row_max(s))
@@ -160,19 +164,19 @@ if triton is not None:
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                    MASKED: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, rs, block_sum, o_blk = _block_tiles(
                 rm, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
                 scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS, MASKED=False)
+                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP)
         if MASKED:
             rm, rs, block_sum, o_blk = _block_tiles(
                 rm, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-                PV_DOT, PRECISE_MATH, PASS, MASKED=True)
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP)
         return rm, rs, block_sum, o_blk
 
     @triton.jit
@@ -182,7 +186,7 @@ if triton is not None:
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr):
+                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -192,13 +196,13 @@ if triton is not None:
         o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
         s = _scores_tile(q, K, base, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
-                         QK_DOT, MASKED=MASKED) if N_SUB == 1 else None
+                         QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles) ----
         rm, rs, block_sum, o_blk = _block_pass(
             rm, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=0, MASKED=MASKED)
+            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -208,7 +212,7 @@ if triton is not None:
             rm, rs, block_sum, o_blk = _block_pass(
                 rm, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
                 v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS=1, MASKED=MASKED)
+                PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP)
             tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
             m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
@@ -224,7 +228,7 @@ if triton is not None:
         rm, rs, block_sum, o_blk = _block_pass(
             rm, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=2, MASKED=MASKED)
+            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
         # the block's Ō = P̄V output (to nearest, or stochastically: policy.stochastic, hashed by position and block)
@@ -255,6 +259,7 @@ if triton is not None:
         USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr,
         QK_DOT: tl.constexpr, PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, SR_OSTORE: tl.constexpr,  # policy.stochastic
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
         NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
@@ -297,7 +302,7 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -310,7 +315,7 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -402,6 +407,7 @@ def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, B
         PRECISE_MATH=bool(precise_math),
         SR_OBLOCK="o_block" in pol.stochastic, SR_ACC="accumulator" in pol.stochastic,
         SR_OSTORE="o_store" in pol.stochastic,
+        SOFTCAP=float(pol.softcap or 0.0),
         CAUSAL_SPLIT=bool(causal_split),
         NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference

@@ -1,0 +1,71 @@
+"""Logit soft-capping (``PrecisionPolicy.softcap``, Gemma 2; issue 19's stabiliser): the reference against float64
+autograd of c·tanh(S / c), its tanh against float64's, and the policy's checks. The Triton kernels are held against
+the reference by the preset-wide tests (``paper_softcap``, ``fp32_softcap``)."""
+
+import math
+
+import pytest
+import torch
+
+from lpfa.attention import PRESETS, PrecisionPolicy
+from lpfa.attention.policy import fp32_twin
+from lpfa.attention.reference import backward as ref_backward
+from lpfa.attention.reference import forward as ref_forward
+from lpfa.attention.reference import tanh_f32
+
+
+def test_tanh_f32_is_tanh_to_a_few_ulps():
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    x = torch.cat([torch.randn(20_000, generator=g) * s for s in (1e-6, 1e-2, 1.0, 10.0)]
+                  + [torch.tensor([0.0, -0.0, 20.0, -20.0, 1e30, -1e30, math.inf, -math.inf])])
+    got, want = tanh_f32(x).double(), torch.tanh(x.double())
+    assert ((got - want).abs() <= 2.0**-22 * want.abs().clamp_min(2.0**-24) + 2.0**-24 * 4).all(), f"seed={seed}"
+    assert torch.isnan(tanh_f32(torch.tensor([math.nan]))).all()
+
+
+@pytest.mark.parametrize("cap", [1.0, 5.0])
+@pytest.mark.parametrize("T,block", [(37, 16), (20, None)])
+def test_fp32_softcap_matches_float64_autograd(cap, T, block):
+    """The FP32 policy with a cap against float64 attention on c·tanh(S / c) differentiated by autograd: O, dq, dk,
+    dv within 1e-5 of the float64 tensor's largest magnitude (FP32 level), on logits far beyond the cap."""
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, do = (torch.randn(2, 3, T, 16, generator=g, dtype=torch.float64) for _ in range(4))
+    q = q * 8.0  # logits of tens: the cap matters
+    scale = 0.3
+    pol = PRESETS["fp32"].with_(block_q=block, block_k=block, softcap=cap)
+    x = [t.clone().requires_grad_() for t in (q, k, v)]
+    s = cap * torch.tanh((x[0] @ x[1].transpose(-1, -2)) * scale / cap)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    o64 = torch.softmax(s, dim=-1) @ x[2]
+    g64 = torch.autograd.grad(o64, x, do)
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, scale)
+    grads = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, scale)
+    for name, a, b in zip(("O", "dq", "dk", "dv"), (o, *grads), (o64, *g64)):
+        err = (a.double() - b).abs().max().item() / b.abs().max().item()
+        assert err <= 1e-5, (name, err, f"seed={seed}")
+    assert (lse.double() <= cap + math.log(T) + 1e-4).all()  # every logit is at most the cap
+
+
+def test_softcap_bounds_the_bf16_scores():
+    """With ``paper_softcap`` no score exceeds the cap, however large the logits (BF16 scores: rounded at each op)."""
+    from lpfa.attention.reference import _scores
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 40, 16, generator=g) * 30 for _ in range(2))
+    s = _scores(q, k, 1.0, PRESETS["paper_softcap"])
+    assert s.abs().max().item() <= PRESETS["paper_softcap"].softcap
+    assert torch.equal(s, s.bfloat16().float())
+
+
+@pytest.mark.parametrize("cap", [0, -1.0, math.inf, math.nan, "50", True])
+def test_policy_refuses_a_bad_softcap(cap):
+    with pytest.raises(ValueError, match=r"PrecisionPolicy.softcap=.*: expected a positive finite number, or None"):
+        PrecisionPolicy(softcap=cap)
+
+
+def test_fp32_twin_keeps_the_cap():
+    """A cap is part of the model, not of the precision: FP32 heads and delta="o_exact" keep it."""
+    assert fp32_twin(PRESETS["paper_softcap"]).softcap == 50.0
+    assert PRESETS["fp32_softcap"].softcap == 50.0 and PRESETS["fp32_softcap"].p_bar == "fp32"
