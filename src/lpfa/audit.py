@@ -56,7 +56,7 @@ FAMILIES = ("random", "ties")
 QUANTITIES = ("o", "o_radial", "delta", "dq_u")
 TIE_STRIDE = 4
 TIE_LOGIT = 12.0
-PRESET_KERNELS = ("paper", "fa2", "fp32", "paper_sfa", "fa2_sfa")
+PRESET_KERNELS = ("paper", "fa2", "fp32", "paper_sfa", "fa2_sfa", "paper_sr")  # paper_sr: stochastic rounding of O
 KERNELS = ("float64", *(f"ref:{p}" for p in PRESET_KERNELS), *(f"triton:{p}" for p in PRESET_KERNELS),
            "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math", "flex")
 CPU_KERNELS = tuple(k for k in KERNELS if k == "float64" or k.startswith("ref:") or k == "sdpa:math")
