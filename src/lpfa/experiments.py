@@ -159,7 +159,7 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
                                        f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
        for to in ("sfa", "fp32")},
-    "sr": "BF16 flash attention with Ō, the running o and O rounded stochastically (unbiased), the paper's GPT-2 S recipe",
+    "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased), the paper's GPT-2 S recipe",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),

@@ -34,7 +34,7 @@ DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
 DOSE_SIGNS = ("bias", "control")
 IEEE, BF16X6 = "ieee", "bf16x6"
 GEMMS = (IEEE, BF16X6)
-SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o, O)
+SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o and l, O)
 
 
 MIN_SHIFT = 2.0**-8
@@ -139,8 +139,9 @@ class PrecisionPolicy:
     * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
     * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
     * ``sfa``: :class:`SFA` or ``None``.
-    * ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o: o·c, o + Ō and o / l;
-      not l or m) and ``"o_store"`` (O), that round to BF16 stochastically instead of to nearest (issue 19's
+    * ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o and l: o·c, o + Ō,
+      o / l and l = c·l + rowsum(P̄); not m, a maximum of scores) and ``"o_store"`` (O), that round to BF16
+      stochastically instead of to nearest (issue 19's
       stabiliser; each must be a BF16 point of the policy). A value x between the BF16 neighbours a < x < b rounds to
       b with probability (x − a)/(b − a), so the rounding is unbiased. The random threshold is a hash of ``sr_seed``,
       the rounding point, the (batch·head, row, column) position, the key block and x's BF16-truncated bits
@@ -291,7 +292,7 @@ PRESETS: dict[str, PrecisionPolicy] = {
     # the same from FP32 scores: what "delta_o_fp32" computed up to commit 60e6089 (results/isolation says why it moved)
     "delta_o_exact": replace(PAPER, delta="o_exact", name="delta_o_exact"),
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
-    # not in the paper (issue 19's stabilisers): `paper` with Ō, the running o and O rounded stochastically (unbiased)
+    # not in the paper (issue 19's stabilisers): `paper` with Ō, the running o and l and O rounded stochastically
     "paper_sr": replace(PAPER, stochastic=frozenset(SR_POINTS), name="paper_sr"),
     # logit soft-capping at Gemma 2's cap for attention logits (50), on `paper` and on the fast FP32 twin
     "paper_softcap": replace(PAPER, softcap=50.0, name="paper_softcap"),

@@ -40,7 +40,7 @@ def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
 
 # ---- stochastic rounding (PrecisionPolicy.stochastic): a counter-based hash, the same bits as the kernels' ----
 _MASK32 = 0xFFFFFFFF
-SR_POINT_IDS = {"o_block": 1, "o_scale": 2, "o_add": 3, "o_div": 4, "o_store": 5}  # one hash stream per rounding
+SR_POINT_IDS = {"o_block": 1, "o_scale": 2, "o_add": 3, "o_div": 4, "o_store": 5, "l_add": 6}  # a hash stream each
 
 
 def _mul32(a, c: int):
@@ -59,19 +59,24 @@ def mix32(x):
 
 
 def stochastic_round_bf16(x: torch.Tensor, seed: int, point: str, j: int, row0: int) -> torch.Tensor:
-    """Round the FP32 tensor ``x`` (B, H, n, D), rows ``row0 .. row0 + n − 1`` of key block ``j``, to BF16
-    stochastically (:attr:`PrecisionPolicy.stochastic`): returned as FP32 holding BF16 values.
+    """Round the FP32 tensor ``x`` (B, H, n, D), or (B, H, n) for a per-row value (the row sum l), rows
+    ``row0 .. row0 + n − 1`` of key block ``j``, to BF16 stochastically (:attr:`PrecisionPolicy.stochastic`):
+    returned as FP32 holding BF16 values.
 
-    With u the FP32 bits of x, the threshold r = hash(seed, point, batch·head, row·D + column, u >> 16) >> 16 is
+    With u the FP32 bits of x, the threshold r = hash(seed, point, batch·head, position, u >> 16) >> 16 (position:
+    row·D + column, or the row) is
     added to u and the low 16 bits cleared, so x rounds away from zero with probability (low 16 bits of u)/2¹⁶:
     unbiased, and an FP32 ulp of difference in x (the kernel's FP32 sums against the reference's) moves the
     result only where it crosses r. hash = mix32(mix32(salt ^ position) ^ (u >> 16)), salt = mix32(mix32(mix32(
     mix32(seed) ^ point) ^ batch·head) ^ j). ±inf stay; NaN stays NaN."""
-    B, H, n, D = x.shape
+    B, H, n = x.shape[:3]
     dev = x.device
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
+    rows = torch.arange(row0, row0 + n, device=dev, dtype=torch.int64)
+    per_row = x.dim() == 3
+    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1) if per_row else \
+        torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
     salt = mix32(mix32(mix32(mix32(seed) ^ SR_POINT_IDS[point]) ^ bh) ^ j)
-    pos = torch.arange(row0, row0 + n, device=dev, dtype=torch.int64)[:, None] * D + torch.arange(D, device=dev)[None, :]
+    pos = rows if per_row else rows[:, None] * x.shape[3] + torch.arange(x.shape[3], device=dev)[None, :]
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _MASK32
     h = mix32(mix32(salt ^ pos) ^ (bits >> 16))
     out = (bits + (h >> 16)) & 0xFFFF0000
@@ -282,8 +287,8 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             o_bar = _rs(_mm_visible(p_pv, v[:, :, ks:ke], vis, policy.gemm), policy.o_block, policy, "o_block", j, qs)
             c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
-            l = _r(c * l + block_sum, acc)
-            l_raw = _r(c * l_raw + block_raw, acc)
+            l = _rs(c * l + block_sum, acc, policy, "l_add", j, qs)
+            l_raw = _rs(c * l_raw + block_raw, acc, policy, "l_add", j, qs)  # the same rounding as l where unclamped
             o = _rs(o * c[..., None], acc, policy, "o_scale", j, qs)
             o = _rs(o + o_bar, acc, policy, "o_add", j, qs)
             m = m_new

@@ -102,6 +102,18 @@ if triton is not None:
         return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
     @triton.jit
+    def _rnd_l(x, TO_BF16: tl.constexpr, SR: tl.constexpr, seed, point: tl.constexpr, bh, j, offs_m):
+        """The rounding of a per-row value on O's path (the row sum l): as :func:`_rnd_o`, hashed by row."""
+        if TO_BF16 and SR:
+            bits = x.to(tl.uint32, bitcast=True)
+            h = _mix32(_mix32(_sr_salt(seed, point, bh, j) ^ offs_m.to(tl.uint32)) ^ (bits >> 16))
+            rounded = ((bits + (h >> 16)) >> 16) << 16
+            x = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+        else:
+            x = _rnd(x, TO_BF16)
+        return x
+
+    @triton.jit
     def _rnd_o(x, TO_BF16: tl.constexpr, SR: tl.constexpr, seed, point: tl.constexpr, bh, j, offs_m, offs_d,
                HEAD_DIM: tl.constexpr):
         """A rounding point on O's path (Ō, the running o, O): stochastic when SR (policy.stochastic), else _rnd."""

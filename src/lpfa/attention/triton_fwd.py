@@ -83,6 +83,7 @@ from lpfa.attention.triton_common import (
     _log,
     _max_nan,
     _rnd,
+    _rnd_l,
     _rnd_o,
     _row_max,
     _softcap,
@@ -240,7 +241,7 @@ if triton is not None:
         c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
         c = tl.where(row_live, c, 1.0)
         # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
-        l_i = _rnd(c * l_i + block_sum, ACC_BF16)
+        l_i = _rnd_l(c * l_i + block_sum, ACC_BF16, SR_ACC, sr_seed, 6, pid_bh, j, offs_m)
         acc = _rnd_o(acc * c[:, None], ACC_BF16, SR_ACC, sr_seed, 2, pid_bh, j, offs_m, offs_d, HEAD_DIM)
         acc = _rnd_o(acc + o_bar, ACC_BF16, SR_ACC, sr_seed, 3, pid_bh, j, offs_m, offs_d, HEAD_DIM)
         return acc, l_i, m_new
