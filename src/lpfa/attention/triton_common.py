@@ -91,12 +91,12 @@ if triton is not None:
         return _mix32(_mix32(x ^ bh.to(tl.uint32)) ^ (j + zero).to(tl.uint32))
 
     @triton.jit
-    def _round_bf16_sr(x, salt, offs_m, offs_d, HEAD_DIM: tl.constexpr):
-        """Stochastic rounding of the (rows offs_m, columns offs_d) tile x to BF16 (returned as FP32):
-        u + (hash >> 16) with the low 16 bits cleared, hash = mix32(mix32(salt ^ (row·D + column)) ^ (u >> 16)),
-        :func:`lpfa.attention.reference.stochastic_round_bf16`'s bits. ±inf stay, NaN stays NaN."""
+    def _round_bf16_sr(x, salt, pos):
+        """Stochastic rounding of x to BF16 (returned as FP32), ``pos`` the uint32 position of each element (row·D +
+        column, or the row for a per-row value): u + (hash >> 16) with the low 16 bits cleared, hash =
+        mix32(mix32(salt ^ pos) ^ (u >> 16)), :func:`lpfa.attention.reference.stochastic_round_bf16`'s bits. ±inf
+        stay, NaN stays NaN."""
         bits = x.to(tl.uint32, bitcast=True)
-        pos = (offs_m[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.uint32)
         h = _mix32(_mix32(salt ^ pos) ^ (bits >> 16))
         rounded = ((bits + (h >> 16)) >> 16) << 16
         return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
@@ -105,10 +105,7 @@ if triton is not None:
     def _rnd_l(x, TO_BF16: tl.constexpr, SR: tl.constexpr, seed, point: tl.constexpr, bh, j, offs_m):
         """The rounding of a per-row value on O's path (the row sum l): as :func:`_rnd_o`, hashed by row."""
         if TO_BF16 and SR:
-            bits = x.to(tl.uint32, bitcast=True)
-            h = _mix32(_mix32(_sr_salt(seed, point, bh, j) ^ offs_m.to(tl.uint32)) ^ (bits >> 16))
-            rounded = ((bits + (h >> 16)) >> 16) << 16
-            x = tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+            x = _round_bf16_sr(x, _sr_salt(seed, point, bh, j), offs_m.to(tl.uint32))
         else:
             x = _rnd(x, TO_BF16)
         return x
@@ -118,7 +115,8 @@ if triton is not None:
                HEAD_DIM: tl.constexpr):
         """A rounding point on O's path (Ō, the running o, O): stochastic when SR (policy.stochastic), else _rnd."""
         if TO_BF16 and SR:
-            x = _round_bf16_sr(x, _sr_salt(seed, point, bh, j), offs_m, offs_d, HEAD_DIM)
+            pos = (offs_m[:, None] * HEAD_DIM + offs_d[None, :]).to(tl.uint32)
+            x = _round_bf16_sr(x, _sr_salt(seed, point, bh, j), pos)
         else:
             x = _rnd(x, TO_BF16)
         return x
@@ -330,10 +328,8 @@ def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[
     (at least :data:`MIN_TILE`), masked likewise. So a tile never exceeds ``preferred``, whatever T.
     """
     size = T if block is None else int(block)
-    if size > preferred:
+    if size >= preferred:
         return size, preferred, -(-size // preferred)
-    if size == preferred:
-        return size, preferred, 1
     return size, max(_next_pow2(size), MIN_TILE), 1
 
 
