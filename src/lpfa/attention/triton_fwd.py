@@ -22,6 +22,16 @@ multi-pass row max) each pass again runs the tiles that end at or before q_start
 masked, in ascending order, so every FP32 sum keeps its order and the results are bit-identical to masking
 every tile (``causal_split=False``).
 
+SFA's tie test in the row-max pass
+----------------------------------
+SFA (Eq. 6) shifts a row's max where rs = #{visible S ≥ thr} > 1, thr = scores(rm − ε). With the block's max rm
+known only after its last tile, counting needs a second pass over the tiles, which in a block of several tiles
+(the paper's 512 keys) recomputes every QKᵀ GEMM once more. The kernel instead keeps, next to rm, the second largest
+visible score r2 (a tied max counts twice) during the row-max pass: thr ≤ rm, so rs > 1 exactly when r2 ≥ thr, and
+where r2 = −inf (thr = −inf counts every visible key) when the row sees more than one key of the block. The
+decisions, and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter);
+SFA then costs the base policy's GEMMs. A block of one tile keeps S in registers and counts over it.
+
 Non-finite V: two launches
 --------------------------
 A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.attention.triton_common._dot_visible`),
@@ -125,15 +135,16 @@ if triton is not None:
         return _keep_visible(s, visible, float("-inf"))
 
     @triton.jit
-    def _block_tiles(rm, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
+    def _block_tiles(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
                      q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
-        (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S); 1 (SFA): rs = #{S ≥
-        thr}; 2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
+        (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 also
+        r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA): rs = #{S ≥ thr};
+        2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
         kb_hi = kb_lo + BK
         offs_d = tl.arange(0, HEAD_DIM)
         for t in range(t_lo, t_hi):
@@ -143,7 +154,12 @@ if triton is not None:
                                                         SOFTCAP=SOFTCAP)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
-                rm = _max_nan(rm, _row_max(s))
+                t1 = _row_max(s)
+                if TOP2:  # the tile's top two t1 ≥ t2 (t2 = t1 where the max is tied), merged into (rm, r2)
+                    n_top = tl.sum((s == t1[:, None]).to(tl.int32), axis=1)
+                    t2 = tl.where(n_top > 1, t1, tl.max(tl.where(s < t1[:, None], s, float("-inf")), axis=1))
+                    r2 = tl.maximum(tl.minimum(rm, t1), tl.maximum(r2, t2))  # second of the union of two top-2s
+                rm = _max_nan(rm, t1)
             elif PASS == 1:  # rs += #{visible S ≥ thr} (a masked −inf would count where thr is −inf)
                 rs += tl.sum(_keep_visible(s >= thr[:, None], visible, False).to(tl.int32), axis=1)
             else:
@@ -157,28 +173,28 @@ if triton is not None:
                 v = _load_tile(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], key_ok)
                 # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
                 o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT)
-        return rm, rs, block_sum, o_blk
+        return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
-    def _block_pass(rm, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
+    def _block_pass(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
                     q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
-            rm, rs, block_sum, o_blk = _block_tiles(
-                rm, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
+            rm, r2, rs, block_sum, o_blk = _block_tiles(
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
                 scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP)
+                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2)
         if MASKED:
-            rm, rs, block_sum, o_blk = _block_tiles(
-                rm, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
+            rm, r2, rs, block_sum, o_blk = _block_tiles(
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP)
-        return rm, rs, block_sum, o_blk
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2)
+        return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
     def _fwd_block(acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
@@ -187,11 +203,13 @@ if triton is not None:
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                   SFA_COUNT_PASS: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
         rm = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        r2 = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         rs = tl.zeros([BLOCK_M], dtype=tl.int32)
         block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -199,22 +217,32 @@ if triton is not None:
         s = _scores_tile(q, K, base, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
                          QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP) if N_SUB == 1 else None
 
-        # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles) ----
-        rm, rs, block_sum, o_blk = _block_pass(
-            rm, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+        # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles); with SFA
+        # over several tiles also r2, the second largest visible score, so that the tie test needs no second pass ----
+        rm, r2, rs, block_sum, o_blk = _block_pass(
+            rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP)
+            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and N_SUB > 1 and not SFA_COUNT_PASS)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
-            # SFA (Eq. 6): thr = scores(rm − ε); rs = #{visible S ≥ thr} (pass 2: against the block's final max);
-            # where rs > 1:  m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
+            # SFA (Eq. 6): thr = scores(rm − ε); tied where rs = #{visible S ≥ thr} > 1;
+            # there:  m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
             thr = _rnd(rm - sfa_eps, SCORES_BF16)
-            rm, rs, block_sum, o_blk = _block_pass(
-                rm, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
-                v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP)
-            tied = rs > 1
+            if N_SUB > 1 and not SFA_COUNT_PASS:
+                # thr ≤ rm, so rs > 1 ⇔ r2 ≥ thr, except where r2 = −inf (no second score, or a visible −inf): there
+                # thr = −inf counts every visible key, #visible = min(row + 1, block end, T) − block start
+                if MASKED:
+                    n_vis = tl.minimum(tl.minimum(offs_m + 1, kb_lo + BK), T) - kb_lo
+                    tied = (r2 >= thr) & ((r2 > float("-inf")) | (n_vis > 1))
+                else:  # every row sees all BK > 1 keys of the block
+                    tied = r2 >= thr
+            else:  # one tile: count against the block's final max over the S held in registers (or the tiles again)
+                rm, r2, rs, block_sum, o_blk = _block_pass(
+                    rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
+                    scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
+                tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
             m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
             rm = tl.where(tied, _max_nan(m_sfa, _rnd(rm + sfa_min_shift, SCORES_BF16)), m_sfa)
@@ -226,10 +254,10 @@ if triton is not None:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
 
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
-        rm, rs, block_sum, o_blk = _block_pass(
-            rm, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+        rm, r2, rs, block_sum, o_blk = _block_pass(
+            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP)
+            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
         # the block's Ō = P̄V output (to nearest, or stochastically: policy.stochastic, hashed by position and block)
@@ -262,6 +290,7 @@ if triton is not None:
         SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, SR_OSTORE: tl.constexpr,  # policy.stochastic
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
+        SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
         pid_m = tl.program_id(0)  # query tile
@@ -303,7 +332,7 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -316,7 +345,7 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -333,7 +362,8 @@ BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut in
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int = 3, causal_split: bool = True, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
+                  validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -345,7 +375,10 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
     ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
     policy's blocks fix the rounding. ``causal_split=False`` runs every key tile through the masked path
-    (the kernel before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
+    (the kernel before the causal split; bit-identical results, for tests and benchmarks). ``sfa_count_pass=True``
+    decides SFA's ties in a block of several tiles by a second pass that counts the scores within ε of the row max,
+    as the reference does, instead of from the top two scores of the row-max pass (bit-identical; for tests and
+    benchmarks). ``validate=False`` skips
     the input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once,
     as :func:`lpfa.attention.attention` does.
     """
@@ -381,14 +414,14 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     v_flags = nonfinite_flags(v)
     for nonfinite in (False, True):  # all batch·heads with V taken as finite, then those whose V is not (no host sync)
         _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
-                        dot_bf16, precise_math, causal_split, nonfinite, num_warps, num_stages)
+                        dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return o, lse
 
 
 def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
-                    dot_bf16, precise_math, causal_split, nonfinite, num_warps, num_stages):
+                    dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages):
     """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE)."""
     _flash_fwd_kernel[grid](
         q, k, v, o, lse,
@@ -410,6 +443,7 @@ def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, B
         SR_OSTORE="o_store" in pol.stochastic,
         SOFTCAP=float(pol.softcap or 0.0),
         CAUSAL_SPLIT=bool(causal_split),
+        SFA_COUNT_PASS=bool(sfa_count_pass),
         NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
