@@ -105,9 +105,11 @@ def test_committed_explosions_name_every_exploded_run():
                                                          "fp32_gpt2s", "fp32_muon_lr2"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
-    assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337 and 1;
-                                                   ("paper_recipe", "bf16_paper_recipe_s1")]  # seed 2 has no FP32 twin yet
-    assert t.loc[("paper_recipe", "bf16_paper_recipe_s2"), "fp32 twin exploded"] is None
+    assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337, 1, 2
+                                                   ("paper_recipe", "bf16_paper_recipe_s1"),
+                                                   ("paper_recipe", "bf16_paper_recipe_s2")]
+    assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe_s2"), "fp32 twin exploded"])
+    assert not bool(t.loc[("paper_recipe", "delta_o_fp32_paper_recipe"), "exploded"])  # the first isolation row there
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
     assert text.startswith(f"Of the {len(t)} committed runs") and "8 exploded" in text and "its FP32 twin too" in text
@@ -248,3 +250,31 @@ def test_tuning_best_picks_each_pass_best_launch():
             mine = [r["tflops"] for r in tune["rows"] if r.get("impl") == impl and r.get("pass") == pss and "tflops" in r]
             assert row["TFLOP/s"] == max(mine) and row["ratio to SDPA-flash"] == max(mine) / sdpa[f"{pss}_tflops"]
         assert set(best.index) == {(i, p) for i in ("fa2", "paper") for p in ("fwd", "bwd")}
+
+
+def test_sfa_overhead_table_reads_the_benchmark_rows():
+    """lpfa.attention.report.sfa_overhead_table: per shape, the base presets' TFLOP/s and each SFA variant's time over
+    its base, from the rows of benchmarks/sfa_overhead.py; the spread is the largest of the shape's rows."""
+    from lpfa.attention.report import sfa_overhead_table
+
+    def row(variant, over, spread, tflops=50.0, T=1024):
+        return {"B": 2, "H": 3, "T": T, "D": 64, "variant": variant, "over_base": over, "spread": spread, "tflops": tflops}
+
+    t = sfa_overhead_table({"rows": [row("paper", None, 0.01, 80.0), row("paper_sfa", 0.2, 0.03),
+                                     row("paper_sfa count pass", 0.25, 0.0), row("paper", None, 0.0, 90.0, T=4096)]})
+    assert list(t.index) == ["2×3×1024×64", "2×3×4096×64"]
+    assert t.loc["2×3×1024×64", "paper TFLOP/s"] == 80.0 and t.loc["2×3×4096×64", "paper TFLOP/s"] == 90.0
+    assert t.loc["2×3×1024×64", "paper_sfa over base"] == 0.2
+    assert t.loc["2×3×1024×64", "paper_sfa count pass over base"] == 0.25
+    assert t.loc["2×3×1024×64", "spread"] == 0.03 and list(t.columns)[-1] == "spread"
+
+
+def test_committed_sfa_overhead_has_both_tie_tests_for_every_shape():
+    """The committed run the kernels page reads (results/sfa_overhead): complete, every SFA preset timed with both tie
+    tests at every shape, each against its base preset timed in the same run."""
+    data = json.loads((results.run_dir("sfa_overhead") / "sfa_overhead.json").read_text())
+    assert data["complete"]
+    shapes = {(r["B"], r["H"], r["T"], r["D"]) for r in data["rows"]}
+    for s in shapes:
+        variants = {r["variant"] for r in data["rows"] if (r["B"], r["H"], r["T"], r["D"]) == s}
+        assert {"paper", "fa2", "paper_sfa", "fa2_sfa", "paper_sfa count pass", "fa2_sfa count pass"} <= variants

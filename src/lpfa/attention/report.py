@@ -76,3 +76,22 @@ def tuning_best(tune: dict):
                         "ratio to SDPA-flash": r["tflops"] / sdpa[f"{r['pass']}_tflops"],
                         "launch": " ".join(f"{k}={v}" for k, v in cfg.items())}
     return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
+
+
+def sfa_overhead_table(data: dict):
+    """``benchmarks/sfa_overhead.py``'s ``sfa_overhead.json`` as one row per shape ("B×H×T×D"): each base preset's
+    forward TFLOP/s, and each SFA variant's forward time over its base preset's (the top-2 tie test, the default, and
+    the counting pass it replaced), from the faster of the two timings of each; ``spread``: the largest difference
+    between the two timings of one variant at that shape, the noise floor of the comparison."""
+    import pandas as pd
+
+    out: dict = {}
+    for r in data["rows"]:
+        row = out.setdefault(f"{r['B']}×{r['H']}×{r['T']}×{r['D']}", {})
+        if r["over_base"] is None:
+            row[f"{r['variant']} TFLOP/s"] = r["tflops"]
+        else:
+            row[f"{r['variant']} over base"] = r["over_base"]
+        row["spread"] = max(row.get("spread", 0.0), r["spread"])
+    df = pd.DataFrame.from_dict(out, orient="index").rename_axis("B×H×T×D")
+    return df[[c for c in df.columns if c != "spread"] + ["spread"]]
