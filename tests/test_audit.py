@@ -68,3 +68,23 @@ def test_bad_input_gives_one_line_naming_the_value(call, message):
     with pytest.raises(ValueError, match=f"^{message}") as e:
         call()
     assert "\n" not in str(e.value)
+
+
+def test_chance_exclusions_counts_intervals_that_exclude_zero():
+    """lpfa.audit.chance_exclusions: intervals of kernels that ran (float64 and unavailable kernels left out), those
+    excluding 0 on either side, and the 5% expected by chance, per family when asked."""
+    import pandas as pd
+
+    def row(kernel, family, lo, hi, why=None):
+        return {"kernel": kernel, "family": family, "quantity": "o", "mean": (lo + hi) / 2, "ci_low": lo, "ci_high": hi,
+                "n": 10, "device": "cpu", "unavailable": why}
+
+    df = pd.DataFrame([row("float64", "random", 1.0, 2.0), row("ref:paper", "ties", -3.0, -1.0),
+                       row("ref:paper", "random", -1.0, 1.0), row("ref:fa2", "random", 0.5, 1.5),
+                       row("sdpa:flash", "random", float("nan"), float("nan"), why="needs a GPU")])
+    assert A.chance_exclusions(df) == {"n": 3, "excluding": 2, "expected": pytest.approx(0.15),
+                                       "p_chance": pytest.approx(3 * 0.05**2 * 0.95 + 0.05**3)}  # P(X >= 2), X ~ B(3, 0.05)
+    assert A.chance_exclusions(df, "random") == {"n": 2, "excluding": 1, "expected": pytest.approx(0.1),
+                                                 "p_chance": pytest.approx(1 - 0.95**2)}
+    with pytest.raises(ValueError, match="family"):
+        A.chance_exclusions(df, "nope")

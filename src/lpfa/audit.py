@@ -232,3 +232,19 @@ def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 
                     rows.append({**base, **res[qn], "unavailable": None})
     cols = ["kernel", "family", "quantity", "mean", "ci_low", "ci_high", "n", "device", "unavailable"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def chance_exclusions(df, family: str | None = None) -> dict:
+    """How many of an :func:`audit`'s 95% intervals exclude 0, against how many would by chance alone: ``{"n": the
+    intervals of the kernels that ran (float64 itself left out), "excluding": those whose interval excludes 0,
+    "expected": 0.05·n, the count expected if no kernel were biased, "p_chance": the chance of at least that many
+    among n independent unbiased intervals (binomial tail)}``, over ``family`` only when given. Each interval
+    excludes 0 by chance with probability 5%, so among many intervals a few exclusions are no evidence of a bias;
+    rows of a correlated family (O and its radial error, say) are not independent either."""
+    ran = df[df.unavailable.isna() & (df.kernel != "float64")]
+    if family is not None:
+        _check_choice("family", family, FAMILIES)
+        ran = ran[ran.family == family]
+    n, excluding = len(ran), int(((ran.ci_low > 0) | (ran.ci_high < 0)).sum())
+    tail = sum(math.comb(n, j) * 0.05**j * 0.95 ** (n - j) for j in range(excluding, n + 1))
+    return {"n": n, "excluding": excluding, "expected": 0.05 * n, "p_chance": tail}
