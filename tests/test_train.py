@@ -335,3 +335,92 @@ def test_on_warning_thresholds_file_errors(token_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^warning_thresholds='.*bad.json': thresholds name measure 'max_logits'"):
         train(cfg(token_dir, tmp_path / "b", diag_interval=4, on_warning="log", warning_thresholds=str(bad)))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ---- QK-clip as a training switch (issue 19): Kimi K2's MuonClip, α = ½ ----------------------------------------------
+
+
+def test_head_max_logits_matches_float64_at_awkward_chunks():
+    """lpfa.diagnostics.head_max_logits against a float64 brute force: causal rows only, the largest over the batch,
+    query chunks that do not divide T."""
+    from lpfa.diagnostics import head_max_logits
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k = torch.randn(2, 3, 37, 16, generator=g), torch.randn(2, 3, 37, 16, generator=g)
+    q[1, 2, 5] *= 9  # one large logit of head 2 in the second sequence, at a row inside the second chunk
+    s = (q.double() @ k.double().transpose(-1, -2)) / 4
+    want = s.masked_fill(torch.ones(37, 37, dtype=torch.bool).triu(1), float("-inf")).amax(dim=(0, 2, 3))
+    for chunk in (1, 5, 16, 37, 64):
+        got = head_max_logits(q, k, chunk=chunk)
+        torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qk_clip_step_scales_only_the_heads_over_tau(token_dir, tmp_path, bias):
+    """One train_step with qk_clip = τ against the same step without it, from the same model and optimizer state: every
+    parameter is the same, except that each head whose largest logit in the step's forwards (recorded on the
+    micro-batches, before the update) exceeded τ has its W_Q and W_K rows, and biases, times √(τ / logit)."""
+    import copy
+    import math
+
+    from lpfa.diagnostics import head_max_logits
+    from lpfa.model import GPT, GPTConfig
+    from lpfa.train import build_optimizers, train_step
+
+    torch.manual_seed(torch.seed() % 2**31)
+    model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_backend="math", bias=bias))
+    tokens, _ = lpfa_data.load_tokens(token_dir, "train")
+    batches = [lpfa_data.get_batch(tokens, torch.randint(0, len(tokens) - 33, (4,)).tolist(), 32, "cpu") for _ in range(2)]
+    caps = []  # the logits an independent computation sees: each micro-batch's q, k before the update
+    from lpfa.diagnostics import capture_qkv
+
+    for x, _ in batches:
+        caps.append(torch.stack([head_max_logits(c["q"], c["k"]) for c in capture_qkv(model, x)]))
+    logits = torch.stack(caps).amax(0)  # (n_layer, n_head)
+    tau = float(logits.flatten().sort().values[3])  # some heads above, some below
+    base = TrainConfig(model="debug", block_size=32, batch_size=4, lr=1e-3, warmup_steps=0, grad_clip=1.0)
+    results = {}
+    for clip in (0.0, tau):
+        m = copy.deepcopy(model)
+        c = TrainConfig(**{**base.__dict__, "qk_clip": clip})
+        info: dict = {}
+        train_step(m, build_optimizers(m, c), c, 5, batches, torch.autocast("cpu", enabled=False), info=info)
+        results[clip] = (m, info)
+    plain, (clipped, info) = results[0.0][0], results[tau]
+    assert info["qk_clipped"] == int((logits > tau).sum()) > 0 and "qk_clipped" not in results[0.0][1]
+    torch.testing.assert_close(clipped.max_logits(), logits, rtol=1e-6, atol=1e-6)
+    C, hd = 64, 16
+    for name, p in clipped.named_parameters():
+        ref = dict(plain.named_parameters())[name]
+        if "c_attn" not in name:
+            assert torch.equal(p, ref), name
+            continue
+        layer = int(name.split(".")[2])
+        f = torch.where(logits[layer] > tau, torch.sqrt(tau / logits[layer]), torch.ones(4)).repeat_interleave(hd)
+        want = ref.clone()
+        want[:C] *= f.view(-1, *([1] * (ref.dim() - 1)))
+        want[C:2 * C] *= f.view(-1, *([1] * (ref.dim() - 1)))
+        torch.testing.assert_close(p, want, rtol=1e-6, atol=0)  # V rows (2C:) untouched
+        assert torch.equal(p[2 * C:], ref[2 * C:])
+    assert not math.isinf(float(clipped.max_logits().min()))
+
+
+def test_qk_clip_in_a_training_run_logs_the_clipped_heads(token_dir, tmp_path):
+    """lpfa.train with qk_clip: every step's record says how many heads were clipped; a τ below the logits a tiny
+    model reaches clips some; qk_clip = 0 records nothing and tracks nothing."""
+    s = train(cfg(token_dir, tmp_path / "clip", max_steps=6, attn_backend="math", qk_clip=1e-4))
+    assert s["status"] == "completed"
+    recs = [json.loads(line) for line in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
+    counts = [r["qk_clipped"] for r in recs if "loss" in r]
+    assert len(counts) == 6 and sum(counts) > 0 and all(0 <= n <= 2 * 2 for n in counts)  # debug model: 2 layers, 2 heads
+    train(cfg(token_dir, tmp_path / "plain", max_steps=2, attn_backend="math"))
+    assert not any("qk_clipped" in line for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines())
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(qk_clip=-1.0), r"^qk_clip=-1.0: expected"),
+    (dict(qk_clip=100.0, qk_norm=True), r"^qk_clip=100.0: expected 0 with qk_norm=true"),
+])
+def test_qk_clip_config_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kw)

@@ -103,6 +103,23 @@ def row_stats(cap: dict, policy, eps: float = 1e-3) -> AttentionStats:
     return st
 
 
+@torch.no_grad()
+def head_max_logits(q: torch.Tensor, k: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """(H,) the largest causal attention logit q_t·k_s/√D (s ≤ t) of each head over the batch, for (B, H, T, D) q, k,
+    in FP32 from products in q's dtype (BF16 scores under BF16 autocast, as the paper's kernel rounds them). Query rows
+    go ``chunk`` at a time, so memory is B·H·chunk·T scores, not B·H·T². The one definition behind the diagnostics'
+    ``max_logit`` and QK-clip (:meth:`lpfa.model.GPT.qk_clip_`)."""
+    B, H, T, D = q.shape
+    best = torch.full((H,), float("-inf"), device=q.device)
+    keys = torch.arange(T, device=q.device)
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        s = (q[:, :, t0:t1] @ k[:, :, :t1].transpose(-1, -2)).float() / math.sqrt(D)
+        s = s.masked_fill(keys[None, :t1] > keys[t0:t1, None], float("-inf"))
+        best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+    return best
+
+
 def _scores_probe(model, caps: list[dict], eps: float):
     """``(tie_fraction, max_logit, silenced_fraction)``, each (n_layer, n_head), from captured q, k of every layer."""
     attns = [b.attn for b in model.transformer.h]
@@ -111,11 +128,7 @@ def _scores_probe(model, caps: list[dict], eps: float):
         st = row_stats(cap, a.policy if a.policy is not None else FP32_POLICY, eps)
         ties.append(st.tie_fraction().mean(0))
         silenced.append(st.silenced_fraction().mean(0))
-        q, k = cap["q"].float(), cap["k"].float()
-        T = q.shape[2]
-        s = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
-        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
-        maxes.append(s.amax(dim=(-1, -2)).amax(0))
+        maxes.append(head_max_logits(cap["q"].float(), cap["k"].float()))
     return torch.stack(ties).cpu(), torch.stack(maxes).cpu(), torch.stack(silenced).cpu()
 
 

@@ -106,13 +106,17 @@ RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_D
 # batch and data order), where the BF16 loss explodes and FP32 attention's does not (results/paper_recipe). Stochastic
 # rounding changes only the attention's rounding, so it is judged against paper_recipe's fp32_paper_recipe; QK-norm, the
 # output gate and the logit soft-cap change the model, so each has its own FP32 twin (the soft-cap's: the FP32 policy on
-# split-BF16 tensor cores, fp32_softcap, since SDPA has no cap). SFA's row is paper_recipe's sfa_paper_recipe.
+# split-BF16 tensor cores, fp32_softcap, since SDPA has no cap). QK-clip changes the training (it rescales W_Q and
+# W_K), so it has an FP32 twin too; its tau is Kimi K2's (100), above the FP32 twins' layer-1 logits at the recipe
+# (at most 84 in 9,920 steps, results/paper_recipe). SFA's row is paper_recipe's sfa_paper_recipe.
+QK_CLIP_TAU = 100.0
 STABILISERS: dict[str, list[str]] = {
     "sr": ["attn_policy=paper_sr"],
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
-       for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true")) for mode in ("bf16", "fp32")},
+       for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"), ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
+       for mode in ("bf16", "fp32")},
 }
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
@@ -163,7 +167,9 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),
-                          ("softcap", "logits soft-capped at 50 (Gemma 2)")) for m in ("bf16", "fp32")},
+                          ("softcap", "logits soft-capped at 50 (Gemma 2)"),
+                          ("qkclip", f"QK-clip at τ = {QK_CLIP_TAU:g} (Kimi K2's MuonClip: W_Q, W_K of a head scaled by "
+                                     "√(τ / its largest logit) after each step it exceeds τ)")) for m in ("bf16", "fp32")},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }

@@ -17,7 +17,8 @@ Attention per layer (``GPTConfig.attn_backend``, ``attn_policy``, ``layer_polici
 
 Stabilisers, for comparison with the paper's discussion: ``qk_norm`` (LayerNorm on q and k per head),
 ``gated_attn`` (a sigmoid output gate per head and channel, computed from the block input), and QK-clip
-(:meth:`GPT.qk_clip_`, rescaling W_q and W_k of heads whose max logit exceeds a threshold).
+(:meth:`GPT.qk_clip_`, rescaling W_q and W_k of heads whose max logit exceeds a threshold; ``lpfa.train``'s
+``qk_clip`` applies it after every step from the logits that each layer records, :meth:`GPT.track_max_logits`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lpfa.diagnostics import head_max_logits
 
 SIZES = {
     # name: (n_layer, n_head, n_embd)
@@ -153,6 +156,10 @@ class CausalSelfAttention(nn.Module):
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None
         self.capture = None  # a dict here receives q, k and v of the next forward (x, o, do too with "all": True)
+        # QK-clip (lpfa.train's qk_clip): with track_max_logit on, every forward raises max_logit to its heads' largest
+        # logit (lpfa.diagnostics.head_max_logits); train_step resets it before each step and clips after it
+        self.track_max_logit = False
+        self.register_buffer("max_logit", torch.full((config.n_head,), float("-inf")), persistent=False)
 
     def forward(self, x):
         B, T, C = x.shape
@@ -160,6 +167,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.track_max_logit:
+            self.max_logit.copy_(torch.maximum(self.max_logit, head_max_logits(q.detach(), k.detach())))
         cap = self.capture
         if cap is not None:
             cap["q"], cap["k"], cap["v"] = q.detach(), k.detach(), v.detach()
@@ -286,18 +295,33 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def qk_clip_(self, max_logits: torch.Tensor, tau: float = 100.0) -> int:
-        """QK-clip: for each (layer, head) whose max attention logit exceeds ``tau``, scale its W_Q and W_K
-        rows by √(tau / max_logit). ``max_logits``: (n_layer, n_head). Returns the number of heads clipped."""
-        clipped = 0
+        """QK-clip (Kimi K2's MuonClip with α = ½): for each (layer, head) whose max attention logit exceeds ``tau``,
+        scale its W_Q and W_K rows (and their biases) by √(tau / max_logit), so that logit q·k becomes tau.
+        ``max_logits``: (n_layer, n_head); a NaN one clips nothing. Returns the number of heads clipped."""
+        m = torch.as_tensor(max_logits, dtype=torch.float32).to(self.transformer.wte.weight.device)
+        over = m > tau
+        factor = torch.where(over, torch.sqrt(tau / m), torch.ones_like(m))
+        C = self.config.n_embd
         for layer, block in enumerate(self.transformer.h):
             attn = block.attn
-            w = attn.c_attn.weight
-            for h in range(self.config.n_head):
-                m = float(max_logits[layer, h])
-                if m > tau:
-                    s = math.sqrt(tau / m)
-                    rows = slice(h * attn.head_dim, (h + 1) * attn.head_dim)
-                    w[rows] *= s  # W_Q rows of head h
-                    w[self.config.n_embd + h * attn.head_dim : self.config.n_embd + (h + 1) * attn.head_dim] *= s  # W_K
-                    clipped += 1
-        return clipped
+            f = factor[layer].repeat_interleave(attn.head_dim)  # (C,): each head's factor on its rows
+            for p in (attn.c_attn.weight, attn.c_attn.bias):
+                if p is not None:
+                    rows = f.to(p.dtype).view(-1, *([1] * (p.dim() - 1)))
+                    p[:C] *= rows  # W_Q (and b_Q)
+                    p[C : 2 * C] *= rows  # W_K (and b_K)
+        return int(over.sum())
+
+    def track_max_logits(self, on: bool = True) -> None:
+        """Let every layer's attention record its heads' largest logit on each forward (QK-clip's input)."""
+        for block in self.transformer.h:
+            block.attn.track_max_logit = on
+
+    @torch.no_grad()
+    def max_logits(self, reset: bool = False) -> torch.Tensor:
+        """(n_layer, n_head) the largest logits recorded since the last reset (−inf where nothing was recorded)."""
+        out = torch.stack([block.attn.max_logit.clone() for block in self.transformer.h])
+        if reset:
+            for block in self.transformer.h:
+                block.attn.max_logit.fill_(float("-inf"))
+        return out

@@ -70,6 +70,7 @@ class TrainConfig:
     delta_dose_layers: list = field(default_factory=list)  # layers whose δ is dosed; [] = every lpfa layer
     qk_norm: bool = False  # LayerNorm on q and k per head
     gated_attn: bool = False  # a sigmoid output gate per head and channel
+    qk_clip: float = 0.0  # QK-clip's tau (Kimi K2's MuonClip): after each step, heads whose largest logit in it exceeded tau get W_Q and W_K scaled by sqrt(tau / logit); 0 = off
     bias: bool = False  # biases in the Linear and LayerNorm layers (the paper has none)
     dropout: float = 0.0  # dropout probability; 0 = off
     # optimisation
@@ -148,6 +149,9 @@ class TrainConfig:
                 if lpfa_layer and sfa_switch(name, self.block_size) is None:
                     raise ValueError(f"on_warning='sfa': layer {layer}'s policy {name!r} has no SFA preset to switch to "
                                      f"(expected one of {', '.join(repr(b) for b in SFA_SWITCH)}; paper_untiled at block_size <= 512)")
+        if self.qk_clip and self.qk_norm:
+            raise ValueError(f"qk_clip={self.qk_clip!r}: expected 0 with qk_norm=true (QK-norm's LayerNorm undoes a rescale "
+                             "of W_Q and W_K, so QK-clip would do nothing)")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
                              "from lr to min_lr")
@@ -191,6 +195,7 @@ FIELD_CHECKS: dict[str, Param] = {
     "delta_dose_layers": list_of(integer(0), nonempty=False),
     "qk_norm": boolean(),
     "gated_attn": boolean(),
+    "qk_clip": real(0),
     "bias": boolean(),
     "dropout": real(0, 1, hi_open=True),
     "optimizer": text("adamw", "muon"),
@@ -437,8 +442,14 @@ def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device
     return ck
 
 
+def _unwrapped(model):
+    """The GPT inside a DDP and/or torch.compile wrapper."""
+    model = getattr(model, "module", model)  # DDP
+    return getattr(model, "_orig_mod", model)  # torch.compile
+
+
 def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: list, autocast, world: int = 1,
-               before_micro=None) -> tuple[float, float, float]:
+               before_micro=None, info: dict | None = None) -> tuple[float, float, float]:
     """One optimizer step, the only place it is written (:mod:`lpfa.replay` replays runs with it, bit for bit).
 
     Sets the learning rate of ``step`` (:func:`lr_at`; Muon's scaled by muon_lr / lr), runs forward and backward on
@@ -446,8 +457,14 @@ def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: li
     (under DDP the gradients are all-reduced on the last one only), averages the loss over processes, clips the
     gradient norm, and steps and zeroes the optimizers unless the loss or the gradient norm is non-finite. ``model``
     may be the DDP or compiled wrapper; the clipping acts on its parameters. ``before_micro(i)`` is called before
-    micro-batch i (the replay captures a layer's activations there). Returns ``(loss, grad_norm, lr)``."""
+    micro-batch i (the replay captures a layer's activations there). With ``cfg.qk_clip`` (τ), every head whose largest
+    logit in this step's forwards exceeded τ has its W_Q and W_K scaled by √(τ / logit) after the update
+    (:meth:`lpfa.model.GPT.qk_clip_`), and ``info["qk_clipped"]`` says how many. Returns ``(loss, grad_norm, lr)``."""
     lr = lr_at(cfg, step)
+    gpt = _unwrapped(model)
+    if cfg.qk_clip:
+        gpt.track_max_logits(True)
+        gpt.max_logits(reset=True)
     for opt in optimizers:
         for g in opt.param_groups:
             g["lr"] = cfg.muon_lr * lr / cfg.lr if isinstance(opt, getattr(torch.optim, "Muon", ())) else lr
@@ -472,6 +489,10 @@ def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: li
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
+        if cfg.qk_clip:  # MuonClip: the logits of the forward just done, applied to the updated weights
+            clipped = gpt.qk_clip_(gpt.max_logits(), cfg.qk_clip)
+            if info is not None:
+                info["qk_clipped"] = clipped
     return loss_v, gnorm_v, lr
 
 
@@ -603,6 +624,9 @@ def train(cfg: TrainConfig) -> dict:
     from lpfa.run import read_run_config
 
     rank, world, local_rank = _dist_setup()
+    if world > 1 and cfg.qk_clip:
+        raise ValueError(f"qk_clip={cfg.qk_clip!r}: expected 0 with {world} processes (each process records its own "
+                         "batches' logits, and DDP would overwrite them with rank 0's: not supported yet)")
     if world > 1 and cfg.on_warning in ("stop", "sfa", "fp32"):
         raise ValueError(f"on_warning={cfg.on_warning!r}: expected 'off' or 'log' with {world} processes (the diagnostics "
                          "run on rank 0 only, so the other ranks would not follow its stop or switch)")
@@ -762,7 +786,8 @@ def train(cfg: TrainConfig) -> dict:
                 replay_out.append(step, starts)
             batches = [lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
                        for st in starts]
-            loss_v, gnorm_v, lr = train_step(model, optimizers, cfg, step, batches, autocast, world)
+            info: dict = {}
+            loss_v, gnorm_v, lr = train_step(model, optimizers, cfg, step, batches, autocast, world, info=info)
             if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
                 status = "nonfinite"
                 run.metric({"step": step, "loss": loss_v, "grad_norm": gnorm_v, "lr": lr})
@@ -771,7 +796,7 @@ def train(cfg: TrainConfig) -> dict:
                 break
             dt = time.time() - t0
             last = {"step": step, "loss": loss_v, "lr": lr, "grad_norm": gnorm_v, "step_s": dt,
-                    "tokens_per_s": tokens_per_step / dt}
+                    "tokens_per_s": tokens_per_step / dt, **info}
             run.metric(last)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_v:.3f}")
