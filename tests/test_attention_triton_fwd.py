@@ -182,7 +182,7 @@ def test_policy_tiles_never_exceed_the_preferred_tile(block, T, preferred, want)
     untiled block compiles as the tiled ones do (one 1024-key tile took minutes to compile and spilled)."""
     from lpfa.attention.triton_common import policy_tiles
 
-    assert policy_tiles(block, T, "block_k", preferred) == want
+    assert policy_tiles(block, T, preferred) == want
 
 
 # ---- causal split: key tiles every row sees whole run without masks (issue 17) ----------------------------------

@@ -483,8 +483,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     B, H, T, D = q.shape
     if num_warps is None:  # D = 128 with 4 warps spills the dK, dV accumulators (benchmarks/compile_check.py)
         num_warps = 4 if D <= 64 else 8
-    BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, "block_q", block_m)
-    BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, "block_k", block_n)
+    BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, block_m)
+    BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, block_n)
 
     interp = _interpreter()
     if dot_bf16 is None:

@@ -318,7 +318,7 @@ def _next_pow2(n: int) -> int:
     return 1 << (max(int(n), 1) - 1).bit_length()
 
 
-def policy_tiles(block: int | None, T: int, name: str, preferred: int) -> tuple[int, int, int]:
+def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, int]:
     """Split a policy block into compute tiles: ``(block size, tile, tiles per block)``.
 
     The policy block (``None`` = the whole sequence) fixes where the algorithm rounds; the tile is what

@@ -393,7 +393,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if block_n is None:
         one_tile = pol.block_k is not None and pol.block_k <= BLOCK_N_DEFAULT
         block_n = BLOCK_N_DEFAULT if (one_tile and D <= 64) else 64
-    BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, "block_k", block_n)
+    BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, block_n)
     if block_m is None:
         block_m = 64
     if num_warps is None:
