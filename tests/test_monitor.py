@@ -246,3 +246,30 @@ def test_bad_input_one_line_errors():
             with mon.AttentionMonitor(plain, thresholds=QUIET).step(0):
                 raise RuntimeError("boom")
     assert torch._C._len_torch_function_stack() == 0
+
+
+@pytest.mark.parametrize("which", ["gpt", "plain"])
+def test_compiled_models_are_monitored_as_eager(which):
+    """Under torch.compile (Inductor on the CPU here) our GPT's capture hook and the SDPA mode of any other model still
+    see every layer's q and k: the history equals the eager model's, the logits up to the compiled kernels' FP32
+    rounding of q and k, the W_Q norms exactly, on a capture step and the next one; non-capture steps record nothing."""
+    torch.manual_seed(torch.seed() % 2**31)
+    if which == "gpt":
+        model, x = _gpt(), torch.randint(0, 256, (3, 32))
+        kw = {}
+    else:
+        model, x = PlainAttention(), torch.randn(3, 16, 24)
+        kw = {"w_q": lambda i: model.qkv[i].weight[:24]}
+    runs = {}
+    for name, m in (("eager", model), ("compiled", torch.compile(model))):
+        monitor = mon.AttentionMonitor(m, every=2, thresholds=QUIET, **kw)
+        for step in range(4):
+            with monitor.step(step):
+                m(x)
+        runs[name] = monitor.history
+    eager, compiled = runs["eager"], runs["compiled"]
+    assert sorted(set(compiled.step)) == [0, 2] and len(compiled) == len(eager) > 0
+    np.testing.assert_array_equal(compiled[["step", "layer", "head"]], eager[["step", "layer", "head"]])
+    np.testing.assert_allclose(compiled.max_logit, eager.max_logit, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(compiled.wq_spectral_norm, eager.wq_spectral_norm, rtol=1e-6)
+    assert compiled.tie_fraction_bf16.notna().all()

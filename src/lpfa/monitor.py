@@ -15,8 +15,10 @@ them: for :class:`lpfa.model.GPT` through its attention modules' ``capture`` hoo
 GPT-2, a user's module) through a :class:`torch.overrides.TorchFunctionMode` that records every
 ``torch.nn.functional.scaled_dot_product_attention`` call of the forward (call index = layer) with its causal flag,
 mask and scale. On other steps :meth:`AttentionMonitor.step` returns a no-op context: no hook, no mode, no cost.
-Wrap one forward pass (one micro-batch). A model compiled with ``torch.compile`` may hide its SDPA calls from the
-mode (the capture step then fails with an error saying so): monitoring compiled models is untested.
+Wrap one forward pass (one micro-batch). A model compiled with ``torch.compile`` is monitored as it runs eagerly,
+through both paths (``tests/test_monitor.py``, with Inductor on the CPU: the same history up to the compiled kernels'
+FP32 rounding of q and k); a backend that hid the SDPA calls from the mode would fail the capture step with an error
+saying so. Not yet checked under CUDA graphs or on a GPU.
 
 **Measures** (per layer and head, on the first ``sequences`` sequences of the batch, :data:`MEASURE_COLUMNS`):
 
