@@ -139,6 +139,18 @@ if triton is not None:
         return tl.reduce(x, 1, _max_nan)
 
     @triton.jit
+    def _top2(a1, a2, b1, b2):
+        """The two largest of two pairs (a1 ≥ a2, b1 ≥ b2): the first NaN-propagating, the second max(min(a1, b1),
+        a2, b2), so a maximum held twice is also the second."""
+        return _max_nan(a1, b1), tl.maximum(tl.minimum(a1, b1), tl.maximum(a2, b2))
+
+    @triton.jit
+    def _row_top2(x):
+        """(rowmax, the second largest value) over axis 1 in one reduction: SFA's tie test (two values within ε of
+        the max) needs no more than these two."""
+        return tl.reduce((x, tl.full(x.shape, float("-inf"), tl.float32)), 1, _top2)
+
+    @triton.jit
     def _dot_part(a, b, acc, AS_BF16: tl.constexpr):
         """acc + a @ b (acc None: a @ b) with FP32 accumulation: BF16 tensor-core operands when AS_BF16 (exact values
         only), else IEEE FP32 (the interpreter: products of BF16 values are exact there too)."""

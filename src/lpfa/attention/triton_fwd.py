@@ -27,10 +27,11 @@ SFA's tie test in the row-max pass
 SFA (Eq. 6) shifts a row's max where rs = #{visible S ≥ thr} > 1, thr = scores(rm − ε). With the block's max rm
 known only after its last tile, counting needs a second pass over the tiles, which in a block of several tiles
 (the paper's 512 keys) recomputes every QKᵀ GEMM once more. The kernel instead keeps, next to rm, the second largest
-visible score r2 (a tied max counts twice) during the row-max pass: thr ≤ rm, so rs > 1 exactly when r2 ≥ thr, and
-where r2 = −inf (thr = −inf counts every visible key) when the row sees more than one key of the block. The
-decisions, and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter);
-SFA then costs the base policy's GEMMs. A block of one tile keeps S in registers and counts over it.
+visible score r2 (a tied max counts twice) during the row-max pass, both from one reduction per tile over (value,
+−inf) pairs (:func:`~lpfa.attention.triton_common._row_top2`): thr ≤ rm, so rs > 1 exactly when r2 ≥ thr, and where
+r2 = −inf (thr = −inf counts every visible key) when the row sees more than one key of the block. The decisions,
+and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter); SFA then costs
+the base policy's GEMMs, and in a block of one tile the count's compare-and-sum over S.
 
 Non-finite V: two launches
 --------------------------
@@ -96,7 +97,9 @@ from lpfa.attention.triton_common import (
     _rnd_l,
     _rnd_o,
     _row_max,
+    _row_top2,
     _softcap,
+    _top2,
     check_triton_inputs,
     gemm_mode,
     libdevice,
@@ -142,8 +145,9 @@ if triton is not None:
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
-        (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 also
-        r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA): rs = #{S ≥ thr};
+        (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 (SFA)
+        also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA with
+        sfa_count_pass): rs = #{S ≥ thr};
         2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
         kb_hi = kb_lo + BK
         offs_d = tl.arange(0, HEAD_DIM)
@@ -154,12 +158,11 @@ if triton is not None:
                                                         SOFTCAP=SOFTCAP)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
-                t1 = _row_max(s)
-                if TOP2:  # the tile's top two t1 ≥ t2 (t2 = t1 where the max is tied), merged into (rm, r2)
-                    n_top = tl.sum((s == t1[:, None]).to(tl.int32), axis=1)
-                    t2 = tl.where(n_top > 1, t1, tl.max(tl.where(s < t1[:, None], s, float("-inf")), axis=1))
-                    r2 = tl.maximum(tl.minimum(rm, t1), tl.maximum(r2, t2))  # second of the union of two top-2s
-                rm = _max_nan(rm, t1)
+                if TOP2:  # and r2: the tile's top two (t1 ≥ t2, a tied max counting twice) merged into (rm, r2)
+                    t1, t2 = _row_top2(s)
+                    rm, r2 = _top2(rm, r2, t1, t2)
+                else:
+                    rm = _max_nan(rm, _row_max(s))
             elif PASS == 1:  # rs += #{visible S ≥ thr} (a masked −inf would count where thr is −inf)
                 rs += tl.sum(_keep_visible(s >= thr[:, None], visible, False).to(tl.int32), axis=1)
             else:
@@ -222,14 +225,14 @@ if triton is not None:
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and N_SUB > 1 and not SFA_COUNT_PASS)
+            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
             # SFA (Eq. 6): thr = scores(rm − ε); tied where rs = #{visible S ≥ thr} > 1;
             # there:  m = scores(β·rm) if rm > 0,  0 if rm < 0;  then at least scores(rm + min_shift)
             thr = _rnd(rm - sfa_eps, SCORES_BF16)
-            if N_SUB > 1 and not SFA_COUNT_PASS:
+            if not SFA_COUNT_PASS:
                 # thr ≤ rm, so rs > 1 ⇔ r2 ≥ thr, except where r2 = −inf (no second score, or a visible −inf): there
                 # thr = −inf counts every visible key, #visible = min(row + 1, block end, T) − block start
                 if MASKED:
@@ -237,7 +240,7 @@ if triton is not None:
                     tied = (r2 >= thr) & ((r2 > float("-inf")) | (n_vis > 1))
                 else:  # every row sees all BK > 1 keys of the block
                     tied = r2 >= thr
-            else:  # one tile: count against the block's final max over the S held in registers (or the tiles again)
+            else:  # count against the block's final max in a pass of its own (over the S held, or the tiles again)
                 rm, r2, rs, block_sum, o_blk = _block_pass(
                     rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
                     scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
