@@ -9,6 +9,7 @@ with the reason.
 Usage (the next GPU session commits the folder as ``results/kernel_bias/<run>/``)::
 
     python benchmarks/kernel_bias.py --out results/kernel_bias/<run> --device cuda [--T 1024] [--B 4 --H 8 --D 64]
+        [--captured REPLAY_OUT/qkv.npz]      # issue 19's third family: a trained layer's q, k, v, dO
 
 Writes ``audit.json`` (the rows of :func:`lpfa.audit.audit`, plus the settings) and ``provenance.json``.
 """
@@ -35,13 +36,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--families", nargs="+", default=list(A.FAMILIES), choices=A.FAMILIES)
     ap.add_argument("--kernels", nargs="+", default=list(A.KERNELS), choices=A.KERNELS)
+    ap.add_argument("--captured", nargs="*", default=[], metavar="QKV_NPZ",
+                    help="qkv.npz files of lpfa.replay --save-qkv: each a family of its own, named by its file's folder")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    captured, captured_meta = {}, {}
+    for path in a.captured:
+        name = f"captured:{Path(path).parent.name}"
+        captured[name], captured_meta[name] = A.load_captured(path)
     frames = []
-    for T in a.T:
-        df = A.audit(a.families, a.kernels, a.device, B=a.B, H=a.H, T=T, D=a.D, seed=a.seed)
-        df.insert(2, "T", T)
+    for i, T in enumerate(a.T):  # the captured families (their own shapes) once, with the first T
+        df = A.audit(a.families, a.kernels, a.device, B=a.B, H=a.H, T=T, D=a.D, seed=a.seed,
+                     captured=captured if i == 0 else None)
+        df.insert(2, "T", [int(captured[f]["q"].shape[2]) if f in captured else T for f in df.family])
         frames.append(df)
         print(df[df.quantity == "o"][["kernel", "family", "T", "mean", "ci_low", "ci_high", "unavailable"]].to_string())
     import pandas as pd
@@ -49,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = pd.concat(frames).to_dict(orient="records")
     rows = [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()} for r in rows]
     config = {"device": a.device, "T": a.T, "B": a.B, "H": a.H, "D": a.D, "seed": a.seed, "families": a.families,
-              "kernels": a.kernels, "tie_stride": A.TIE_STRIDE, "tie_logit": A.TIE_LOGIT}
+              "kernels": a.kernels, "tie_stride": A.TIE_STRIDE, "tie_logit": A.TIE_LOGIT, "captured": captured_meta}
     (out / "audit.json").write_text(json.dumps({"config": config, "rows": rows}, indent=1) + "\n")
     write_json(out / "provenance.json", provenance(config=config))
     print(f"wrote {out / 'audit.json'} and {out / 'provenance.json'}")

@@ -88,3 +88,44 @@ def test_chance_exclusions_counts_intervals_that_exclude_zero():
                                                  "p_chance": pytest.approx(1 - 0.95**2)}
     with pytest.raises(ValueError, match="family"):
         A.chance_exclusions(df, "nope")
+
+
+def test_captured_inputs_round_trip_and_bad_files(tmp_path):
+    """lpfa.audit.save_captured / load_captured keep BF16 q, k, v, dO bit for bit with their meta; a file that is not
+    an npz, lacks an array, or mixes shapes is a one-line error naming the file."""
+    import numpy as np
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    x = {n: torch.randn(1, 2, 9, 16, generator=g).bfloat16() for n in A.CAPTURED_NAMES}
+    path = A.save_captured(tmp_path / "qkv.npz", x, {"step": 7, "layer": 1})
+    got, meta = A.load_captured(path)
+    assert meta == {"step": 7, "layer": 1}
+    for n in A.CAPTURED_NAMES:
+        assert got[n].dtype == torch.bfloat16 and torch.equal(got[n].view(torch.int16), x[n].view(torch.int16))
+    (tmp_path / "junk.npz").write_text("not an archive")
+    with pytest.raises(ValueError, match=r"^captured='.*junk.npz': not a readable .npz"):
+        A.load_captured(tmp_path / "junk.npz")
+    np.savez(tmp_path / "part.npz", q=np.zeros((1, 1, 2, 16), np.uint16))
+    with pytest.raises(ValueError, match=r"^captured='.*part.npz': expected arrays q, k, v, do and meta .*missing k, v, do, meta"):
+        A.load_captured(tmp_path / "part.npz")
+    bad = dict(x, v=x["v"][:, :, :5])
+    A.save_captured(tmp_path / "shapes.npz", bad, {})
+    with pytest.raises(ValueError, match=r"one \(B, H, T, D\) shape"):
+        A.load_captured(tmp_path / "shapes.npz")
+
+
+def test_audit_takes_a_captured_family():
+    """A captured family runs through every CPU kernel like the built-in ones, at its own shape; a name that clashes
+    with a built-in family, or a dict without q, k, v, do, is refused."""
+    x = A.inputs("ties", B=1, H=2, T=24, D=16, seed=3)  # stands in for a trained layer's activations
+    df = A.audit(["random"], ["float64", "ref:paper", "ref:fp32"], "cpu", B=1, H=2, T=16, D=16, captured={"layer1": x})
+    assert set(df.family) == {"random", "layer1"}
+    rows = df[(df.family == "layer1") & (df.kernel == "ref:paper")]
+    assert len(rows) == len(A.QUANTITIES) and (rows.n == 1 * 2 * 24).all() and rows["mean"].notna().all()
+    same = A.audit([], ["ref:paper"], "cpu", captured={"t": x})
+    want = A.audit(["ties"], ["ref:paper"], "cpu", B=1, H=2, T=24, D=16, seed=3)
+    assert same["mean"].tolist() == want["mean"].tolist()  # the same inputs give the built-in family's numbers
+    with pytest.raises(ValueError, match=r"captured\['ties'\]: expected a new family name"):
+        A.audit(["random"], ["float64"], "cpu", captured={"ties": x})
+    with pytest.raises(ValueError, match=r"captured\['c'\]: expected a new family name and a dict of q, k, v, do"):
+        A.audit(["random"], ["float64"], "cpu", captured={"c": {"q": x["q"]}})

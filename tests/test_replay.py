@@ -656,3 +656,26 @@ def test_runaway_onset(tmp_path):
            "verdict": run_verdict(tmp_path / "r")}  # a replay made before "choice" recorded the onset, beside its run
     assert "200 steps after layer 1's largest logit first passed 1000 at step 200" in describe(old, tmp_path / "r_replay")
     assert "first passed" not in describe(old) and "first passed" not in describe(old, tmp_path / "elsewhere" / "r_replay")
+
+
+def test_replay_saves_the_layers_qkv_for_the_audit(tiny_run, tmp_path):
+    """``save_qkv=N`` writes the layer's q, k, v and dO of the first replayed step's first micro-batch (N sequences, every
+    head) as lpfa.audit.load_captured reads them: q and k as the checkpoint's model computes them on that batch."""
+    from lpfa import data as lpfa_data
+    from lpfa.audit import load_captured
+    from lpfa.diagnostics import capture_qkv
+    from lpfa.replay import replay
+    from lpfa.run import Run
+
+    replay(tiny_run, tmp_path / "rep", step=10, layer=1, heads=[0], steps=2, n_seq=2, device="cpu", save_qkv=3)
+    x, meta = load_captured(tmp_path / "rep" / "qkv.npz")
+    assert meta["step"] == 10 and meta["layer"] == 1 and meta["policy"] == "paper_untiled" and meta["micro_batch"] == 0
+    assert x["q"].shape == (3, 2, 32, 32)  # the debug model: 2 heads of 32
+    assert all(torch.isfinite(t.float()).all() for t in x.values()) and x["do"].float().abs().sum() > 0
+    run = Run(tiny_run)
+    log = lpfa_data.ReplayLog.open(tiny_run / "replay.jsonl", run.data_dir / "train.bin")
+    tokens, _ = lpfa_data.load_tokens(run.data_dir, "train")
+    xb, _ = lpfa_data.get_batch(tokens, log.starts(10)[0][:3], 32, "cpu")
+    cap = capture_qkv(run.checkpoint(10).model.eval(), xb)[1]
+    for n in ("q", "k", "v"):
+        torch.testing.assert_close(x[n].float(), cap[n].bfloat16().float(), rtol=1e-2, atol=1e-2)

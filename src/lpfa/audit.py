@@ -42,13 +42,18 @@ presets through the exact PyTorch reference, CPU and GPU), ``triton:<preset>`` (
 ``sdpa:math`` (SDPA's math backend on BF16 inputs, CPU and GPU) and ``flex`` (FlexAttention, GPU).
 :func:`audit` runs a grid of them and lists a kernel that cannot run on the device with its reason.
 
-FP8 kernels and inputs captured from a trained layer (issue 19's family iii) are out of scope here.
+* **captured** (issue 19's family iii, :func:`audit`'s ``captured``): q, k, v and dO of a trained run's layer as its
+  attention saw them, written by ``python -m lpfa.replay ... --save-qkv N`` (:func:`save_captured`) and read back by
+  :func:`load_captured`.
+
+FP8 kernels are out of scope here.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import math
+from pathlib import Path
 
 import torch
 
@@ -87,6 +92,48 @@ def inputs(family: str = "random", B: int = 1, H: int = 2, T: int = 64, D: int =
         q = c * k_star + 0.3 * n()
         v, do = -n().abs(), n().abs()
     return {name: t.bfloat16() for name, t in zip(("q", "k", "v", "do"), (q, k, v, do))}
+
+
+CAPTURED_NAMES = ("q", "k", "v", "do")
+
+
+def save_captured(path, tensors: dict, meta: dict) -> Path:
+    """Write a captured ``{"q", "k", "v", "do"}`` (B, H, T, D each; :func:`lpfa.replay.replay`'s ``save_qkv``) as an
+    npz: their bits as BF16 (uint16 arrays, half the size of FP32, exact for the BF16 activations of a BF16 run), and
+    ``meta`` (run, step, layer, policy) as JSON."""
+    import json
+
+    import numpy as np
+
+    path = Path(path)
+    arrays = {n: tensors[n].detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+              for n in CAPTURED_NAMES}
+    np.savez_compressed(path, **arrays, meta=np.array(json.dumps(meta)))
+    return path
+
+
+def load_captured(path) -> tuple[dict, dict]:
+    """``(inputs, meta)`` of a :func:`save_captured` file: BF16 q, k, v, dO on the CPU, as :func:`inputs` gives its
+    families, for :func:`audit`'s ``captured`` (issue 19's third family: activations of a trained run's failing
+    layer). A file without them, or with tensors of other shapes, is a one-line error naming what is wrong."""
+    import json
+
+    import numpy as np
+
+    path = Path(path)
+    try:
+        z = np.load(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"captured={str(path)!r}: not a readable .npz ({e})") from None
+    missing = [n for n in (*CAPTURED_NAMES, "meta") if n not in z.files]
+    if missing:
+        raise ValueError(f"captured={str(path)!r}: expected arrays {', '.join(CAPTURED_NAMES)} and meta "
+                         f"(lpfa.replay --save-qkv), missing {', '.join(missing)}")
+    out = {n: torch.from_numpy(z[n].astype(np.int16)).view(torch.bfloat16) for n in CAPTURED_NAMES}
+    shapes = {n: tuple(t.shape) for n, t in out.items()}
+    if len(set(shapes.values())) != 1 or len(shapes["q"]) != 4:
+        raise ValueError(f"captured={str(path)!r}: expected q, k, v, do of one (B, H, T, D) shape, got {shapes}")
+    return out, json.loads(str(z["meta"]))
 
 
 def direction(q, k, scale: float | None = None) -> torch.Tensor:
@@ -199,9 +246,10 @@ def bias(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
 
 
 def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 1, H: int = 2, T: int = 64,
-          D: int = 32, seed: int = 0):
+          D: int = 32, seed: int = 0, captured: dict | None = None):
     """A tidy DataFrame, one row per (kernel, family, quantity): ``mean``, ``ci_low``, ``ci_high``, ``n``, ``device``
-    and ``unavailable`` (the reason a kernel cannot run on ``device``, its numbers then missing)."""
+    and ``unavailable`` (the reason a kernel cannot run on ``device``, its numbers then missing). ``captured``: more
+    families by name, each ``{"q", "k", "v", "do"}`` as :func:`load_captured` gives them (their own shape)."""
     import pandas as pd
 
     families, kernels = list(families), list(kernels)
@@ -211,9 +259,14 @@ def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 
         _check_choice("kernel", kname, KERNELS)
     if not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
         raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda[:N]'")
+    captured = dict(captured or {})
+    for name, x in captured.items():
+        if name in FAMILIES or not (isinstance(x, dict) and set(CAPTURED_NAMES) <= set(x)):
+            raise ValueError(f"captured[{name!r}]: expected a new family name and a dict of {', '.join(CAPTURED_NAMES)} "
+                             "(lpfa.audit.load_captured)")
     rows = []
-    for f in families:
-        x = inputs(f, B, H, T, D, seed)
+    for f in [*families, *captured]:
+        x = captured[f] if f in captured else inputs(f, B, H, T, D, seed)
         x = {n: t.to(device) if torch.cuda.is_available() or device == "cpu" else t for n, t in x.items()}
         for kname in kernels:
             why = _unavailable(kname, device)

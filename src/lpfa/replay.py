@@ -138,13 +138,16 @@ def thin_delta_err(arrays: dict, steps, every: int) -> dict:
 
 def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", heads: list[int] | None = None,
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
-           max_s: float = 0.0, delta_err_every: int = 10) -> dict:
+           max_s: float = 0.0, delta_err_every: int = 10, save_qkv: int = 0) -> dict:
     """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
     before its explosion, else before its logit runaway, else before the first record above the runaway
     threshold, else the latest; ``choice`` in the result says which) and measure ``layer``/``heads``;
     writes ``out/replay.{json,npz}``.
     ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed.
-    ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`)."""
+    ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`).
+    ``save_qkv`` > 0 also writes ``out/qkv.npz``: the layer's q, k, v and dO (every head) of the first replayed step's
+    first micro-batch, its first ``save_qkv`` sequences, as the run's attention saw them (the kernel-bias audit's
+    captured family, :func:`lpfa.audit.load_captured`)."""
     import time
 
     t_start = time.time()
@@ -219,6 +222,12 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         attn.capture = None
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
             break  # training stops here too (lpfa.train): nothing after a non-finite step is the run's trajectory
+        if save_qkv and s == step:
+            from lpfa.audit import save_captured
+
+            out.mkdir(parents=True, exist_ok=True)
+            save_captured(out / "qkv.npz", {n: cap[n][:save_qkv] for n in ("q", "k", "v", "do")},
+                          {"run": str(run_dir), "step": s, "layer": layer, "policy": policy, "micro_batch": 0})
         rec = {"step": s, "loss": loss, "heads": {}}
         for h in heads:
             num, arr = _head_measures(cap, h, n_seq, policy, detail=s in (step, last))
@@ -291,9 +300,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
     p.add_argument("--delta-err-every", type=int, default=10, help="keep per-token δ errors of every N-th step in replay.npz")
+    p.add_argument("--save-qkv", type=int, default=0, metavar="N",
+                   help="also write qkv.npz: the layer's q, k, v, dO of N sequences of the first step (the kernel-bias audit's captured family)")
     a = p.parse_args(argv)
     r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s,
-               delta_err_every=a.delta_err_every)
+               delta_err_every=a.delta_err_every, save_qkv=a.save_qkv)
     print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
     return 0
 
