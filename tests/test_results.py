@@ -168,6 +168,12 @@ def test_scorecard_is_computed_from_the_committed_runs():
     fig2 = card.iloc[0]
     assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
     assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
+    iso = card[card["paper"] == "Sec. 3.2"].iloc[0]  # the isolation claim, at the repro preset and at the recipe
+    from lpfa.runs import recipe_isolation_table
+
+    recipe = recipe_isolation_table()
+    for label in recipe.index[recipe.verdict.isin(["exploded", "clean"])].drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
+        assert f"`{label.removesuffix('_paper_recipe')}` {recipe.loc[label, 'verdict']} in {int(recipe.loc[label, 'steps']):,} steps" in iso["our result"]
     counts = card["verdict"].value_counts()
     assert summary_text(card).startswith(f"Of the {len(card)} claims") and all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
 

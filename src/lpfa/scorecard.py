@@ -22,8 +22,8 @@ from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import run_verdict
-from lpfa.runs import (against_paper, head_metric_frame, isolation_table, precursor_table, seed_table, seeds_text,
-                       sfa_findings, step_before_failure)
+from lpfa.runs import (against_paper, head_metric_frame, isolation_table, precursor_table, recipe_isolation_table,
+                       seed_table, seeds_text, sfa_findings, step_before_failure)
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
@@ -143,10 +143,19 @@ def _isolation_row(layer: int, root) -> dict:
     cmp = against_paper(table)
     n, k = len(cmp["reported"]), len(cmp["agree"])
     differ = cmp["paper_stable_but"] + cmp["paper_fails_but"]
+    # the same rows at the paper's recipe, where the BF16 loss explodes: judged by the loss itself
+    recipe = recipe_isolation_table(root=root).drop(index=["bf16_paper_recipe", "fp32_paper_recipe"])
+    ran = recipe[~recipe.verdict.isin(["not run yet", "too short"])]
+    as_reported = [label for label in ran.index if (ran.loc[label, "verdict"] == "exploded") == (ran.loc[label, "paper"] == "fails")]
+    at_recipe = (f"; at the paper recipe, judged by the loss, {len(ran)} of {len(recipe)} rows run: "
+                 + ", ".join(f"`{label.removesuffix('_paper_recipe')}` {ran.loc[label, 'verdict']} in {int(ran.loc[label, 'steps']):,} steps"
+                             for label in ran.index)
+                 + f" ({len(as_reported)} as reported)" if len(ran) else "; none of its rows has run at the paper recipe yet")
+    complete = k == n and len(ran) == len(recipe) and len(as_reported) == len(ran)
     return _row("Which change removes the failure: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the outlier heads",
                 "Sec. 3.2", f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by the precursor)"
-                + (f"; not: {', '.join(differ)}" if differ else ""),
-                "reproduced" if k == n else "partly" if k else "not reproduced", "10_isolation")
+                + (f"; not: {', '.join(differ)}" if differ else "") + at_recipe,
+                "reproduced" if complete else "partly" if k or as_reported else "not reproduced", "10_isolation")
 
 
 def _dose_row(root) -> dict:
