@@ -16,7 +16,8 @@
 # RUNAWAY_STEPS=6500 adds a run bf16_runaway: the BF16 twin again, eager (BF16 runs are deterministic, so it retraces
 # the committed twin exactly: results/repro_runaway) with every 1000-step checkpoint kept; finish then replays it from
 # the checkpoint before its logit runaway, or before its first logit above the runaway threshold when the run ends
-# too early for the verdict (instead of the bf16 run), for the mechanism pages.
+# too early for the verdict (instead of the bf16 run), for the mechanism pages. SAVE_QKV=N also writes the replayed
+# layer's q, k, v, dO of N sequences of its first step (qkv.npz: benchmarks/kernel_bias.py --captured, issue 19).
 # The committed isolation table and seeds were one launch on a 4-GPU machine (results/isolation/*/provenance.json):
 # EXPERIMENT="isolation seeds" NAME=iso_seeds EXTRA="compile=true max_steps=8000" RUNAWAY_STEPS=6500 BUDGET=1100.
 # The device tool carries at most 64 MiB: the tracked results/ (about 40 MB) and the corpus (31 MB) are over it together,
@@ -54,7 +55,8 @@ finish)
   R=bf16; [ -d "$ROOT/$NAME/bf16_runaway" ] && R=bf16_runaway
   if [ "${REPLAY:-1}" = 1 ] && [ -d "$ROOT/$NAME/$R" ]; then  # the instrumented replay of the failing run (mechanism pages)
     CUDA_VISIBLE_DEVICES=0 $PY -m lpfa.replay --run "$ROOT/$NAME/$R" --out "$ROOT/$NAME/${R}_replay" \
-        --steps "${REPLAY_STEPS:-200}" --max-s "${REPLAY_MAX_S:-150}" >"$ROOT/$NAME/replay.log" 2>&1 &
+        --steps "${REPLAY_STEPS:-200}" --max-s "${REPLAY_MAX_S:-150}" ${SAVE_QKV:+--save-qkv $SAVE_QKV} \
+        >"$ROOT/$NAME/replay.log" 2>&1 &
   fi
   (
     for d in "$ROOT/$NAME"/*/; do  # the SFA β sweep wherever checkpoints were kept
@@ -75,6 +77,6 @@ finish)
   wait
   [ -f "$ROOT/$NAME/replay.log" ] && grep -v "^replay:" "$ROOT/$NAME/replay.log" | tail -40
   $L status --name "$NAME"
-  $L collect --name "$NAME" --out "${OUT:-/tmp/out}" --extra sfa_sweep.json structure.json replay.json replay.npz
+  $L collect --name "$NAME" --out "${OUT:-/tmp/out}" --extra sfa_sweep.json structure.json replay.json replay.npz qkv.npz
   ;;
 esac
