@@ -43,6 +43,16 @@ SIZES = {
 ATTN_BACKENDS = ("lpfa", "sdpa", "sdpa_fp32", "math")
 
 
+def unwrap(model):
+    """The module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers, however nested."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (getattr(model, "module", None) if type(model).__name__ in
+                                                      ("DistributedDataParallel", "DataParallel") else None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT does

@@ -63,6 +63,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lpfa.model import unwrap
+
 MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_outlier", "wq_growth")
 LEVELS = ("precursor", "runaway")  # a measure's thresholds, lowest first
 GROWTH_STEPS = 1000  # wq_growth is the relative growth of ‖W_Q[h]‖₂ per this many steps
@@ -320,16 +322,6 @@ class _SDPARecorder(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _unwrap(model):
-    """The module under DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "_orig_mod", None) or (getattr(model, "module", None) if type(model).__name__ in
-                                                      ("DistributedDataParallel", "DataParallel") else None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
 def _lpfa_attentions(model):
     """Our GPT's attention modules (with the ``capture`` hook), or None for any other model."""
     h = getattr(getattr(model, "transformer", None), "h", None)
@@ -399,7 +391,7 @@ class AttentionMonitor:
         if w_q is not None and not callable(w_q):
             raise MonitorError(f"w_q must be callable as w_q(layer) -> tensor, got {w_q!r}")
         self.model, self.every, self.sequences, self.eps = model, every, sequences, eps
-        self._attns = _lpfa_attentions(_unwrap(model))
+        self._attns = _lpfa_attentions(unwrap(model))
         if layers is not None:
             layers = [layers] if isinstance(layers, int) else list(layers)
             bad = [x for x in layers if isinstance(x, bool) or not isinstance(x, int) or x < 0
@@ -420,7 +412,7 @@ class AttentionMonitor:
             raise MonitorError(f"tensorboard must be a SummaryWriter (with add_scalar) or a log folder, got {tensorboard!r}")
         self.writer = tensorboard
         if w_q is None and self._attns is not None:
-            inner = _unwrap(model)
+            inner = unwrap(model)
             w_q = inner.w_q
         self.w_q = w_q
         self._count = 0  # the next step when step() is called without one

@@ -44,7 +44,7 @@ from lpfa import data as lpfa_data
 from lpfa.data import drop_partial_line
 from lpfa.attention import PRESETS as ATTN_PRESETS
 from lpfa.explosion import explosion_step
-from lpfa.model import ATTN_BACKENDS, GPT, GPTConfig, SIZES
+from lpfa.model import ATTN_BACKENDS, GPT, SIZES, GPTConfig, unwrap
 from lpfa.params import Param, boolean, dict_of, integer, list_of, real, text
 from lpfa.run import autocast as amp_context
 from lpfa.run import run_verdict
@@ -442,12 +442,6 @@ def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device
     return ck
 
 
-def _unwrapped(model):
-    """The GPT inside a DDP and/or torch.compile wrapper."""
-    model = getattr(model, "module", model)  # DDP
-    return getattr(model, "_orig_mod", model)  # torch.compile
-
-
 def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: list, autocast, world: int = 1,
                before_micro=None, info: dict | None = None) -> tuple[float, float, float]:
     """One optimizer step, the only place it is written (:mod:`lpfa.replay` replays runs with it, bit for bit).
@@ -461,7 +455,7 @@ def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: li
     logit in this step's forwards exceeded τ has its W_Q and W_K scaled by √(τ / logit) after the update
     (:meth:`lpfa.model.GPT.qk_clip_`), and ``info["qk_clipped"]`` says how many. Returns ``(loss, grad_norm, lr)``."""
     lr = lr_at(cfg, step)
-    gpt = _unwrapped(model)
+    gpt = unwrap(model)
     if cfg.qk_clip:
         gpt.track_max_logits(True)
         gpt.max_logits(reset=True)
