@@ -6,7 +6,8 @@
 #
 # Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (overhead,check,speed,shapes),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), TESTS_S (180) tests/test_attention_gpu.py
-# (-k "$TESTS_K" when set). Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step
+# (-k "$TESTS_K" when set), SFA_S (120) benchmarks/sfa_overhead.py (SFA's forward cost: results/sfa_overhead/<run>).
+# Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step
 # writes its own provenance.json (the tests: the device line at the end of gpu_tests.txt). Commit the folders
 # under results/attention_benchmark/<run> and results/attention_tuning/<run>.
 set -u
@@ -18,6 +19,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.
 timeout "${BENCH_S:-240}" $PY benchmarks/attention.py --out "$OUT/bench" --parts "${PARTS:-overhead,check,speed,shapes}" 2>&1 \
     | grep -v "^check \|^error " | tail -45
 timeout "${TUNE_S:-150}" $PY benchmarks/tune_attention.py --out "$OUT/tune" ${TUNE_ARGS:---quick} 2>&1 | tail -20
+timeout "${SFA_S:-120}" $PY benchmarks/sfa_overhead.py --out "$OUT/sfa" 2>&1 | tail -20
 timeout "${TESTS_S:-180}" $PY -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
     > "$OUT/gpu_tests.txt" 2>&1
 echo "exit $? (124: cut by TESTS_S)" >> "$OUT/gpu_tests.txt"
