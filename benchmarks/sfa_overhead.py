@@ -8,7 +8,7 @@ two timings of one variant says how much of a difference is noise (METHOD: "time
 
 Usage (on a GPU)::
 
-    python benchmarks/sfa_overhead.py --out results/attention_benchmark/<run>      # writes sfa_overhead.json
+    python benchmarks/sfa_overhead.py --out results/sfa_overhead/<run>      # writes sfa_overhead.json, provenance.json
 
 Prints one row per (shape, variant): ms (both timings), TFLOP/s and the time over the base preset's.
 """
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("sfa_overhead: this benchmark needs a CUDA GPU")
     out = Path(a.out)
-    write_json(out / "sfa_overhead_provenance.json", provenance(config={"shapes": SHAPES, "variants": VARIANTS, "rep_ms": a.rep_ms}))
+    write_json(out / "provenance.json", provenance(config={"shapes": SHAPES, "variants": VARIANTS, "rep_ms": a.rep_ms}))
     rows = []
     t0 = time.time()
     for B, H, T, D in SHAPES:
