@@ -13,6 +13,9 @@
 # wall-clock BUDGET ends the runs. BATCH=N skips the probe (more seeds or the SFA twin at the committed twins' batch:
 # ONLY="sfa_paper_recipe bf16_paper_recipe_s1" BATCH=24). Variables as scripts/gpu/twins.sh: NAME (paper_recipe), ROOT (/tmp/runs),
 # DATA (data/corpus), GPUS (default every GPU, one twin each), EXTRA (more key=value for every run), POLL (60).
+# The device tool carries at most 64 MiB: the tracked results/ (about 45 MB) and the corpus (31 MB) are over it
+# together, so leave results/ out of the working tree for the calls (nothing here reads it):
+#   git sparse-checkout set --no-cone '/*' '!/results/'   ...the calls, carry ["data/corpus"]...   git sparse-checkout disable
 set -u
 NAME=${NAME:-paper_recipe}; ROOT=${ROOT:-/tmp/runs}; DATA=${DATA:-data/corpus}
 EXPERIMENT=${EXPERIMENT:-paper_recipe}  # or stabilisers (lpfa.experiments.STABILISERS: same preset, judged against these)
