@@ -86,15 +86,22 @@ if triton is not None:
 
 
 def _wide_values(n, seed):
-    """FP32 values over a wide exponent range (2⁻¹⁰⁰ … 2¹⁰⁰), both signs, plus the special values."""
+    """FP32 values over a wide exponent range (2⁻¹⁰⁰ … 2¹⁰⁰, times N(0, 1), so now and then below 2⁻¹¹⁰), both signs,
+    plus the special values and the edge of the split's exact range: 2⁻¹¹⁰ (exact), a value of CI's that is not
+    (1.723e-34 ≈ 2⁻¹¹²·¹⁶: its x2 falls below BF16's subnormals) and FP32 subnormals."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-100, 100, (n,), generator=g).float())
     x[:8] = torch.tensor([0.0, -0.0, 1.0, 1 + 2**-23, -(2 - 2**-23), math.inf, -math.inf, math.nan])
+    x[8:14] = torch.tensor([2.0**-110 * (1 + 2**-23), -(2.0**-110), 1.7230066734510623e-34, 2.0**-126, 1e-40, -(2.0**-149)])
     return x
 
 
+EXACT_FROM = 2.0**-110  # x = x0 + x1 + x2 exactly from here up (GEMM_SPLIT_DOC): x's last bit is then ≥ 2⁻¹³³, BF16's least
+
+
 def test_split3_exact_and_kernel_bit_identical():
-    """x = x0 + x1 + x2 exactly, each part BF16, |x1| ≤ 2⁻⁸|x|, |x2| ≤ 2⁻¹⁶|x|; non-finite x: (x, 0, 0, 0); the
+    """x = x0 + x1 + x2 exactly for |x| ≥ 2⁻¹¹⁰ (below, x2 would need bits under BF16's smallest subnormal 2⁻¹³³, so the
+    sum is off by at most 2⁻¹³⁴), each part BF16, |x1| ≤ 2⁻⁸|x|, |x2| ≤ 2⁻¹⁶|x|; non-finite x: (x, 0, 0, 0); the
     kernel's split has the reference's bits."""
     seed = torch.seed() % 2**31
     x = _wide_values(1024, seed)
@@ -102,7 +109,11 @@ def test_split3_exact_and_kernel_bit_identical():
     fin = torch.isfinite(x)
     for part in (x0, h, x1, x2):
         assert _is_bf16(part[fin]), seed
-    assert torch.equal(x0[fin].double() + x1[fin].double() + x2[fin].double(), x[fin].double()), seed
+    total = x0.double() + x1.double() + x2.double()
+    exact = fin & ((x.abs() >= EXACT_FROM) | (x == 0))
+    assert torch.equal(total[exact], x[exact].double()), seed
+    assert ((total[fin & ~exact] - x[fin & ~exact].double()).abs() <= 2.0**-134).all(), seed
+    assert not torch.equal(total[10], x[10].double())  # the value CI met: its split is not exact, and need not be
     assert (x1[fin].abs() <= 2.0**-8 * x[fin].abs()).all() and (x2[fin].abs() <= 2.0**-16 * x[fin].abs()).all(), seed
     assert torch.equal(x0[~fin].nan_to_num(0.5), x[~fin].nan_to_num(0.5)) and not (h[~fin] != 0).any()
     assert not (x1[~fin] != 0).any() and not (x2[~fin] != 0).any()
