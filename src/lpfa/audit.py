@@ -46,7 +46,10 @@ presets through the exact PyTorch reference, CPU and GPU), ``triton:<preset>`` (
   attention saw them, written by ``python -m lpfa.replay ... --save-qkv N`` (:func:`save_captured`) and read back by
   :func:`load_captured`.
 
-FP8 kernels are out of scope here.
+* **FP8** (``ref:fa3_fp8``, ``ref:fa3_fp8_p``): FlashAttention-3's FP8 forward on FA2's rounding, P̄ and V (or P̄
+  only) in float8_e4m3fn with a per-key-block scale for V (:attr:`lpfa.attention.PrecisionPolicy.fp8`). Emulated in
+  the PyTorch reference (no FP8 tensor cores run); its backward is FA2's on the BF16 inputs, so its δ and dQ errors
+  come from the FP8 O alone. FlashAttention-3 itself (the ``flash_attn_interface`` package) is not installed here.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ QUANTITIES = ("o", "o_radial", "delta", "dq_u")
 TIE_STRIDE = 4
 TIE_LOGIT = 12.0
 PRESET_KERNELS = ("paper", "fa2", "fp32", "paper_sfa", "fa2_sfa", "paper_sr")  # paper_sr: stochastic rounding of O
-KERNELS = ("float64", *(f"ref:{p}" for p in PRESET_KERNELS), *(f"triton:{p}" for p in PRESET_KERNELS),
+FP8_KERNELS = ("fa3_fp8", "fa3_fp8_p")  # lpfa.attention.EMULATED: the reference only
+KERNELS = ("float64", *(f"ref:{p}" for p in (*PRESET_KERNELS, *FP8_KERNELS)), *(f"triton:{p}" for p in PRESET_KERNELS),
            "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math", "flex")
 CPU_KERNELS = tuple(k for k in KERNELS if k == "float64" or k.startswith("ref:") or k == "sdpa:math")
 Z95 = 1.96

@@ -13,7 +13,8 @@ Implementations (``backend=``): ``"reference"`` — :mod:`lpfa.attention.referen
 block, exact, CPU and GPU, slow; ``"triton"`` — :mod:`lpfa.attention.kernels`, Triton forward and
 backward kernels with the same rounding points (causal, head dims 16–128), registered as the
 ``torch.library`` op ``lpfa::flash_attention_fwd`` so it works inside ``torch.compile``; ``"auto"``
-(default) — Triton for CUDA tensors when Triton is installed, else the reference.
+(default) — Triton for CUDA tensors when Triton is installed, else the reference (always the reference for
+the FP8 policies of :data:`EMULATED`, which only it emulates).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from lpfa.attention.policy import (
+    EMULATED,
     FA2,
     FP32_POLICY,
     PAPER,
@@ -40,6 +42,7 @@ __all__ = [
     "PrecisionPolicy",
     "SFA",
     "PRESETS",
+    "EMULATED",
     "PAPER",
     "FA2",
     "FP32_POLICY",
@@ -124,7 +127,7 @@ def attention(
         raise ValueError(f"scale={scale!r}: expected a positive finite number (or None for 1/sqrt(head_dim))")
     scale, is_causal = float(scale), bool(is_causal)
     if backend == "auto":
-        backend = "triton" if (q.is_cuda and _triton_available() and is_causal) else "reference"
+        backend = "triton" if (q.is_cuda and _triton_available() and is_causal and not pol.fp8) else "reference"
     if backend == "triton":
         from lpfa.attention.kernels import triton_attention
         from lpfa.attention.triton_common import check_triton_support

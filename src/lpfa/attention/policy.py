@@ -35,6 +35,8 @@ DOSE_SIGNS = ("bias", "control")
 IEEE, BF16X6 = "ieee", "bf16x6"
 GEMMS = (IEEE, BF16X6)
 SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o and l, O)
+FP8_POINTS = ("p_bar", "v")  # the P̄V product's operands that PrecisionPolicy.fp8 may round to float8_e4m3fn
+E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (1.75·2⁸); its unit roundoff is 2⁻⁴, its smallest subnormal 2⁻⁹
 
 
 MIN_SHIFT = 2.0**-8
@@ -154,6 +156,15 @@ class PrecisionPolicy:
       S' = c·tanh(S / c), each of its three operations rounded as the scores are, and the backward's
       dS = dS'·(1 − t²) with t the rounded tanh. tanh is taken as (1 − e)/(1 + e) with e = exp(−2|x|), in FP32
       (the reference and the kernels alike). Part of the model, not of the precision: FP32 twins keep it.
+    * ``fp8``: operands of the P̄V product rounded to FP8 (float8_e4m3fn, round to nearest even), of ``"p_bar"`` and
+      ``"v"``, as FlashAttention-3's FP8 forward feeds its tensor cores (issue 19; not in the paper). P̄ ≤ 1 is
+      converted without a scale (in place of its BF16 rounding; values below 2⁻¹⁰ become 0). V gets one FP32 scale
+      per (batch, head, key block), s = max|V_j| / 448 (block quantization): V_j ≈ s·e4m3(V_j / s), and Ō =
+      (P̄ V8_j)·s, the product accumulated in FP32 and multiplied by s in FP32. The row sum l keeps the FP32 P̄, so
+      numerator and denominator see different P̄ (the pattern of flash-attention PR #2721). **Emulated** in the
+      PyTorch reference only (the Triton kernels refuse it); forward only, since FlashAttention-3 has no FP8
+      backward: the backward is the policy's own, on the BF16 inputs. Q and K stay as they are (FlashAttention-3
+      quantizes them too). Non-finite V entries pass unquantized, so they reach only the rows that see them.
     * ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
     * ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
       δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
@@ -177,6 +188,7 @@ class PrecisionPolicy:
     stochastic: frozenset[str] = field(default_factory=frozenset)
     sr_seed: int = 0
     softcap: float | None = None
+    fp8: frozenset[str] = field(default_factory=frozenset)
     fp32_heads: frozenset[int] = field(default_factory=frozenset)
     dose: float = 1.0
     dose_sign: str = "bias"
@@ -223,6 +235,15 @@ class PrecisionPolicy:
             raise ValueError(f"PrecisionPolicy.softcap={cap!r}: expected a positive finite number, or None for no soft-capping")
         if cap is not None:
             object.__setattr__(self, "softcap", float(cap))
+        f8 = self.fp8
+        if isinstance(f8, (str, bytes)) or not isinstance(f8, (set, frozenset, list, tuple)) or any(
+                p not in FP8_POINTS for p in f8):
+            raise ValueError(f"PrecisionPolicy.fp8={f8!r}: expected a set of P̄V operands from "
+                             f"{', '.join(map(repr, FP8_POINTS))}")
+        object.__setattr__(self, "fp8", frozenset(f8))
+        if "p_bar" in self.fp8 and self.p_bar != BF16:
+            raise ValueError(f"PrecisionPolicy.fp8 names 'p_bar', but p_bar={self.p_bar!r}: FP8 P̄ replaces a "
+                             "low-precision P̄, so p_bar must be 'bf16'")
         heads = self.fp32_heads
         if isinstance(heads, (str, bytes)) or not isinstance(heads, (set, frozenset, list, tuple, range)) or any(
                 not isinstance(h, numbers.Integral) or isinstance(h, (bool, np.bool_)) or h < 0 for h in heads):
@@ -301,6 +322,14 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "paper_tiled": replace(PAPER, block_q=128, block_k=128, name="paper_tiled"),
 }
 
+EMULATED: dict[str, PrecisionPolicy] = {
+    # FlashAttention-3's FP8 forward on FA2's rounding (FP32 scores and accumulators): P̄ and V in e4m3, or P̄ only
+    "fa3_fp8": replace(FA2, fp8=frozenset(FP8_POINTS), name="fa3_fp8"),
+    "fa3_fp8_p": replace(FA2, fp8=frozenset({"p_bar"}), name="fa3_fp8_p"),
+}
+"""Presets that only the PyTorch reference runs (``PrecisionPolicy.fp8``: FP8 is emulated there, not in the Triton
+kernels); :func:`get_policy` resolves them like :data:`PRESETS`."""
+
 
 def fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
     """The all-FP32 policy with ``policy``'s blocks and soft-cap: what its FP32 heads run, and the O of
@@ -316,7 +345,7 @@ def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
-                   stochastic=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
+                   stochastic=frozenset(), fp8=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
 
 
 def delta_dose_active(policy: PrecisionPolicy) -> bool:
@@ -336,12 +365,15 @@ def dose_delta(delta: "torch.Tensor", delta_ref: "torch.Tensor", policy: Precisi
 
 
 def get_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
-    """A preset by name, or the policy itself."""
+    """A preset by name (:data:`PRESETS` or the reference-only :data:`EMULATED`), or the policy itself."""
     if isinstance(policy, PrecisionPolicy):
         return policy
+    names = ", ".join(sorted({**PRESETS, **EMULATED}))
     if not isinstance(policy, str):
-        raise TypeError(f"policy={policy!r}: expected a preset name ({', '.join(sorted(PRESETS))}) or a PrecisionPolicy; "
+        raise TypeError(f"policy={policy!r}: expected a preset name ({names}) or a PrecisionPolicy; "
                         "build one from fields with PrecisionPolicy(**fields)")
+    if policy in EMULATED:
+        return EMULATED[policy]
     if policy not in PRESETS:
-        raise ValueError(f"policy={policy!r}: unknown precision policy; expected a preset name ({', '.join(sorted(PRESETS))}) or a PrecisionPolicy")
+        raise ValueError(f"policy={policy!r}: unknown precision policy; expected a preset name ({names}) or a PrecisionPolicy")
     return PRESETS[policy]

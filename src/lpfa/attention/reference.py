@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import BF16, FP32, IEEE, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, fp32_twin
+from lpfa.attention.policy import (BF16, E4M3_MAX, FP32, IEEE, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta,
+                                   fp32_twin)
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -91,6 +92,32 @@ def _rs(x: torch.Tensor, prec: str, policy: PrecisionPolicy, point: str, j: int,
     if prec == BF16 and field in policy.stochastic:
         return stochastic_round_bf16(x, policy.sr_seed, point, j, row0)
     return _r(x, prec)
+
+
+def round_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round an FP32 tensor to float8_e4m3fn (nearest even) and back, saturating at ±448 (:data:`E4M3_MAX`): 4
+    significant bits (unit roundoff 2⁻⁴), subnormals down to 2⁻⁹, so |x| ≤ 2⁻¹⁰ becomes 0. NaN stays NaN."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float32)
+
+
+def quantize_v_e4m3(v_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block quantization of one key block of V (B, H, n, D) to e4m3 (:attr:`PrecisionPolicy.fp8`): ``(v8, s)`` with
+    s = max|V| / 448 per (batch, head) in FP32 (1 for a block of zeros) and v8 = e4m3(V / s), so V ≈ s·v8. Only
+    finite entries enter the max and are quantized; ±inf and NaN pass through unchanged."""
+    fin = torch.isfinite(v_b)
+    amax = torch.where(fin, v_b.abs(), torch.zeros((), device=v_b.device)).amax(dim=(-1, -2))
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones((), device=v_b.device))
+    return torch.where(fin, round_e4m3(v_b / s[..., None, None]), v_b), s
+
+
+def _p_bar_v(p_bar, v_b, vis, policy: PrecisionPolicy) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p_pv, P̄V)`` of one block: P̄ as fed to the product (BF16 by ``policy.p_bar``, or e4m3 by ``policy.fp8``) and
+    the product, FP32-accumulated, with V in e4m3 and its block scale applied in FP32 when ``policy.fp8`` names it."""
+    p_pv = round_e4m3(p_bar) if "p_bar" in policy.fp8 else _r(p_bar, policy.p_bar)
+    if "v" not in policy.fp8:
+        return p_pv, _mm_visible(p_pv, v_b, vis, policy.gemm)
+    v8, s = quantize_v_e4m3(v_b)
+    return p_pv, _mm_visible(p_pv, v8, vis, policy.gemm) * s[..., None, None]
 
 
 def split3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,10 +308,10 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             block_sum = block_raw
             if policy.row_sum_clamp is not None:
                 block_sum = torch.where(row_live, block_raw.clamp_min(policy.row_sum_clamp), block_raw)
-            p_pv = _r(p_bar, policy.p_bar)
+            p_pv, pv = _p_bar_v(p_bar, v[:, :, ks:ke], vis, policy)
             if stats is not None:
                 counts["ones"] += (p_pv == 1.0).sum(dim=(-1, -2))
-            o_bar = _rs(_mm_visible(p_pv, v[:, :, ks:ke], vis, policy.gemm), policy.o_block, policy, "o_block", j, qs)
+            o_bar = _rs(pv, policy.o_block, policy, "o_block", j, qs)
             c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
             l = _rs(c * l + block_sum, acc, policy, "l_add", j, qs)

@@ -347,12 +347,15 @@ def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, i
 
 def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal) -> None:
     """Clear errors for what the Triton kernels do not take, for inputs that :func:`lpfa.attention.check_inputs`
-    has already accepted: no Triton, a non-causal call, FP32 heads inside one launch, an unsupported head dim, a bad
+    has already accepted: no Triton, a non-causal call, an FP8 policy (reference only), FP32 heads inside one launch, an unsupported head dim, a bad
     scale."""
     if triton is None:
         raise ImportError("the Triton attention kernels need the `triton` package")
     if not causal:
         raise ValueError("the Triton attention kernels are causal only (is_causal=False is not supported)")
+    if policy.fp8:
+        raise ValueError(f"policy {policy.name!r} rounds {', '.join(sorted(policy.fp8))} to FP8 (PrecisionPolicy.fp8), which "
+                         "only the PyTorch reference emulates: use backend='reference'")
     if policy.fp32_heads:
         raise ValueError(
             f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
