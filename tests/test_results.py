@@ -2,6 +2,7 @@
 
 import json
 
+import pandas as pd
 import pytest
 from conftest import ROOT
 
@@ -222,6 +223,10 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
         v = run_verdict(found[label])
         want = "exploded" if v["exploded"] else "clean" if v["steps"] > boom else "too short"
         assert t.loc[label, "verdict"] == want and t.loc[label, "steps"] == v["steps"]
+        assert t.loc[label, "runaway step"] == v["runaway_step"] or (v["runaway_step"] is None and pd.isna(t.loc[label, "runaway step"]))
+    # pv_fp32 at the recipe (results/paper_recipe/h200-2026-12-01-s3): clean by the loss, but layer 1's logits ran away
+    assert t.loc["pv_fp32_paper_recipe", "verdict"] == "clean" and t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
+    assert t.loc["delta_dp_paper_recipe", "verdict"] == "clean" and pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
     assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
 
 

@@ -422,8 +422,10 @@ def isolation_table(experiment: str = "isolation", layer: int = 1, reference_row
 def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     """The isolation rows at the paper's recipe (:data:`lpfa.experiments.RECIPE_ISOLATION`), judged by the loss itself:
     one row per run of ``experiment``'s BF16 twin, FP32 twin and isolation rows, with ``change``, ``paper`` (the paper's
-    outcome), ``steps``, ``explosion step`` and ``verdict``: "exploded", "clean" (did not explode in at least as many
-    steps as the BF16 twin needed to explode) or "too short" (stopped before that step), or "not run yet"."""
+    outcome), ``steps``, ``explosion step``, ``verdict``: "exploded", "clean" (did not explode in at least as many
+    steps as the BF16 twin needed to explode) or "too short" (stopped before that step), or "not run yet", and the
+    precursor the loss does not show: ``runaway step`` and ``runaway layer`` (:class:`lpfa.explosion.RunawayCriterion`
+    on the logged largest logits; None without a runaway)."""
     import pandas as pd
 
     from lpfa.experiments import RECIPE_ISOLATION, rows as experiment_rows_of
@@ -438,10 +440,11 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     for label in labels:
         r = design[label]
         row = {"change": r.description, "paper": r.paper or ("fails" if label.startswith("bf16") else "stable"),
-               "steps": None, "explosion step": None, "verdict": "not run yet"}
+               "steps": None, "explosion step": None, "verdict": "not run yet", "runaway step": None, "runaway layer": None}
         if label in found:
             v = run_verdict(found[label])
-            row.update(steps=v["steps"], **{"explosion step": v["explosion_step"]})
+            row.update(steps=v["steps"], **{"explosion step": v["explosion_step"], "runaway step": v["runaway_step"],
+                                            "runaway layer": v["runaway_layer"]})
             row["verdict"] = ("exploded" if v["exploded"] else
                               "clean" if boom is not None and v["steps"] > boom else "too short")
         out[label] = row
