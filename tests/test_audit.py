@@ -2,6 +2,7 @@
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 
@@ -129,3 +130,36 @@ def test_audit_takes_a_captured_family():
         A.audit(["random"], ["float64"], "cpu", captured={"ties": x})
     with pytest.raises(ValueError, match=r"captured\['c'\]: expected a new family name and a dict of q, k, v, do"):
         A.audit(["random"], ["float64"], "cpu", captured={"c": {"q": x["q"]}})
+
+
+def test_silenced_rows_counts_sfa_underflow_on_large_tied_logits():
+    """Every key the same vector and q·k·scale = 200: rows t >= 1 see t + 1 tied keys at the max, so SFA (β = 2) shifts
+    by rm and their P̄ = exp(−200) underflows in FP32: paper_sfa's clamp outputs 0 (zeroed), fa2_sfa gives 0/0 = NaN.
+    Row 0 sees one key (no tie) and keeps P̄ = 1; without SFA nothing is lost."""
+    B, H, T, D = 1, 2, 8, 4
+    k = torch.ones(B, H, T, D)
+    q = torch.full((B, H, T, D), 200.0 / (D * 0.5))  # scale 1/sqrt(4) = 0.5: q·k·scale = 200
+    sil = A.silenced_rows({"q": q.bfloat16(), "k": k.bfloat16(), "v": torch.randn(B, H, T, D).bfloat16()})
+    tied = B * H * (T - 1)
+    assert sil.loc["paper", "tied"] == tied and sil.loc["fa2", "tied"] == tied
+    assert (sil.loc[["paper", "fa2"], ["zeroed", "NaN rows", "sfa shifted"]] == 0).all().all()
+    assert sil.loc["paper_sfa", "sfa shifted"] == tied and sil.loc["paper_sfa", "zeroed"] == tied
+    assert sil.loc["paper_sfa", "NaN rows"] == 0
+    assert sil.loc["fa2_sfa", "NaN rows"] == tied and sil.loc["fa2_sfa", "zeroed"] == tied
+    assert sil["largest logit"].iloc[0] == pytest.approx(200.0)
+
+
+def test_result_helpers_pick_one_row_per_family():
+    df = A.audit(["random"], ["float64", "ref:paper"], "cpu", B=1, H=1, T=16, D=8)
+    two = pd.concat([df.assign(T=16), df.assign(T=32, mean=df["mean"] + 1)])
+    with pytest.raises(KeyError, match="expected one"):
+        A.result(two, "ref:paper", "random", "o")
+    top = A.at_largest_T(two)
+    assert set(top["T"]) == {32} and len(top) == len(df)
+    row = A.result(top, "ref:paper", "random", "o")
+    assert row["mean"] == pytest.approx(A.result(df, "ref:paper", "random", "o")["mean"] + 1)
+    assert A.ci_text(row).startswith(f"{row['mean']:+.2e} (95% CI")
+    assert A.excludes_zero(row) == bool(row.ci_low > 0 or row.ci_high < 0)
+    nan_row = row.copy()
+    nan_row["mean"] = nan_row["ci_low"] = nan_row["ci_high"] = float("nan")
+    assert A.ci_text(nan_row) == "NaN" and not A.excludes_zero(nan_row)

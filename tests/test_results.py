@@ -289,3 +289,20 @@ def test_committed_sfa_overhead_has_both_tie_tests_for_every_shape():
     for s in shapes:
         variants = {r["variant"] for r in data["rows"] if (r["B"], r["H"], r["T"], r["D"]) == s}
         assert {"paper", "fa2", "paper_sfa", "fa2_sfa", "paper_sfa count pass", "fa2_sfa count pass"} <= variants
+
+
+def test_committed_gpu_audit_has_every_kernel_and_the_captured_family():
+    """results/kernel_bias (issue 19 §2): every kernel of its config ran on the GPU, on the random and tied families at
+    each T and on the captured layer, whose qkv.npz is committed beside it; the page's T pick is one row each."""
+    from lpfa import audit as A
+
+    df, config, folder = A.load_audit()
+    assert config["device"].startswith("cuda") and df.unavailable.isna().all()
+    fams = set(df.family)
+    assert set(A.FAMILIES) <= fams and any(f.startswith("captured:") for f in fams)
+    assert set(df.kernel) == set(config["kernels"])
+    top = A.at_largest_T(df)
+    assert not top.duplicated(["kernel", "family", "quantity"]).any()
+    assert (folder / "layer1_step6000" / "qkv.npz").is_file()
+    c, meta = A.load_captured(folder / "layer1_step6000" / "qkv.npz")
+    assert meta["layer"] == 1 and c["q"].shape[2] == int(top[top.family.str.startswith("captured")]["T"].iloc[0])

@@ -305,3 +305,73 @@ def chance_exclusions(df, family: str | None = None) -> dict:
     n, excluding = len(ran), int(((ran.ci_low > 0) | (ran.ci_high < 0)).sum())
     tail = sum(math.comb(n, j) * 0.05**j * 0.95 ** (n - j) for j in range(excluding, n + 1))
     return {"n": n, "excluding": excluding, "expected": 0.05 * n, "p_chance": tail}
+
+
+def load_audit(run: str | None = None, root=None):
+    """A committed GPU audit (``results/kernel_bias/<run>/audit.json``, written by ``benchmarks/kernel_bias.py``):
+    ``(df, config, folder)``, ``df`` as :func:`audit` returns it with the ``T`` column, ``run`` None the latest."""
+    import pandas as pd
+
+    from lpfa import results
+
+    folder = results.run_dir("kernel_bias", run, root)
+    d = results.load("kernel_bias", "audit.json", folder.name, root)
+    df = pd.DataFrame(d["rows"])
+    for c in ("mean", "ci_low", "ci_high"):
+        df[c] = df[c].astype(float)  # JSON null (a NaN result) back to NaN
+    return df, d["config"], folder
+
+
+def at_largest_T(df):
+    """The rows of each family at its largest sequence length (an :func:`audit` frame without a ``T`` column is
+    returned as it is): one row per (kernel, family, quantity)."""
+    if "T" not in df.columns:
+        return df
+    top = df.groupby("family")["T"].transform("max")
+    return df[df["T"] == top]
+
+
+def result(df, kernel: str, family: str, quantity: str):
+    """The one row of ``df`` (one T per family: :func:`at_largest_T`) for ``kernel``, ``family``, ``quantity``."""
+    r = df[(df.kernel == kernel) & (df.family == family) & (df.quantity == quantity)]
+    if len(r) != 1:
+        raise KeyError(f"audit has {len(r)} rows for kernel={kernel!r}, family={family!r}, quantity={quantity!r}; "
+                       "expected one (pass a frame with one T per family: lpfa.audit.at_largest_T)")
+    return r.iloc[0]
+
+
+def excludes_zero(row) -> bool:
+    """Whether an audit row's 95% interval excludes 0 (a bias); False for a NaN result."""
+    return bool(row.ci_low > 0 or row.ci_high < 0)
+
+
+def ci_text(row) -> str:
+    """An audit row as "+1.2e-04 (95% CI +1.0e-04 to +1.4e-04)", or "NaN" where the kernel's output had NaN rows."""
+    if math.isnan(row["mean"]):
+        return "NaN"
+    return f"{row['mean']:+.2e} (95% CI {row.ci_low:+.2e} to {row.ci_high:+.2e})"
+
+
+def silenced_rows(captured: dict, policies=("paper", "fa2", "paper_sfa", "fa2_sfa")):
+    """What each policy's forward does to the rows of a captured layer (:func:`load_captured`), through the exact
+    reference on the CPU: per policy the rows, tied rows (:class:`lpfa.attention.AttentionStats`' ``tied_rows``, in
+    its score precision), rows SFA shifted, rows the row-sum clamp attenuated, rows whose row sum underflowed to 0
+    (``zeroed``: with the clamp O is then 0, without it 0/0), rows of O holding a NaN, and the largest logit of the
+    layer. SFA's hazard of :class:`lpfa.attention.SFA` (large |rm|), counted on real activations."""
+    import pandas as pd
+
+    from lpfa.attention import AttentionStats, attention
+
+    q, k, v = (captured[n] for n in ("q", "k", "v"))
+    T, D = q.shape[-2], q.shape[-1]
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+    top = float(s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf).amax())
+    out = {}
+    for name in policies:
+        st = AttentionStats()
+        with torch.no_grad():
+            o = attention(q, k, v, policy=name, backend="reference", stats=st)
+        out[name] = {"rows": int(q.shape[0] * q.shape[1] * T), "tied": int(st.tied_rows.sum()), "sfa shifted": int(st.sfa_rows.sum()),
+                     "attenuated": int(st.attenuated_rows.sum()), "zeroed": int(st.zeroed_rows.sum()),
+                     "NaN rows": int(torch.isnan(o).any(-1).sum()), "largest logit": top}
+    return pd.DataFrame.from_dict(out, orient="index")
