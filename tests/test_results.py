@@ -306,3 +306,24 @@ def test_committed_gpu_audit_has_every_kernel_and_the_captured_family():
     assert (folder / "layer1_step6000" / "qkv.npz").is_file()
     c, meta = A.load_captured(folder / "layer1_step6000" / "qkv.npz")
     assert meta["layer"] == 1 and c["q"].shape[2] == int(top[top.family.str.startswith("captured")]["T"].iloc[0])
+
+
+def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosion():
+    """Page 17 (issue 19 §1): the BF16, SFA and FP32 runs at the recipe, the committed isolation cuts and stabiliser rows,
+    compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16 run's."""
+    from lpfa.experiments import STABILISERS
+    from lpfa.run import run_verdict
+    from lpfa.runs import STABILISER_LINKS, layer_max, stabiliser_table
+
+    t, step, pending = stabiliser_table()
+    assert {"bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe"} <= set(t.index)
+    assert set(pending) | {l for l in STABILISERS if l in t.index} == set(STABILISERS)
+    bf16 = results.experiment_rows("paper_recipe", ["bf16_paper_recipe"])["bf16_paper_recipe"]
+    boom = run_verdict(bf16)["explosion_step"]
+    assert step < boom and step + 200 >= boom  # diagnostics every 200 steps
+    want = layer_max(bf16, "max_logit", 1)
+    assert t.loc["bf16_paper_recipe", f"{STABILISER_LINKS['logit']} @ {step}"] == pytest.approx(float(want[want.index <= step].iloc[-1]))
+    assert (t.loc["bf16_paper_recipe", [f"{k} ÷ bf16" for k in STABILISER_LINKS]] == 1).all()
+    fp32 = t.loc["fp32_paper_recipe"]
+    assert fp32["logit ÷ bf16"] < 0.01 and fp32["outcome"] == "clean"
+    assert t.loc["delta_dp_paper_recipe", "stabiliser"] == "isolation: delta_dp"

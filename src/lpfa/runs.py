@@ -761,3 +761,50 @@ def explosions_text(table) -> str:
                                                            ", its FP32 twin not")
         parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
     return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."
+
+
+STABILISER_BASE = ("bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe")  # paper_recipe's rows the page holds them against
+STABILISER_LINKS = {"ties": "largest per-head tie fraction", "logit": "largest attention logit", "W_Q": "largest per-head ‖W_Q[h]‖₂"}
+
+
+def stabiliser_table(layer: int = 1, root=None):
+    """Issue 19 §1, which link of the chain each stabiliser breaks: :func:`experiment_table` of the unstabilised BF16 run
+    at the paper's recipe (``bf16_paper_recipe``), SFA (``sfa_paper_recipe``), the isolation rows committed at the recipe
+    (:data:`lpfa.experiments.RECIPE_ISOLATION`: the paper's own cuts of the chain), every committed row of
+    :data:`lpfa.experiments.STABILISERS` and the FP32 twins, each held against its own FP32 twin (the row's
+    ``reference``; the FP32 policy twin ``fp32_paper_recipe`` where the stabiliser changes only the attention's rounding),
+    with the logged links of ``layer`` at the last diagnostics step before the BF16 run's explosion (every run reached it,
+    or its last record before it counts) also as ratios to the BF16 run's (``ties ÷ bf16``,
+    ``logit ÷ bf16``, ``W_Q ÷ bf16``) and ``stabiliser`` naming the row's switch. Returns ``(table, step, pending)``:
+    ``pending`` the stabiliser rows not committed yet. Empty table (and step None) without the BF16 run."""
+    import pandas as pd
+
+    from lpfa.experiments import RECIPE_ISOLATION, STABILISERS, rows as rows_of
+    from lpfa.results import experiment_rows
+
+    cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
+    base = experiment_rows("paper_recipe", [*STABILISER_BASE, *cuts], root=root)
+    found = experiment_rows("stabilisers", list(STABILISERS), root=root)
+    pending = [label for label in STABILISERS if label not in found]
+    if "bf16_paper_recipe" not in base:
+        return pd.DataFrame(), None, pending
+    design = rows_of("stabilisers")
+    runs = {**base, **found}
+
+    def reference(label):
+        ref = design[label].reference if label in design else None
+        return found.get(ref) or base.get("fp32_paper_recipe") or runs[label]
+
+    boom = run_verdict(base["bf16_paper_recipe"])["explosion_step"]  # compare before the BF16 loss explodes
+    logged = layer_max(base["bf16_paper_recipe"], "max_logit", layer).index
+    step = int(max(s for s in logged if boom is None or s < boom))
+    table, step = experiment_table(runs, layer=layer, step=step, reference=reference)
+    for short, col in STABILISER_LINKS.items():
+        name = f"{col} @ {step}"
+        table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
+    switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
+              for label in found}
+    named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
+             **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
+    table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
+    return table, step, pending
