@@ -89,12 +89,8 @@ def test_notebook_page_shows_no_log_and_no_repr(nb, tmp_path_factory):
 def test_bf16_notebook_reproduces_the_paper_example(tmp_path):
     nb = ROOT / "notebooks" / "01_bf16_rounding.ipynb"
     out = execute_notebook(nb, tmp_path / nb.name, SMALL["01_bf16_rounding"])
-    text = "\n".join(
-        str(o.get("text", "")) + "".join(str(o.get("data", {}).get(k, "")) for k in ("text/plain", "text/html", "text/markdown"))
-        for c in nbformat.read(out, as_version=4).cells
-        if c.cell_type == "code"
-        for o in c.outputs
-    )
+    text = _text(out) + "\n".join(str(o.get("data", {}).get("text/html", ""))  # the glued text too (its Markdown)
+                                   for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
     assert "-4.703990459442139" in text and "-4.71875" in text and "-0.014759540557861328" in text
     assert "guard 1 | round 0 | sticky 1" in text
     assert "The significand overflowed (|a| and |b| both lie in [2, 4), and both are negative)" in text
