@@ -216,12 +216,7 @@ class PrecisionPolicy:
             object.__setattr__(self, "row_sum_clamp", float(c))
         if self.sfa is not None and not isinstance(self.sfa, SFA):
             raise TypeError(f"PrecisionPolicy.sfa={self.sfa!r}: expected an SFA(beta, eps) or None")
-        pts = self.stochastic
-        if isinstance(pts, (str, bytes)) or not isinstance(pts, (set, frozenset, list, tuple)) or any(
-                p not in SR_POINTS for p in pts):
-            raise ValueError(f"PrecisionPolicy.stochastic={pts!r}: expected a set of rounding points from "
-                             f"{', '.join(map(repr, SR_POINTS))}")
-        object.__setattr__(self, "stochastic", frozenset(pts))
+        self._set_of("stochastic", SR_POINTS, "rounding points")
         for p in sorted(self.stochastic):
             if getattr(self, p) != BF16:
                 raise ValueError(f"PrecisionPolicy.stochastic names {p!r}, but {p}={getattr(self, p)!r}: only a BF16 "
@@ -235,12 +230,7 @@ class PrecisionPolicy:
             raise ValueError(f"PrecisionPolicy.softcap={cap!r}: expected a positive finite number, or None for no soft-capping")
         if cap is not None:
             object.__setattr__(self, "softcap", float(cap))
-        f8 = self.fp8
-        if isinstance(f8, (str, bytes)) or not isinstance(f8, (set, frozenset, list, tuple)) or any(
-                p not in FP8_POINTS for p in f8):
-            raise ValueError(f"PrecisionPolicy.fp8={f8!r}: expected a set of P̄V operands from "
-                             f"{', '.join(map(repr, FP8_POINTS))}")
-        object.__setattr__(self, "fp8", frozenset(f8))
+        self._set_of("fp8", FP8_POINTS, "P̄V operands")
         if "p_bar" in self.fp8 and self.p_bar != BF16:
             raise ValueError(f"PrecisionPolicy.fp8 names 'p_bar', but p_bar={self.p_bar!r}: FP8 P̄ replaces a "
                              "low-precision P̄, so p_bar must be 'bf16'")
@@ -256,6 +246,14 @@ class PrecisionPolicy:
             raise ValueError(f"PrecisionPolicy.dose_sign={self.dose_sign!r}: expected 'bias' or 'control'")
         if not isinstance(self.name, str):
             raise TypeError(f"PrecisionPolicy.name={self.name!r}: expected a str")
+
+    def _set_of(self, name: str, choices: tuple[str, ...], what: str) -> None:
+        """Check that field ``name`` is a set (or list/tuple) of ``choices`` and store it as a frozenset."""
+        pts = getattr(self, name)
+        if isinstance(pts, (str, bytes)) or not isinstance(pts, (set, frozenset, list, tuple)) or any(
+                p not in choices for p in pts):
+            raise ValueError(f"PrecisionPolicy.{name}={pts!r}: expected a set of {what} from {', '.join(map(repr, choices))}")
+        object.__setattr__(self, name, frozenset(pts))
 
     def with_(self, **changes) -> "PrecisionPolicy":
         """A copy with some fields changed (named ``custom`` unless ``name`` is given)."""
