@@ -31,7 +31,7 @@ visible score r2 (a tied max counts twice) during the row-max pass, both from on
 −inf) pairs (:func:`~lpfa.attention.triton_common._row_top2`): thr ≤ rm, so rs > 1 exactly when r2 ≥ thr, and where
 r2 = −inf (thr = −inf counts every visible key) when the row sees more than one key of the block. The decisions,
 and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter); SFA then costs
-the base policy's GEMMs, and in a block of one tile the count's compare-and-sum over S.
+the base policy's GEMMs and the top-two reduction, in blocks of one tile as of several.
 
 Non-finite V: two launches
 --------------------------
@@ -221,7 +221,7 @@ if triton is not None:
                          QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles); with SFA
-        # over several tiles also r2, the second largest visible score, so that the tie test needs no second pass ----
+        # also r2, the second largest visible score (blocks of one tile too), so the tie test needs no count pass ----
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
@@ -379,7 +379,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
     policy's blocks fix the rounding. ``causal_split=False`` runs every key tile through the masked path
     (the kernel before the causal split; bit-identical results, for tests and benchmarks). ``sfa_count_pass=True``
-    decides SFA's ties in a block of several tiles by a second pass that counts the scores within ε of the row max,
+    decides SFA's ties by a pass of their own that counts the scores within ε of the row max,
     as the reference does, instead of from the top two scores of the row-max pass (bit-identical; for tests and
     benchmarks). ``validate=False`` skips
     the input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once,
