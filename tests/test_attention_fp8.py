@@ -1,7 +1,7 @@
 """The FP8 rounding point of the reference (PrecisionPolicy.fp8, FlashAttention-3's FP8 forward, emulated).
 
 Checked against values computed here from their definition: the e4m3 grid itself (all 256 bit patterns), rows that
-see one key (O is then the dequantized V exactly), a V of ones (O is then Σ e4m3(P̄) / Σ P̄ exactly), and an error
+see one key (O is then the dequantized V exactly), a constant V (O is then 0.875·Σ e4m3(P̄) / Σ P̄ exactly), and an error
 bound against float64 on random inputs of awkward shapes.
 """
 
@@ -77,26 +77,26 @@ def test_one_visible_key_gives_the_dequantized_v():
     assert not torch.equal(o[:, :, 0], v[:, :, 0])  # the quantization did act
 
 
-def test_v_of_ones_gives_fp8_numerator_over_fp32_row_sum():
-    """With V = 1 (s = 1/448, e4m3(448) = 448 exact), one block: O = bf16(fp32(Σ e4m3(P̄)) / fp32(Σ P̄)), P̄ = exp(S − m)
-    from FP32 scores: the numerator and the denominator see different P̄ (flash-attention PR #2721's pattern)."""
+def test_constant_v_gives_fp8_numerator_over_fp32_row_sum():
+    """With V = 7/8 everywhere the block scale is s = 0.875 / 448 = 2⁻⁹ and e4m3(V / s) = 448, so dequantizing is exact
+    and, in one block, O = bf16(fp32(0.875·Σ e4m3(P̄)) / fp32(Σ P̄)), P̄ = exp(S − m) from FP32 scores: the numerator and
+    the denominator see different P̄ (flash-attention PR #2721's pattern). Every step is exact or one FP32 rounding,
+    the same on any machine."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
     B, H, T, D = 2, 2, 29, 32
     q, k = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(2))
-    v = torch.ones(B, H, T, D, dtype=torch.bfloat16)
-    pol = EMULATED["fa3_fp8_p"].with_(block_q=None, block_k=None)
+    v = torch.full((B, H, T, D), 0.875, dtype=torch.bfloat16)
+    assert float(quantize_v_e4m3(v.float())[1].unique()) == 2.0**-9
     scale = 1 / math.sqrt(D)
-    o = attention(q, k, v, policy=pol, scale=scale, backend="reference")
     s = (torch.matmul(q.double(), k.double().transpose(-1, -2)).float() * scale).masked_fill(
         ~torch.ones(T, T, dtype=torch.bool).tril(), -math.inf)
     p_bar = torch.exp(s - s.amax(dim=-1, keepdim=True))
     num = round_e4m3(p_bar).double().sum(dim=-1).float()
     den = p_bar.double().sum(dim=-1).float()
-    want = (num / den).bfloat16()
-    assert torch.equal(o[..., 0], want) and torch.equal(o, want[..., None].expand_as(o))
-    # both P̄ and V in e4m3 give the same here: V = 1 is exact in e4m3 after its scale
-    assert torch.equal(attention(q, k, v, policy=EMULATED["fa3_fp8"].with_(block_q=None, block_k=None), scale=scale,
-                                 backend="reference"), o)
+    want = ((0.875 * num) / den).bfloat16()
+    for name in ("fa3_fp8_p", "fa3_fp8"):  # V exact in e4m3 after its scale: both give the same
+        o = attention(q, k, v, policy=EMULATED[name].with_(block_q=None, block_k=None), scale=scale, backend="reference")
+        assert torch.equal(o, want[..., None].expand_as(o)), name
 
 
 @pytest.mark.parametrize("name", sorted(EMULATED))
