@@ -174,3 +174,26 @@ def test_bf16_gradients_stored_by_the_kernels_match_a_cast(name):
     got = flash_backward(do, q, k, v, o, lse, name, 0.125, grad_dtype=torch.bfloat16)
     for part, a, b in zip(("dq", "dk", "dv"), got, want):
         assert torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (part, f"seed={seed}")
+
+
+@pytest.mark.parametrize("B,H,T,D", [(4, 12, 1024, 64), (2, 6, 1000, 128), (3, 4, 77, 64)])
+def test_fa2_agrees_with_sdpa_flash_within_the_arithmetic_bound(B, H, T, D):
+    """lpfa ``fa2`` against SDPA's flash backend (the real FlashAttention-2 kernel) on fresh random BF16 inputs: every
+    element of O within :func:`lpfa.attention.accuracy.flash_agreement_bound` (two BF16 roundings of O and one BF16 ulp
+    of each P̄ apart), and most elements bit-identical (a difference needs the two FP32 values of O, within ~1e-6 of
+    each other but where a P̄ rounding flipped, to straddle a BF16 rounding boundary)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lpfa.attention.accuracy import agreement_with_flash
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(3))
+    scale = 1 / math.sqrt(D)
+    o = attention(q, k, v, policy="fa2", backend="triton")
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        o_flash = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    r = agreement_with_flash(o, o_flash, q, k, v, scale)
+    print(f"fa2 vs SDPA-flash {(B, H, T, D)} seed={seed}: {r}")
+    assert r["max_over_bound"] <= 1.0, (r, seed)
+    assert r["bit_identical"] >= 0.5, (r, seed)
