@@ -102,3 +102,24 @@ def test_first_sustained():
     a = [False, True, True, False, True, True, True, False]
     assert first_sustained(a, 3) == 4 and first_sustained(a, 2) == 1 and first_sustained(a, 4) is None
     assert first_sustained([], 1) is None
+
+
+def test_runaway_heads_lists_each_sustained_head_with_its_start():
+    from lpfa.explosion import RunawayCriterion, runaway_heads
+
+    steps = [0, 100, 200, 300, 400, 500]
+    m = np.zeros((6, 2, 4))
+    m[1:, 1, 2] = 5000  # head 2 from step 100, sustained
+    m[3:, 1, 0] = 2000  # head 0 from step 300
+    m[[1, 3, 5], 1, 3] = 9000  # head 3: above, never twice in a row
+    m[:, 0, 1] = 1e5  # another layer
+    crit = RunawayCriterion(logit=1000, patience=2)
+    assert runaway_heads(m, steps, layer=1, criterion=crit) == {2: 100, 0: 300}
+    assert list(runaway_heads(m, steps, layer=1, criterion=crit)) == [2, 0]  # earliest first
+    assert runaway_heads(m, steps, layer=0, criterion=crit) == {1: 0}
+    m[:, 1, 1] = np.nan  # a NaN logit never counts as above
+    assert 1 not in runaway_heads(m, steps, layer=1, criterion=crit)
+    with pytest.raises(ValueError, match="layer 2 is not one of the run's 2 layers"):
+        runaway_heads(m, steps, layer=2)
+    with pytest.raises(ValueError, match=r"must be \(records, layers, heads\)"):
+        runaway_heads(m[:, :, 0], steps, layer=0)

@@ -1,7 +1,9 @@
 """The results store (lpfa.results) and properties of the committed GPU results that the book relies on."""
 
+import itertools
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import ROOT
@@ -228,6 +230,21 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     assert t.loc["pv_fp32_paper_recipe", "verdict"] == "clean" and t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
     assert t.loc["delta_dp_paper_recipe", "verdict"] == "clean" and pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
     assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
+    # FP32 outlier heads (results/paper_recipe/h200-2026-12-02): the runaway moves to other heads of layer 1; each listed
+    # head's own logged logits stay above the threshold for the criterion's patience, the FP32 heads' never do
+    from lpfa.explosion import RunawayCriterion
+    from lpfa.run import Run, read_records
+
+    label = "fp32_outlier_heads_paper_recipe"
+    heads = t.loc[label, "runaway heads"]
+    fp32 = set(Run(found[label]).train["fp32_heads"]["1"])
+    assert heads and not fp32 & set(heads)
+    crit = RunawayCriterion()
+    logits = np.array([r["diag"]["max_logit"] for r in read_records(found[label]) if "diag" in r])[:, 1, :]
+    above = logits > crit.logit
+    streak = lambda col: max((sum(1 for _ in g) for k, g in itertools.groupby(col) if k), default=0)  # noqa: E731
+    assert {h for h in range(above.shape[1]) if streak(above[:, h]) >= crit.patience} == set(heads)
+    assert t.loc["delta_dp_paper_recipe", "runaway heads"] == ()
 
 
 def test_muon_text_gives_each_learning_rate_its_verdicts():

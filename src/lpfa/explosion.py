@@ -109,6 +109,22 @@ def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriteri
     return int(steps[first]), max(tied, key=lambda layer: m[first, layer])  # several at once: the largest logit
 
 
+def runaway_heads(max_logit, steps, layer: int, criterion: RunawayCriterion = RunawayCriterion()) -> dict[int, int]:
+    """``{head: step}``: the heads of ``layer`` whose own largest logit ran away (above ``criterion.logit`` for
+    ``criterion.patience`` consecutive records), with the step each one's runaway starts, earliest first.
+    ``max_logit``: (records, layers, heads), one record per entry of ``steps``. NumPy only."""
+    import numpy as np
+
+    m = np.asarray(max_logit, dtype=float)
+    if m.ndim != 3 or len(m) != len(steps):
+        raise ValueError(f"max_logit must be (records, layers, heads) with one record per step, got shape {m.shape} "
+                         f"for {len(steps)} steps")
+    if not 0 <= layer < m.shape[1]:
+        raise ValueError(f"layer {layer} is not one of the run's {m.shape[1]} layers")
+    starts = {h: first_sustained(m[:, layer, h] > criterion.logit, criterion.patience) for h in range(m.shape[2])}
+    return dict(sorted(((h, int(steps[s])) for h, s in starts.items() if s is not None), key=lambda kv: (kv[1], kv[0])))
+
+
 def heads_text(heads) -> str:
     """``head 5`` or ``heads 2, 5``: head indices in words, sorted."""
     heads = sorted(int(h) for h in heads)

@@ -29,7 +29,8 @@ import torch
 from lpfa import data as lpfa_data
 from lpfa.checkpoints import load_checkpoint, read_json
 from lpfa.data import drop_partial_line  # noqa: F401  (re-exported with the other readers of a run folder)
-from lpfa.explosion import ExplosionCriterion, RunawayCriterion, attention_label, explosion_step, logit_runaway
+from lpfa.explosion import (ExplosionCriterion, RunawayCriterion, attention_label, explosion_step, logit_runaway,
+                            runaway_heads)
 from lpfa.model import GPTConfig
 
 
@@ -117,6 +118,15 @@ def runaway_onset(run_dir, criterion: RunawayCriterion = RunawayCriterion()) -> 
     if not recs:
         return None
     return logit_runaway([m for _, m in recs], [s for s, _ in recs], RunawayCriterion(criterion.logit, patience=1))
+
+
+def heads_running_away(run_dir, layer: int, criterion: RunawayCriterion = RunawayCriterion()) -> dict[int, int]:
+    """:func:`lpfa.explosion.runaway_heads` of a run folder's logged per-head largest logits: ``{head: step}`` of
+    ``layer``'s heads that ran away; empty if none did (or nothing per head was logged)."""
+    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
+    if not recs or any(not isinstance(m[0], list) for _, m in recs):
+        return {}
+    return runaway_heads([m for _, m in recs], [s for s, _ in recs], layer, criterion)
 
 
 def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),

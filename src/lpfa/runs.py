@@ -11,6 +11,7 @@ from pathlib import Path
 from lpfa.run import (  # noqa: F401  (re-exported: the readers live in lpfa.run)
     Run,
     drop_partial_line,
+    heads_running_away,
     load_metrics,
     metrics_path,
     read_records,
@@ -425,7 +426,8 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     outcome), ``steps``, ``explosion step``, ``verdict``: "exploded", "clean" (did not explode in at least as many
     steps as the BF16 twin needed to explode) or "too short" (stopped before that step), or "not run yet", and the
     precursor the loss does not show: ``runaway step`` and ``runaway layer`` (:class:`lpfa.explosion.RunawayCriterion`
-    on the logged largest logits; None without a runaway)."""
+    on the logged largest logits; None without a runaway), and ``runaway heads``, the heads of that layer whose own
+    logits ran away, earliest first (:func:`lpfa.run.heads_running_away`; a tuple, empty without a runaway)."""
     import pandas as pd
 
     from lpfa.experiments import RECIPE_ISOLATION, rows as experiment_rows_of
@@ -440,11 +442,14 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     for label in labels:
         r = design[label]
         row = {"change": r.description, "paper": r.paper or ("fails" if label.startswith("bf16") else "stable"),
-               "steps": None, "explosion step": None, "verdict": "not run yet", "runaway step": None, "runaway layer": None}
+               "steps": None, "explosion step": None, "verdict": "not run yet", "runaway step": None, "runaway layer": None,
+               "runaway heads": ()}
         if label in found:
             v = run_verdict(found[label])
             row.update(steps=v["steps"], **{"explosion step": v["explosion_step"], "runaway step": v["runaway_step"],
                                             "runaway layer": v["runaway_layer"]})
+            if v["runaway_layer"] is not None:
+                row["runaway heads"] = tuple(heads_running_away(found[label], int(v["runaway_layer"])))
             row["verdict"] = ("exploded" if v["exploded"] else
                               "clean" if boom is not None and v["steps"] > boom else "too short")
         out[label] = row
