@@ -157,6 +157,13 @@ def test_nonfinite_flags_name_exactly_the_poisoned_batch_heads(T, D, dtype):
     for bh, value in zip(torch.randperm(B * H, generator=g)[:3].tolist(), (math.nan, math.inf, -math.inf)):
         x.view(B * H, -1)[bh, torch.randint(T * D, (1,), generator=g)] = value
     want = (~torch.isfinite(x)).flatten(2).any(dim=-1).flatten().to(torch.int32)
-    got = nonfinite_flags(x.float() if dtype == torch.bfloat16 else x)  # the wrappers hand the interpreter FP32
-    assert torch.equal(got, want), (got.tolist(), want.tolist(), f"seed={seed}")
+    xf = x.float() if dtype == torch.bfloat16 else x  # the wrappers hand the interpreter FP32
+    got = nonfinite_flags(xf)
+    assert got.shape == (1, B * H) and torch.equal(got[0], want), (got.tolist(), want.tolist(), f"seed={seed}")
     assert int(want.sum()) == 3
+    # several tensors in one launch: each row its own tensor's flags
+    clean = torch.randn(B, H, T, D, generator=g)
+    many = nonfinite_flags(clean, xf, xf.flip(1))
+    assert torch.equal(many, torch.stack([torch.zeros_like(want), want, want.view(B, H).flip(1).flatten()]))
+    with pytest.raises(ValueError, match="1 to 3 tensors of one shape"):
+        nonfinite_flags(clean, clean[:, :1])

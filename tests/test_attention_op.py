@@ -72,7 +72,29 @@ def test_tie_stats_with_triton_backend():
 def test_custom_op_registration():
     q, k, v = (t.detach() for t in _qkv(T=32))
     key = policy_key(PRESETS["fa2"].with_(block_q=16, block_k=16))
-    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+    for for_backward in (False, True):
+        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward), test_utils=("test_schema", "test_faketensor"))
+
+
+def test_flags_kept_for_the_backward_are_the_ones_it_would_compute():
+    """The forward op keeps the non-finite flags of V, Q, K when a backward will follow, and the backward then
+    computes only dO's: the same flags as computing all of them there, and the same gradients either way."""
+    from lpfa.attention.kernels import _bwd_op
+    from lpfa.attention.triton_common import nonfinite_flags
+
+    q, k, v = (t.detach().float() for t in _qkv(B=2, H=3, T=40))
+    k[1, 2, 7, 3] = float("nan")
+    v[0, 1, 30, 0] = float("inf")
+    key = policy_key(PRESETS["fa2"])
+    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True)
+    assert torch.equal(flags, nonfinite_flags(v, q, k))
+    assert flags[0].nonzero().flatten().tolist() == [1] and flags[2].nonzero().flatten().tolist() == [5]
+    assert _fwd_op(q, k, v, key, 0.25, False)[2].shape == (1, 0)  # nothing kept without a backward
+    do = torch.randn_like(q)
+    kept = _bwd_op(do, q, k, v, o, lse, flags, key, 0.25)
+    recomputed = _bwd_op(do, q, k, v, o, lse, torch.zeros(1, 0, dtype=torch.int32), key, 0.25)
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def test_custom_policies_under_torch_compile():
@@ -98,7 +120,7 @@ def test_custom_policies_under_torch_compile():
     g = torch.compile(lambda q, k, v: attention(q, k, v, policy=pol2, backend="triton"), backend="eager", fullgraph=True)
     _close(g(q, k, v), attention(q, k, v, policy=pol2, backend="reference"), 0.99)
     with pytest.raises(KeyError, match="no precision policy is registered under 'nonsense'"):
-        _fwd_op(q, k, v, "nonsense", 0.25)
+        _fwd_op(q, k, v, "nonsense", 0.25, False)
 
 
 def test_backend_errors():
@@ -118,16 +140,16 @@ def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
     q, k, v = (torch.randn(B, T, H, D).bfloat16().transpose(1, 2) for _ in range(3))
     assert not q.is_contiguous()
     key = policy_key(PRESETS["paper"].with_(block_q=16, block_k=16))
-    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25), test_utils=("test_schema", "test_faketensor"))
-    o, lse = _fwd_op(q, k, v, key, 0.25)
+    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, True), test_utils=("test_schema", "test_faketensor"))
+    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True)
     do = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)
-    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25), test_utils=("test_schema", "test_faketensor"))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse)]
+        fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse, flags)]
         fake_out = _bwd_op(*fake, key, 0.25)
-    for real, f in zip(_bwd_op(do, q, k, v, o, lse, key, 0.25), fake_out):
+    for real, f in zip(_bwd_op(do, q, k, v, o, lse, flags, key, 0.25), fake_out):
         assert real.stride() == f.stride() and real.dtype == f.dtype
 
 

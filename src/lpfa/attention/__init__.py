@@ -133,7 +133,7 @@ def attention(
         from lpfa.attention.triton_common import check_triton_support
 
         # q, k, v passed check_inputs above: the kernels' own limits, once (their launches skip the checks)
-        check_triton_support(q.shape[-1], pol.with_(fp32_heads=frozenset()), scale, is_causal)
+        check_triton_support(q.shape[-1], pol, scale, is_causal, heads_split=True)
         if stats is not None:  # the counts as the reference computes them, from a pass without V
             with torch.no_grad():
                 fill_stats(stats, q.detach().float(), k.detach().float(), scale, pol, True)

@@ -60,55 +60,72 @@ def _policy(key: str) -> PrecisionPolicy:
 
 
 @torch.library.custom_op("lpfa::flash_attention_fwd", mutates_args=())
-def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float,
+            for_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(O, lse, flags): ``flags`` the non-finite flags of V (1, B·H), with those of Q and K (3, B·H) when
+    ``for_backward``, so that the backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`)."""
     from lpfa.attention.triton_fwd import flash_forward
 
-    return flash_forward(q, k, v, _policy(key), scale, validate=False)  # attention() checked the inputs
+    # attention() checked the inputs
+    out = flash_forward(q, k, v, _policy(key), scale, validate=False, return_flags=True) if for_backward else None
+    if out is None:
+        o, lse = flash_forward(q, k, v, _policy(key), scale, validate=False)
+        return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept (never read)
+    return out
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key, scale):
+def _(q, k, v, key, scale, for_backward):
     pol = _policy(key)
     o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
-    return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
+    flags = q.new_empty((3, q.shape[0] * q.shape[1]) if for_backward else (1, 0), dtype=torch.int32)
+    return o, q.new_empty(q.shape[:-1], dtype=torch.float32), flags
 
 
 @torch.library.custom_op("lpfa::flash_attention_bwd", mutates_args=())
 def _bwd_op(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, key: str, scale: float
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    flags: torch.Tensor, key: str, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from lpfa.attention.triton_bwd import flash_backward
 
-    # q, k, v share a dtype (checked); the kernels store the gradients in it (no FP32 copies to convert)
-    return flash_backward(do, q, k, v, o, lse, _policy(key), scale, validate=False, grad_dtype=q.dtype)
+    # q, k, v share a dtype (checked); the kernels store the gradients in it (no FP32 copies to convert).
+    # flags: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's first pass)
+    return flash_backward(do, q, k, v, o, lse, _policy(key), scale, validate=False, grad_dtype=q.dtype,
+                          input_flags=flags if flags.shape[0] == 3 else None)
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, key, scale):
+def _(do, q, k, v, o, lse, flags, key, scale):
     # the kernels return contiguous gradients whatever the inputs' layout (the model passes transposed views)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key, scale = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    q, k, v, key, scale, for_backward = inputs
+    o, lse, flags = output
+    ctx.save_for_backward(q, k, v, o, lse, flags)
     ctx.key, ctx.scale = key, scale
 
 
-def _backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, ctx.key, ctx.scale)
-    return dq, dk, dv, None, None
+def _backward(ctx, do, dlse, dflags):
+    q, k, v, o, lse, flags = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, flags, ctx.key, ctx.scale)
+    return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _for_backward(*xs: torch.Tensor) -> bool:
+    """Whether autograd will run this call's backward: grad mode on and an input that requires grad."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+
+
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy, scale: float) -> torch.Tensor:
     """Causal attention through the Triton kernels; heads in ``policy.fp32_heads`` run the ``fp32`` policy."""
     if not policy.fp32_heads:
-        return _fwd_op(q, k, v, policy_key(policy), scale)[0]
+        return _fwd_op(q, k, v, policy_key(policy), scale, _for_backward(q, k, v))[0]
     H = q.shape[1]
     bad = [h for h in policy.fp32_heads if h >= H]
     if bad:
@@ -122,7 +139,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
         if heads:
             idx = torch.tensor(heads, device=q.device)
             sel = [t.index_select(1, idx) for t in (q, k, v)]
-            parts[tuple(heads)] = _fwd_op(*sel, policy_key(pol), scale)[0].to(out_dtype)
+            parts[tuple(heads)] = _fwd_op(*sel, policy_key(pol), scale, _for_backward(*sel))[0].to(out_dtype)
     # put the head groups back in order (index_select / cat keep autograd intact)
     order = [h for heads in parts for h in heads]
     out = torch.cat(list(parts.values()), dim=1)

@@ -459,7 +459,8 @@ def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scal
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
-                   validate: bool = True, grad_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   validate: bool = True, grad_dtype: torch.dtype = torch.float32,
+                   input_flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
@@ -475,7 +476,9 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     the policy's blocks fix the rounding. ``causal_split=False`` runs every sub-tile through the masked path
     (the kernels before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
     the input checks for a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose
-    saved tensors the forward checked and whose dO autograd shapes).
+    saved tensors the forward checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of
+    V, Q, K that ``flash_forward(..., return_flags=True)`` returned for these inputs (None: computed here, in the one
+    launch that dO's needs anyway).
     """
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
@@ -536,7 +539,14 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     # each kernel twice: every batch·head with its operands taken as finite, then only those whose are not
     # (NONFINITE: the non-finite path costs registers, and choosing on the host would need a sync)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
-    q_flags, do_flags = nonfinite_flags(q_), nonfinite_flags(do_)
+    # per-(batch, head) non-finite flags of Q and dO (dK/dV kernel) and K (dQ kernel), in one launch
+    if input_flags is None:
+        q_flags, k_flags, do_flags = nonfinite_flags(q_, k_, do_)
+    else:
+        if tuple(input_flags.shape) != (3, B * H) or input_flags.dtype != torch.int32:
+            raise ValueError(f"input_flags must be the (3, {B * H}) int32 flags of V, Q, K from flash_forward(..., "
+                             f"return_flags=True), got {tuple(input_flags.shape)} {input_flags.dtype}")
+        (do_flags,), q_flags, k_flags = nonfinite_flags(do_), input_flags[1], input_flags[2]
     for nonfinite in (False, True):
         _bwd_dkdv_kernel[(n_ktiles, B * H)](
             q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale),
@@ -548,7 +558,6 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * TPB_Q
-    k_flags = nonfinite_flags(k_)
     for nonfinite in (False, True):
         _bwd_dq_kernel[(n_qtiles, B * H)](
             q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),

@@ -286,16 +286,25 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _nonfinite_kernel(X, FLAGS, N, BLOCK: tl.constexpr):
-        """FLAGS[bh] = 1 if the bh-th slice of N contiguous elements of X holds an inf or NaN; one program per
-        BLOCK elements of a slice, so a long sequence is spread over many programs (FLAGS starts at 0)."""
-        pid_c = tl.program_id(0)  # chunk of the slice
-        pid_bh = tl.program_id(1)  # (batch, head)
-        offs = pid_c * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(X + pid_bh.to(tl.int64) * N + offs, mask=offs < N, other=0.0).to(tl.float32)
-        bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=0)  # NaN, or ±inf
-        if bad > 0:
-            tl.atomic_max(FLAGS + pid_bh, 1)
+    def _nonfinite_kernel(X0, X1, X2, FLAGS, N, BH, BLOCK: tl.constexpr):
+        """FLAGS[i, bh] = 1 if the bh-th slice of N contiguous elements of Xi holds an inf or NaN, else 0: one program
+        per (slice, tensor), walking its slice in BLOCK-element chunks. Every flag is stored once, with no atomics, so
+        FLAGS needs no zeroing first (one launch in all, whatever the number of tensors)."""
+        pid_bh = tl.program_id(0)  # (batch, head)
+        which = tl.program_id(1)  # which tensor
+        base = pid_bh.to(tl.int64) * N
+        bad = tl.zeros([BLOCK], dtype=tl.int32)
+        for start in range(0, N, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            ok = offs < N
+            if which == 0:
+                x = tl.load(X0 + base + offs, mask=ok, other=0.0).to(tl.float32)
+            elif which == 1:
+                x = tl.load(X1 + base + offs, mask=ok, other=0.0).to(tl.float32)
+            else:
+                x = tl.load(X2 + base + offs, mask=ok, other=0.0).to(tl.float32)
+            bad = bad | ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)  # NaN, or ±inf
+        tl.store(FLAGS + which * BH + pid_bh, tl.max(bad, axis=0))
 
 
 def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
@@ -314,15 +323,21 @@ def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
     return int(bool(dot_bf16) and exact) | (2 if split_a else 0) | (4 if split_b else 0)
 
 
-NONFINITE_BLOCK = 4096  # elements per program of _nonfinite_kernel
+NONFINITE_BLOCK = 2048  # elements per chunk of _nonfinite_kernel
+MAX_FLAGGED = 3  # tensors per launch of _nonfinite_kernel
 
 
-def nonfinite_flags(x):
-    """(B·H,) int32: 1 where the (batch, head) slice of ``x`` (B, H, T, D, contiguous) holds an inf or NaN (for
-    :func:`_dot_visible`). One pass over ``x`` in one launch, on the device (no host sync)."""
-    B, H, T, D = x.shape
-    flags = torch.zeros(B * H, device=x.device, dtype=torch.int32)
-    _nonfinite_kernel[(triton.cdiv(T * D, NONFINITE_BLOCK), B * H)](x, flags, T * D, BLOCK=NONFINITE_BLOCK)
+def nonfinite_flags(*xs):
+    """(len(xs), B·H) int32: row i is 1 where the (batch, head) slice of ``xs[i]`` (each (B, H, T, D), contiguous, one
+    shape) holds an inf or NaN, for :func:`_dot_visible`. One launch for up to :data:`MAX_FLAGGED` tensors, one pass over
+    each, on the device (no host sync)."""
+    if not 1 <= len(xs) <= MAX_FLAGGED or any(x.shape != xs[0].shape for x in xs):
+        raise ValueError(f"nonfinite_flags takes 1 to {MAX_FLAGGED} tensors of one shape, got shapes "
+                         f"{[tuple(x.shape) for x in xs]}")
+    B, H, T, D = xs[0].shape
+    flags = torch.empty(len(xs), B * H, device=xs[0].device, dtype=torch.int32)
+    ptrs = [*xs, *(xs[0],) * (MAX_FLAGGED - len(xs))]  # unused slots: any valid tensor (never read)
+    _nonfinite_kernel[(B * H, len(xs))](*ptrs, flags, T * D, B * H, BLOCK=NONFINITE_BLOCK, num_warps=8)
     return flags
 
 
@@ -345,10 +360,11 @@ def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, i
     return size, max(_next_pow2(size), MIN_TILE), 1
 
 
-def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal) -> None:
+def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal, heads_split: bool = False) -> None:
     """Clear errors for what the Triton kernels do not take, for inputs that :func:`lpfa.attention.check_inputs`
-    has already accepted: no Triton, a non-causal call, an FP8 policy (reference only), FP32 heads inside one launch, an unsupported head dim, a bad
-    scale."""
+    has already accepted: no Triton, a non-causal call, an FP8 policy (reference only), FP32 heads inside one launch
+    (``heads_split``: the caller splits them off, as :func:`lpfa.attention.kernels.triton_attention` does), an
+    unsupported head dim, a bad scale."""
     if triton is None:
         raise ImportError("the Triton attention kernels need the `triton` package")
     if not causal:
@@ -356,7 +372,7 @@ def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal) 
     if policy.fp8:
         raise ValueError(f"policy {policy.name!r} rounds {', '.join(sorted(policy.fp8))} to FP8 (PrecisionPolicy.fp8), which "
                          "only the PyTorch reference emulates: use backend='reference'")
-    if policy.fp32_heads:
+    if policy.fp32_heads and not heads_split:
         raise ValueError(
             f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
             "split the FP32 heads off in the caller and run them with the fp32 policy"

@@ -366,7 +366,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
-                  validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  validate: bool = True, return_flags: bool = False) -> tuple[torch.Tensor, ...]:
     """Causal flash-attention forward with the rounding points of ``policy``.
 
     q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
@@ -383,7 +383,9 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     as the reference does, instead of from the top two scores of the row-max pass (bit-identical; for tests and
     benchmarks). ``validate=False`` skips
     the input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once,
-    as :func:`lpfa.attention.attention` does.
+    as :func:`lpfa.attention.attention` does. ``return_flags=True``: also return the (3, B·H) non-finite flags of V,
+    Q, K (:func:`~lpfa.attention.triton_common.nonfinite_flags`, from the one launch that V's needs anyway), which
+    :func:`lpfa.attention.triton_bwd.flash_backward` takes as ``input_flags`` instead of computing them again.
     """
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
@@ -414,13 +416,13 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     o = torch.empty(B, H, T, D, device=q.device, dtype=torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
-    v_flags = nonfinite_flags(v)
+    flags = nonfinite_flags(v, q, k) if return_flags else nonfinite_flags(v)  # row 0: V's, for this kernel
     for nonfinite in (False, True):  # all batch·heads with V taken as finite, then those whose V is not (no host sync)
-        _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
+        _forward_launch(grid, q, k, v, o, lse, flags[0], T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
                         dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
-    return o, lse
+    return (o, lse, flags) if return_flags else (o, lse)
 
 
 def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
