@@ -32,6 +32,7 @@ and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json`
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -311,12 +312,43 @@ def compile_check(D=64):
     return {"fullgraph": True, "identical_to_eager": same}
 
 
+def write_speed_summary(out: Path, shape: dict, rows: dict) -> str:
+    """``summary.json`` (preset → fwd+bwd TFLOP/s and ratio to SDPA-flash; read by the book) and ``table.txt`` from the
+    speed part's rows (``bench.json``'s ``rows``); returns the table. Also run on its own, to rebuild both from a
+    committed ``bench.json``: ``python benchmarks/attention.py --out DIR --summarize``."""
+    base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
+    summary = {
+        "shape": shape,
+        "sdpa_flash_fwd_bwd_tflops": base,
+        "presets": {
+            n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None}
+            for n, r in rows.items()
+        },
+    }
+    write_json(out / "summary.json", summary)
+    lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s}   (TFLOP/s, ratio = fwd+bwd / SDPA-flash)"]
+    for n, r in rows.items():
+        ratio = r["fwd_bwd_tflops"] / base if base else float("nan")
+        lines.append(f"{n:16s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:7.3f}")
+    table = "\n".join(lines)
+    print(table, flush=True)
+    (out / "table.txt").write_text(table + "\n")
+    return table
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
     p.add_argument("--parts", default="check,error,speed,shapes,memory,compile")
+    p.add_argument("--summarize", action="store_true",
+                   help="only rebuild summary.json and table.txt from DIR/bench.json (no GPU needed)")
     a = p.parse_args()
+    if a.summarize:
+        bench = json.loads((Path(a.out) / "bench.json").read_text())
+        B, H, T, D = bench["shape"]
+        write_speed_summary(Path(a.out), {"B": B, "H": H, "T": T, "D": D}, bench["rows"])
+        return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -342,23 +374,7 @@ def main():
 
         rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0, save=save)
         save(rows, done=True)
-        base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
-        summary = {
-            "shape": {"B": B, "H": H, "T": T, "D": D},
-            "sdpa_flash_fwd_bwd_tflops": base,
-            "presets": {
-                n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None}
-                for n, r in rows.items()
-            },
-        }
-        write_json(out / "summary.json", summary)
-        lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s}   (TFLOP/s, ratio = fwd+bwd / SDPA-flash)"]
-        for n, r in rows.items():
-            ratio = r["fwd_bwd_tflops"] / base if base else float("nan")
-            lines.append(f"{n:16s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:7.3f}")
-        table = "\n".join(lines)
-        print(table, flush=True)
-        (out / "table.txt").write_text(table + "\n")
+        write_speed_summary(out, {"B": B, "H": H, "T": T, "D": D}, rows)
     if "shapes" in parts:
         rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)
         write_json(out / "shapes.json", {"rows": rows})

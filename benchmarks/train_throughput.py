@@ -2,10 +2,12 @@
 
 One optimizer step = forward + backward + AdamW on B × 1024 tokens under BF16 autocast with FP32
 master weights (the paper's recipe), random token ids (throughput does not depend on the data).
-Eager mode (no torch.compile) for every backend, measured in the same run. MFU uses nanoGPT's
-FLOP estimate (6N + 12·L·H·D·T per token) against the H200's 989 TFLOP/s dense BF16 peak.
+Every backend eagerly, and with ``--compile`` also the model under ``torch.compile`` (issue 17's goal: lpfa ``fa2``
+≥ 0.95× and ``paper`` ≥ 0.9× the same model on SDPA, compiled, in the same run) for :data:`COMPILED`; each compiled
+model is warmed up (compiled) before its timing starts. MFU uses nanoGPT's FLOP estimate (6N + 12·L·H·D·T per
+token) against the H200's 989 TFLOP/s dense BF16 peak.
 
-Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10]``
+Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile]``
 """
 
 from __future__ import annotations
@@ -22,28 +24,32 @@ from lpfa.provenance import provenance, write_json
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (datasheet)
 BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper", "lpfa", "paper"),
             ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2")]
+COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper")  # compiled as well with --compile (each costs a compilation)
 
 
-def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024):
+def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, compile: bool = False):
     torch.manual_seed(0)
     cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy)
     model = GPT(cfg).cuda()
+    fwd = torch.compile(model) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(inp, tgt)
+            _, loss = fwd(inp, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(3):
+    t_warm = time.time()
+    for _ in range(3):  # warm-up (the compilation, with --compile)
         step()
     torch.cuda.synchronize()
+    warmup_s = time.time() - t_warm
     torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     for _ in range(steps):
@@ -55,7 +61,7 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024):
     flops_per_token = 6 * n + 12 * L * H * D * T
     tok_s = batch * T / dt
     out = {"tokens_per_s": tok_s, "step_ms": dt * 1e3, "mfu": flops_per_token * tok_s / PEAK_BF16,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach())}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach()), "warmup_s": warmup_s}
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -66,32 +72,39 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--compile", action="store_true", help="also time the COMPILED backends under torch.compile")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(a.out)
     write_json(out / "provenance.json", provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
-                                                           "autocast": "bfloat16", "compile": False}))
+                                                           "autocast": "bfloat16", "compile": a.compile}))
     rows = {}
-    for name, backend, policy in BACKENDS:
+    runs = [(name, backend, policy, False) for name, backend, policy in BACKENDS]
+    if a.compile:
+        runs += [(f"{name}_compiled", backend, policy, True) for name, backend, policy in BACKENDS if name in COMPILED]
+    for name, backend, policy, compiled in runs:
         try:
-            rows[name] = measure(backend, policy, a.batch, a.steps)
+            rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled)
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         r = rows[name]
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
-    base = rows["sdpa"].get("tokens_per_s")
+    def base_of(name):  # each mode against SDPA in the same mode
+        return rows.get("sdpa_compiled" if name.endswith("_compiled") else "sdpa", {}).get("tokens_per_s")
+
     summary = {"model": "gpt2-s", "T": 1024, "batch": a.batch,
-               "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"),
-                                "ratio_to_sdpa": (r["tokens_per_s"] / base) if base and "tokens_per_s" in r else None}
+               "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"), "compiled": n.endswith("_compiled"),
+                                "ratio_to_sdpa": (r["tokens_per_s"] / base_of(n)) if base_of(n) and "tokens_per_s" in r else None}
                             for n, r in rows.items()}}
     write_json(out / "throughput.json", rows)
     write_json(out / "summary.json", summary)
-    lines = [f"{'backend':16s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}"]
+    lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}   (ratio: to SDPA in the same mode)"]
     for n, r in rows.items():
-        if "tokens_per_s" in r:
-            lines.append(f"{n:16s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {r['tokens_per_s'] / base:6.3f} {r['peak_mem_gib']:8.1f}")
+        if "tokens_per_s" in r and base_of(n):
+            lines.append(f"{n:24s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {r['tokens_per_s'] / base_of(n):6.3f} "
+                         f"{r['peak_mem_gib']:8.1f}")
         else:
-            lines.append(f"{n:16s} {r['error']}")
+            lines.append(f"{n:24s} {r.get('error', 'no SDPA row to compare with')}")
     table = "\n".join(lines)
     print(table)
     (out / "table.txt").write_text(table + "\n")

@@ -8,6 +8,7 @@ D=64) next to SDPA-flash measured in the same run. Usage: ``python benchmarks/tu
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import time
 from pathlib import Path
@@ -32,6 +33,19 @@ def ms(fn, rep=20):
     return s.elapsed_time(e) / rep
 
 
+def rows_from_log(log: str) -> dict:
+    """tune.json's content from a run's printed output: the SDPA-flash line and one dict per configuration
+    (``complete`` False: the run's own file was not written to the end)."""
+    rows = []
+    for line in log.splitlines():
+        if line.startswith("sdpa_flash fwd "):
+            f, b = (float(x) for x in line.split()[2:5:2])
+            rows.append({"impl": "sdpa_flash", "fwd_tflops": f, "bwd_tflops": b})
+        elif line.startswith("{'impl'"):
+            rows.append(ast.literal_eval(line))
+    return {"shape": [B, H, T, D], "rows": rows, "complete": False, "from_log": True}
+
+
 def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -45,8 +59,13 @@ def main():
                    help="a few launch configurations each (precise math only), for a short GPU call")
     p.add_argument("--compare-split", action="store_true",
                    help="also time every configuration with causal_split=False (every tile masked, as before issue 17)")
+    p.add_argument("--from-log", metavar="LOG",
+                   help="only rebuild DIR/tune.json from the printed rows of a run cut by its time limit (no GPU needed)")
     a = p.parse_args()
     out = Path(a.out)
+    if a.from_log:
+        write_json(out / "tune.json", rows_from_log(Path(a.from_log).read_text()))
+        return
     write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
                                                           "compare_split": a.compare_split}))
     f_fwd = 4 * B * H * T * T * D / 2
@@ -81,6 +100,10 @@ def main():
         fwd_cfgs += [dict(cfg, causal_split=False) for cfg in fwd_cfgs]
         bwd_cfgs += [dict(cfg, causal_split=False) for cfg in bwd_cfgs]
     t0 = time.time()
+
+    def save(rows, complete=False):  # after every row, so that a run cut by its time limit keeps what it measured
+        write_json(out / "tune.json", {"shape": [B, H, T, D], "rows": rows, "seconds": time.time() - t0, "complete": complete})
+
     for name in a.presets.split(","):
         for cfg in fwd_cfgs:
             try:
@@ -90,6 +113,7 @@ def main():
                 r = {"impl": name, "pass": "fwd", **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)
             print(r, flush=True)
+            save(rows)
         o, lse = flash_forward(q, k, v, name, scale)
         of = o.float()
         for cfg in bwd_cfgs:
@@ -100,7 +124,8 @@ def main():
                 r = {"impl": name, "pass": "bwd", **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)
             print(r, flush=True)
-    write_json(out / "tune.json", {"shape": [B, H, T, D], "rows": rows, "seconds": time.time() - t0})
+            save(rows)
+    save(rows, complete=True)
 
 
 if __name__ == "__main__":

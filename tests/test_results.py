@@ -277,7 +277,27 @@ def test_tuning_best_picks_each_pass_best_launch():
         for (impl, pss), row in best.iterrows():
             mine = [r["tflops"] for r in tune["rows"] if r.get("impl") == impl and r.get("pass") == pss and "tflops" in r]
             assert row["TFLOP/s"] == max(mine) and row["ratio to SDPA-flash"] == max(mine) / sdpa[f"{pss}_tflops"]
-        assert set(best.index) == {(i, p) for i in ("fa2", "paper") for p in ("fwd", "bwd")}
+        every = {(i, p) for i in ("fa2", "paper") for p in ("fwd", "bwd")}
+        if tune.get("complete", True):
+            assert set(best.index) == every
+        else:  # a sweep cut by its time limit (h200-2026-12-02: the paper preset's backward rows are missing)
+            assert set(best.index) < every and ("fa2", "fwd") in best.index
+
+
+def test_overhead_table_says_which_side_sets_the_pace():
+    """lpfa.attention.report.overhead_table on the committed overhead.json: one row per (implementation, pass), bound
+    by the host exactly where its issue time exceeds the GPU's busy time, and the GPU-time ratio to SDPA-flash."""
+    from lpfa.attention.report import overhead_table
+
+    data = results.load("attention_benchmark", "overhead.json")
+    t = overhead_table(data)
+    assert len(t) == len(data["rows"]) and {"sdpa_flash", "fa2", "paper"} <= set(t.index.get_level_values(0))
+    for (name, what), row in t.iterrows():
+        r = data["rows"][f"{name}/{what}"]
+        assert row["bound by"] == ("host" if r["host_us"] > r["gpu_us"] else "GPU")
+        assert row["GPU time × SDPA-flash"] == pytest.approx(data["rows"][f"sdpa_flash/{what}"]["gpu_us"] / r["gpu_us"])
+        assert row["distinct kernels"] == len(r["kernels_us"])
+    assert t.loc[("sdpa_flash", "fwd"), "GPU time × SDPA-flash"] == 1.0
 
 
 def test_sfa_overhead_table_reads_the_benchmark_rows():

@@ -95,3 +95,23 @@ def sfa_overhead_table(data: dict):
         row["spread"] = max(row.get("spread", 0.0), r["spread"])
     df = pd.DataFrame.from_dict(out, orient="index").rename_axis("B×H×T×D")
     return df[[c for c in df.columns if c != "spread"] + ["spread"]]
+
+
+def overhead_table(data: dict):
+    """``benchmarks/attention.py``'s ``overhead.json`` as one row per (implementation, pass): the host's time to issue
+    one call, the GPU's busy time per call (its kernels summed), the time per call back to back, ``do_bench``'s time
+    (the speed table's method) and how many distinct kernels one call runs; ``bound by`` says which side sets the pace
+    (the host where its issue time exceeds the GPU's busy time), and ``GPU time × SDPA-flash`` is SDPA-flash's GPU
+    time over this row's for the same pass (above 1: faster on the GPU than SDPA-flash)."""
+    import pandas as pd
+
+    rows = data["rows"]
+    out = {}
+    for key, r in rows.items():
+        name, what = key.split("/")
+        sdpa = rows.get(f"sdpa_flash/{what}")
+        out[(name, what)] = {"host µs": r["host_us"], "GPU µs": r["gpu_us"], "back to back µs": r["loop_us"],
+                             "do_bench µs": r["do_bench_us"], "distinct kernels": len(r["kernels_us"]),
+                             "bound by": "host" if r["host_us"] > r["gpu_us"] else "GPU",
+                             "GPU time × SDPA-flash": sdpa["gpu_us"] / r["gpu_us"] if sdpa else None}
+    return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
