@@ -61,6 +61,37 @@ def bench_ms(fn, budget_s=20.0):
     return do_bench(fn, warmup=25, rep=max(10, min(100, int(budget_s * 1000))), return_mode="median")
 
 
+def graph_ms(fn, rep=20, replays=3):
+    """Mean ms per call of ``fn`` replayed from a CUDA graph of ``rep`` calls: the GPU's time alone. Called eagerly,
+    the host's launches (several per call, tens of µs each) can outlast a kernel at GPT-2 shapes and would be timed
+    instead of it (the overhead part); a graph launches them all at once. Falls back to ``(None, False)`` where the
+    capture fails."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compile) off the capturing stream, as torch.cuda.graph asks
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(rep):
+                fn()
+        g.replay()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(replays):
+            g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        return s.elapsed_time(e) / (rep * replays), True
+    except Exception as err:  # noqa: BLE001  (any capture failure: time eagerly and say so in the row)
+        print(f"CUDA graph capture failed ({type(err).__name__}: {str(err)[:120]}); timing eagerly", flush=True)
+        torch.cuda.synchronize()
+        return None, False
+
+
 def inputs(B, H, T, D, seed=0, requires_grad=True):
     g = torch.Generator(device="cuda").manual_seed(seed)
     return [torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(requires_grad) for _ in range(3)]
@@ -139,17 +170,27 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
             return
         for t in (q, k, v):
             t.grad = None
+
+        def grads():  # forward and backward without accumulating into .grad (a graph replays the same buffers)
+            o = fwd()
+            return torch.autograd.grad(o, (q, k, v), do.to(o.dtype))
+
+        g_fb, _ = graph_ms(grads)  # the GPU's time alone
         t_b = max(t_fb - t_f, 1e-6)
         rows[name] = {
             "fwd_ms": t_f, "bwd_ms": t_b, "fwd_bwd_ms": t_fb,
             "fwd_tflops": flops(B, H, T, D, "fwd") / t_f / 1e9,
             "bwd_tflops": flops(B, H, T, D, "bwd") / t_b / 1e9,
             "fwd_bwd_tflops": flops(B, H, T, D, "fwd_bwd") / t_fb / 1e9,
+            "graph_fwd_bwd_ms": g_fb,
+            "graph_fwd_bwd_tflops": flops(B, H, T, D, "fwd_bwd") / g_fb / 1e9 if g_fb else None,
         }
         r = rows[name]
         if save is not None:
             save(rows)
-        print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  fwd+bwd {r['fwd_bwd_tflops']:7.1f} TFLOP/s", flush=True)
+        graph = f"{r['graph_fwd_bwd_tflops']:7.1f}" if r["graph_fwd_bwd_tflops"] else "    n/a"
+        print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  fwd+bwd {r['fwd_bwd_tflops']:7.1f} "
+              f"(from a CUDA graph: {graph}) TFLOP/s", flush=True)
 
     def sdpa(backend):
         def fwd():
@@ -317,19 +358,28 @@ def write_speed_summary(out: Path, shape: dict, rows: dict) -> str:
     speed part's rows (``bench.json``'s ``rows``); returns the table. Also run on its own, to rebuild both from a
     committed ``bench.json``: ``python benchmarks/attention.py --out DIR --summarize``."""
     base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
+    gbase = rows.get("sdpa_flash", {}).get("graph_fwd_bwd_tflops")  # None in runs before the graph timing
+
+    def graph_ratio(r):
+        return r["graph_fwd_bwd_tflops"] / gbase if gbase and r.get("graph_fwd_bwd_tflops") else None
+
     summary = {
         "shape": shape,
         "sdpa_flash_fwd_bwd_tflops": base,
         "presets": {
-            n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None}
+            n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None,
+                "graph_fwd_bwd_tflops": r.get("graph_fwd_bwd_tflops"), "graph_ratio_to_sdpa_flash": graph_ratio(r)}
             for n, r in rows.items()
         },
     }
     write_json(out / "summary.json", summary)
-    lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s}   (TFLOP/s, ratio = fwd+bwd / SDPA-flash)"]
+    lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s} {'graph':>8s} {'ratio':>7s}   (TFLOP/s; "
+             "ratio = fwd+bwd / SDPA-flash's; graph: fwd+bwd replayed from a CUDA graph, the GPU's time alone)"]
     for n, r in rows.items():
         ratio = r["fwd_bwd_tflops"] / base if base else float("nan")
-        lines.append(f"{n:16s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:7.3f}")
+        g, gr = r.get("graph_fwd_bwd_tflops"), graph_ratio(r)
+        lines.append(f"{n:16s} {r['fwd_tflops']:8.1f} {r['bwd_tflops']:8.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:7.3f} "
+                     f"{g if g else float('nan'):8.1f} {gr if gr else float('nan'):7.3f}")
     table = "\n".join(lines)
     print(table, flush=True)
     (out / "table.txt").write_text(table + "\n")

@@ -89,6 +89,7 @@ def main():
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         r = rows[name]
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+
     def base_of(name):  # each mode against SDPA in the same mode
         return rows.get("sdpa_compiled" if name.endswith("_compiled") else "sdpa", {}).get("tokens_per_s")
 

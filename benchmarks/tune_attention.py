@@ -2,7 +2,8 @@
 
 Launch tuning only: a policy's blocks fix the rounding, so every configuration computes the same
 policy. Prints forward and backward TFLOP/s per configuration at GPT-2 shapes (B=16, H=12, T=1024,
-D=64) next to SDPA-flash measured in the same run. Usage: ``python benchmarks/tune_attention.py --out DIR``.
+D=64) next to SDPA-flash measured in the same run, timed from CUDA graphs (the GPU's time, without the host's
+launches; ``--eager`` times calls as the host issues them). Usage: ``python benchmarks/tune_attention.py --out DIR``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ import torch
 
 from lpfa.provenance import provenance, write_json
 
+from attention import graph_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
+
 B, H, T, D = 16, 12, 1024, 64
 
 
 def ms(fn, rep=20):
+    """Mean ms per call of ``fn``, ``rep`` calls back to back between two CUDA events, after three warm-up calls."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -57,6 +61,8 @@ def main():
     p.add_argument("--presets", default="fa2,paper")
     p.add_argument("--quick", action="store_true",
                    help="a few launch configurations each (precise math only), for a short GPU call")
+    p.add_argument("--eager", action="store_true",
+                   help="time the calls as issued by the host (the speed the op sees when host-bound), not from a CUDA graph")
     p.add_argument("--compare-split", action="store_true",
                    help="also time every configuration with causal_split=False (every tile masked, as before issue 17)")
     p.add_argument("--from-log", metavar="LOG",
@@ -67,7 +73,10 @@ def main():
         write_json(out / "tune.json", rows_from_log(Path(a.from_log).read_text()))
         return
     write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
-                                                          "compare_split": a.compare_split}))
+                                                          "compare_split": a.compare_split, "graph": not a.eager}))
+
+    def timed(fn):  # (ms, whether from a CUDA graph)
+        return (ms(fn), False) if a.eager else graph_ms(fn)
     f_fwd = 4 * B * H * T * T * D / 2
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(D)
@@ -78,10 +87,11 @@ def main():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
 
-    t_f = ms(lambda: sdpa().detach())
+    t_f, g_f = timed(lambda: sdpa().detach())
     o = sdpa()
-    t_b = ms(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True))
-    rows.append({"impl": "sdpa_flash", "fwd_tflops": f_fwd / t_f / 1e9, "bwd_tflops": 2.5 * f_fwd / t_b / 1e9})
+    t_b, g_b = timed(lambda: torch.autograd.grad(o, (qs, ks, vs), do, retain_graph=True))
+    rows.append({"impl": "sdpa_flash", "fwd_tflops": f_fwd / t_f / 1e9, "bwd_tflops": 2.5 * f_fwd / t_b / 1e9,
+                 "graph": g_f and g_b})
     print(f"sdpa_flash fwd {f_fwd / t_f / 1e9:.1f} bwd {2.5 * f_fwd / t_b / 1e9:.1f} TFLOP/s", flush=True)
 
     fwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, precise_math=pm)
@@ -107,8 +117,8 @@ def main():
     for name in a.presets.split(","):
         for cfg in fwd_cfgs:
             try:
-                t = ms(lambda: flash_forward(q, k, v, name, scale, **cfg))
-                r = {"impl": name, "pass": "fwd", **cfg, "tflops": f_fwd / t / 1e9}
+                t, g = timed(lambda: flash_forward(q, k, v, name, scale, **cfg))
+                r = {"impl": name, "pass": "fwd", **cfg, "tflops": f_fwd / t / 1e9, "graph": g}
             except Exception as e:
                 r = {"impl": name, "pass": "fwd", **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)
@@ -118,8 +128,8 @@ def main():
         of = o.float()
         for cfg in bwd_cfgs:
             try:
-                t = ms(lambda: flash_backward(do, q, k, v, of, lse, name, scale, **cfg))
-                r = {"impl": name, "pass": "bwd", **cfg, "tflops": 2.5 * f_fwd / t / 1e9}
+                t, g = timed(lambda: flash_backward(do, q, k, v, of, lse, name, scale, **cfg))
+                r = {"impl": name, "pass": "bwd", **cfg, "tflops": 2.5 * f_fwd / t / 1e9, "graph": g}
             except Exception as e:
                 r = {"impl": name, "pass": "bwd", **cfg, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             rows.append(r)

@@ -364,3 +364,24 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     fp32 = t.loc["fp32_paper_recipe"]
     assert fp32["logit ÷ bf16"] < 0.01 and fp32["outcome"] == "clean"
     assert t.loc["delta_dp_paper_recipe", "stabiliser"] == "isolation: delta_dp"
+
+
+def test_speed_table_adds_the_gpu_only_columns_where_the_run_timed_them():
+    """lpfa.attention.report.speed_table: the committed op table as measured (ratios to SDPA-flash of the same run), and
+    the CUDA-graph columns only for a run that has them, each ratio to SDPA-flash's own."""
+    from lpfa.attention.report import speed_table
+
+    bench = results.load("attention_benchmark", "bench.json")
+    t = speed_table(bench)
+    base = bench["rows"]["sdpa_flash"]["fwd_bwd_tflops"]
+    for name, r in bench["rows"].items():
+        assert t.loc[name, "ratio to SDPA-flash"] == pytest.approx(r["fwd_bwd_tflops"] / base, abs=1e-3)
+    has_graph = bench["rows"]["sdpa_flash"].get("graph_fwd_bwd_tflops") is not None
+    assert ("GPU-only ratio" in t.columns) == has_graph
+
+    def row(tf, g):
+        return {"fwd_tflops": tf, "bwd_tflops": tf, "fwd_bwd_tflops": tf, "graph_fwd_bwd_tflops": g}
+
+    t = speed_table({"rows": {"sdpa_flash": row(100.0, 200.0), "fa2": row(50.0, 180.0), "x": row(10.0, None)}})
+    assert t.loc["fa2", "ratio to SDPA-flash"] == 0.5 and t.loc["fa2", "GPU-only ratio"] == 0.9
+    assert pd.isna(t.loc["x", "GPU-only ratio"])
