@@ -245,6 +245,16 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     streak = lambda col: max((sum(1 for _ in g) for k, g in itertools.groupby(col) if k), default=0)  # noqa: E731
     assert {h for h in range(above.shape[1]) if streak(above[:, h]) >= crit.patience} == set(heads)
     assert t.loc["delta_dp_paper_recipe", "runaway heads"] == ()
+    # page 10's sentence from the same table: every clean row with a runaway, in the heads the table names
+    from lpfa.runs import recipe_runaway_text
+
+    text = recipe_runaway_text(t)
+    assert ("`fp32_outlier_heads_paper_recipe` stayed clean by the loss for 6,000 steps, yet its layer-1 logits ran away "
+            f"from step {t.loc[label, 'runaway step']:,.0f} in heads {', '.join(map(str, sorted(heads)))}, while its FP32 heads "
+            f"{', '.join(map(str, sorted(fp32)))} stayed below the runaway threshold") in text
+    assert "`pv_fp32_paper_recipe`" in text and "in all 12 heads" in text and "`delta_dp_paper_recipe`" not in text
+    quiet = t.assign(**{"runaway step": None, "runaway layer": None})
+    assert recipe_runaway_text(quiet) == "No row that stayed clean by the loss showed a logit runaway either."
 
 
 def test_muon_text_gives_each_learning_rate_its_verdicts():

@@ -456,6 +456,40 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     return pd.DataFrame.from_dict(out, orient="index")
 
 
+def recipe_runaway_text(recipe, root=None) -> str:
+    """Page 10's sentence on the precursor the loss does not show: for each row of :func:`recipe_isolation_table`
+    (``recipe``) that stayed clean by the loss although one layer's logits ran away, from which step, in which heads
+    (all of them, or named), and for a row with FP32 heads in that layer whether those stayed below the threshold;
+    next to the BF16 twin's runaway and explosion steps."""
+    from lpfa.explosion import heads_text
+    from lpfa.results import experiment_rows
+
+    done = recipe[~recipe.index.isin(["bf16_paper_recipe", "fp32_paper_recipe"]) & (recipe.verdict == "clean")]
+    ran_away = [label for label in done.index if done.loc[label, "runaway step"] is not None
+                and done.loc[label, "runaway step"] == done.loc[label, "runaway step"]]  # not None, not NaN
+    if not ran_away:
+        return "No row that stayed clean by the loss showed a logit runaway either."
+    found = experiment_rows("paper_recipe", ran_away, root=root)
+
+    def where(label):
+        run = Run(found[label])
+        heads, n_heads, layer = done.loc[label, "runaway heads"], run.model_config().n_head, int(done.loc[label, "runaway layer"])
+        text = f"all {n_heads} heads" if len(heads) == n_heads else heads_text(heads)
+        kept = sorted(set((run.train.get("fp32_heads") or {}).get(str(layer), [])) - set(heads))
+        return text + (f", while its FP32 {heads_text(kept)} stayed below the runaway threshold" if kept else "")
+
+    bf16 = recipe.loc["bf16_paper_recipe"]
+    rows = "; ".join(
+        f"`{label}` stayed clean by the loss for {done.loc[label, 'steps']:,.0f} steps, yet its layer-"
+        f"{done.loc[label, 'runaway layer']:.0f} logits ran away from step {done.loc[label, 'runaway step']:,.0f} in {where(label)}"
+        for label in ran_away)
+    return (f"The loss is not the whole story. The BF16 twin's layer-1 logits ran away from step {bf16['runaway step']:,.0f} "
+            f"and its loss exploded at {bf16['explosion step']:,.0f}; {rows}. "
+            + ("Such a change" if len(ran_away) == 1 else "Each such change")
+            + " delays the failure or leaves its precursor in place; whether its loss would explode later is not measured "
+              "within one GPU run.")
+
+
 def against_paper(table) -> dict:
     """How an :func:`isolation_table` compares with the paper: ``sick`` (rows with a precursor or worse), ``by_outcome``
     ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but`` (reported failing, clean
