@@ -395,3 +395,25 @@ def test_speed_table_adds_the_gpu_only_columns_where_the_run_timed_them():
     t = speed_table({"rows": {"sdpa_flash": row(100.0, 200.0), "fa2": row(50.0, 180.0), "x": row(10.0, None)}})
     assert t.loc["fa2", "ratio to SDPA-flash"] == 0.5 and t.loc["fa2", "GPU-only ratio"] == 0.9
     assert pd.isna(t.loc["x", "GPU-only ratio"])
+
+
+def test_shapes_and_overhead_text_read_the_committed_benchmark():
+    """Page 12's clauses on the longer shapes and the host overhead, computed from the committed files."""
+    from lpfa.attention.report import overhead_table, overhead_text, shapes_table, shapes_text
+
+    shapes = results.load("attention_benchmark", "shapes.json")
+    t = shapes_table(shapes)
+    assert len(t) == len(shapes["rows"]) and list(t.columns)[-2:] == ["× SDPA-flash", "SFA over base"]
+    r = {(x["T"], x["D"], x["impl"]): x for x in shapes["rows"]}
+    text = shapes_text(shapes, 0.05)
+    assert f"at T = 4,096 `fa2` runs at {r[(4096, 64, 'fa2')]['ratio_to_sdpa_flash']:.2f}× SDPA-flash" in text["ratios"]
+    long_sfa = [x["sfa_overhead"]["fwd_bwd"] for x in shapes["rows"] if x["sfa_overhead"] and x["T"] >= 4096]
+    assert text["sfa"].startswith(f"{min(long_sfa):+.1%} to {max(long_sfa):+.1%}, ")
+    assert ("within" in text["sfa"]) == (max(long_sfa) <= 0.05) and ("within" in shapes_text(shapes, -1.0)["sfa"]) is False
+    data = results.load("attention_benchmark", "overhead.json")
+    o = overhead_text(overhead_table(data))
+    fa2 = data["rows"]["fa2/fwd_bwd"]
+    assert f"takes {fa2['host_us']:,.0f} µs of the host's time to issue, against {fa2['gpu_us']:,.0f} µs" in o["host"]
+    assert o["host"].endswith("host-bound" if fa2["host_us"] > fa2["gpu_us"] else "GPU-bound")
+    ratio = data["rows"]["sdpa_flash/fwd_bwd"]["gpu_us"] / fa2["gpu_us"]
+    assert o["gpu_ratio"].startswith(f"{ratio:.2f}× for `fa2`")

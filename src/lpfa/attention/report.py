@@ -121,3 +121,51 @@ def overhead_table(data: dict):
                              "bound by": "host" if r["host_us"] > r["gpu_us"] else "GPU",
                              "GPU time × SDPA-flash": sdpa["gpu_us"] / r["gpu_us"] if sdpa else None}
     return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
+
+
+def overhead_text(table) -> dict[str, str]:
+    """Page 12's two clauses from :func:`overhead_table`: ``host``, one ``fa2`` forward+backward's host issue time
+    against its GPU work, next to SDPA-flash's, and which side sets the pace; ``gpu_ratio``, ``fa2``'s and ``paper``'s
+    forward+backward GPU time as a multiple of SDPA-flash's speed."""
+    fb = {name: table.loc[(name, "fwd_bwd")] for name in ("sdpa_flash", "fa2", "paper")}
+    return {
+        "host": (f"one `fa2` forward and backward takes {fb['fa2']['host µs']:,.0f} µs of the host's time to issue, against "
+                 f"{fb['fa2']['GPU µs']:,.0f} µs of GPU work (SDPA-flash: {fb['sdpa_flash']['host µs']:,.0f} µs and "
+                 f"{fb['sdpa_flash']['GPU µs']:,.0f} µs), so the call is {fb['fa2']['bound by']}-bound"),
+        "gpu_ratio": (f"{fb['fa2']['GPU time × SDPA-flash']:.2f}× for `fa2` and "
+                      f"{fb['paper']['GPU time × SDPA-flash']:.2f}× for `paper`"),
+    }
+
+
+def shapes_table(shapes: dict):
+    """``benchmarks/attention.py --parts shapes``'s ``shapes.json`` as one row per (shape "B×H×T×D", implementation):
+    forward, backward and forward+backward TFLOP/s, the forward+backward ratio to SDPA-flash at that shape, and for an
+    SFA preset its forward+backward time over its base preset's."""
+    import pandas as pd
+
+    sh = pd.DataFrame(shapes["rows"])
+    sh["shape"] = [f"{b}×{h}×{t}×{d}" for b, h, t, d in zip(sh.B, sh.H, sh["T"], sh.D)]
+    sh["SFA over base"] = [o["fwd_bwd"] if isinstance(o, dict) else None for o in sh["sfa_overhead"]]
+    out = sh.set_index(["shape", "impl"])[["fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "ratio_to_sdpa_flash", "SFA over base"]]
+    out.columns = ["fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s", "× SDPA-flash", "SFA over base"]
+    return out
+
+
+def shapes_text(shapes: dict, sfa_goal: float) -> dict[str, str]:
+    """Page 12's clauses from ``shapes.json``: ``ratios``, ``fa2``'s and ``paper``'s forward+backward ratio to SDPA-flash
+    at T = 4,096, at the longest T (D = 64) and at D = 128, T = 1,024; ``sfa``, the range of the SFA presets' cost over
+    their base at T ≥ 4,096 and whether it is within ``sfa_goal`` (a fraction)."""
+    import pandas as pd
+
+    sh = pd.DataFrame(shapes["rows"])
+    ratio = sh.set_index(["T", "D", "impl"])["ratio_to_sdpa_flash"]
+    longest = int(sh["T"].max())
+    long_sfa = pd.Series([o["fwd_bwd"] for o, t in zip(sh["sfa_overhead"], sh["T"]) if isinstance(o, dict) and t >= 4096])
+    return {
+        "ratios": (f"at T = 4,096 `fa2` runs at {ratio[(4096, 64, 'fa2')]:.2f}× SDPA-flash and `paper` at "
+                   f"{ratio[(4096, 64, 'paper')]:.2f}×; at T = {longest:,} at {ratio[(longest, 64, 'fa2')]:.2f}× and "
+                   f"{ratio[(longest, 64, 'paper')]:.2f}×; at D = 128 (T = 1,024) at {ratio[(1024, 128, 'fa2')]:.2f}× and "
+                   f"{ratio[(1024, 128, 'paper')]:.2f}×"),
+        "sfa": (f"{long_sfa.min():+.1%} to {long_sfa.max():+.1%}, " + ("within" if long_sfa.max() <= sfa_goal else "outside")
+                + f" the goal of at most +{100 * sfa_goal:.0f}%") if len(long_sfa) else "not measured at T ≥ 4,096",
+    }
