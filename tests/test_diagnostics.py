@@ -315,3 +315,30 @@ def test_seed_table_and_sfa_findings(tmp_path):
     assert text.startswith(f"**With SFA the loss did not explode in 700 steps**, {700 / b:.1f}× the step at which its BF16")
     assert f"{f['loss']['sfa'] - 3.0:.2f} above the FP32 twin's 3.00" in text and "1 of its 2 layers" in text
     assert "ran away from step 100 (layer 1)." in text
+
+
+def test_seed_spread_text_counts_and_spans():
+    """lpfa.runs.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread paragraph
+    only where every BF16 run shows the precursor and no FP32 run does."""
+    import pandas as pd
+
+    from lpfa.runs import seed_spread_text
+
+    index = ["bf16_s1337", "bf16_s1337_compiled", "fp32_s1337", "fp32_s1"]
+    table = pd.DataFrame({"runaway step": pd.Series([6400, None, None, None], index=index, dtype=object),  # as
+                          "precursor from": pd.Series([5000, 5800, None, None], index=index, dtype=object),  # experiment_table
+                          "compiled": [False, True, True, True]}, index=index)
+    summary = pd.DataFrame({
+        "bf16": {"runs": 2, "exploded": 0, "ran away": 1, "first runaway": 6400, "last runaway": 6400,
+                 "precursor or worse": 2, "first precursor": 5000, "last precursor": 5800, "fewest steps run": 7000},
+        "fp32": {"runs": 2, "exploded": 0, "ran away": 0, "first runaway": None, "last runaway": None,
+                 "precursor or worse": 0, "first precursor": None, "last precursor": None, "fewest steps run": 6900}}).T
+    text = seed_spread_text(summary, table)
+    assert "* **bf16**: of 2 runs, 0 exploded and 1 ran away (steps 6,400 to 6,400); 2 showed the precursor or worse, the " \
+           "precursor starting between steps 5,000 and 5,800. Every run trained at least 7,000 steps." in text
+    assert "* **fp32**: of 2 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse. Every run" in text
+    assert "Within the first 7,000 steps, 1 of the 2 BF16 runs ran away" in text
+    assert "a span of 800 steps across these runs (seed 1337: step 5,000 eager, step 5,800 compiled)" in text
+    summary.loc["fp32", ["precursor or worse", "first precursor", "last precursor"]] = [1, 6000, 6000]  # an FP32 precursor:
+    # no claim of robustness
+    assert "Within the first" not in seed_spread_text(summary, table)

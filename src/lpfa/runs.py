@@ -539,6 +539,37 @@ def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
     return pd.DataFrame(rows).T
 
 
+def seed_spread_text(summary, table) -> str:
+    """Page 11's "Measured" findings: per mode of :func:`seeds_summary` (``summary``) how many runs exploded, ran away
+    and showed the precursor or worse, with the spread of those steps; and, where every BF16 run shows the precursor
+    and no FP32 run does, how many BF16 runs ran away within the steps all of them reached and how far apart the
+    precursor starts (``table``: the :func:`experiment_table` the summary came from)."""
+    import pandas as pd
+
+    lines = []
+    for m, r in summary.iterrows():
+        line = f"* **{m}**: of {int(r['runs'])} runs, {int(r['exploded'])} exploded and {int(r['ran away'])} ran away"
+        if r["ran away"]:
+            line += f" (steps {int(r['first runaway']):,} to {int(r['last runaway']):,})"
+        line += f"; {int(r['precursor or worse'])} showed the precursor or worse"
+        if r["precursor or worse"]:
+            line += f", the precursor starting between steps {int(r['first precursor']):,} and {int(r['last precursor']):,}"
+        lines.append(line + f". Every run trained at least {int(r['fewest steps run']):,} steps.")
+    text = "**Measured.**\n\n" + "\n".join(lines)
+    bf16, fp32 = summary.loc["bf16"], summary.loc["fp32"]
+    if bf16["precursor or worse"] == bf16["runs"] and fp32["precursor or worse"] == 0:
+        horizon = int(bf16["fewest steps run"])  # the steps every BF16 run reached
+        early = table[pd.to_numeric(table["runaway step"], errors="coerce") < horizon]
+        s1337 = ", ".join(f"step {table.loc[label, 'precursor from']:,} {'compiled' if table.loc[label, 'compiled'] else 'eager'}"
+                          for label in table.index if label.startswith("bf16_s1337"))
+        text += (f"\n\nWithin the first {horizon:,} steps, {len(early)} of the {int(table.index.str.startswith('bf16').sum())} "
+                 "BF16 runs ran away; the others showed the precursor and may run away later. The precursor starts over a span "
+                 f"of {int(bf16['last precursor'] - bf16['first precursor']):,} steps across these runs (seed 1337: {s1337}), so "
+                 "a single trajectory (the paper's) says little about when; that every BF16 run shows it and no FP32 run does is "
+                 "the robust part.")
+    return text
+
+
 def precursor_events(runs: dict, layer: int, reference: str | None = None, logit_ratio: float = 10.0,
                      wq_ratio: float = 1.25):
     """When did each precursor start, per run (``{label: run_dir}``)? Columns: the rise of the layer's worst-head
