@@ -417,3 +417,33 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
     assert o["host"].endswith("host-bound" if fa2["host_us"] > fa2["gpu_us"] else "GPU-bound")
     ratio = data["rows"]["sdpa_flash/fwd_bwd"]["gpu_us"] / fa2["gpu_us"]
     assert o["gpu_ratio"].startswith(f"{ratio:.2f}× for `fa2`")
+
+
+def test_fig2_headline_states_the_verdict_of_the_committed_twins():
+    """Page 06's opening sentence (lpfa.scorecard.fig2_headline): reproduced from the committed recipe twins, with their
+    explosion step, the FP32 twin's steps, the seed count and the SFA twin; "not reproduced" when the FP32 twin explodes
+    too or the BF16 one does not."""
+    from lpfa.run import Run, run_verdict
+    from lpfa.runs import seed_table
+    from lpfa.scorecard import fig2_headline, fig2_twins, recipe_rows
+
+    rows = recipe_rows()
+    pair = fig2_twins()["bf16_paper_recipe"]
+    v = {m: run_verdict(pair[m]) for m in ("bf16", "fp32")}
+    conf = Run(pair["bf16"]).train
+    sfa = run_verdict(rows["sfa_paper_recipe"])
+    n = len(fig2_twins())
+    text = fig2_headline(v, conf, n, seeds=seed_table(rows), sfa=sfa)
+    assert text.startswith(f"**Fig. 2 is reproduced, with {n} seeds.**")
+    assert f"the BF16 twin's loss exploded at step {v['bf16']['explosion_step']:,}" in text
+    assert f"its FP32 twin trained {v['fp32']['steps']:,} steps on the same batches without exploding" in text
+    assert f"**{conf['batch_size'] * conf['grad_accum'] * conf['block_size']:,} tokens per step**" in text
+    assert f"The SFA twin at this recipe did not explode in {sfa['steps']:,} steps" in text and not sfa["exploded"]
+    assert "still to run" not in text
+    one = fig2_headline(v, conf, 1)
+    assert one.startswith("**Fig. 2 is reproduced, with one seed.**") and "One pair does not measure the spread" in one
+    assert "The SFA twin at this recipe is still to run" in one
+    both = fig2_headline({"bf16": v["bf16"], "fp32": {**v["fp32"], "exploded": True}}, conf, n)
+    assert both.startswith("**Fig. 2 is not reproduced.**") and both.endswith("exploded and so did its FP32 twin. ")
+    none = fig2_headline({"bf16": {**v["bf16"], "exploded": False}, "fp32": v["fp32"]}, conf, n)
+    assert f"the BF16 twin trained {v['bf16']['steps']:,} steps without exploding; its FP32 twin did not explode" in none

@@ -54,6 +54,41 @@ def recipe_rows(experiment: str = "paper_recipe", run: str | None = None, root=N
     return {p.name: p for p in sorted(folder.iterdir()) if (p / "config.json").is_file()}
 
 
+def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dict | None = None) -> str:
+    """Page 06's opening sentence on Fig. 2: ``verdicts`` (``{"bf16": ..., "fp32": ...}``, :func:`lpfa.run.run_verdict`)
+    of the twins trained with ``conf`` (the BF16 twin's train config), set against the paper's recipe and explosion step;
+    with ``n_pairs`` committed BF16/FP32 pairs (:func:`fig2_twins`), their ``seeds`` (:func:`lpfa.runs.seed_table`, when
+    there are at least two) and the SFA twin's verdict ``sfa`` where one is committed."""
+    from lpfa.scaling import PAPER_EXPLOSION_STEP, paper_explosion_tokens, tokens_per_step
+    from lpfa.train import PRESETS
+
+    b, f = verdicts["bf16"], verdicts["fp32"]
+    paper = PRESETS["gpt2-s-paper"]
+    recipe = (f"the paper's own recipe at GPT-2 S size (`{conf['model']}`, T = {conf['block_size']}, peak lr {conf['lr']:g} after "
+              f"{conf['warmup_steps']:,} warmup steps, AdamW ({conf['beta1']}, {conf['beta2']}), weight decay "
+              f"{conf['weight_decay']:g}, clip {conf['grad_clip']:g}) but **{tokens_per_step(conf):,} tokens per step**, "
+              f"{tokens_per_step(paper) / tokens_per_step(conf):.0f}× fewer than the paper's {tokens_per_step(paper):,}, so that "
+              "8,000 steps fit in one GPU run")
+    if not (b["exploded"] and not f["exploded"]):
+        return (f"**Fig. 2 is not reproduced.** With {recipe}, the BF16 twin "
+                + ("exploded" if b["exploded"] else f"trained {b['steps']:,} steps without exploding")
+                + (" and so did its FP32 twin" if f["exploded"] else f"; its FP32 twin did not explode in {f['steps']:,} steps")
+                + ". ")
+    sfa_line = ("" if sfa is None else "The SFA twin at this recipe "
+                + (f"exploded too, at step {sfa['explosion_step']:,}" if sfa["exploded"] else f"did not explode in {sfa['steps']:,} steps")
+                + " ({doc}`09_sfa`). ")
+    return (f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** With {recipe}, "
+            f"the BF16 twin's loss exploded at step {b['explosion_step']:,} "
+            f"({b['explosion_step'] * tokens_per_step(conf) / 1e6:.0f}M tokens), while its FP32 twin trained {f['steps']:,} steps on "
+            f"the same batches without exploding. The paper's run exploded at about step {PAPER_EXPLOSION_STEP:,} "
+            f"({paper_explosion_tokens() / 1e9:.1f}B tokens at its batch). "
+            + ("" if seeds is None or len(seeds) < 2 else seeds_text(seeds) + " ")
+            + ("" if n_pairs >= 3 else f"{'One pair does' if n_pairs == 1 else f'{n_pairs} pairs do'} not measure the spread of "
+               "the explosion step: more seeds at this recipe are still to run. ")
+            + (sfa_line or "The SFA twin at this recipe is still to run, so the SFA page validates the fix on the `repro` "
+                           "preset's logit runaway. "))
+
+
 def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     pairs = fig2_twins(experiment, root=root)
     if not pairs:
