@@ -447,3 +447,25 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
     assert both.startswith("**Fig. 2 is not reproduced.**") and both.endswith("exploded and so did its FP32 twin. ")
     none = fig2_headline({"bf16": {**v["bf16"], "exploded": False}, "fp32": v["fp32"]}, conf, n)
     assert f"the BF16 twin trained {v['bf16']['steps']:,} steps without exploding; its FP32 twin did not explode" in none
+
+
+def test_stabiliser_headline_from_the_committed_table():
+    """Page 17's opening finding (lpfa.runs.stabiliser_headline) from stabiliser_table: the count of committed
+    stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
+    from lpfa.experiments import STABILISERS
+    from lpfa.runs import stabiliser_headline, stabiliser_table
+
+    table, step, _ = stabiliser_table(layer=1)
+    text = stabiliser_headline(table, step, 1)
+    done = [label for label in STABILISERS if label in table.index]
+    assert text.startswith(f"**{len(done)} of the {len(STABILISERS)} stabiliser runs are committed")
+    assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text
+    r = table.loc["fp32_outlier_heads_paper_recipe"]
+    assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.3f}, W_Q ×"
+            f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its layer-1 logits running away from "
+            f"step {r['runaway step']:,}") in text
+    cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]
+    keepers = [l for l in ["sfa_paper_recipe", *cuts, *done] if table.loc[l, "ties ÷ bf16"] > 0.5 and not table.loc[l, "exploded"]]
+    assert keepers  # the committed cuts keep the ties (results/paper_recipe)
+    assert all(f"`{l}`" in text.split("**Ties are not what must go:**")[1] for l in keepers)
+    assert stabiliser_headline(table.iloc[:0], step).startswith("**Nothing to compare yet:**")

@@ -878,3 +878,41 @@ def stabiliser_table(layer: int = 1, root=None):
              **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
     table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
     return table, step, pending
+
+
+def stabiliser_headline(table, step: int, layer: int = 1) -> str:
+    """Page 17's opening finding from :func:`stabiliser_table` (``table``, compared at ``step``): how many of the
+    :data:`lpfa.experiments.STABILISERS` runs are committed; each committed cut's links (ties, largest logit and W_Q as
+    ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
+    exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
+    the BF16 O."""
+    from lpfa.experiments import STABILISERS
+
+    if table.empty:
+        return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
+    done = [label for label in STABILISERS if label in table.index]
+    b = table.loc["bf16_paper_recipe"]
+
+    def links(label):
+        r = table.loc[label]
+        return (f"ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.3f}, W_Q ×{r['W_Q ÷ bf16']:.2f} of the BF16 "
+                "run's, " + (f"its loss exploded at step {r['explosion step']:,}" if r["exploded"] else
+                             f"its loss clean for {r['steps']:,} steps")
+                + (f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
+                   if r["runaway step"] is not None else ", no runaway"))
+
+    cuts = [label for label in table.index if str(table.loc[label, "stabiliser"]).startswith("isolation")]
+    tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
+                   and table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
+    calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
+    not_bf16_o = {label for label in table.index if table.loc[label, f"layer {layer} δ from"] != "bf16 O"}
+    return (f"**{len(done)} of the {len(STABILISERS)} stabiliser runs are committed"
+            + (f" ({', '.join(f'`{l}`' for l in done)})" if done else "") + ".** "
+            + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
+            + (f"SFA leaves {links('sfa_paper_recipe')}. " if "sfa_paper_recipe" in table.index else "")
+            + " ".join(f"`{c.removesuffix('_paper_recipe')}`: {links(c)}." for c in cuts)
+            + (f" **Ties are not what must go:** {', '.join(f'`{l}`' for l in tie_keepers)} keep at least half of the BF16 "
+               "run's tie fraction and do not explode." if tie_keepers else "")
+            + (f" The rows without any runaway ({', '.join(f'`{l}`' for l in calm)}) are exactly those whose layer-{layer} δ "
+               "does not come from the BF16 O (the `δ from` column: the link after the ties)."
+               if calm and set(calm) == not_bf16_o else ""))
