@@ -163,3 +163,22 @@ def test_result_helpers_pick_one_row_per_family():
     nan_row = row.copy()
     nan_row["mean"] = nan_row["ci_low"] = nan_row["ci_high"] = float("nan")
     assert A.ci_text(nan_row) == "NaN" and not A.excludes_zero(nan_row)
+
+
+def test_headline_states_the_committed_gpu_audit():
+    """Page 16's opening finding (lpfa.audit.headline) from the committed GPU audit: paper's three tied-row errors with
+    their intervals, and the production kernels' largest δ error against paper's, with its ratio and sign."""
+    full, config, folder = A.load_audit()
+    df = A.at_largest_T(full)
+    text = A.headline(df, "on one H200")
+    ran = df[df.unavailable.isna()]
+    p = {q: A.result(ran, "ref:paper", "ties", q) for q in ("o", "delta", "dq_u")}
+    assert text.startswith("**On one H200, lpfa's `paper` rounding is biased exactly where the paper says") and text.endswith("**.")
+    assert all(A.ci_text(row) in text for row in p.values())
+    assert (", every interval excluding 0" in text) == all(A.excludes_zero(row) for row in p.values())
+    assert f"({int(p['o'].n):,} rows, T = {max(config['T'])})" in text
+    prod = [k for k in ("sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex") if k in set(ran.kernel)]
+    worst = max(prod, key=lambda k: abs(A.result(ran, k, "ties", "delta")["mean"]))
+    w = A.result(ran, worst, "ties", "delta")
+    assert f"`{worst}`'s {A.ci_text(w)}, is {abs(p['delta']['mean']) / abs(w['mean']):.0f}× smaller" in text
+    assert ("of the opposite sign" in text) == (w["mean"] * p["delta"]["mean"] < 0)

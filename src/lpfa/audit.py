@@ -352,6 +352,51 @@ def ci_text(row) -> str:
     return f"{row['mean']:+.2e} (95% CI {row.ci_low:+.2e} to {row.ci_high:+.2e})"
 
 
+def headline(df, where: str, T: int | None = None) -> str:
+    """Page 16's opening finding from an audit frame at one T per family (:func:`at_largest_T`), measured ``where``
+    ("on one H200", "on the CPU"; ``T``: the sequence length of a frame without a ``T`` column): the ``paper`` rounding's signed errors of O, δ and dQ along the low-rank direction on
+    the tied family, whether each interval excludes 0, and whether it is biased on random inputs; then how the
+    production kernels that ran compare on the tied rows (their largest δ error, how many times smaller than
+    ``paper``'s, its sign, and how many of their intervals exclude 0), or else which unbiased kernels show none."""
+    ran = df[df.unavailable.isna()]
+
+    def r(kernel, family, quantity):
+        return result(ran, kernel, family, quantity)
+
+    def ci(kernel, family, quantity):
+        return ci_text(r(kernel, family, quantity))
+
+    def biased(kernel, family, quantity):
+        return excludes_zero(r(kernel, family, quantity))
+
+    quantities = ("o", "delta", "dq_u")
+    tied = r("ref:paper", "ties", "o")
+    paper_chain = all(biased("ref:paper", "ties", q) for q in quantities)
+    production = [k for k in ("sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex") if k in set(ran.kernel)]
+    prod_ties = [k for k in production if biased(k, "ties", "delta")]
+    clean = [k for k in ("ref:fa2", "ref:fp32", "sdpa:math") if k in set(ran.kernel)
+             and not any(biased(k, f, q) for f in FAMILIES for q in quantities)]
+    head = (f"**{where[0].upper() + where[1:]}, lpfa's `paper` rounding is biased exactly where the paper says: on rows with "
+            f"tied BF16 maxima and negative V its O error averages {ci('ref:paper', 'ties', 'o')}, δ's "
+            f"{ci('ref:paper', 'ties', 'delta')} and dQ's along the low-rank direction {ci('ref:paper', 'ties', 'dq_u')}"
+            + (", every interval excluding 0" if paper_chain else " (not every interval excludes 0)")
+            + f" ({int(tied.n):,} rows, T = {int(tied['T']) if 'T' in ran.columns else T}), while on random inputs "
+            + ("it shows no bias whose interval excludes 0" if not any(biased("ref:paper", "random", q) for q in quantities)
+               else "it is biased too"))
+    if production:
+        worst = max(production, key=lambda k: abs(r(k, "ties", "delta")["mean"]))
+        ratio = abs(r("ref:paper", "ties", "delta")["mean"]) / abs(r(worst, "ties", "delta")["mean"])
+        same_sign = r(worst, "ties", "delta")["mean"] * r("ref:paper", "ties", "delta")["mean"] > 0
+        head += (f". PyTorch's production kernels ({', '.join(f'`{k}`' for k in production)}) err far less on the tied rows: "
+                 f"their largest δ error, `{worst}`'s {ci(worst, 'ties', 'delta')}, is {ratio:.0f}× smaller than `paper`'s, "
+                 + ("of the same sign" if same_sign else "of the opposite sign")
+                 + f", and {len(prod_ties)} of their {len(production)} intervals " + ("excludes" if len(prod_ties) == 1 else "exclude")
+                 + " 0")
+    elif clean:
+        head += f"; {', '.join(f'`{k}`' for k in clean)} shows none on either family"
+    return head + "**."
+
+
 def silenced_rows(captured: dict, policies=("paper", "fa2", "paper_sfa", "fa2_sfa")):
     """What each policy's forward does to the rows of a captured layer (:func:`load_captured`), through the exact
     reference on the CPU: per policy the rows, tied rows (:class:`lpfa.attention.AttentionStats`' ``tied_rows``, in
