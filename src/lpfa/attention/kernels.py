@@ -66,12 +66,10 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: 
     ``for_backward``, so that the backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`)."""
     from lpfa.attention.triton_fwd import flash_forward
 
-    # attention() checked the inputs
-    out = flash_forward(q, k, v, _policy(key), scale, validate=False, return_flags=True) if for_backward else None
-    if out is None:
-        o, lse = flash_forward(q, k, v, _policy(key), scale, validate=False)
-        return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept (never read)
-    return out
+    if for_backward:  # attention() checked the inputs
+        return flash_forward(q, k, v, _policy(key), scale, validate=False, return_flags=True)
+    o, lse = flash_forward(q, k, v, _policy(key), scale, validate=False)
+    return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept: no backward will read them
 
 
 @_fwd_op.register_fake
