@@ -115,9 +115,10 @@ def _compile(i: int, arch: int, cubin: bool, dump: str | None) -> dict:
         if "cubin" in asm:
             res["regs"] = _regs_from_cubin(asm["cubin"])
             res["sass"] = _sass_counts(asm["cubin"])
-        if dump and "ptx" in asm:
-            with open(os.path.join(dump, f"{kernel.fn.__name__}_{i}.ptx"), "w") as f:
-                f.write(asm["ptx"])
+        for ext in ("ttgir", "ptx") if dump else ():  # the pipelined IR (async copies, wgmma) and the PTX
+            if ext in asm:
+                with open(os.path.join(dump, f"{kernel.fn.__name__}_{i}.{ext}"), "w") as f:
+                    f.write(asm[ext])
         return res
     except Exception as e:  # the compiler's error, whole
         msg = "".join(traceback.format_exception_only(type(e), e)).strip()
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--block-n", type=int, help="key compute tile, passed to both wrappers (default: theirs)")
     ap.add_argument("--no-cubin", action="store_true", help="stop at PTX (no ptxas)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
-    ap.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's PTX there")
+    ap.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's TTGIR and PTX there")
     ap.add_argument("--trace", action="store_true", help="print the full traceback of each failure")
     ap.add_argument("--show-spec", action="store_true", help="print each job's pointer types, constexprs, options")
     a = ap.parse_args(argv)

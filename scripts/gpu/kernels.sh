@@ -7,6 +7,7 @@
 #
 # Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (overhead,speed,shapes; the bit-level
 # check against the reference is left to the GPU tests, as it takes minutes),
+# HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
 # (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile: every
 # backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py (-k "$TESTS_K" when set).
@@ -26,6 +27,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.
 timeout "${BENCH_S:-240}" $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}" \
     > "$WORK/bench.log" 2>&1
 grep -v "^check \|^error " "$WORK/bench.log" | tail -45; pack
+timeout "${HOST_S:-90}" $PY benchmarks/host_overhead.py --out "$WORK/host" > "$WORK/host.log" 2>&1
+head -8 "$WORK/host.log"; pack
 timeout "${TUNE_S:-150}" $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick} > "$WORK/tune.log" 2>&1
 tail -20 "$WORK/tune.log"; pack
 timeout "${SFA_S:-120}" $PY benchmarks/sfa_overhead.py --out "$WORK/sfa" > "$WORK/sfa.log" 2>&1

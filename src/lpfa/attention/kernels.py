@@ -1,9 +1,14 @@
 """The Triton kernels as a PyTorch op: autograd, ``torch.library`` registration, FP32-head split.
 
-``lpfa::flash_attention`` is a custom op (so ``torch.compile`` treats it as one opaque node) whose
-forward is :func:`lpfa.attention.triton_fwd.flash_forward` and whose backward is
-:func:`lpfa.attention.triton_bwd.flash_backward`. A policy travels as the name of a registered policy
-(presets, plus any custom policy registered on first use), because custom ops take plain arguments.
+Two doors to the same kernels, with the same bits: eagerly, :class:`_FlashAttention` (a plain
+``torch.autograd.Function``) calls :func:`lpfa.attention.triton_fwd.flash_forward` and
+:func:`lpfa.attention.triton_bwd.flash_backward`; under ``torch.compile``, the custom op ``lpfa::flash_attention_fwd``
+(one opaque node to Dynamo and Inductor, with a fake kernel and its own autograd) calls the same two functions. The
+custom op's Python dispatch costs the host about 0.4 ms per forward and backward on an H200's host (measured by
+``benchmarks/host_overhead.py``, results/attention_benchmark), more than the GPU's 0.7 ms of kernels at GPT-2 shapes
+leave room for, so eager calls skip it. A policy travels as a :class:`PrecisionPolicy` on the eager path and as the
+name of a registered policy (presets, plus any custom policy registered on first use) through the custom op, because
+custom ops take plain arguments.
 """
 
 from __future__ import annotations
@@ -59,17 +64,49 @@ def _policy(key: str) -> PrecisionPolicy:
                        "lpfa.attention.kernels.policy_key(policy) or register(policy)") from None
 
 
+def _forward(q, k, v, pol: PrecisionPolicy, scale: float, for_backward: bool):
+    """(O, lse, flags): ``flags`` the non-finite flags of V (1, B·H), with those of Q and K (3, B·H) when
+    ``for_backward``, so that the backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`).
+    attention() checked the inputs, so the launches skip the checks."""
+    from lpfa.attention.triton_fwd import flash_forward
+
+    if for_backward:
+        return flash_forward(q, k, v, pol, scale, validate=False, return_flags=True)
+    o, lse = flash_forward(q, k, v, pol, scale, validate=False)
+    return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept: no backward will read them
+
+
+def _backward(do, q, k, v, o, lse, flags, pol: PrecisionPolicy, scale: float):
+    """(dQ, dK, dV) in the inputs' dtype (q, k, v share one, checked), stored so by the kernels (no FP32 copies to
+    convert). ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's
+    first pass)."""
+    from lpfa.attention.triton_bwd import flash_backward
+
+    return flash_backward(do.contiguous(), q, k, v, o, lse, pol, scale, validate=False, grad_dtype=q.dtype,
+                          input_flags=flags if flags.shape[0] == 3 else None)
+
+
+class _FlashAttention(torch.autograd.Function):
+    """The eager door: forward and backward straight to the kernels' wrappers (no custom-op dispatch)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, pol, scale):
+        o, lse, flags = _forward(q, k, v, pol, scale, True)
+        ctx.save_for_backward(q, k, v, o, lse, flags)
+        ctx.pol, ctx.scale = pol, scale
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, flags = ctx.saved_tensors
+        return (*_backward(do, q, k, v, o, lse, flags, ctx.pol, ctx.scale), None, None)
+
+
 @torch.library.custom_op("lpfa::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float,
             for_backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(O, lse, flags): ``flags`` the non-finite flags of V (1, B·H), with those of Q and K (3, B·H) when
-    ``for_backward``, so that the backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`)."""
-    from lpfa.attention.triton_fwd import flash_forward
-
-    if for_backward:  # attention() checked the inputs
-        return flash_forward(q, k, v, _policy(key), scale, validate=False, return_flags=True)
-    o, lse = flash_forward(q, k, v, _policy(key), scale, validate=False)
-    return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept: no backward will read them
+    """The compiled door: :func:`_forward` for the registered policy ``key``."""
+    return _forward(q, k, v, _policy(key), scale, for_backward)
 
 
 @_fwd_op.register_fake
@@ -85,12 +122,7 @@ def _bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
     flags: torch.Tensor, key: str, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    from lpfa.attention.triton_bwd import flash_backward
-
-    # q, k, v share a dtype (checked); the kernels store the gradients in it (no FP32 copies to convert).
-    # flags: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's first pass)
-    return flash_backward(do, q, k, v, o, lse, _policy(key), scale, validate=False, grad_dtype=q.dtype,
-                          input_flags=flags if flags.shape[0] == 3 else None)
+    return _backward(do, q, k, v, o, lse, flags, _policy(key), scale)
 
 
 @_bwd_op.register_fake
@@ -106,24 +138,30 @@ def _setup_context(ctx, inputs, output):
     ctx.key, ctx.scale = key, scale
 
 
-def _backward(ctx, do, dlse, dflags):
+def _op_backward(ctx, do, dlse, dflags):
     q, k, v, o, lse, flags = ctx.saved_tensors
     dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, flags, ctx.key, ctx.scale)
     return dq, dk, dv, None, None, None
 
 
-_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 
-def _for_backward(*xs: torch.Tensor) -> bool:
-    """Whether autograd will run this call's backward: grad mode on and an input that requires grad."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in xs)
+def _flash(q, k, v, pol: PrecisionPolicy, scale: float) -> torch.Tensor:
+    """O of one launch policy: through the custom op while ``torch.compile`` traces, else eagerly; the forward alone
+    (no flags kept, no autograd node) when autograd will not run this call's backward."""
+    for_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if torch.compiler.is_compiling():
+        return _fwd_op(q, k, v, policy_key(pol), scale, for_backward)[0]
+    if for_backward:
+        return _FlashAttention.apply(q, k, v, pol, scale)
+    return _forward(q, k, v, pol, scale, False)[0]
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy, scale: float) -> torch.Tensor:
     """Causal attention through the Triton kernels; heads in ``policy.fp32_heads`` run the ``fp32`` policy."""
     if not policy.fp32_heads:
-        return _fwd_op(q, k, v, policy_key(policy), scale, _for_backward(q, k, v))[0]
+        return _flash(q, k, v, policy, scale)
     H = q.shape[1]
     bad = [h for h in policy.fp32_heads if h >= H]
     if bad:
@@ -137,7 +175,7 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: 
         if heads:
             idx = torch.tensor(heads, device=q.device)
             sel = [t.index_select(1, idx) for t in (q, k, v)]
-            parts[tuple(heads)] = _fwd_op(*sel, policy_key(pol), scale, _for_backward(*sel))[0].to(out_dtype)
+            parts[tuple(heads)] = _flash(*sel, pol, scale).to(out_dtype)
     # put the head groups back in order (index_select / cat keep autograd intact)
     order = [h for heads in parts for h in heads]
     out = torch.cat(list(parts.values()), dim=1)

@@ -1,0 +1,110 @@
+"""Where the host's time goes when it issues one attention call, layer by layer (issue 17's overhead part).
+
+At GPT-2 shapes (B=16, H=12, T=1024, D=64) the op is host-bound: issuing a forward and backward takes the host
+longer than the GPU takes to run them. This splits the host's time per call into the layers of the call, each timed
+on its own (n calls back to back, no sync, then one sync; the GPU queue does not fill at this n):
+
+* ``launch/<kernel>``: one Triton launch through ``JITFunction.run`` (argument binding, cache key, launch);
+* ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, flags, every launch);
+* ``op/fwd``: the ``lpfa::flash_attention_fwd`` custom op (dispatch, then ``flash_forward``);
+* ``attention/fwd``, ``attention/fwd_bwd``: the public call (input checks, policy, op, autograd);
+* the same two for SDPA-flash, for scale.
+
+and writes a cProfile of ``attention/fwd_bwd`` (the 30 functions with the most time of their own).
+Usage: ``python benchmarks/host_overhead.py --out DIR [--policy fa2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import math
+import pstats
+import time
+from pathlib import Path
+
+import torch
+
+from lpfa.attention import attention, get_policy
+from lpfa.provenance import provenance, write_json
+
+
+def host_us(fn, n=100) -> float:
+    """Host µs per call of ``fn``: n calls back to back after warm-up, no sync between them."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--policy", default="fa2")
+    p.add_argument("--shape", nargs=4, type=int, default=[16, 12, 1024, 64], metavar=("B", "H", "T", "D"))
+    a = p.parse_args()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lpfa.attention.kernels import _fwd_op, policy_key
+    from lpfa.attention.triton_bwd import flash_backward
+    from lpfa.attention.triton_common import nonfinite_flags
+    from lpfa.attention.triton_fwd import flash_forward
+
+    B, H, T, D = a.shape
+    pol, scale = get_policy(a.policy), 1 / math.sqrt(D)
+    q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = flash_forward(q, k, v, pol, scale)
+    key = policy_key(pol)
+
+    def sdpa(x, y, z):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(x, y, z, is_causal=True)
+
+    def fwd_bwd(f):
+        def run():
+            torch.autograd.grad(f(qg, kg, vg), (qg, kg, vg), do)
+        return run
+
+    rows = {
+        "launch/_nonfinite_kernel": lambda: nonfinite_flags(v),
+        "flash_forward": lambda: flash_forward(q, k, v, pol, scale, validate=False),
+        "flash_backward": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
+                                                 grad_dtype=torch.bfloat16),
+        "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False),
+        "attention/fwd": lambda: attention(q, k, v, policy=pol, backend="triton"),
+        "attention/fwd_bwd": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),
+        "sdpa_flash/fwd": lambda: sdpa(q, k, v),
+        "sdpa_flash/fwd_bwd": fwd_bwd(sdpa),
+    }
+    out = {}
+    for name, fn in rows.items():
+        out[name] = host_us(fn)
+        print(f"host {name:28s} {out[name]:8.1f} us", flush=True)
+
+    prof = cProfile.Profile()
+    run = fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton"))
+    run()
+    prof.enable()
+    for _ in range(50):
+        run()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    dest = Path(a.out)
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "host_profile.txt").write_text(s.getvalue())
+    print("\n".join(s.getvalue().splitlines()[:45]))
+    write_json(dest / "host_overhead.json", {"shape": a.shape, "policy": a.policy, "host_us": out})
+    write_json(dest / "provenance.json", provenance(config=vars(a)))
+
+
+if __name__ == "__main__":
+    main()
