@@ -75,8 +75,9 @@ def main():
     write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
                                                           "compare_split": a.compare_split, "graph": not a.eager}))
 
-    def timed(fn):  # (ms, whether from a CUDA graph)
-        return (ms(fn), False) if a.eager else graph_ms(fn)
+    def timed(fn):  # (ms, whether from a CUDA graph); eagerly where the capture fails (graph_ms says so)
+        t, g = (None, False) if a.eager else graph_ms(fn)
+        return (t, g) if g else (ms(fn), False)
     f_fwd = 4 * B * H * T * T * D / 2
     q, k, v, do = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
     scale = 1 / math.sqrt(D)

@@ -88,6 +88,7 @@ from lpfa.attention.triton_common import (
     _softcap,
     check_triton_inputs,
     gemm_mode,
+    launch,
     libdevice,
     nonfinite_flags,
     policy_tiles,
@@ -415,7 +416,8 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if pol.delta == "dp_p":
         t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
-        _bwd_delta_dpp_kernel[(triton.cdiv(T, t_m), B * H)](
+        launch(
+            _bwd_delta_dpp_kernel, (triton.cdiv(T, t_m), B * H),
             q_, k_, v_, do_, lse_, delta, T, float(scale),
             HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
             SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags, SOFTCAP=float(pol.softcap or 0.0),
@@ -431,7 +433,8 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
         o_src = o_
         prod_bf16 = pol.backward == BF16 and pol.o_store == BF16
     t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
-    _bwd_delta_kernel[(triton.cdiv(T, t_m), B * H)](
+    launch(
+        _bwd_delta_kernel, (triton.cdiv(T, t_m), B * H),
         do_, o_src.contiguous(), delta, T,
         HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
         enable_fp_fusion=False,
@@ -548,7 +551,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                              f"return_flags=True), got {tuple(input_flags.shape)} {input_flags.dtype}")
         (do_flags,), q_flags, k_flags = nonfinite_flags(do_), input_flags[1], input_flags[2]
     for nonfinite in (False, True):
-        _bwd_dkdv_kernel[(n_ktiles, B * H)](
+        launch(
+            _bwd_dkdv_kernel, (n_ktiles, B * H),
             q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale),
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
@@ -559,7 +563,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * TPB_Q
     for nonfinite in (False, True):
-        _bwd_dq_kernel[(n_qtiles, B * H)](
+        launch(
+            _bwd_dq_kernel, (n_qtiles, B * H),
             q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),
             TILES_PER_BQ=TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),

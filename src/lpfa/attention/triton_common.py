@@ -323,6 +323,56 @@ def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
     return int(bool(dot_bf16) and exact) | (2 if split_a else 0) | (4 if split_b else 0)
 
 
+_LAUNCHES: dict = {}  # launch key -> (CompiledKernel, the constexpr values after the positional arguments)
+
+
+def _arg_key(a):
+    """What Triton specializes a compiled kernel on, for one argument: a tensor's dtype and 16-byte alignment; an int's
+    value (Triton specializes ints on = 1, divisibility by 16 and 32/64 bits: the value fixes all three); a float's
+    type only (Triton does not specialize floats)."""
+    if isinstance(a, torch.Tensor):
+        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, float):
+        return float
+    return type(a), a
+
+
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: None, or a HookChain (Triton 3.5+) with no calls, is none."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid, *args, **meta):
+    """``kernel[grid](*args, **meta)``, with the host work of Triton's ``JITFunction.run`` done once per specialization.
+
+    ``run`` binds and specializes every argument, builds a cache key and checks the kernel's globals on each call: about
+    25–40 µs of the host's time per launch on an H200's host, and a forward and backward launches nine kernels. Here the
+    first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
+    argument: constexprs and launch options) goes through ``run``, which compiles or finds the kernel; later calls hand
+    the same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
+    arguments its constexprs and options, as at every launch site here. Under the interpreter, with a launch hook set
+    (Triton's profilers), or for a kernel whose parameters could not be lined up, every call goes through ``run``."""
+    try:
+        key = (kernel, args[0].device.index, *map(_arg_key, args), *meta.items())
+        hit = _LAUNCHES.get(key)
+    except TypeError:  # an unhashable argument: no fast path
+        key, hit = None, None
+    hooks = _hooked(triton.knobs.runtime.launch_enter_hook) or _hooked(triton.knobs.runtime.launch_exit_hook)
+    if hit is None or hooks:
+        compiled = kernel[grid](*args, **meta)
+        if key is not None and not hooks and type(compiled).__name__ == "CompiledKernel":
+            try:  # constexprs (and a specialization's own) are passed to the launcher by position, which ignores them
+                tail = tuple(meta[name] for name in kernel.arg_names[len(args):])
+            except KeyError:
+                return
+            _LAUNCHES[key] = (compiled, tail)
+        return
+    compiled, tail = hit
+    g = (*grid, 1, 1)
+    stream = torch._C._cuda_getCurrentRawStream(key[1])  # what Triton's driver asks for the current stream
+    compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
+
+
 NONFINITE_BLOCK = 2048  # elements per chunk of _nonfinite_kernel
 MAX_FLAGGED = 3  # tensors per launch of _nonfinite_kernel
 
@@ -337,7 +387,7 @@ def nonfinite_flags(*xs):
     B, H, T, D = xs[0].shape
     flags = torch.empty(len(xs), B * H, device=xs[0].device, dtype=torch.int32)
     ptrs = [*xs, *(xs[0],) * (MAX_FLAGGED - len(xs))]  # unused slots: any valid tensor (never read)
-    _nonfinite_kernel[(B * H, len(xs))](*ptrs, flags, T * D, B * H, BLOCK=NONFINITE_BLOCK, num_warps=8)
+    launch(_nonfinite_kernel, (B * H, len(xs)), *ptrs, flags, T * D, B * H, BLOCK=NONFINITE_BLOCK, num_warps=8)
     return flags
 
 

@@ -102,6 +102,7 @@ from lpfa.attention.triton_common import (
     _top2,
     check_triton_inputs,
     gemm_mode,
+    launch,
     libdevice,
     nonfinite_flags,
     policy_tiles,
@@ -428,7 +429,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
 def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
                     dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages):
     """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE)."""
-    _flash_fwd_kernel[grid](
+    launch(
+        _flash_fwd_kernel, grid,
         q, k, v, o, lse,
         v_flags,
         T, float(scale),

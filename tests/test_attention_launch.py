@@ -1,0 +1,102 @@
+"""lpfa.attention.triton_common.launch: the first launch of a specialization goes through Triton's ``run``, later ones
+straight to the compiled kernel's launcher with the same arguments, and a change of anything Triton specializes on
+(a tensor's dtype or 16-byte alignment, an int's value, a constexpr, a launch option) goes through ``run`` again.
+
+A stand-in kernel records both paths (no GPU here); the GPU tests run the real kernels through it."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+from lpfa.attention import triton_common  # noqa: E402
+
+
+class CompiledKernel:  # the name launch() recognises, as Triton's own class is named
+    function, packed_metadata = "fn", "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *a):
+        self.log.append(("fast", a))
+
+
+class StandIn:
+    """A JITFunction-like kernel: kernel[grid](*args, **meta) logs the call and returns its compiled kernel."""
+
+    arg_names = ["X", "Y", "N", "scale", "BLOCK", "MODE"]
+
+    def __init__(self):
+        self.log = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("run", grid, args, meta))
+            return CompiledKernel(self.log)
+        return run
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 7, raising=False)
+    triton_common._LAUNCHES.clear()
+    return StandIn()
+
+
+def paths(k):
+    return [entry[0] for entry in k.log]
+
+
+def test_second_launch_goes_to_the_compiled_kernel_with_every_argument_in_order(kernel):
+    x, y = torch.zeros(64), torch.ones(64)
+    for _ in range(3):
+        triton_common.launch(kernel, (4, 2), x, y, 1000, 0.5, BLOCK=64, MODE=1, num_warps=4)
+    assert paths(kernel) == ["run", "fast", "fast"]
+    assert kernel.log[1][1] == (4, 2, 1, 7, "fn", "meta", None, None, None, x, y, 1000, 0.5, 64, 1)
+
+
+@pytest.mark.parametrize("change", ["dtype", "alignment", "int", "constexpr", "option"])
+def test_what_triton_specializes_on_goes_through_run_again(kernel, change):
+    x, y = torch.zeros(64), torch.ones(64)
+    args, meta = [x, y, 1000, 0.5], dict(BLOCK=64, MODE=1, num_warps=4)
+    triton_common.launch(kernel, (4,), *args, **meta)
+    if change == "dtype":
+        args[0] = x.double()
+    elif change == "alignment":
+        args[0] = x[1:]  # 4 bytes past a 16-byte boundary
+    elif change == "int":
+        args[2] = 1001
+    elif change == "constexpr":
+        meta["MODE"] = 2
+    else:
+        meta["num_warps"] = 8
+    triton_common.launch(kernel, (4,), *args, **meta)
+    assert paths(kernel) == ["run", "run"]
+    triton_common.launch(kernel, (4,), *args, **meta)
+    assert paths(kernel) == ["run", "run", "fast"]
+
+
+def test_a_float_argument_changes_no_specialization(kernel):
+    x = torch.zeros(64)
+    triton_common.launch(kernel, (1,), x, x, 8, 0.5, BLOCK=16, MODE=0)
+    triton_common.launch(kernel, (1,), x, x, 8, 0.25, BLOCK=16, MODE=0)
+    assert paths(kernel) == ["run", "fast"] and kernel.log[1][1][-3] == 0.25
+
+
+def test_a_launch_hook_sends_every_call_through_run(kernel, monkeypatch):
+    x = torch.zeros(64)
+    triton_common.launch(kernel, (1,), x, x, 8, 0.5, BLOCK=16, MODE=0)
+    monkeypatch.setattr(triton_common.triton.knobs.runtime, "launch_enter_hook", lambda *a: None)
+    triton_common.launch(kernel, (1,), x, x, 8, 0.5, BLOCK=16, MODE=0)
+    assert paths(kernel) == ["run", "run"]
+
+
+def test_a_missing_constexpr_keeps_the_slow_path(kernel):
+    x = torch.zeros(64)
+    for _ in range(2):
+        triton_common.launch(kernel, (1,), x, x, 8, 0.5, BLOCK=16)  # MODE left to a default: not lined up
+    assert paths(kernel) == ["run", "run"]
