@@ -469,3 +469,30 @@ def test_stabiliser_headline_from_the_committed_table():
     assert keepers  # the committed cuts keep the ties (results/paper_recipe)
     assert all(f"`{l}`" in text.split("**Ties are not what must go:**")[1] for l in keepers)
     assert stabiliser_headline(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
+
+
+def test_host_layers_read_the_committed_host_overhead_runs():
+    """Page 12's host-time table: one row per committed benchmarks/host_overhead.py run, oldest first, each layer's µs
+    as the run measured it, and the sentence's first and last numbers from those rows."""
+    from lpfa.attention.report import HOST_LAYERS, host_layers_table, host_layers_text
+
+    folders = results.runs("host_overhead")
+    data = {f.name: results.load("host_overhead", "host_overhead.json", f.name) for f in folders}
+    t = host_layers_table(data)
+    assert list(t.index) == [f.name for f in folders] and list(t.columns)[:-1] == list(HOST_LAYERS.values())
+    last = data[folders[-1].name]["host_us"]
+    assert t.iloc[-1]["attention(), fwd+bwd"] == last["attention/fwd_bwd"]
+    assert t.iloc[-1]["fwd+bwd × SDPA-flash"] == last["attention/fwd_bwd"] / last["sdpa_flash/fwd_bwd"]
+    text = host_layers_text(t)
+    first = data[folders[0].name]["host_us"]["attention/fwd_bwd"]
+    assert text.startswith(f"the host's time to issue one forward and backward through `attention()` went from {first:,.0f} µs")
+    assert f"to {last['attention/fwd_bwd']:,.0f} µs" in text
+
+
+def test_host_layers_table_leaves_a_missing_layer_empty():
+    import pandas as pd
+
+    from lpfa.attention.report import host_layers_table
+
+    t = host_layers_table({"a": {"host_us": {"attention/fwd_bwd": 300.0, "sdpa_flash/fwd_bwd": 150.0}}})
+    assert t.loc["a", "fwd+bwd × SDPA-flash"] == 2.0 and pd.isna(t.loc["a", "flash_forward"])

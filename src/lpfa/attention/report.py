@@ -169,3 +169,38 @@ def shapes_text(shapes: dict, sfa_goal: float) -> dict[str, str]:
         "sfa": (f"{long_sfa.min():+.1%} to {long_sfa.max():+.1%}, " + ("within" if long_sfa.max() <= sfa_goal else "outside")
                 + f" the goal of at most +{100 * sfa_goal:.0f}%") if len(long_sfa) else "not measured at T ≥ 4,096",
     }
+
+
+HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names
+    "launch/_nonfinite_kernel": "one Triton launch",
+    "flash_forward": "flash_forward",
+    "flash_backward": "flash_backward",
+    "op/fwd": "custom op, fwd",
+    "attention/fwd": "attention(), fwd",
+    "attention/fwd_bwd": "attention(), fwd+bwd",
+    "sdpa_flash/fwd": "SDPA-flash, fwd",
+    "sdpa_flash/fwd_bwd": "SDPA-flash, fwd+bwd",
+}
+
+
+def host_layers_table(runs: dict[str, dict]):
+    """``benchmarks/host_overhead.py`` runs side by side: one row per run (``runs`` maps a label, e.g. the commit, to
+    its ``host_overhead.json``), one column per layer of the call (:data:`HOST_LAYERS`), in µs of the host's time per
+    call; ``fwd+bwd × SDPA-flash`` is the host's time for ``attention()``'s forward+backward over SDPA-flash's measured
+    in the same run (the hosts of two machines differ, the ratio less)."""
+    import pandas as pd
+
+    df = pd.DataFrame({label: {name: r["host_us"].get(key) for key, name in HOST_LAYERS.items()}
+                       for label, r in runs.items()}).T
+    df["fwd+bwd × SDPA-flash"] = df["attention(), fwd+bwd"] / df["SDPA-flash, fwd+bwd"]
+    return df.rename_axis("run")
+
+
+def host_layers_text(table) -> str:
+    """Page 12's sentence from :func:`host_layers_table`: the host's time for one forward+backward through
+    ``attention()`` in the first and the last run, each as a multiple of SDPA-flash's in its own run."""
+    first, last = table.iloc[0], table.iloc[-1]
+    return (f"the host's time to issue one forward and backward through `attention()` went from "
+            f"{first['attention(), fwd+bwd']:,.0f} µs ({first['fwd+bwd × SDPA-flash']:.1f}× SDPA-flash's in the same run, "
+            f"`{table.index[0]}`) to {last['attention(), fwd+bwd']:,.0f} µs ({last['fwd+bwd × SDPA-flash']:.1f}×, "
+            f"`{table.index[-1]}`)")
