@@ -496,3 +496,19 @@ def test_host_layers_table_leaves_a_missing_layer_empty():
 
     t = host_layers_table({"a": {"host_us": {"attention/fwd_bwd": 300.0, "sdpa_flash/fwd_bwd": 150.0}}})
     assert t.loc["a", "fwd+bwd × SDPA-flash"] == 2.0 and pd.isna(t.loc["a", "flash_forward"])
+
+
+def test_throughput_text_reads_the_committed_training_run():
+    """Page 13's sentence: each compiled lpfa row's ratio to SDPA compiled, against issue 17's goals."""
+    from lpfa.attention.report import TRAIN_GOALS, throughput_table, throughput_text
+
+    tput = results.load("train_throughput", "throughput.json")
+    t = throughput_table(tput)
+    assert t.loc["sdpa", "ratio to SDPA"] == 1.0
+    text = throughput_text(t)
+    for row, goal in TRAIN_GOALS.items():
+        if row in tput:
+            r = tput[row]["tokens_per_s"] / tput["sdpa_compiled"]["tokens_per_s"]
+            assert f"at {r:.2f}× (goal ≥ {goal:.2f}×: {'met' if r >= goal else 'not met'})" in text
+    eager = throughput_text(throughput_table({k: v for k, v in tput.items() if not k.endswith("_compiled")}))
+    assert "`fa2` not measured compiled" in eager and "eager, against eager SDPA: `fa2` " in eager

@@ -204,3 +204,35 @@ def host_layers_text(table) -> str:
             f"{first['attention(), fwd+bwd']:,.0f} µs ({first['fwd+bwd × SDPA-flash']:.1f}× SDPA-flash's in the same run, "
             f"`{table.index[0]}`) to {last['attention(), fwd+bwd']:,.0f} µs ({last['fwd+bwd × SDPA-flash']:.1f}×, "
             f"`{table.index[-1]}`)")
+
+
+TRAIN_GOALS = {"lpfa_fa2_compiled": 0.95, "lpfa_paper_compiled": 0.9}  # issue 17: compiled GPT-2 S against SDPA compiled
+
+
+def throughput_table(tput: dict):
+    """``benchmarks/train_throughput.py``'s ``throughput.json`` as one row per backend, with ``ratio to SDPA``: its
+    tokens/s over SDPA's in the same mode (a row ending in ``_compiled`` against ``sdpa_compiled``, the rest against
+    eager ``sdpa``)."""
+    import pandas as pd
+
+    df = pd.DataFrame(tput).T
+    base = {n: df.loc["sdpa_compiled" if n.endswith("_compiled") and "sdpa_compiled" in df.index else "sdpa", "tokens_per_s"]
+            for n in df.index}
+    df["ratio to SDPA"] = df["tokens_per_s"] / pd.Series(base)
+    return df
+
+
+def throughput_text(table, goals: dict[str, float] = TRAIN_GOALS) -> str:
+    """Page 13's sentence from :func:`throughput_table`: each compiled lpfa row's ratio to SDPA compiled against its goal,
+    and the eager rows' ratios; "not measured compiled" for a run made without ``--compile``."""
+    ratio = table["ratio to SDPA"]
+    parts = []
+    for row, goal in goals.items():
+        name = row.removeprefix("lpfa_").removesuffix("_compiled")
+        if row in ratio:
+            parts.append(f"`{name}` at {ratio[row]:.2f}× (goal ≥ {goal:.2f}×: {'met' if ratio[row] >= goal else 'not met'})")
+        else:
+            parts.append(f"`{name}` not measured compiled")
+    eager = [f"`{n.removeprefix('lpfa_')}` {ratio[n]:.2f}×" for n in ratio.index if n.startswith("lpfa_") and not n.endswith("_compiled")]
+    return ("compiled, GPT-2 S trains with " + " and ".join(parts) + " SDPA's tokens/s" +
+            (f"; eager, against eager SDPA: {', '.join(eager)}" if eager else ""))
