@@ -512,3 +512,44 @@ def test_throughput_text_reads_the_committed_training_run():
             assert f"at {r:.2f}× (goal ≥ {goal:.2f}×: {'met' if r >= goal else 'not met'})" in text
     eager = throughput_text(throughput_table({k: v for k, v in tput.items() if not k.endswith("_compiled")}))
     assert "`fa2` not measured compiled" in eager and "eager, against eager SDPA: `fa2` " in eager
+
+
+def _recipe_twins():
+    from lpfa.scorecard import recipe_rows
+
+    rows = recipe_rows("paper_recipe", None)
+    return {"bf16": rows["bf16_paper_recipe"], "fp32": rows["fp32_paper_recipe"]}
+
+
+def test_wq_ratio_text_reads_the_recipe_twins():
+    """Page 07's Fig. 3 sentence: the per-head BF16/FP32 ratios of ‖W_Q‖₂ in layer 1 at the step before the failure,
+    recomputed here from the logged norms."""
+    from lpfa.runs import head_metric_frame, step_before_failure, wq_ratio_text
+
+    runs = _recipe_twins()
+    step = step_before_failure(runs)
+    f = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in runs.items()}
+    at = {k: v[(v.layer == 1) & (v.step == step)].set_index("head").value for k, v in f.items()}
+    ratio = (at["bf16"] / at["fp32"]).sort_values(ascending=False)
+    text = wq_ratio_text(runs, 1, step)
+    assert text.startswith(f"At step {step:,}, layer 1's heads {ratio.index[0]}, {ratio.index[1]}, {ratio.index[2]} ")
+    assert f"({ratio.iloc[0]:.1f}×," in text and f"the median ratio is {ratio.median():.2f}" in text
+    n = int((ratio > 1.25).sum())
+    assert f"{n} of {len(ratio)} heads" in text and ("layer-wide" in text) == (n > len(ratio) / 2)
+
+
+def test_growth_and_comparison_texts_read_the_recipe_twins():
+    from lpfa.runs import growth_table, growth_text, wq_comparison_text
+
+    runs = _recipe_twins()
+    items, sentence = growth_text(runs, 1)
+    g = growth_table(runs)
+    assert items.count("\n* ") == len(g) - 1 and f"×{g.loc['bf16', 'growth']:.2f}" in items
+    assert sentence.startswith("At step ") and "in bf16 (head " in sentence and "in fp32 (head " in sentence
+    text = wq_comparison_text(runs, 1)
+    assert text.startswith("**Compared with the paper.**") and "the largest among fp32" in text
+    assert "For scale" not in text  # no shorter experiment given
+    same = {"bf16": {"identical_steps": 5, "common_steps": 5, "first_differing_step": None},
+            "fp32": {"identical_steps": 3, "common_steps": 5, "first_differing_step": 40}}
+    both = wq_comparison_text(runs, 1, short=runs, short_name="itself", same=same)
+    assert "(`itself`, same seed and data" in both and "first differ at step 40" in both and "deterministic" in both
