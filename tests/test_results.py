@@ -553,3 +553,28 @@ def test_growth_and_comparison_texts_read_the_recipe_twins():
             "fp32": {"identical_steps": 3, "common_steps": 5, "first_differing_step": 40}}
     both = wq_comparison_text(runs, 1, short=runs, short_name="itself", same=same)
     assert "(`itself`, same seed and data" in both and "first differ at step 40" in both and "deterministic" in both
+
+
+def _v_frame(first: float, late: float, steps=(100, 200, 300, 400)):
+    """A v_sign_dominance frame of 2 layers × 2 heads: every value `first` at the first step, `late` after it."""
+    import pandas as pd
+
+    rows = [{"step": s, "layer": lay, "head": h, "value": first if s == steps[0] else late + 0.01 * h}
+            for s in steps for lay in (0, 1) for h in (0, 1)]
+    return pd.DataFrame(rows)
+
+
+@pytest.mark.parametrize("bf16, fp32, words", [(0.3, 0.1, "part of what BF16 training builds"),
+                                               (0.1, 0.3, "the FP32 twin has more of them"),
+                                               (0.2, 0.19, "about the same")])
+def test_v_sign_text_compares_the_twins_in_the_layer(bf16, fp32, words):
+    from lpfa.runs import plot_v_sign, v_sign_text
+
+    frames = {"bf16": _v_frame(0.05, bf16), "fp32": _v_frame(0.05, fp32)}
+    text = v_sign_text(frames, 1)
+    assert text.startswith(f"* **bf16** at step 400: {bf16 + 0.005:.1%} of V's columns one-signed")
+    assert f"the most in layer 0, head 1 ({bf16 + 0.01:.1%}); at step 100: 5.0% on average." in text
+    ratio = (bf16 + 0.005) / (fp32 + 0.005)  # layer 1, steps after the run's half (300, 400), mean over heads
+    assert f"the BF16 run has {ratio:.1f} times the FP32 twin's" in text and words in text
+    assert "In layer" not in v_sign_text({"bf16": frames["bf16"]}, 1)
+    assert len(plot_v_sign(frames).axes) == 2

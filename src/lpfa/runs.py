@@ -1000,3 +1000,48 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
                         "and a BF16/FP32 ratio at one step is only meaningful well beyond that scatter (the seeds page "
                         "measures it).")
     return "".join(text)
+
+
+def plot_v_sign(frames: dict):
+    """Page 08's figure: per run (label → :func:`head_metric_frame` of ``v_sign_dominance``), the share of V's columns
+    with a dominant sign, mean over heads, one line per layer against the step."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(frames), figsize=(4.4 * len(frames), 3.2), squeeze=False, sharey=True)
+    for ax, (label, f) in zip(axes[0], frames.items()):
+        per_layer = f.groupby(["step", "layer"]).value.mean().unstack()
+        for lay in per_layer.columns:
+            ax.plot(per_layer.index, per_layer[lay], lw=1.2, label=f"layer {lay}")
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("V columns with a dominant sign (mean over heads)")
+    axes[0, -1].legend(fontsize=9, ncol=2)
+    return fig
+
+
+def v_sign_text(frames: dict, layer: int) -> str:
+    """Page 08's findings on V's sign structure: per run (label → :func:`head_metric_frame` of ``v_sign_dominance``), a
+    Markdown item with the share of one-signed V columns at its last record (mean over layers and heads, in ``layer``,
+    over the run's second half in ``layer``, the most one-signed head) and at its first; with both "bf16" and "fp32", the
+    ratio of their second-half shares in ``layer`` and what it says (above 1.5: BF16 training builds the structure;
+    below 1/1.5: the FP32 twin has more; else about the same)."""
+    lines, at_layer = [], {}
+    for label, f in frames.items():
+        first, last = f[f.step == f.step.min()], f[f.step == f.step.max()]
+        top = last.loc[last.value.idxmax()]
+        late = f[(f.layer == layer) & (f.step > f.step.max() / 2)]  # one record is noisy: the second half of the run
+        at_layer[label] = float(late.value.mean())
+        lines.append(f"* **{label}** at step {int(last.step.iloc[0]):,}: {last.value.mean():.1%} of V's columns one-signed on average "
+                     f"over layers and heads, {last[last.layer == layer].value.mean():.1%} in layer {layer} (at most "
+                     f"{last[last.layer == layer].value.max():.1%}; {at_layer[label]:.1%} over the run's second half), "
+                     f"the most in layer {int(top['layer'])}, head {int(top['head'])} ({top['value']:.1%}); at step "
+                     f"{int(first.step.iloc[0]):,}: {first.value.mean():.1%} on average.")
+    text = "\n".join(lines)
+    if {"bf16", "fp32"} <= set(at_layer):
+        ratio = at_layer["bf16"] / max(at_layer["fp32"], 1e-12)
+        verdict = ("V's sign structure is part of what BF16 training builds there." if ratio > 1.5 else
+                   "the FP32 twin has more of them, so they are not what sets the BF16 run apart." if ratio < 1 / 1.5 else
+                   "about the same, so one-signed V columns are not what sets the BF16 run apart; the ties are.")
+        text += (f"\n\nIn layer {layer}, over the second half of the runs, the BF16 run has {ratio:.1f} times the FP32 twin's "
+                 f"share of one-signed V columns: {verdict}")
+    return text
