@@ -578,3 +578,46 @@ def test_v_sign_text_compares_the_twins_in_the_layer(bf16, fp32, words):
     assert f"the BF16 run has {ratio:.1f} times the FP32 twin's" in text and words in text
     assert "In layer" not in v_sign_text({"bf16": frames["bf16"]}, 1)
     assert len(plot_v_sign(frames).axes) == 2
+
+
+def test_tie_grids_read_the_logged_ties_of_the_twins():
+    """Page 05's logged-ties figure and sentence: layer × head grids at two common steps, numbers from the grids."""
+    from lpfa.runs import head_metric_frame, plot_tie_grids, tie_grids, tie_grids_text
+
+    folder = results.run_dir("repro_pair")
+    runs = {label: folder / label for label in ("bf16", "fp32")}
+    grids, at = tie_grids(runs)
+    assert at[0] < at[-1] and set(grids) == {(label, s) for label in runs for s in at}
+    f = head_metric_frame(runs["bf16"], "tie_fraction")
+    last = f[f.step == at[-1]]
+    g = grids[("bf16", at[-1])]
+    assert g.shape == (last["layer"].nunique(), last["head"].nunique()) and g.values.max() == last.value.max()
+    text = tie_grids_text(grids, at)
+    assert text.startswith(f"`bf16` at step {at[-1]:,}: {last.value.mean():.1%} of rows tied on average")
+    assert "; `fp32` at step" in text
+    assert len(plot_tie_grids(grids).axes) == len(grids) + 1  # and the colourbar
+
+
+def test_rank1_and_structure_texts_read_the_committed_replay_and_checkpoints():
+    import json
+
+    from lpfa.replay import load_replay, rank1_stats, rank1_text
+    from lpfa.structure import compare_text
+
+    folder = results.run_dir("repro_runaway") / "bf16_runaway_replay"
+    res, arr = load_replay(folder)
+    text, within = rank1_text(res, arr, "x/y")
+    h = res["heads"][0]
+    med = rank1_stats(arr, h)["medians"]
+    assert text.startswith(f"Rank-1 similarity in the GPU-trained BF16 run (layer {res['layer']}, the replay in `x/y`): head {h}: ")
+    assert f"against {med['random vectors']:.2f} for random vectors" in text
+    assert len(within) == len(res["heads"]) * sum(k.startswith("within") for k in med)
+    found = [(f"{e}/{p.parent.name}", json.loads(p.read_text()))
+             for e in ("structure", "repro_runaway") for p in sorted(results.run_dir(e).glob("*/structure.json"))]
+    paragraphs = compare_text(found, within)
+    fp32 = [s for _, s in found if s["attn_backend"] != "lpfa"]
+    bf16 = [s for _, s in found if s["attn_backend"] == "lpfa"]
+    assert len(paragraphs) == bool(fp32) + len(bf16)
+    if fp32:
+        assert paragraphs[0].startswith("Against the paper's pretrained GPT-2")
+    assert compare_text([], within) == []

@@ -527,3 +527,19 @@ def plot_pv_error(arrays: dict, head: int, step: int):
     axes[1].set_ylabel("V[t, i]")
     axes[1].set_xlabel("key t")
     return fig
+
+
+def rank1_text(result: dict, arrays: dict, folder_name: str) -> tuple[str, list[float]]:
+    """Page 05's sentence on a replay (:func:`load_replay`; ``folder_name`` names it): per replayed head, its rank-1
+    similarity medians within a step (their range) and across steps, against random vectors (:func:`rank1_stats`);
+    and every head's within-step medians, for :func:`lpfa.structure.compare_text`."""
+    parts, within_all = [], []
+    for h in result["heads"]:
+        st = rank1_stats(arrays, h)
+        within = [v for k, v in st["medians"].items() if k.startswith("within")]
+        within_all += within
+        parts.append(f"head {h}: median {min(within):.2f} to {max(within):.2f} within a step"
+                     + "".join(f", {v:.2f} {k}" for k, v in st["medians"].items() if k.startswith("across"))
+                     + f", against {st['medians']['random vectors']:.2f} for random vectors")
+    return (f"Rank-1 similarity in the GPU-trained BF16 run (layer {result['layer']}, the replay in `{folder_name}`): "
+            + "; ".join(parts) + "."), within_all

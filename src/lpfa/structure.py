@@ -187,3 +187,50 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> list[str]:
+    """Page 05's comparison of GPU-trained checkpoints (``found``: (label, summary) pairs, in the order measured).
+    Those trained without BF16 attention first, in one paragraph set against the paper's pretrained GPT-2: how many
+    times BF16 scores multiply the tied rows, and their rank-1 similarity against random vectors and against the failing
+    run's replayed heads (``replay_within``: their within-step median similarities, :func:`lpfa.replay.rank1_text`). Then
+    one paragraph per BF16-trained checkpoint, next to its FP32 twin at the same step where there is one."""
+
+    def numbers(s):
+        tb, tf = np.asarray(s["ties"]["bf16"]), np.asarray(s["ties"]["fp32"])
+        return tb.mean(), tf.mean(), tb.max(), tf.max(), s["similarity"]["model"]["median"]
+
+    out = []
+    fp32_trained = [(label, s) for label, s in found if s["attn_backend"] != "lpfa"]  # never trained with BF16 attention
+    bf16_trained = [(label, s) for label, s in found if s["attn_backend"] == "lpfa"]
+    if fp32_trained:
+        parts, meds = [], []
+        for label, s in fp32_trained:
+            tb, tf, mb, _, med = numbers(s)
+            meds.append(med)
+            parts.append(f"`{label}` at step {s['step']:,}: {tb / max(tf, 1e-12):.0f}-fold ({tf:.2%} → {tb:.1%} on average, "
+                         f"{mb:.1%} in its most tied head), rank-1 similarity median {med:.2f}")
+        out.append(
+            "Against the paper's pretrained GPT-2, in models that never trained with BF16 attention: rounding the scores to "
+            "BF16 multiplies the tied rows " + "; ".join(parts) + ". So the first ingredient is there without BF16 training; "
+            f"the rank-1 matrices of the most tied head are similar (random vectors: "
+            f"{round(found[0][1]['similarity']['random']['median'], 2) + 0.0:.2f})"
+            + (f" but far less than in the failing run's replayed heads ({min(replay_within):.2f} to {max(replay_within):.2f})."
+               if replay_within and max(meds) < min(replay_within) else "."))
+    for label, s in bf16_trained:
+        tb, tf, mb, mf, med = numbers(s)
+        layer, head = s["head"]
+        twin = next(((tl, t) for tl, t in fp32_trained
+                     if t["step"] == s["step"] and tl.rsplit("/", 1)[0] == label.rsplit("/", 1)[0]), None)
+        text = (f"The BF16-trained `{label}` at step {s['step']:,} is another kind of model: with BF16 scores {mb:.0%} of the "
+                f"rows of its most tied head (layer {layer}, head {head}) are tied, with FP32 scores at most {mf:.2%} in any "
+                f"head (so nearly all are ties on BF16's grid, not in FP32), and that head's rank-1 similarity median is "
+                f"{med:.2f}")
+        if twin:
+            _, _, tmb, _, tmed = numbers(twin[1])
+            text += f"; the FP32 twin at the same step: {tmb:.1%} in its most tied head and {tmed:.2f}"
+            if mb > 2 * tmb and med > tmed:
+                text += (". Training with BF16 attention built both ingredients far beyond what BF16 rounding gives a model "
+                         "trained without it")
+        out.append(text + ".")
+    return out
