@@ -621,3 +621,29 @@ def test_rank1_and_structure_texts_read_the_committed_replay_and_checkpoints():
     if fp32:
         assert paragraphs[0].startswith("Against the paper's pretrained GPT-2")
     assert compare_text([], within) == []
+
+
+def test_isolation_ties_text_splits_failing_rows_by_their_ties():
+    import pandas as pd
+
+    from lpfa.runs import isolation_ties_text
+
+    ties = pd.DataFrame({"largest tie fraction": {"fp32": 0.05, "a": 0.8, "b": 0.06},
+                         "largest logit": {"fp32": 40.0, "a": 9000.0, "b": 2500.0}})
+    text = isolation_ties_text(ties, "fp32", {"a", "b"})
+    assert text.startswith("The `fp32` row's worst head never exceeds a tie fraction of 0.050. ")
+    assert "Failing rows with ties well above that: `a` (0.80). " in text
+    assert "**Failing without ties**: `b` (at most 0.060, largest logit 2,500)" in text
+    assert isolation_ties_text(ties, "fp32", {"a"}).endswith("Every failing row has ties well above the stable row's.")
+
+
+def test_isolation_ties_reads_the_layer_maxima_of_the_committed_rows():
+    import pandas as pd
+
+    from lpfa.runs import isolation_ties, layer_max
+
+    rows = {label: d for label, d in results.experiment_rows("isolation").items() if label in ("bf16", "fp32")}
+    table = pd.DataFrame({"outcome": {label: "x" for label in rows}})
+    t = isolation_ties(rows, table, 1)
+    assert t.loc["bf16", "largest logit"] == layer_max(rows["bf16"], "max_logit", 1).max()
+    assert t.loc["fp32", "largest tie fraction"] == layer_max(rows["fp32"], "tie_fraction", 1).max()

@@ -1087,3 +1087,34 @@ def tie_grids_text(grids: dict, at: list[int]) -> str:
                      f"{g.values.max():.1%} in its most tied head (layer {g.index[L]}, head {g.columns[H]}); at step {at[0]:,}: "
                      f"{e.values.mean():.1%} on average, {e.values.max():.1%} at most")
     return "; ".join(lines)
+
+
+def isolation_ties(rows: dict, table, layer: int):
+    """Page 10's ties per isolation row: its outcome (from ``table``), the largest tie fraction and the largest logit of
+    any head of ``layer`` over the run (:func:`layer_max`)."""
+    import pandas as pd
+
+    return pd.DataFrame({label: {"outcome": table.loc[label, "outcome"],
+                                 "largest tie fraction": layer_max(rows[label], "tie_fraction", layer).max(),
+                                 "largest logit": layer_max(rows[label], "max_logit", layer).max()}
+                         for label in table.index}).T
+
+
+def isolation_ties_text(ties, reference_row: str, sick) -> str:
+    """Page 10's finding from :func:`isolation_ties`: the stable ``reference_row``'s largest tie fraction, the failing
+    rows (``sick``) with ties above twice that, and those failing without them (not the paper's chain start)."""
+    tie, top = ties["largest tie fraction"].astype(float), ties["largest logit"].astype(float)
+    base = tie[reference_row]
+    untied = [label for label in sorted(sick) if tie[label] <= 2 * base]
+    tied = [label for label in sorted(sick) if label not in untied]
+    text = f"The `{reference_row}` row's worst head never exceeds a tie fraction of {base:.3f}. "
+    if tied:
+        text += "Failing rows with ties well above that: " + ", ".join(f"`{label}` ({tie[label]:.2f})" for label in tied) + ". "
+    if untied:
+        text += ("**Failing without ties**: " + ", ".join(f"`{label}` (at most {tie[label]:.3f}, largest logit {top[label]:,.0f})"
+                                                         for label in untied)
+                 + ": in these rows the logits grow without the tied maxima the paper's chain starts from, so ties are not "
+                 "necessary for the failure here; what they share with the tied rows is the BF16-rounded O that δ is computed from.")
+    else:
+        text += "Every failing row has ties well above the stable row's."
+    return text
