@@ -102,11 +102,17 @@ def main():
     bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                 for (m, n, w, s) in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3),
                                      (64, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 3), (128, 128, 8, 2)]]
+    # the dQ kernel with tiles of its own (many rows, few keys per step), next to dK/dV tiles of few rows and many keys,
+    # as in Triton's fused-attention tutorial; without spills at D = 64 by benchmarks/compile_check.py: dQ 128 × 32 (4 warps)
+    split_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, dq_block_m=qm, dq_block_n=qn)
+                  for (m, n, w, s, qm, qn) in [(64, 64, 4, 3, 128, 32), (64, 64, 4, 3, 128, 64), (32, 128, 8, 2, 128, 32),
+                                               (64, 128, 8, 2, 128, 64), (32, 64, 4, 3, 128, 32)]]
+    bwd_cfgs += split_cfgs
     if a.quick:
         fwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, precise_math=True)
                     for (m, n, w, s) in [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]]
         bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-                    for (m, n, w, s) in [(64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]]
+                    for (m, n, w, s) in [(64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]] + split_cfgs[:3]
     if a.compare_split:
         fwd_cfgs += [dict(cfg, causal_split=False) for cfg in fwd_cfgs]
         bwd_cfgs += [dict(cfg, causal_split=False) for cfg in bwd_cfgs]

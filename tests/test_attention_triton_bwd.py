@@ -97,11 +97,11 @@ def _check(grads, refs, policy, loose=False, terms=(0.0, 0.0, 0.0)):
         assert not bad.any(), f"{gname}: {int(bad.sum())} elements beyond {tol}·|ref| + {tol}·max|ref|"
 
 
-def _run(pol, B, T, D, seed, dtype=torch.bfloat16, scale=None):
+def _run(pol, B, T, D, seed, dtype=torch.bfloat16, scale=None, **launch):
     q, k, v, do = _inputs(B, 2, T, D, dtype, seed)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     o, lse = ref_forward(q.float(), k.float(), v.float(), pol, scale)
-    grads = flash_backward(do, q, k, v, o, lse, pol, scale)
+    grads = flash_backward(do, q, k, v, o, lse, pol, scale, **launch)
     refs = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, scale)
     return grads, refs, _term_sizes(q, k, v, do, scale)
 
@@ -146,6 +146,22 @@ def test_compute_tiles_inside_policy_blocks(name, bq, bk, T, D):
     pol = PRESETS[name].with_(block_q=bq, block_k=bk)
     grads, refs, terms = _run(pol, 1, T, D, seed=5)
     _check(grads, refs, pol, terms=terms)
+
+
+@pytest.mark.parametrize("name,bq,bk,T,dq_tiles", [
+    ("paper", 64, 64, 100, (64, 16)),  # the dQ kernel's own tiles: many rows, few keys per step, inside 64-blocks
+    ("fa2", 32, 32, 77, (32, 16)),
+    ("paper_sfa", 48, 48, 100, (16, 32)),  # policy blocks not a multiple of the tiles: the last tile cut short
+])
+def test_dq_kernel_tiles_of_its_own(name, bq, bk, T, dq_tiles):
+    """dq_block_m/dq_block_n give the dQ kernel other compute tiles than the dK/dV kernel's (launch tuning only): the
+    gradients keep the reference's values under the same rule, with the BF16 accumulation once per policy block."""
+    pol = PRESETS[name].with_(block_q=bq, block_k=bk)
+    grads, refs, terms = _run(pol, 1, T, 32, seed=11, block_m=16, block_n=32, dq_block_m=dq_tiles[0],
+                              dq_block_n=dq_tiles[1])
+    _check(grads, refs, pol, terms=terms)
+    same_tiles, _, _ = _run(pol, 1, T, 32, seed=11, block_m=dq_tiles[0], block_n=dq_tiles[1])
+    assert torch.equal(grads[0], same_tiles[0])  # dQ is the dQ kernel's alone: its tiles, whatever dK/dV's
 
 
 @pytest.mark.parametrize("name", ["fp32", "fp32_split", "fa2", "paper", "delta_dp"])

@@ -463,7 +463,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
-                   input_flags: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   input_flags: torch.Tensor | None = None, dq_block_m: int | None = None,
+                   dq_block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``.
 
     ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
@@ -476,7 +477,9 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
     exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
     ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
-    the policy's blocks fix the rounding. ``causal_split=False`` runs every sub-tile through the masked path
+    the policy's blocks fix the rounding. ``dq_block_m``/``dq_block_n`` (default: ``block_m``/``block_n``): the dQ
+    kernel's own query tile and key sub-tile, which favours the opposite shape to the dK/dV kernel's (many rows, few keys
+    per step: Triton's fused-attention tutorial uses 128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path
     (the kernels before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
     the input checks for a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose
     saved tensors the forward checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of
@@ -491,6 +494,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         num_warps = 4 if D <= 64 else 8
     BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, block_m)
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, block_n)
+    _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, dq_block_m or block_m)
+    _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, dq_block_n or block_n)
 
     interp = _interpreter()
     if dot_bf16 is None:
@@ -561,15 +566,15 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
     # ---- dQ: one program per query tile ----
-    n_qtiles = triton.cdiv(T, BQ) * TPB_Q
+    n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
     for nonfinite in (False, True):
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
             q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),
-            TILES_PER_BQ=TPB_Q,
+            TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
             NONFINITE=nonfinite,
-            **common,
+            **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
     if store_dtype != grad_dtype:
         dq, dk, dv = (t.to(grad_dtype) for t in (dq, dk, dv))
