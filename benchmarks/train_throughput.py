@@ -7,7 +7,11 @@ Every backend eagerly, and with ``--compile`` also the model under ``torch.compi
 model is warmed up (compiled) before its timing starts. MFU uses nanoGPT's FLOP estimate (6N + 12·L·H·D·T per
 token) against the H200's 989 TFLOP/s dense BF16 peak.
 
-Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile]``
+``--profile``: after the timing, two more steps of each backend under ``torch.profiler``: the GPU's busy time per step
+(its kernels summed) against the step's wall time (their difference: time the GPU waited for the host), and the
+kernels with the most GPU time per step, so that a gap to SDPA can be split into attention kernels, copies and the rest.
+
+Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile] [--profile]``
 """
 
 from __future__ import annotations
@@ -27,7 +31,28 @@ BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper",
 COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper")  # compiled as well with --compile (each costs a compilation)
 
 
-def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, compile: bool = False):
+def profile_steps(step, n: int = 2, top: int = 15) -> dict:
+    """``n`` calls of ``step`` under torch.profiler: wall and GPU-busy ms per step, and the ``top`` kernels' ms per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.time()
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.time() - t0) / n
+    kernels = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+        if t > 0:
+            kernels[ev.key[:80]] = kernels.get(ev.key[:80], 0.0) + t / n / 1e3
+    busy = sum(kernels.values())
+    return {"wall_ms": wall * 1e3, "gpu_busy_ms": busy, "gpu_idle_ms": max(wall * 1e3 - busy, 0.0),
+            "top_kernels_ms": dict(sorted(kernels.items(), key=lambda kv: -kv[1])[:top])}
+
+
+def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, compile: bool = False,
+            profile: bool = False):
     torch.manual_seed(0)
     cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy)
     model = GPT(cfg).cuda()
@@ -62,6 +87,8 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     tok_s = batch * T / dt
     out = {"tokens_per_s": tok_s, "step_ms": dt * 1e3, "mfu": flops_per_token * tok_s / PEAK_BF16,
            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach()), "warmup_s": warmup_s}
+    if profile:
+        out["profile"] = profile_steps(step)
     del model, opt
     torch.cuda.empty_cache()
     return out
@@ -73,22 +100,28 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="also time the COMPILED backends under torch.compile")
+    p.add_argument("--profile", action="store_true", help="then profile two steps of each (GPU busy time, top kernels)")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(a.out)
     write_json(out / "provenance.json", provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
-                                                           "autocast": "bfloat16", "compile": a.compile}))
+                                                           "autocast": "bfloat16", "compile": a.compile,
+                                                           "profile": a.profile}))
     rows = {}
     runs = [(name, backend, policy, False) for name, backend, policy in BACKENDS]
     if a.compile:
         runs += [(f"{name}_compiled", backend, policy, True) for name, backend, policy in BACKENDS if name in COMPILED]
     for name, backend, policy, compiled in runs:
         try:
-            rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled)
+            rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile)
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         r = rows[name]
-        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()}, flush=True)
+        print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k != "profile"}, flush=True)
+        if "profile" in r:
+            pr = r["profile"]
+            print(f"  profile: wall {pr['wall_ms']:.1f} ms, GPU busy {pr['gpu_busy_ms']:.1f} ms; "
+                  + "; ".join(f"{k[:50]} {v:.2f}" for k, v in list(pr["top_kernels_ms"].items())[:8]), flush=True)
 
     def base_of(name):  # each mode against SDPA in the same mode
         return rows.get("sdpa_compiled" if name.endswith("_compiled") else "sdpa", {}).get("tokens_per_s")

@@ -9,7 +9,7 @@
 # check against the reference is left to the GPU tests, as it takes minutes),
 # HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
-# (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile: every
+# (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
 # backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py (-k "$TESTS_K" when set), run first.
 # A step whose seconds are 0 is skipped. Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step writes its own provenance.json
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
@@ -33,4 +33,4 @@ step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --p
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}
 step "${SFA_S:-120}" sfa $PY benchmarks/sfa_overhead.py --out "$WORK/sfa"
-step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile}
+step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile}
