@@ -78,11 +78,11 @@ def _forward(q, k, v, pol: PrecisionPolicy, scale: float, for_backward: bool):
 
 def _backward(do, q, k, v, o, lse, flags, pol: PrecisionPolicy, scale: float):
     """(dQ, dK, dV) in the inputs' dtype (q, k, v share one, checked), stored so by the kernels (no FP32 copies to
-    convert). ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's
+    convert); dO, q, k, v in any layout (the kernels take their strides: no copies of the model's transposed views). ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's
     first pass)."""
     from lpfa.attention.triton_bwd import flash_backward
 
-    return flash_backward(do.contiguous(), q, k, v, o, lse, pol, scale, validate=False, grad_dtype=q.dtype,
+    return flash_backward(do, q, k, v, o, lse, pol, scale, validate=False, grad_dtype=q.dtype,
                           input_flags=flags if flags.shape[0] == 3 else None)
 
 
@@ -140,7 +140,7 @@ def _setup_context(ctx, inputs, output):
 
 def _op_backward(ctx, do, dlse, dflags):
     q, k, v, o, lse, flags = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do.contiguous(), q, k, v, o, lse, flags, ctx.key, ctx.scale)
+    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, flags, ctx.key, ctx.scale)
     return dq, dk, dv, None, None, None
 
 

@@ -58,8 +58,10 @@ BF16-representable by construction (inputs given as bf16, or operands rounded to
 when one operand is BF16: :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`), in every GEMM (dP, dV, dQ, dK, the
 recomputed S, and δ's dP for ``dp_p``); FP contraction is disabled at launch
 (``dS = P·scale·(dP − δ)`` rounds each product as in the reference) and ``PRECISE_MATH`` uses
-libdevice ``expf``. Under the interpreter the wrapper converts all inputs to contiguous FP32 copies;
-on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registers.
+libdevice ``expf``. Under the interpreter the wrapper converts all inputs to FP32 copies;
+on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registers. q, k, v are read in the layout
+they share and dO in its own (their strides, as the forward's: no copies of the model's transposed views); the
+gradients are written contiguous.
 
 Remaining differences from the reference: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernels accumulate in FP32 in their own order, so an FP32 difference of an
@@ -92,6 +94,7 @@ from lpfa.attention.triton_common import (
     libdevice,
     nonfinite_flags,
     policy_tiles,
+    shared_layout,
     tl,
     triton,
 )
@@ -103,19 +106,21 @@ if triton is not None:
 
     @triton.jit
     def _bwd_delta_kernel(
-        DO, O, DELTA,  # (B*H, T, D) and (B*H, T)
-        T,
+        DO, O, DELTA,  # DO (B, H, T, D) with its strides below, O contiguous (B*H, T, D), DELTA (B*H, T)
+        T, H, do_stride_b, do_stride_h, do_stride_t,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PROD_BF16: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        do_base = (pid_bh // H).to(tl.int64) * do_stride_b + (pid_bh % H).to(tl.int64) * do_stride_h
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < T
-        ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        do = tl.load(DO + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        o = tl.load(O + ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        do = tl.load(DO + do_base + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = do.to(tl.float32)
+        o = tl.load(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        o = o.to(tl.float32)
         # δ = rowsum(prod(dO ∘ O)), the sum in FP32
         delta = tl.sum(_rnd(do * o, PROD_BF16), axis=1)
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, delta, mask=row_ok)
@@ -124,21 +129,25 @@ if triton is not None:
     def _bwd_delta_dpp_kernel(
         Q, K, V, DO, LSE, DELTA,
         T, scale,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared)
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         loc_n = tl.arange(0, BLOCK_N)
         row_ok = offs_m < T
-        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q = q.to(tl.float32)
-        do = tl.load(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = do.to(tl.float32)
         lse = tl.load(LSE + pid_bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -148,8 +157,8 @@ if triton is not None:
         for k0 in range(0, k_end, BLOCK_N):
             offs_n = k0 + loc_n
             key_ok = offs_n < T
-            kt = tl.load(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
-            vt = tl.load(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            kt = tl.load(K + offs_n[None, :] * stride_t + offs_d[:, None], mask=key_ok[None, :], other=0.0)
+            vt = tl.load(V + offs_n[None, :] * stride_t + offs_d[:, None], mask=key_ok[None, :], other=0.0)
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
             # S = scores(scores(Q Kᵀ)·scale), exactly as the forward
@@ -182,8 +191,8 @@ if triton is not None:
         return p, ds
 
     @triton.jit
-    def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, base, row_base,
-                    scale, q_nonfinite, do_nonfinite,
+    def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t,
+                    row_base, scale, q_nonfinite, do_nonfinite,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
@@ -198,8 +207,8 @@ if triton is not None:
             row_ok = offs_m < q_hi if MASKED else None
             # Qᵀ: (D, BLOCK_M);  dO: (BLOCK_M, D);  lse, δ: (BLOCK_M,)
             # in their own dtype: a BF16 tile goes to the tensor cores as it is (_dot converts where a GEMM needs FP32)
-            qt = _load_tile(Q + base + offs_m[None, :] * HEAD_DIM + offs_d[:, None], row_ok[None, :] if MASKED else None)
-            do = _load_tile(DO + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], row_ok[:, None] if MASKED else None)
+            qt = _load_tile(Q + offs_m[None, :] * stride_t + offs_d[:, None], row_ok[None, :] if MASKED else None)
+            do = _load_tile(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], row_ok[:, None] if MASKED else None)
             lse = _load_tile(LSE + row_base + offs_m, row_ok)
             delta = _load_tile(DELTA + row_base + offs_m, row_ok)
             # visible: key <= query, both in range
@@ -215,9 +224,11 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B*H, T, D) / (B*H, T); outputs FP32 (B*H, T, D)
+        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
         Q_NONFINITE, DO_NONFINITE,  # (B*H,) int32 flags: Q / dO of this batch·head hold an inf or NaN
         T, scale,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
@@ -239,8 +250,11 @@ if triton is not None:
         else:
             q_nonfinite = 0
             do_nonfinite = 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
 
         # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
         k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
@@ -251,10 +265,11 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
-        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
+        in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
         # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
-        k = tl.load(K + kv_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + kv_ptrs, mask=key_ok[:, None], other=0.0)
+        k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
 
         # dK_j, dV_j accumulators (bw precision), across policy query blocks
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -287,15 +302,15 @@ if triton is not None:
                 q_tail = q_hi
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
                 QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
                 QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                base, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
                 QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
@@ -311,7 +326,7 @@ if triton is not None:
         tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
 
     @triton.jit
-    def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, base, scale, k_nonfinite,
+    def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                   OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                   DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -324,8 +339,8 @@ if triton is not None:
             offs_n = k0 + loc_n
             key_ok = offs_n < k_to if MASKED else None
             # Kᵀ, Vᵀ: (D, BLOCK_N)
-            kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
-            vt = _load_tile(V + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok[None, :] if MASKED else None)
+            kt = _load_tile(K + offs_n[None, :] * stride_t + offs_d[:, None], key_ok[None, :] if MASKED else None)
+            vt = _load_tile(V + offs_n[None, :] * stride_t + offs_d[:, None], key_ok[None, :] if MASKED else None)
             # visible: key <= query, both in range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
@@ -340,6 +355,8 @@ if triton is not None:
         Q, K, V, DO, LSE, DELTA, DQ,
         K_NONFINITE,  # (B*H,) int32 flag: K of this batch·head holds an inf or NaN
         T, scale,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
@@ -359,8 +376,11 @@ if triton is not None:
                 return
         else:
             k_nonfinite = 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
 
         # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
         q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
@@ -371,9 +391,9 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
-        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        q = tl.load(Q + q_ptrs, mask=row_ok[:, None], other=0.0)  # in their own dtype, as k, v above
-        do = tl.load(DO + q_ptrs, mask=row_ok[:, None], other=0.0)
+        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
+        do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
@@ -394,10 +414,10 @@ if triton is not None:
                 k_mid = k_blk + tl.minimum(tl.maximum(q_start + 1 - k_blk, 0) // BLOCK_N, BK // BLOCK_N) * BLOCK_N
             else:
                 k_mid = k_blk
-            dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
+            dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
                                 DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
-            dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, base, scale,
+            dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
                                 DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
@@ -409,16 +429,17 @@ if triton is not None:
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags):
+def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides):
     """δ per row (B, H, T) by ``pol.delta`` alone (no dose). ``q, k, v``: the inputs as given (for the recomputing
-    forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them."""
+    forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them, ``strides`` their layouts
+    (H, then q, k, v's and dO's (B, H, T) strides)."""
     B, H, T, D = q.shape
     delta = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     if pol.delta == "dp_p":
         t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
         launch(
             _bwd_delta_dpp_kernel, (triton.cdiv(T, t_m), B * H),
-            q_, k_, v_, do_, lse_, delta, T, float(scale),
+            q_, k_, v_, do_, lse_, delta, T, float(scale), *strides,
             HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
             SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags, SOFTCAP=float(pol.softcap or 0.0),
             enable_fp_fusion=False,
@@ -435,7 +456,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
     launch(
         _bwd_delta_kernel, (triton.cdiv(T, t_m), B * H),
-        do_, o_src.contiguous(), delta, T,
+        do_, o_src.contiguous(), delta, T, strides[0], *strides[4:],
         HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
         enable_fp_fusion=False,
     )
@@ -505,12 +526,13 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     bw_bf16 = pol.backward == BF16
     op_bf16 = bw_bf16 or pol.p_bar == BF16
     is_bf = {n: t.dtype == torch.bfloat16 for n, t in (("do", do), ("q", q), ("k", k), ("v", v))}
-    if interp:
-        # the interpreter's BF16 is not faithful: FP32 copies (values unchanged)
-        do_, q_, k_, v_, o_ = (t.float().contiguous() for t in (do, q, k, v, o_store))
-    else:
-        do_, q_, k_, v_, o_ = (t.contiguous() for t in (do, q, k, v, o_store))
-    lse_ = lse.contiguous()
+    # the interpreter's BF16 is not faithful: FP32 copies there (values unchanged, the layout kept where dense)
+    do_, q_, k_, v_, o_ = (t.float() if interp else t for t in (do, q, k, v, o_store))
+    # q, k, v in their shared layout, dO in its own (the model's transposed views: no copies); o and lse contiguous
+    (q_, k_, v_), qkv_strides = shared_layout(q_, k_, v_)
+    (do_,), do_strides = shared_layout(do_)
+    strides = (H, *qkv_strides, *do_strides)
+    o_, lse_ = o_.contiguous(), lse.contiguous()
     # one MODE per GEMM (triton_common.gemm_mode): BF16 tensor cores where both operands are BF16 by construction,
     # with gemm="bf16x6" every other operand split in three BF16 parts. q, k share a dtype, so QKᵀ and KQᵀ share one;
     # dP = dO Vᵀ (dQ and δ kernels) and dPᵀ = V dOᵀ (dK/dV kernel) are each other's mirror image
@@ -522,9 +544,10 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     )
 
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
-    delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags)
+    delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides)
     if delta_dose_active(pol):
-        ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math, flags)
+        ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math, flags,
+                     strides)
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
@@ -549,7 +572,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     n_ktiles = triton.cdiv(T, BK) * TPB_K
     # per-(batch, head) non-finite flags of Q and dO (dK/dV kernel) and K (dQ kernel), in one launch
     if input_flags is None:
-        q_flags, k_flags, do_flags = nonfinite_flags(q_, k_, do_)
+        q_flags, k_flags = nonfinite_flags(q_, k_)  # one launch per layout: no copies to line them up
+        (do_flags,) = nonfinite_flags(do_)
     else:
         if tuple(input_flags.shape) != (3, B * H) or input_flags.dtype != torch.int32:
             raise ValueError(f"input_flags must be the (3, {B * H}) int32 flags of V, Q, K from flash_forward(..., "
@@ -558,7 +582,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False, True):
         launch(
             _bwd_dkdv_kernel, (n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale),
+            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale), *strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
@@ -570,7 +594,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False, True):
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale),
+            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale), *strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
             NONFINITE=nonfinite,

@@ -286,23 +286,25 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _nonfinite_kernel(X0, X1, X2, FLAGS, N, BH, BLOCK: tl.constexpr):
-        """FLAGS[i, bh] = 1 if the bh-th slice of N contiguous elements of Xi holds an inf or NaN, else 0: one program
-        per (slice, tensor), walking its slice in BLOCK-element chunks. Every flag is stored once, with no atomics, so
-        FLAGS needs no zeroing first (one launch in all, whatever the number of tensors)."""
+    def _nonfinite_kernel(X0, X1, X2, FLAGS, T, H, stride_b, stride_h, stride_t, BH, D: tl.constexpr,
+                          BLOCK: tl.constexpr):
+        """FLAGS[i, bh] = 1 if the bh-th (batch, head) slice (T rows of D, rows stride_t apart) of Xi holds an inf or
+        NaN, else 0: one program per (slice, tensor), walking its slice in BLOCK-element chunks. Every flag is stored
+        once, with no atomics, so FLAGS needs no zeroing first (one launch in all, whatever the number of tensors)."""
         pid_bh = tl.program_id(0)  # (batch, head)
         which = tl.program_id(1)  # which tensor
-        base = pid_bh.to(tl.int64) * N
+        base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
         bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, N, BLOCK):
+        for start in range(0, T * D, BLOCK):
             offs = start + tl.arange(0, BLOCK)
-            ok = offs < N
+            ok = offs < T * D
+            at = base + (offs // D) * stride_t + offs % D  # row offs // D, column offs % D
             if which == 0:
-                x = tl.load(X0 + base + offs, mask=ok, other=0.0).to(tl.float32)
+                x = tl.load(X0 + at, mask=ok, other=0.0).to(tl.float32)
             elif which == 1:
-                x = tl.load(X1 + base + offs, mask=ok, other=0.0).to(tl.float32)
+                x = tl.load(X1 + at, mask=ok, other=0.0).to(tl.float32)
             else:
-                x = tl.load(X2 + base + offs, mask=ok, other=0.0).to(tl.float32)
+                x = tl.load(X2 + at, mask=ok, other=0.0).to(tl.float32)
             bad = bad | ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)  # NaN, or ±inf
         tl.store(FLAGS + which * BH + pid_bh, tl.max(bad, axis=0))
 
@@ -373,21 +375,35 @@ def launch(kernel, grid, *args, **meta):
     compiled.run(g[0], g[1], g[2], stream, compiled.function, compiled.packed_metadata, None, None, None, *args, *tail)
 
 
+def shared_layout(*xs):
+    """``(xs, (stride_b, stride_h, stride_t))``: (B, H, T, D) tensors of one shape that share their strides, with unit
+    stride along D and non-negative strides, as they are (a transposed view of a (B, T, H, D) tensor, or slices of a
+    (B, T, 3, H, D) one, as GPT's attention passes q, k and v); any other layout as contiguous copies. The kernels
+    address row t of batch·head (b, h) at ``b·stride_b + h·stride_h + t·stride_t``, so no layout needs a copy first."""
+    st = xs[0].stride()
+    if st[3] != 1 or min(st) < 0 or any(x.stride() != st for x in xs[1:]):
+        xs = tuple(x.contiguous() for x in xs)
+        st = xs[0].stride()
+    return xs, st[:3]
+
+
 NONFINITE_BLOCK = 2048  # elements per chunk of _nonfinite_kernel
 MAX_FLAGGED = 3  # tensors per launch of _nonfinite_kernel
 
 
 def nonfinite_flags(*xs):
-    """(len(xs), B·H) int32: row i is 1 where the (batch, head) slice of ``xs[i]`` (each (B, H, T, D), contiguous, one
-    shape) holds an inf or NaN, for :func:`_dot_visible`. One launch for up to :data:`MAX_FLAGGED` tensors, one pass over
-    each, on the device (no host sync)."""
+    """(len(xs), B·H) int32: row i is 1 where the (batch, head) slice of ``xs[i]`` (each (B, H, T, D), one shape, in
+    one layout: :func:`shared_layout`) holds an inf or NaN, for :func:`_dot_visible`. One launch for up to
+    :data:`MAX_FLAGGED` tensors, one pass over each, on the device (no host sync)."""
     if not 1 <= len(xs) <= MAX_FLAGGED or any(x.shape != xs[0].shape for x in xs):
         raise ValueError(f"nonfinite_flags takes 1 to {MAX_FLAGGED} tensors of one shape, got shapes "
                          f"{[tuple(x.shape) for x in xs]}")
+    xs, (sb, sh, st) = shared_layout(*xs)
     B, H, T, D = xs[0].shape
     flags = torch.empty(len(xs), B * H, device=xs[0].device, dtype=torch.int32)
     ptrs = [*xs, *(xs[0],) * (MAX_FLAGGED - len(xs))]  # unused slots: any valid tensor (never read)
-    launch(_nonfinite_kernel, (B * H, len(xs)), *ptrs, flags, T * D, B * H, BLOCK=NONFINITE_BLOCK, num_warps=8)
+    launch(_nonfinite_kernel, (B * H, len(xs)), *ptrs, flags, T, H, sb, sh, st, B * H, D=D, BLOCK=NONFINITE_BLOCK,
+           num_warps=8)
     return flags
 
 

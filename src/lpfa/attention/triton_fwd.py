@@ -65,8 +65,12 @@ nearest even. So the kernel never holds a BF16 value in a BF16 register:
   FP32 (:data:`lpfa.attention.policy.GEMM_SPLIT_DOC`); the parts are exact BF16 values, cast to ``tl.bfloat16``
   on a GPU and kept in FP32 registers (exact products) under the interpreter.
 
-Under the interpreter the wrapper hands the kernel contiguous FP32 copies of q, k, v (values unchanged); on a GPU
+Under the interpreter the wrapper hands the kernel FP32 copies of q, k, v (values unchanged); on a GPU
 the kernel loads the native dtype and keeps BF16 operands for the tensor cores where they are exact.
+
+Layouts: q, k, v arrive in any layout they share with unit stride along D (``triton_common.shared_layout``), and the
+kernel addresses row t of batch·head (b, h) at ``b·stride_b + h·stride_h + t·stride_t``. GPT's attention passes
+transposed views of its (B, T, 3·C) projection, which therefore need no copies; O and lse are written contiguous.
 
 Differences from the reference that remain: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernel accumulates in FP32 in its own order, so an FP32 difference of an
@@ -106,6 +110,7 @@ from lpfa.attention.triton_common import (
     libdevice,
     nonfinite_flags,
     policy_tiles,
+    shared_layout,
     tl,
     triton,
 )
@@ -121,7 +126,7 @@ if triton is not None:
         return key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
 
     @triton.jit
-    def _scores_tile(q, K, base, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
+    def _scores_tile(q, K, stride_t, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
                      SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr,
                      PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
@@ -130,7 +135,7 @@ if triton is not None:
         offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
-        kt = _load_tile(K + base + offs_n[None, :] * HEAD_DIM + offs_d[:, None], key_ok)
+        kt = _load_tile(K + offs_n[None, :] * stride_t + offs_d[:, None], key_ok)
         s = _dot(q, kt, QK_DOT)  # BF16 operands (exact), IEEE FP32 or BF16 split (policy.gemm), FP32 accumulation
         s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
         s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
@@ -140,7 +145,7 @@ if triton is not None:
 
     @triton.jit
     def _block_tiles(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
-                     q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                     q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
@@ -154,7 +159,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         for t in range(t_lo, t_hi):
             k_lo = kb_lo + t * BLOCK_N
-            s = s_block if N_SUB == 1 else _scores_tile(q, K, base, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
+            s = s_block if N_SUB == 1 else _scores_tile(q, K, stride_t, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
                                                         SCORES_BF16, QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH,
                                                         SOFTCAP=SOFTCAP)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
@@ -174,14 +179,14 @@ if triton is not None:
                 p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
                 offs_n = k_lo + loc_n
                 key_ok = ((offs_n < kb_hi) & (offs_n < T))[:, None] if MASKED else None
-                v = _load_tile(V + base + offs_n[:, None] * HEAD_DIM + offs_d[None, :], key_ok)
+                v = _load_tile(V + offs_n[:, None] * stride_t + offs_d[None, :], key_ok)
                 # Ō += P̄ V_j over visible keys only (a non-finite V reaches just the rows that see it)
                 o_blk += _dot_visible(p_pv, v, visible, v_nonfinite, PV_DOT)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
     def _block_pass(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
-                    q, K, V, base, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                    q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
@@ -190,18 +195,18 @@ if triton is not None:
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, r2, rs, block_sum, o_blk = _block_tiles(
-                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
                 scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                 PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
-                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, base, kb_lo, offs_m, loc_n,
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
                 PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
-    def _fwd_block(acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
+    def _fwd_block(acc, l_i, m_i, q, K, V, stride_t, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                    scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed,
                    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
@@ -218,13 +223,13 @@ if triton is not None:
         block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
         # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
-        s = _scores_tile(q, K, base, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
+        s = _scores_tile(q, K, stride_t, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
                          QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles); with SFA
         # also r2, the second largest visible score (blocks of one tile too), so the tie test needs no count pass ----
         rm, r2, rs, block_sum, o_blk = _block_pass(
-            rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+            rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
@@ -243,7 +248,7 @@ if triton is not None:
                     tied = r2 >= thr
             else:  # count against the block's final max in a pass of its own (over the S held, or the tiles again)
                 rm, r2, rs, block_sum, o_blk = _block_pass(
-                    rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T,
+                    rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
                     scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                     PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
                 tied = rs > 1
@@ -259,7 +264,7 @@ if triton is not None:
 
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
         rm, r2, rs, block_sum, o_blk = _block_pass(
-            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, base, kb_lo, offs_m, loc_n, T, scale,
+            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
@@ -280,7 +285,8 @@ if triton is not None:
 
     @triton.jit
     def _flash_fwd_kernel(
-        Q, K, V, O, LSE,  # contiguous (B*H, T, D) in the input / o_store dtype, and FP32 (B*H, T)
+        Q, K, V, O, LSE,  # Q, K, V (B, H, T, D) with the strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
         V_NONFINITE,  # (B*H,) int32: V of this batch·head holds an inf or NaN (lpfa.attention.triton_common)
         T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
         sr_seed,  # policy.sr_seed (stochastic rounding)
@@ -308,7 +314,10 @@ if triton is not None:
                 return
         else:
             v_nonfinite = 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
+        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
+        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
+        Q, K, V = Q + in_base, K + in_base, V + in_base
 
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
@@ -317,7 +326,7 @@ if triton is not None:
         loc_n = tl.arange(0, BLOCK_N)
 
         # Q tile: (BLOCK_M, D); padded rows are 0
-        q = tl.load(Q + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
 
         # running state: m = −inf, l = 0, o = 0
@@ -333,7 +342,7 @@ if triton is not None:
         n_full = (q_start + 1) // BK if (CAUSAL_SPLIT and BLOCK_N * N_SUB == BK) else 0
         for j in range(0, n_full):
             acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, K, V, base, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
+                acc, l_i, m_i, q, K, V, stride_t, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
@@ -346,7 +355,7 @@ if triton is not None:
             t_full = tl.minimum(tl.maximum(q_start + 1 - kb_lo, 0) // BLOCK_N,
                                 tl.minimum(n_sub, BK // BLOCK_N)) if (CAUSAL_SPLIT and N_SUB > 1) else 0
             acc, l_i, m_i = _fwd_block(
-                acc, l_i, m_i, q, K, V, base, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
+                acc, l_i, m_i, q, K, V, stride_t, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
@@ -411,27 +420,29 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if precise_math is None:
         precise_math = (not interp) and libdevice is not None
     inputs_bf16 = q.dtype == torch.bfloat16
-    if interp:  # the interpreter's BF16 is not faithful: hand it FP32 copies (same values)
+    if interp:  # the interpreter's BF16 is not faithful: hand it FP32 copies (same values, same layout where dense)
         q, k, v = (t.float() for t in (q, k, v))
-    q, k, v = (t.contiguous() for t in (q, k, v))
+    (q, k, v), strides = shared_layout(q, k, v)  # in place when q, k, v share a layout (the model's views): no copies
     o = torch.empty(B, H, T, D, device=q.device, dtype=torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
     flags = nonfinite_flags(v, q, k) if return_flags else nonfinite_flags(v)  # row 0: V's, for this kernel
     for nonfinite in (False, True):  # all batch·heads with V taken as finite, then those whose V is not (no host sync)
-        _forward_launch(grid, q, k, v, o, lse, flags[0], T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
-                        dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages)
+        _forward_launch(grid, q, k, v, o, lse, strides, flags[0], T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+                        inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps,
+                        num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return (o, lse, flags) if return_flags else (o, lse)
 
 
-def _forward_launch(grid, q, k, v, o, lse, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB, inputs_bf16,
-                    dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages):
-    """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE)."""
+def _forward_launch(grid, q, k, v, o, lse, strides, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages):
+    """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE); ``strides``: q, k, v's (B, H, T) strides."""
     launch(
         _flash_fwd_kernel, grid,
         q, k, v, o, lse,
+        q.shape[1], *strides,
         v_flags,
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,

@@ -1,0 +1,91 @@
+"""The Triton kernels take q, k, v and dO in any layout with unit stride along D (Triton's CPU interpreter here).
+
+GPT's attention hands the kernels transposed views of its (B, T, 3·C) projection; the kernels address rows through
+the tensors' strides instead of copying them. Each layout must give the bits of contiguous inputs, forward and
+backward, and the non-finite flags must find an inf wherever it sits."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: no GPU here
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lpfa.attention import PRESETS, attention  # noqa: E402
+from lpfa.attention.triton_bwd import flash_backward  # noqa: E402
+from lpfa.attention.triton_common import nonfinite_flags, shared_layout  # noqa: E402
+from lpfa.attention.triton_fwd import flash_forward  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+B, H, T, D = 2, 3, 37, 16
+
+
+def _layouts(seed):
+    """The same q, k, v, dO values in four layouts: contiguous (B, H, T, D); transposed views of (B, T, H, D); the
+    model's slices of one (B, T, 3, H, D) projection; and q contiguous with k, v transposed (no shared layout)."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(B, T, 3, H, D, generator=g).to(torch.bfloat16)
+    do_bthd = torch.randn(B, T, H, D, generator=g).to(torch.bfloat16)
+    sliced = [qkv[:, :, i].transpose(1, 2) for i in range(3)]  # strides (T·3·H·D, D, 3·H·D, 1): the model's views
+    contiguous = [t.contiguous() for t in sliced]
+    transposed = [t.contiguous().transpose(1, 2).contiguous().transpose(1, 2) for t in sliced]  # views of (B, T, H, D)
+    mixed = [contiguous[0], transposed[1], transposed[2]]
+    do = do_bthd.transpose(1, 2)
+    return {"contiguous": (contiguous, do.contiguous()), "transposed": (transposed, do), "sliced": (sliced, do),
+            "mixed": (mixed, do.contiguous())}
+
+
+def test_shared_layout_keeps_views_and_copies_mixed_layouts():
+    ls = _layouts(0)
+    (q, k, v), st = shared_layout(*ls["sliced"][0])
+    assert st == (T * 3 * H * D, D, 3 * H * D) and q.data_ptr() == ls["sliced"][0][0].data_ptr()
+    (q, k, v), st = shared_layout(*ls["mixed"][0])
+    assert all(t.is_contiguous() for t in (q, k, v)) and st == (H * T * D, T * D, D)
+    x = torch.zeros(B, H, T, D).transpose(2, 3)  # D not the unit-stride axis: copied
+    assert shared_layout(x)[0][0].is_contiguous()
+
+
+@pytest.mark.parametrize("name", ["fa2", "paper", "paper_sfa", "delta_dp", "o_fp32"])
+def test_every_layout_gives_the_bits_of_contiguous_inputs(name):
+    pol = PRESETS[name].with_(block_q=16, block_k=16)
+    scale = 1 / math.sqrt(D)
+    out = {}
+    for layout, ((q, k, v), do) in _layouts(hash(name) % 1000).items():
+        o, lse = flash_forward(q, k, v, pol, scale)
+        out[layout] = (o, lse, *flash_backward(do, q, k, v, o, lse, pol, scale))
+    for layout, got in out.items():
+        for a, b, what in zip(got, out["contiguous"], ("o", "lse", "dq", "dk", "dv")):
+            assert torch.equal(a, b), (layout, what)
+
+
+def test_autograd_through_the_models_views_matches_contiguous_inputs():
+    ((q, k, v), do) = _layouts(3)["sliced"]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    views = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    o1 = attention(*(t.contiguous() for t in leaves), policy="paper", backend="triton")
+    o2 = attention(*views, policy="paper", backend="triton")  # strided leaves: the kernels read them in place
+    assert torch.equal(o1, o2)
+    g1 = torch.autograd.grad(o1, leaves, do)
+    g2 = torch.autograd.grad(o2, views, do)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_nonfinite_flags_read_strided_slices(layout):
+    (q, k, v), _ = _layouts(5)[layout]
+    k = k.clone() if layout == "transposed" else k
+    base = k._base if k._base is not None else k
+    poisoned = base.clone()
+    flags = nonfinite_flags(q, k, v)
+    assert not flags.any()
+    view = poisoned[:, :, 1].transpose(1, 2) if layout == "sliced" else poisoned
+    view[1, 2, T - 1, D - 1] = float("inf")  # batch 1, head 2, the last row and column
+    got = nonfinite_flags(q, view, v)
+    want = torch.zeros(3, B * H, dtype=torch.int32)
+    want[1, 1 * H + 2] = 1
+    assert torch.equal(got, want)
