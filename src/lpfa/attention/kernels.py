@@ -4,9 +4,9 @@ Two doors to the same kernels, with the same bits: eagerly, :class:`_FlashAttent
 ``torch.autograd.Function``) calls :func:`lpfa.attention.triton_fwd.flash_forward` and
 :func:`lpfa.attention.triton_bwd.flash_backward`; under ``torch.compile``, the custom op ``lpfa::flash_attention_fwd``
 (one opaque node to Dynamo and Inductor, with a fake kernel and its own autograd) calls the same two functions. The
-custom op's Python dispatch costs the host about 0.4 ms per forward and backward on an H200's host (measured by
-``benchmarks/host_overhead.py``, results/attention_benchmark), more than the GPU's 0.7 ms of kernels at GPT-2 shapes
-leave room for, so eager calls skip it. A policy travels as a :class:`PrecisionPolicy` on the eager path and as the
+custom op's Python dispatch and autograd made one forward and backward at GPT-2 shapes take the host 5.9× SDPA-flash's
+time to issue, the plain ``autograd.Function`` 3.6× (``benchmarks/host_overhead.py`` on two H200 machines,
+results/host_overhead), and at these shapes the host, not the GPU, sets the pace; so eager calls skip it. A policy travels as a :class:`PrecisionPolicy` on the eager path and as the
 name of a registered policy (presets, plus any custom policy registered on first use) through the custom op, because
 custom ops take plain arguments.
 """
