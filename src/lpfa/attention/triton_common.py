@@ -347,8 +347,9 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid, *args, **meta):
     """``kernel[grid](*args, **meta)``, with the host work of Triton's ``JITFunction.run`` done once per specialization.
 
-    ``run`` binds and specializes every argument, builds a cache key and checks the kernel's globals on each call: about
-    25–40 µs of the host's time per launch on an H200's host, and a forward and backward launches nine kernels. Here the
+    ``run`` binds and specializes every argument, builds a cache key and checks the kernel's globals on each call, and a
+    forward and backward launches nine kernels. (What that saves has not been separated from the spread between the device
+    machines' hosts: ``benchmarks/host_overhead.py``, results/host_overhead.) Here the
     first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
     argument: constexprs and launch options) goes through ``run``, which compiles or finds the kernel; later calls hand
     the same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
