@@ -27,8 +27,11 @@ from lpfa.provenance import provenance, write_json
 
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (datasheet)
 BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper", "lpfa", "paper"),
-            ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2")]
-COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper")  # compiled as well with --compile (each costs a compilation)
+            ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2"),
+            ("sdpa_fp32", "sdpa_fp32", "fa2"), ("lpfa_fp32_split", "lpfa", "fp32_split")]
+# compiled as well with --compile (each costs a compilation); the last two are the FP32 twins: SDPA on FP32 q, k, v (the
+# committed twins') against fp32_split (FP32-level, bit-deterministic, BF16 tensor cores), issue 17's twin question
+COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper", "sdpa_fp32", "lpfa_fp32_split")
 
 
 def profile_steps(step, n: int = 2, top: int = 15) -> dict:
@@ -116,6 +119,7 @@ def main():
             rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile)
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+        write_json(out / "throughput.json", rows)  # after every backend: a run cut by its time limit keeps what it measured
         r = rows[name]
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k != "profile"}, flush=True)
         if "profile" in r:
@@ -130,7 +134,6 @@ def main():
                "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"), "compiled": n.endswith("_compiled"),
                                 "ratio_to_sdpa": (r["tokens_per_s"] / base_of(n)) if base_of(n) and "tokens_per_s" in r else None}
                             for n, r in rows.items()}}
-    write_json(out / "throughput.json", rows)
     write_json(out / "summary.json", summary)
     lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}   (ratio: to SDPA in the same mode)"]
     for n, r in rows.items():

@@ -7,7 +7,8 @@
 #
 # Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (overhead,speed,shapes; the bit-level
 # check against the reference is left to the GPU tests, as it takes minutes),
-# HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call),
+# HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call), NCU_S (150) benchmarks/ncu_attention.py
+# (Nsight Compute's counters per kernel of one forward+backward: what limits each),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
 # (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
 # backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py (-k "$TESTS_K" when set), run first.
@@ -15,7 +16,7 @@
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
 # call, so the steps write under $WORK (/tmp/kernels) and the folder is packed into $OUT/kernels.tar.gz after every
 # step: a call cut by its limit keeps what the finished steps measured. Commit the folders under
-# results/attention_benchmark/<run>, results/attention_tuning/<run>, results/sfa_overhead/<run> and
+# results/attention_benchmark/<run> (with ncu/), results/attention_tuning/<run>, results/sfa_overhead/<run> and
 # results/train_throughput/<run>.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -31,6 +32,7 @@ step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider tests/test
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$WORK/gpu_tests.log"
 step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}"
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
+step "${NCU_S:-150}" ncu $PY benchmarks/ncu_attention.py --out "$WORK/ncu" ${NCU_ARGS:-}
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}
 step "${SFA_S:-120}" sfa $PY benchmarks/sfa_overhead.py --out "$WORK/sfa"
 step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile}

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import csv
+import io
+import re
+
 
 def speed_table(bench: dict):
     """DataFrame: TFLOP/s per implementation and pass, with the fwd+bwd ratio to SDPA-flash; where the run also timed
@@ -236,3 +240,116 @@ def throughput_text(table, goals: dict[str, float] = TRAIN_GOALS) -> str:
     eager = [f"`{n.removeprefix('lpfa_')}` {ratio[n]:.2f}×" for n in ratio.index if n.startswith("lpfa_") and not n.endswith("_compiled")]
     return ("compiled, GPT-2 S trains with " + " and ".join(parts) + " SDPA's tokens/s" +
             (f"; eager, against eager SDPA: {', '.join(eager)}" if eager else ""))
+
+
+# Nsight Compute (benchmarks/ncu_attention.py): the metrics page 12 reads from ncu's raw page, and their units' scale
+NCU_METRICS = {"duration_us": "gpu__time_duration.sum", "sm_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+               "mem_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
+               "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+               "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
+               "registers": "launch__registers_per_thread"}
+_TIME_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
+_PIPE = re.compile(r"^sm__(?:inst_executed_pipe_(\w+?)|pipe_(\w+?)_cycles_active)\.avg\.pct_of_peak_sustained_active$")
+_STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+BOUND_PCT = 60.0  # ncu's rule of thumb: below 60% of peak on both compute and memory, latency (stalls) limits the kernel
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", ""))
+    except ValueError:
+        return None
+
+
+def parse_ncu_csv(text: str) -> dict[str, dict]:
+    """ncu's ``--csv --page raw`` output (one row per profiled kernel launch, a row of units under the header; lines of
+    ncu's own ``==PROF==`` messages skipped) as kernel name → metrics: :data:`NCU_METRICS` (time in µs whatever the
+    unit), ``pipes`` (pipe → % of peak issue, the three busiest), ``stalls`` (reason → warp cycles stalled per issued
+    instruction, the three largest) and ``top_stall``. A name launched more than once gets ``#2``, ``#3``, ... in
+    launch order; a template or argument list is cut from the name."""
+    lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("==")]
+    rows = list(csv.reader(io.StringIO("\n".join(lines))))
+    if not rows or "Kernel Name" not in rows[0]:
+        raise ValueError(f"parse_ncu_csv: no 'Kernel Name' column in ncu's output (first line: {repr(lines[0][:80]) if lines else 'nothing but ==PROF== lines'}); "
+                         "expected ncu --csv --page raw")
+    header, units, body = rows[0], None, rows[1:]
+    if body and not body[0][header.index("ID")].strip():
+        units, body = body[0], body[1:]
+    out: dict[str, dict] = {}
+    for row in body:
+        rec = dict(zip(header, row))
+        unit = dict(zip(header, units)) if units else {}
+        name = re.split(r"[<(]", rec["Kernel Name"].strip())[0].removeprefix("void ").split("::")[-1]
+        m = {}
+        for key, col in NCU_METRICS.items():
+            v = _number(rec.get(col, ""))
+            if v is not None and key == "duration_us":
+                v *= _TIME_US.get(unit.get(col, "nsecond").strip(), 1e-3)
+            m[key] = v
+        pipes = {}
+        stalls = {}
+        for col, val in rec.items():
+            v = _number(val)
+            if v is None:
+                continue
+            if (hit := _PIPE.match(col)):
+                pipe = hit.group(1) or hit.group(2)
+                pipes[pipe] = max(v, pipes.get(pipe, 0.0))
+            elif (hit := _STALL.match(col)):
+                stalls[hit.group(1)] = v
+        m["pipes"] = dict(sorted(pipes.items(), key=lambda kv: -kv[1])[:3])
+        m["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:3])
+        m["top_stall"] = next(iter(m["stalls"]), None)
+        key, n = name, 1
+        while key in out:
+            n += 1
+            key = f"{name}#{n}"
+        out[key] = m
+    return out
+
+
+def limited_by(m: dict) -> str:
+    """What limits one kernel, by ncu's speed-of-light rule (:data:`BOUND_PCT`): ``compute (<busiest pipe>)`` or
+    ``memory`` where that throughput reaches the bound and exceeds the other, else ``latency (<top stall>)``."""
+    sm, mem = m.get("sm_pct") or 0.0, m.get("mem_pct") or 0.0
+    if max(sm, mem) < BOUND_PCT:
+        return f"latency ({m.get('top_stall') or 'stall unknown'})"
+    if sm >= mem:
+        return f"compute ({next(iter(m.get('pipes') or {}), 'pipe unknown')})"
+    return "memory"
+
+
+def ncu_table(ncu: dict, min_us: float = 5.0):
+    """``benchmarks/ncu_attention.py``'s ``ncu.json`` as one row per (target, kernel) of at least ``min_us``: its
+    duration, SM and memory throughput (% of peak), achieved occupancy, registers per thread, busiest pipe, top stall
+    reason and :func:`limited_by`."""
+    import pandas as pd
+
+    rows = []
+    for target, kernels in ncu.items():
+        for name, m in kernels.items():
+            if (m.get("duration_us") or 0.0) < min_us:
+                continue
+            pipe = next(iter(m.get("pipes") or {}), None)
+            rows.append({"target": target, "kernel": name, "µs": m["duration_us"], "SM %": m.get("sm_pct"),
+                         "memory %": m.get("mem_pct"), "occupancy %": m.get("occupancy_pct"), "registers": m.get("registers"),
+                         "busiest pipe": f"{pipe} {m['pipes'][pipe]:.0f}%" if pipe else None,
+                         "top stall": m.get("top_stall"), "limited by": limited_by(m)})
+    return pd.DataFrame(rows).set_index(["target", "kernel"]).round(1)
+
+
+def ncu_text(table, base: str = "sdpa_flash") -> str:
+    """Page 12's sentence from :func:`ncu_table`: each target's summed kernel time (kernels of at least the table's
+    ``min_us``) against ``base``'s where the table has it, and what limits its longest kernel."""
+    total = table["µs"].groupby(level="target").sum()
+    parts = []
+    for target in total.index:
+        if target == base:
+            continue
+        longest = table.loc[target]["µs"].idxmax()
+        row = table.loc[(target, longest)]
+        against = (f" against {base}'s {total[base]:,.0f} µs ({total[base] / total[target]:.2f}×)" if base in total.index else "")
+        parts.append(f"`{target}`'s kernels take {total[target]:,.0f} µs{against}; its longest, `{longest}` ({row['µs']:,.0f} µs), runs at "
+                     f"{row['SM %']:.0f}% of the SMs' peak throughput and {row['memory %']:.0f}% of memory's, "
+                     f"limited by {row['limited by']}")
+    return "; ".join(parts)
