@@ -58,3 +58,14 @@ def test_committed_runs_give_every_threshold():
     for m in alarms.MEASURES:
         p = thr[m]["precursor"]
         assert p["positives"] > 0 and p["negatives"] > 0 and 0 <= p["fpr"] <= 1 and 0 <= p["fnr"] <= 1
+
+
+def test_fp32_level_policies_are_fp32_and_a_bf16_rounding_is_not():
+    from lpfa.attention import get_policy
+    from lpfa.attention.policy import BF16X6, is_fp32_level
+
+    assert is_fp32_level(get_policy("fp32")) and is_fp32_level(get_policy("fp32_split"))
+    assert is_fp32_level(get_policy("fp32").with_(gemm=BF16X6, name="mine"))
+    for name in ("fa2", "paper", "pv_fp32", "o_fp32", "scores_fp32"):
+        assert not is_fp32_level(get_policy(name)), name
+    assert not is_fp32_level(get_policy("fp32_split").with_(o_store="bf16"))

@@ -78,6 +78,23 @@ def test_every_experiment_is_a_valid_repro_config():
     assert heads.policy(1).fp32_heads == frozenset({5, 2}) and not heads.policy(0).fp32_heads
 
 
+def test_every_fp32_twin_is_fp32_split_and_fp32_in_every_layer():
+    """Issue 17: the experiments' FP32 twin is the fp32_split policy (FP32-level, deterministic, on tensor cores), and
+    the early-warning classes read its every layer as FP32."""
+    from lpfa.alarms import layer_precision
+    from lpfa.experiments import EXPERIMENT_PRESETS, EXPERIMENTS, FP32_TWIN
+    from lpfa.model import GPTConfig
+    from lpfa.train import make_config, parse_overrides
+
+    twins = {(exp, label) for exp, runs in EXPERIMENTS.items() for label, o in runs.items() if label == "fp32" or FP32_TWIN in o}
+    assert {("twins", "fp32"), ("isolation", "fp32"), ("dose", "fp32")} <= twins
+    for exp, label in twins:
+        cfg = make_config(EXPERIMENT_PRESETS.get(exp, "repro"), None, parse_overrides(EXPERIMENTS[exp][label]))
+        m = GPTConfig.from_size(cfg.model, attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy,
+                                layer_policies=cfg.layer_policies, fp32_heads=cfg.fp32_heads)
+        assert m.policy(0).name == "fp32_split" and layer_precision(m) == ["fp32"] * m.n_layer, (exp, label)
+
+
 def test_every_run_is_described():
     from lpfa.launch import DESCRIPTIONS, EXPERIMENTS
 
@@ -140,7 +157,7 @@ def test_gpu_script_end_to_end_on_cpu(tokens, tmp_path):
               "t/bf16_replay/replay.json", "t/bf16_replay/replay.npz"):
         assert f in names, (f, sorted(names))
     s = json.loads((tmp_path / "runs" / "t" / "fp32" / "structure.json").read_text())
-    assert s["step"] == 8 and s["attn_backend"] == "sdpa_fp32" and len(s["ties"]["bf16"]) == 2  # the debug model's 2 layers
+    assert s["step"] == 8 and s["attn_backend"] == "lpfa" and len(s["ties"]["bf16"]) == 2  # the debug model's 2 layers; the FP32 twin runs fp32_split
 
 
 def test_run_experiment_refuses_unknown_labels_before_starting(tmp_path):

@@ -647,3 +647,19 @@ def test_isolation_ties_reads_the_layer_maxima_of_the_committed_rows():
     t = isolation_ties(rows, table, 1)
     assert t.loc["bf16", "largest logit"] == layer_max(rows["bf16"], "max_logit", 1).max()
     assert t.loc["fp32", "largest tie fraction"] == layer_max(rows["fp32"], "tie_fraction", 1).max()
+
+
+def test_twin_text_reads_the_committed_throughput_and_error_runs():
+    """Page 13's FP32-twin sentence: fp32_split's tokens/s over sdpa_fp32's in the same run, and the worst error of
+    each against float64, recomputed from the committed files."""
+    from lpfa.attention.report import throughput_table, twin_text
+
+    tput = results.load("train_throughput", "throughput.json")
+    error = results.load("attention_benchmark", "error.json")
+    text = twin_text(throughput_table(tput), error)
+    r = tput["lpfa_fp32_split_compiled"]["tokens_per_s"] / tput["sdpa_fp32_compiled"]["tokens_per_s"]
+    assert text.startswith(f"`fp32_split` trains GPT-2 S at compiled {r:.2f}× and eager ")
+    worst = max(t["max_rel"] for inp in error["inputs"].values() for t in inp["fp32_split"].values())
+    assert f"within {worst:.1e} of float64" in text
+    with pytest.raises(ValueError, match="no fp32_split and sdpa_fp32 rows"):
+        twin_text(throughput_table({k: v for k, v in tput.items() if "fp32" not in k}), error)

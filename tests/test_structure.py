@@ -67,3 +67,12 @@ def test_summarize_run_cli_and_figures(byte_tokens, tmp_path):
         summarize_run(run, step=3, device="cpu")
     with pytest.raises(FileNotFoundError, match="not an lpfa.train run folder"):
         summarize_run(tmp_path, device="cpu")
+
+
+def test_fp32_split_twins_count_as_fp32_trained():
+    """Issue 17 made fp32_split the FP32 twin: its summaries join the FP32-trained paragraph, as sdpa_fp32's do."""
+    from lpfa.structure import _bf16_trained
+
+    assert _bf16_trained({"attn_backend": "lpfa", "policy": "paper_untiled"})
+    assert not _bf16_trained({"attn_backend": "lpfa", "policy": "fp32_split"})
+    assert not _bf16_trained({"attn_backend": "sdpa_fp32", "policy": "fa2"})

@@ -16,7 +16,7 @@
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
 # call, so the steps write under $WORK (/tmp/kernels) and the folder is packed into $OUT/kernels.tar.gz after every
 # step: a call cut by its limit keeps what the finished steps measured. Commit the folders under
-# results/attention_benchmark/<run> (with ncu/), results/attention_tuning/<run>, results/sfa_overhead/<run> and
+# results/attention_benchmark/<run>, results/attention_ncu/<run> (the CSVs; page 12 reads them), results/attention_tuning/<run>, results/sfa_overhead/<run> and
 # results/train_throughput/<run>.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1

@@ -8,7 +8,7 @@
 #
 # The preset is gpt2-s-paper (GPT-2 S, T = 1024, AdamW (0.9, 0.95), no weight decay, clip 1, peak lr 1e-3 after 2,000
 # warmup steps, cosine to 1e-5 over 600k steps), torch.compile on, BF16 autocast with FP32 master weights. LABEL bf16
-# trains attn_policy=paper, LABEL fp32 its FP32 twin (attn_backend=sdpa_fp32), same seed, so the same batches.
+# trains attn_policy=paper, LABEL fp32 its FP32 twin (attn_policy=fp32_split, lpfa.experiments.FP32_TWIN), same seed, so the same batches.
 # Tokens per step: TOKENS (default: the plan's choice, lpfa.scaling.paper_scale_plan, from TPS = one GPU's measured
 # tokens/s, default the committed paper-recipe probe's slower twin, and EFFICIENCY, DDP scaling, default 1): the
 # paper's 524,288 if step 6,600 fits BUDGET, else the authors' 327,680. A test run: STEPS=200 (max_steps) LABEL=probe.
@@ -50,7 +50,7 @@ start)
   read -r MICRO ACCUM TOKENS_PER_STEP < <(plan) || exit 1
   [ -n "${MICRO:-}" ] || exit 1
   case $LABEL in
-    fp32) ATTN="attn_backend=sdpa_fp32" ;;
+    fp32) ATTN="attn_policy=fp32_split" ;;
     *) ATTN="attn_policy=paper" ;;
   esac
   mkdir -p "$OUTDIR"

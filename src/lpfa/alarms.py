@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lpfa.attention.policy import BF16, FP32_POLICY
+from lpfa.attention.policy import BF16, is_fp32_level
 from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
@@ -50,13 +50,13 @@ def training_runs(root=None) -> list[Path]:
 
 def layer_precision(run) -> list[str]:
     """Per layer of a :class:`~lpfa.run.Run` (or of a :class:`lpfa.model.GPTConfig`): "fp32" where its attention
-    scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs or the fp32 policy), "bf16" where its scores
+    scores are FP32 and nothing is rounded to BF16 (SDPA on FP32 inputs, the fp32 or fp32_split policy), "bf16" where its scores
     are BF16, "mixed" otherwise (e.g. FP32 scores, BF16 P̄: fa2)."""
     m = run.model_config() if isinstance(run, Run) else run
     out = []
     for i in range(m.n_layer):
         backend, pol = m.layer_backend(i), m.policy(i)
-        if backend == "sdpa_fp32" or (pol is not None and pol.with_(name=FP32_POLICY.name) == FP32_POLICY):
+        if backend == "sdpa_fp32" or (pol is not None and is_fp32_level(pol)):
             out.append("fp32")
         elif pol is not None and pol.scores == BF16:
             out.append("bf16")

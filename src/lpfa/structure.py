@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lpfa.attention import get_policy
+from lpfa.attention.policy import is_fp32_level
+
 BINS = np.linspace(-1.0, 1.0, 41)  # the similarity histograms' bin edges
 MATRIX_TOKENS = 128  # the similarity matrix kept in a summary covers at most this many tokens
 
@@ -189,6 +192,12 @@ if __name__ == "__main__":
     raise SystemExit(main())
 
 
+def _bf16_trained(s: dict) -> bool:
+    """Whether a :func:`summarize_run` summary's run trained with BF16 roundings in its attention: an lpfa policy that
+    is not FP32-level (``fp32_split``, the FP32 twin since issue 17, is)."""
+    return s["attn_backend"] == "lpfa" and not (s.get("policy") and is_fp32_level(get_policy(s["policy"])))
+
+
 def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> list[str]:
     """Page 05's comparison of GPU-trained checkpoints (``found``: (label, summary) pairs, in the order measured).
     Those trained without BF16 attention first, in one paragraph set against the paper's pretrained GPT-2: how many
@@ -201,8 +210,8 @@ def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> l
         return tb.mean(), tf.mean(), tb.max(), tf.max(), s["similarity"]["model"]["median"]
 
     out = []
-    fp32_trained = [(label, s) for label, s in found if s["attn_backend"] != "lpfa"]  # never trained with BF16 attention
-    bf16_trained = [(label, s) for label, s in found if s["attn_backend"] == "lpfa"]
+    fp32_trained = [(label, s) for label, s in found if not _bf16_trained(s)]  # never trained with BF16 attention
+    bf16_trained = [(label, s) for label, s in found if _bf16_trained(s)]
     if fp32_trained:
         parts, meds = [], []
         for label, s in fp32_trained:

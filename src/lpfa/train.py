@@ -61,7 +61,7 @@ class TrainConfig:
     # model
     model: str = "tiny"  # a size from lpfa.model.SIZES
     block_size: int = 128  # tokens per sequence (T)
-    attn_backend: str = "lpfa"  # lpfa (attn_policy decides), sdpa, sdpa_fp32 (fast FP32 twin) or math
+    attn_backend: str = "lpfa"  # lpfa (attn_policy decides; the FP32 twin is attn_policy=fp32_split), sdpa, sdpa_fp32 or math
     attn_policy: str = "fa2"  # a preset of lpfa.attention.PRESETS
     layer_policies: dict = field(default_factory=dict)  # {layer: preset or backend} for single layers, e.g. {1: paper}
     fp32_heads: dict = field(default_factory=dict)  # {layer: [heads]} computed entirely in FP32

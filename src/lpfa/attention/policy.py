@@ -329,6 +329,12 @@ EMULATED: dict[str, PrecisionPolicy] = {
 kernels); :func:`get_policy` resolves them like :data:`PRESETS`."""
 
 
+def is_fp32_level(policy: PrecisionPolicy) -> bool:
+    """True where ``policy`` rounds nothing to BF16 and differs from :data:`FP32_POLICY` at most in its name and in how
+    its GEMMs reach FP32 accuracy (``gemm``: IEEE FP32, or split BF16 parts as in ``fp32_split``)."""
+    return policy.with_(name=FP32_POLICY.name, gemm=FP32_POLICY.gemm) == FP32_POLICY
+
+
 def fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
     """The all-FP32 policy with ``policy``'s blocks and soft-cap: what its FP32 heads run, and the O of
     ``delta="o_exact"``."""

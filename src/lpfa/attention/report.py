@@ -242,15 +242,19 @@ def throughput_text(table, goals: dict[str, float] = TRAIN_GOALS) -> str:
             (f"; eager, against eager SDPA: {', '.join(eager)}" if eager else ""))
 
 
-# Nsight Compute (benchmarks/ncu_attention.py): the metrics page 12 reads from ncu's raw page, and their units' scale
+# Nsight Compute (benchmarks/ncu_attention.py): the metrics page 12 reads from ncu's raw page
 NCU_METRICS = {"duration_us": "gpu__time_duration.sum", "sm_pct": "sm__throughput.avg.pct_of_peak_sustained_elapsed",
                "mem_pct": "gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",
-               "dram_pct": "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+               "instructions": "smsp__inst_executed.sum", "issue_pct": "sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+               "tensor_pct": "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+               "cycles_per_inst": "smsp__average_warp_latency_per_inst_issued.ratio",
                "occupancy_pct": "sm__warps_active.avg.pct_of_peak_sustained_active",
                "registers": "launch__registers_per_thread"}
+_ALIASES = {"smsp__inst_executed.sum": ("inst_executed", "sm__inst_executed.sum")}  # names differ across ncu versions
 _TIME_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "second": 1e6, "s": 1e6}
 _PIPE = re.compile(r"^sm__(?:inst_executed_pipe_(\w+?)|pipe_(\w+?)_cycles_active)\.avg\.pct_of_peak_sustained_active$")
 _STALL = re.compile(r"^smsp__average_warps?_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+_OCC_LIMIT = re.compile(r"^launch__occupancy_limit_(\w+)$")
 BOUND_PCT = 60.0  # ncu's rule of thumb: below 60% of peak on both compute and memory, latency (stalls) limits the kernel
 
 
@@ -264,30 +268,31 @@ def _number(text: str) -> float | None:
 def parse_ncu_csv(text: str) -> dict[str, dict]:
     """ncu's ``--csv --page raw`` output (one row per profiled kernel launch, a row of units under the header; lines of
     ncu's own ``==PROF==`` messages skipped) as kernel name → metrics: :data:`NCU_METRICS` (time in µs whatever the
-    unit), ``pipes`` (pipe → % of peak issue, the three busiest), ``stalls`` (reason → warp cycles stalled per issued
-    instruction, the three largest) and ``top_stall``. A name launched more than once gets ``#2``, ``#3``, ... in
-    launch order; a template or argument list is cut from the name."""
+    unit), ``pipes`` (pipe → % of peak, the three busiest), ``stalls`` (reason → warp cycles stalled per issued
+    instruction, the three largest; ``selected``, one cycle per instruction by definition, left out), ``top_stall``, and
+    ``occupancy_limit`` (the resource that allows the fewest blocks per SM: registers, shared_mem, warps, ...). A name
+    launched more than once gets ``#2``, ``#3``, ... in launch order; a template or argument list is cut from the name."""
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.startswith("==")]
     rows = list(csv.reader(io.StringIO("\n".join(lines))))
     if not rows or "Kernel Name" not in rows[0]:
-        raise ValueError(f"parse_ncu_csv: no 'Kernel Name' column in ncu's output (first line: {repr(lines[0][:80]) if lines else 'nothing but ==PROF== lines'}); "
+        first = repr(lines[0][:80]) if lines else "nothing but ==PROF== lines"
+        raise ValueError(f"parse_ncu_csv: no 'Kernel Name' column in ncu's output (first line: {first}); "
                          "expected ncu --csv --page raw")
-    header, units, body = rows[0], None, rows[1:]
-    if body and not body[0][header.index("ID")].strip():
-        units, body = body[0], body[1:]
+    header, units, body = rows[0], {}, rows[1:]
+    if body and "ID" in header and not body[0][header.index("ID")].strip():
+        units, body = dict(zip(header, body[0])), body[1:]
     out: dict[str, dict] = {}
     for row in body:
         rec = dict(zip(header, row))
-        unit = dict(zip(header, units)) if units else {}
         name = re.split(r"[<(]", rec["Kernel Name"].strip())[0].removeprefix("void ").split("::")[-1]
         m = {}
         for key, col in NCU_METRICS.items():
+            col = next((c for c in (col, *_ALIASES.get(col, ())) if c in rec), col)
             v = _number(rec.get(col, ""))
             if v is not None and key == "duration_us":
-                v *= _TIME_US.get(unit.get(col, "nsecond").strip(), 1e-3)
+                v *= _TIME_US.get(units.get(col, "nsecond").strip(), 1e-3)
             m[key] = v
-        pipes = {}
-        stalls = {}
+        pipes, stalls, limits = {}, {}, {}
         for col, val in rec.items():
             v = _number(val)
             if v is None:
@@ -295,11 +300,14 @@ def parse_ncu_csv(text: str) -> dict[str, dict]:
             if (hit := _PIPE.match(col)):
                 pipe = hit.group(1) or hit.group(2)
                 pipes[pipe] = max(v, pipes.get(pipe, 0.0))
-            elif (hit := _STALL.match(col)):
+            elif (hit := _STALL.match(col)) and hit.group(1) != "selected":
                 stalls[hit.group(1)] = v
+            elif (hit := _OCC_LIMIT.match(col)):
+                limits[hit.group(1)] = v
         m["pipes"] = dict(sorted(pipes.items(), key=lambda kv: -kv[1])[:3])
         m["stalls"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:3])
         m["top_stall"] = next(iter(m["stalls"]), None)
+        m["occupancy_limit"] = min(limits, key=limits.get) if limits else None
         key, n = name, 1
         while key in out:
             n += 1
@@ -319,10 +327,18 @@ def limited_by(m: dict) -> str:
     return "memory"
 
 
+def kernel_pass(name: str) -> str:
+    """``forward``, ``backward`` or ``other`` (checks, fills, conversions) from a kernel's name: FlashAttention's and
+    lpfa's kernels carry ``fwd``/``bwd`` in theirs."""
+    low = name.lower()
+    return "forward" if "fwd" in low else "backward" if "bwd" in low else "other"
+
+
 def ncu_table(ncu: dict, min_us: float = 5.0):
-    """``benchmarks/ncu_attention.py``'s ``ncu.json`` as one row per (target, kernel) of at least ``min_us``: its
-    duration, SM and memory throughput (% of peak), achieved occupancy, registers per thread, busiest pipe, top stall
-    reason and :func:`limited_by`."""
+    """``benchmarks/ncu_attention.py``'s ``ncu.json`` as one row per (target, kernel) of at least ``min_us``: its pass
+    (:func:`kernel_pass`), duration, millions of instructions executed, SM and memory throughput and issue slots busy
+    (% of peak), tensor pipe (% of peak cycles), warp cycles per issued instruction, achieved occupancy and the resource
+    that limits it, registers per thread, busiest pipe, top stall reason and :func:`limited_by`."""
     import pandas as pd
 
     rows = []
@@ -331,25 +347,69 @@ def ncu_table(ncu: dict, min_us: float = 5.0):
             if (m.get("duration_us") or 0.0) < min_us:
                 continue
             pipe = next(iter(m.get("pipes") or {}), None)
-            rows.append({"target": target, "kernel": name, "µs": m["duration_us"], "SM %": m.get("sm_pct"),
-                         "memory %": m.get("mem_pct"), "occupancy %": m.get("occupancy_pct"), "registers": m.get("registers"),
-                         "busiest pipe": f"{pipe} {m['pipes'][pipe]:.0f}%" if pipe else None,
+            rows.append({"target": target, "kernel": name, "pass": kernel_pass(name), "µs": m["duration_us"],
+                         "M instructions": (m.get("instructions") or float("nan")) / 1e6,
+                         "SM %": m.get("sm_pct"), "memory %": m.get("mem_pct"), "issue %": m.get("issue_pct"),
+                         "tensor %": m.get("tensor_pct"), "cycles/instruction": m.get("cycles_per_inst"),
+                         "occupancy %": m.get("occupancy_pct"), "occupancy limit": m.get("occupancy_limit"),
+                         "registers": m.get("registers"), "busiest pipe": f"{pipe} {m['pipes'][pipe]:.0f}%" if pipe else None,
                          "top stall": m.get("top_stall"), "limited by": limited_by(m)})
-    return pd.DataFrame(rows).set_index(["target", "kernel"]).round(1)
+    return pd.DataFrame(rows).set_index(["target", "kernel"]).round(2)
+
+
+def ncu_passes(table, base: str = "sdpa_flash"):
+    """:func:`ncu_table` summed per (target, pass): µs and millions of instructions, each also as a multiple of
+    ``base``'s in the same pass (where the table has ``base``)."""
+    df = table.groupby(["target", "pass"])[["µs", "M instructions"]].sum()
+    if base in df.index.get_level_values("target"):
+        ref = df.loc[base]
+        for col in ("µs", "M instructions"):
+            df[f"{col} × {base}"] = [df.loc[(t, p), col] / ref.loc[p, col] if p in ref.index else float("nan")
+                                     for t, p in df.index]
+    return df.round(2)
+
+
+def _fmt(v, spec: str) -> str:
+    """``v`` formatted by ``spec``, or "?" where ncu did not report it (None or NaN)."""
+    return "?" if v is None or v != v else format(v, spec)
 
 
 def ncu_text(table, base: str = "sdpa_flash") -> str:
-    """Page 12's sentence from :func:`ncu_table`: each target's summed kernel time (kernels of at least the table's
-    ``min_us``) against ``base``'s where the table has it, and what limits its longest kernel."""
-    total = table["µs"].groupby(level="target").sum()
+    """Page 12's sentence from :func:`ncu_table`: per target, its forward and backward kernels' time and instructions
+    against ``base``'s (:func:`ncu_passes`), its largest kernel's tensor-pipe use, issue slots and occupancy, and what
+    limits it."""
+    passes = ncu_passes(table, base)
     parts = []
-    for target in total.index:
+    for target in dict.fromkeys(table.index.get_level_values("target")):
         if target == base:
             continue
-        longest = table.loc[target]["µs"].idxmax()
-        row = table.loc[(target, longest)]
-        against = (f" against {base}'s {total[base]:,.0f} µs ({total[base] / total[target]:.2f}×)" if base in total.index else "")
-        parts.append(f"`{target}`'s kernels take {total[target]:,.0f} µs{against}; its longest, `{longest}` ({row['µs']:,.0f} µs), runs at "
-                     f"{row['SM %']:.0f}% of the SMs' peak throughput and {row['memory %']:.0f}% of memory's, "
-                     f"limited by {row['limited by']}")
-    return "; ".join(parts)
+        own = passes.loc[target]
+        vs = [f"{p} {own.loc[p, 'µs']:,.0f} µs, {own.loc[p, 'M instructions']:,.0f}M instructions"
+              + (f" ({own.loc[p, f'µs × {base}']:.2f}× {base}'s time, {own.loc[p, f'M instructions × {base}']:.2f}× its instructions)"
+                 if f"µs × {base}" in own and own.loc[p, f"µs × {base}"] == own.loc[p, f"µs × {base}"] else "")
+              for p in ("forward", "backward") if p in own.index]
+        k = table.loc[target]["µs"].idxmax()
+        r = table.loc[(target, k)]
+        parts.append(f"`{target}`: {'; '.join(vs)}. Its longest kernel, `{k}` ({r['µs']:,.0f} µs), keeps the tensor pipe "
+                     f"busy {_fmt(r['tensor %'], '.0f')}% of the time and the issue slots {_fmt(r['issue %'], '.0f')}%, at "
+                     f"{_fmt(r['occupancy %'], '.0f')}% occupancy (limited by {r['occupancy limit'] or 'unknown'}), "
+                     f"{_fmt(r['cycles/instruction'], '.1f')} cycles per instruction: {r['limited by']}")
+    return " ".join(p + "." for p in parts)
+
+
+def twin_text(table, error: dict) -> str:
+    """Page 13's sentence on the FP32 twin (issue 17): ``fp32_split``'s GPT-2 S tokens/s over ``sdpa_fp32``'s (the twin
+    of the committed runs), compiled where :func:`throughput_table` has both compiled rows, and eager; and the largest
+    error of its O and gradients against float64 next to the IEEE ``fp32`` policy's, over every input dtype of
+    ``benchmarks/attention.py``'s ``error.json``."""
+    tps = table["tokens_per_s"]
+    speed = [f"{mode} {tps[f'lpfa_fp32_split{suffix}'] / tps[f'sdpa_fp32{suffix}']:.2f}×"
+             for mode, suffix in (("compiled", "_compiled"), ("eager", ""))
+             if f"lpfa_fp32_split{suffix}" in tps and f"sdpa_fp32{suffix}" in tps]
+    if not speed:
+        raise ValueError("twin_text: the throughput run has no fp32_split and sdpa_fp32 rows; "
+                         "expected benchmarks/train_throughput.py from issue 17 on")
+    worst = {p: max(t["max_rel"] for inp in error["inputs"].values() for t in inp[p].values()) for p in ("fp32_split", "fp32")}
+    return (f"`fp32_split` trains GPT-2 S at {' and '.join(speed)} the tokens/s of `sdpa_fp32` (SDPA on FP32 inputs), and its "
+            f"O and gradients stay within {worst['fp32_split']:.1e} of float64 relative to each tensor's largest value, where "
+            f"the IEEE `fp32` policy's stay within {worst['fp32']:.1e}")
