@@ -28,7 +28,12 @@ pack() { tar -czf "$OUT/kernels.tar.gz" -C "$WORK" . ; }
 step() { local s=$1 name=$2; shift 2; [ "$s" = 0 ] && return; echo "== $name ($s s)"; timeout "$s" "$@" > "$WORK/$name.log" 2>&1
          echo "exit $? (124: cut by its limit)" >> "$WORK/$name.log"; grep -v "^check \|^error \|^\.*$" "$WORK/$name.log" | tail -40; pack; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.gpu --format=csv,noheader | tee "$WORK/gpu.txt"
-step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py ${TESTS_K:+-k "$TESTS_K"}
+# The GPU tests compile dozens of kernel variants, which takes most of their time on a fresh machine (56 of 64 tests
+# in 560 s at e121946, one process). With pytest-xdist (carried as wheels in .wheels: the run tool's carry=[".wheels"])
+# they compile in TESTS_N processes at once.
+if [ -d .wheels ] && ! $PY -c "import xdist" 2>/dev/null; then $PY -m pip install -q --no-index --find-links .wheels pytest-xdist; fi
+XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TESTS_N:-8}")
+step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_attention_gpu.py ${TESTS_K:+-k "$TESTS_K"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$WORK/gpu_tests.log"
 step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}"
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
