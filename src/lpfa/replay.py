@@ -124,8 +124,6 @@ def thin_delta_err(arrays: dict, steps, every: int) -> dict:
     steps = np.asarray(steps)
     keep = np.unique(np.r_[np.arange(0, len(steps), every), len(steps) - 1]) if len(steps) else np.arange(0)
     out = dict(arrays)
-    import re
-
     for key in [k for k in arrays if re.fullmatch(r"h\d+_delta_err", k)]:
         if f"{key}_steps" in arrays:
             continue

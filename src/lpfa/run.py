@@ -111,22 +111,29 @@ def load_metrics(run_dir: str | Path):
     return train, (val.set_index("step") if len(val) else val), diag
 
 
+def _logged_max_logits(run_dir) -> tuple[list[int], list]:
+    """The steps of a run folder's diagnostics records that logged ``max_logit``, and those logits (per layer, or per
+    layer and head), in record order."""
+    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
+    return [s for s, _ in recs], [m for _, m in recs]
+
+
 def runaway_onset(run_dir, criterion: RunawayCriterion = RunawayCriterion()) -> tuple[int, int] | None:
     """``(step, layer)`` of the first diagnostics record where a layer's largest logit exceeded ``criterion.logit``,
     sustained or not: where a run that stopped too early for the runaway verdict was heading. None if never."""
-    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
-    if not recs:
+    steps, logits = _logged_max_logits(run_dir)
+    if not steps:
         return None
-    return logit_runaway([m for _, m in recs], [s for s, _ in recs], RunawayCriterion(criterion.logit, patience=1))
+    return logit_runaway(logits, steps, RunawayCriterion(criterion.logit, patience=1))
 
 
 def heads_running_away(run_dir, layer: int, criterion: RunawayCriterion = RunawayCriterion()) -> dict[int, int]:
     """:func:`lpfa.explosion.runaway_heads` of a run folder's logged per-head largest logits: ``{head: step}`` of
     ``layer``'s heads that ran away; empty if none did (or nothing per head was logged)."""
-    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
-    if not recs or any(not isinstance(m[0], list) for _, m in recs):
+    steps, logits = _logged_max_logits(run_dir)
+    if not steps or any(not isinstance(m[0], list) for m in logits):
         return {}
-    return runaway_heads([m for _, m in recs], [s for s, _ in recs], layer, criterion)
+    return runaway_heads(logits, steps, layer, criterion)
 
 
 def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),

@@ -935,6 +935,14 @@ def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: s
                else ": as in the paper, a few heads carry it."))
 
 
+def _layer_wq_at_common_step(runs: dict, layer: int):
+    """The last diagnostics step every run reached, and per run the per-head ‖W_Q‖₂ rows of ``layer`` there (a frame of
+    :func:`head_metric_frame`)."""
+    frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
+    common = min(int(f.step.max()) for f in frames.values())
+    return common, {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())] for label, f in frames.items()}
+
+
 def growth_text(runs: dict, layer: int) -> tuple[str, str]:
     """Page 07's two findings on W_Q growth: a Markdown list, one item per run, of its fastest-growing head
     (:func:`growth_table`) and its largest norm; and a sentence on the largest ‖W_Q‖₂ in ``layer`` of each run at the
@@ -944,9 +952,7 @@ def growth_text(runs: dict, layer: int) -> tuple[str, str]:
         f"* **{r}**: after {int(row['steps'])} steps the fastest-growing head is layer {int(row['layer'])}, head "
         f"{int(row['head'])} (×{row['growth']:.2f}, {row['wq_spectral_norm first']:.2f} → {row['wq_spectral_norm last']:.2f}); "
         f"the largest norm anywhere is {row['largest last value']:.2f}." for r, row in g.iterrows())
-    frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
-    common = min(int(f.step.max()) for f in frames.values())
-    at = {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())] for label, f in frames.items()}
+    common, at = _layer_wq_at_common_step(runs, layer)
     sentence = (f"At step {common}, the last step all runs reached, the largest W_Q norm in layer {layer} is "
                 + ", ".join(f"{a.value.max():.2f} in {label} (head {int(a.loc[a.value.idxmax(), 'head'])})" for label, a in at.items())
                 + ".")
@@ -962,9 +968,8 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
     ``same``: for "bf16" and "fp32", :func:`lpfa.scaling.first_difference` of this run and the short one's (how many of
     their losses are bit-identical)."""
     g = growth_table(runs)
-    frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
-    common = min(int(f.step.max()) for f in frames.values())
-    vals = {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())].value.max() for label, f in frames.items()}
+    common, at = _layer_wq_at_common_step(runs, layer)
+    vals = {label: a.value.max() for label, a in at.items()}
     hp = [label for label in vals if label != "bf16"]
     ratio = vals["bf16"] / max(vals[label] for label in hp)
     wq = {label: layer_max(d, "wq_spectral_norm", layer) for label, d in runs.items()}
