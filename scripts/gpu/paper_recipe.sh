@@ -24,6 +24,12 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LPFA_RUNS=$ROOT
 PY=${PY:-python3}
 L="$PY -m lpfa.launch"
 COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
+# DOCTOR_STEP=N (e.g. 5000, the last diagnostics step before bf16_paper_recipe's explosion): keep the checkpoint of step
+# N (ckpt_history) and, in finish, run `lpfa doctor` on it (DOCTOR_MAX_S, 180 s each), so that every run brings back
+# the links that need a checkpoint (the δ bias of paper and fa2 against FP32, the rank-1 similarity, V's sign; issue
+# 19), not the checkpoint: doctor_step_NNNNNN/report.json and report.md per run, in the archive.
+[ -n "${DOCTOR_STEP:-}" ] && COMMON+=(ckpt_interval="$DOCTOR_STEP" ckpt_history=true)
+DOC=$(printf "doctor_step_%06d" "${DOCTOR_STEP:-0}")
 case ${PHASE:?PHASE must be start, wait or finish} in
 start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
@@ -54,8 +60,21 @@ wait|finish)
   $L wait --name "$NAME" --max-s "${WAIT:?}" --poll-s "${POLL:-60}"
   mkdir -p "${OUT:-/tmp/out}"
   $L status --name "$NAME"
-  $L collect --name "$NAME" --out "${OUT:-/tmp/out}"
-  [ -d "$ROOT/$NAME/probe" ] && (cd "$ROOT/$NAME" && tar -czf "${OUT:-/tmp/out}/probe.tar.gz" probe/*.txt probe/launch.json \
+  X=()
+  if [ "$PHASE" = finish ] && [ -n "${DOCTOR_STEP:-}" ]; then
+    for d in "$ROOT/$NAME"/*/; do
+      ck="$d/ckpt_history/${DOC#doctor_}"
+      [ -d "$ck" ] || continue
+      echo "doctor: $ck"
+      timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" > "$d/$DOC.log" 2>&1
+      tail -3 "$d/$DOC.log"
+    done
+    X=(--extra "$DOC/report.json" "$DOC/report.md" "$DOC.log")
+  fi
+  $L collect --name "$NAME" --out "${OUT:-/tmp/out}" "${X[@]}"
+  if [ -d "$ROOT/$NAME/probe" ]; then  # (an if, not &&: a launch without probes must not end the script with status 1)
+    (cd "$ROOT/$NAME" && tar -czf "${OUT:-/tmp/out}/probe.tar.gz" probe/*.txt probe/launch.json \
       probe/*/log.txt probe/*/config.json probe/*/summary.json probe/*/stdout.txt)
+  fi
   ;;
 esac
