@@ -335,7 +335,7 @@ def kernel_pass(name: str) -> str:
 
 
 def ncu_table(ncu: dict, min_us: float = 5.0):
-    """``benchmarks/ncu_attention.py``'s ``ncu.json`` as one row per (target, kernel) of at least ``min_us``: its pass
+    """``benchmarks/ncu_attention.py``'s kernels (target → :func:`parse_ncu_csv` of its CSV, as in ``ncu.json``) as one row per (target, kernel) of at least ``min_us``: its pass
     (:func:`kernel_pass`), duration, millions of instructions executed, SM and memory throughput and issue slots busy
     (% of peak), tensor pipe (% of peak cycles), warp cycles per issued instruction, achieved occupancy and the resource
     that limits it, registers per thread, busiest pipe, top stall reason and :func:`limited_by`."""
@@ -384,10 +384,14 @@ def ncu_text(table, base: str = "sdpa_flash") -> str:
         if target == base:
             continue
         own = passes.loc[target]
-        vs = [f"{p} {own.loc[p, 'µs']:,.0f} µs, {own.loc[p, 'M instructions']:,.0f}M instructions"
-              + (f" ({own.loc[p, f'µs × {base}']:.2f}× {base}'s time, {own.loc[p, f'M instructions × {base}']:.2f}× its instructions)"
-                 if f"µs × {base}" in own and own.loc[p, f"µs × {base}"] == own.loc[p, f"µs × {base}"] else "")
-              for p in ("forward", "backward") if p in own.index]
+        vs = []
+        for p in ("forward", "backward"):
+            if p not in own.index:
+                continue
+            ratio = own.loc[p].get(f"µs × {base}", float("nan"))  # NaN: no base, or base has no such pass
+            vs.append(f"{p} {own.loc[p, 'µs']:,.0f} µs, {own.loc[p, 'M instructions']:,.0f}M instructions"
+                      + ("" if ratio != ratio else
+                         f" ({ratio:.2f}× {base}'s time, {own.loc[p, f'M instructions × {base}']:.2f}× its instructions)"))
         k = table.loc[target]["µs"].idxmax()
         r = table.loc[(target, k)]
         parts.append(f"`{target}`: {'; '.join(vs)}. Its longest kernel, `{k}` ({r['µs']:,.0f} µs), keeps the tensor pipe "
