@@ -23,7 +23,7 @@ PROBE = dict(batches=2, seq_len=32, seed=3, progress=False)
 
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
-    return GPT(GPTConfig.from_size("debug", vocab_size=VOCAB, block_size=BLOCK, attn_backend="math", **overrides))
+    return GPT(GPTConfig.from_size("debug", vocab_size=VOCAB, block_size=BLOCK, **{"attn_backend": "math", **overrides}))
 
 
 def save_nanogpt(model, path):
@@ -85,7 +85,8 @@ def test_each_format_gives_the_table(fmt, tmp_path, data):
     t = r["table"]
     c = model.config
     assert len(t) == c.n_layer * c.n_head and sorted(zip(t["layer"], t["head"])) == [(i, h) for i in range(c.n_layer) for h in range(c.n_head)]
-    assert {"layer", "head", "verdict"} | {m[0] for m in doctor.MEASURES} == set(t.columns)
+    own = {m[0] for m in doctor.MEASURES if m[0].endswith("_trained")}  # only for a checkpoint of another BF16 policy
+    assert {"layer", "head", "verdict"} | {m[0] for m in doctor.MEASURES} - own == set(t.columns)
     assert r["info"]["format"] == fmt and r["info"]["probe"]["shape"] == [2, 32]
     wq = wq_spectral_norms(model).numpy()
     np.testing.assert_allclose(t.sort_values(["layer", "head"]).wq_spectral_norm, wq.ravel(), rtol=1e-6)
@@ -115,6 +116,38 @@ def test_measures_equal_independent_computations(lpfa_ckpt, data):
             assert row.wk_spectral_norm == pytest.approx(float(torch.linalg.svdvals(w_k[h])[0]), rel=1e-5)
             assert 0 <= row.tie_fraction_fp32 <= 1 and 0 <= row.tie_fraction_bf16 <= 1 and row.p_bar_ones >= 1
     assert np.isfinite(t[["delta_err_paper", "delta_t_paper", "delta_err_fa2", "delta_t_fa2"]].to_numpy()).all()
+
+
+@pytest.mark.parametrize("backend, policy, expected", [
+    ("lpfa", "paper_sr", "paper_sr"), ("lpfa", "paper_sfa", "paper_sfa"), ("lpfa", "paper", None), ("lpfa", "fa2", None),
+    ("lpfa", "fp32_split", None), ("math", "paper_sr", None)])
+def test_trained_policy_is_the_runs_own_bf16_policy(tmp_path, backend, policy, expected):
+    path = save_checkpoint(tmp_path / "ck", tiny_gpt(attn_backend=backend, attn_policy=policy), step=1)
+    assert doctor.trained_policy(path) == expected
+
+
+def test_trained_policy_delta_is_the_runs_own_kernels(tmp_path, data):
+    from lpfa.mechanism import delta_error
+
+    path = save_checkpoint(tmp_path / "sr", tiny_gpt(attn_backend="lpfa", attn_policy="paper_sr"), step=1)
+    r = doctor.doctor(path, data, **PROBE)
+    t = r["table"].set_index(["layer", "head"])
+    assert r["info"]["trained_policy"] == "paper_sr"
+    model, _, _ = doctor.load_model(path)
+    x, y, _ = doctor.probe_batch(data, VOCAB, BLOCK, 2, 32, seed=3)
+    cap = doctor.capture_all(model, x, y)[0]
+    err = {p: delta_error(cap["q"], cap["k"], cap["v"], cap["do"], p)["delta_err"] for p in ("paper_sr", "paper")}
+    for h in range(model.config.n_head):
+        for col, p in (("delta_err_trained", "paper_sr"), ("delta_err_paper", "paper")):
+            assert t.loc[(0, h), col] == pytest.approx(float(err[p][:, h].mean()), rel=1e-9, abs=1e-15)
+    assert not np.allclose(t["delta_err_trained"], t["delta_err_paper"])  # stochastic, not nearest, rounding
+
+
+def test_softcapped_checkpoint_is_one_line_error(tmp_path, data):
+    path = save_checkpoint(tmp_path / "cap", tiny_gpt(attn_backend="lpfa", attn_policy="paper_softcap"), step=1)
+    with pytest.raises(doctor.DoctorError, match=r"attn_policy='paper_softcap' .*soft-capping at 50.*expected") as e:
+        doctor.doctor(path, data, **PROBE)
+    assert "\n" not in str(e.value)
 
 
 def aligned_gpt(wq_scale=1.0, c=math.sqrt(5.0)):
@@ -182,8 +215,10 @@ def test_cli_writes_report_that_round_trips(lpfa_ckpt, data, tmp_path, capsys):
     md = (out / "report.md").read_text()
     for name in [ln.split("](")[1].rstrip(")") for ln in md.splitlines() if ln.startswith("![")]:
         assert (out / name).stat().st_size > 1000, name
-    assert md.count("![") == len(doctor.MEASURES) + 2  # every measure, the verdicts, the worst layer's bars
     rep = json.loads((out / "report.json").read_text())
+    # every measure the table has (no *_trained for this checkpoint of the math backend), the verdicts, the worst layer's bars
+    assert md.count("![") == len([m for m in doctor.MEASURES if m[0] in rep["table"][0]]) + 2
+    assert rep["trained_policy"] is None
     assert rep["format"] == "lpfa" and rep["probe"]["shape"] == [2, 32] and rep["probe"]["seed"] == 3
     assert rep["thresholds"] == doctor.current_thresholds() and "git_commit" in rep["provenance"]
     expect = doctor.doctor(lpfa_ckpt, data, **PROBE)["table"]

@@ -21,6 +21,9 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
   the ``paper`` and ``fa2`` policies compute it, the FP32 side in float64, on the same q, k, v and dO. dO is real:
   the gradient of the batch's mean next-token loss reaching each attention output, as :mod:`lpfa.replay` captures
   it in a training step, so the units of ``delta_err_*`` are those of that loss's gradient (the t-statistic has none);
+  ``delta_err_trained``, ``delta_t_trained`` — the same for the BF16 policy an lpfa checkpoint trained with, when it
+  is neither of those two (``paper_sr``, ``paper_sfa``, an isolation row's: issue 19's question whether the run's own
+  kernel still carries the bias; :func:`trained_policy`, named in the report's ``trained_policy``);
 * ``rank1_median`` — the median cosine similarity between the rank-1 matrices (PK)[T]ᵀ X[T] of different tokens T
   (:func:`lpfa.mechanism.rank1_similarity`, P the exact softmax), over ``rank1_tokens`` evenly spaced tokens of the
   first sequence (Fig. 9: near 0 for random vectors, large when the errors add up);
@@ -89,6 +92,7 @@ MEASURES = [
     ("delta_t_paper", "t-statistic of δ_lp − δ_hp, paper policy", "t", "RdBu_r", True),
     ("delta_err_fa2", "mean δ_lp − δ_hp, fa2 policy", "mean δ error", "RdBu_r", True),
     ("delta_t_fa2", "t-statistic of δ_lp − δ_hp, fa2 policy", "t", "RdBu_r", True),
+    ("delta_t_trained", "t-statistic of δ_lp − δ_hp, the policy it trained with", "t", "RdBu_r", True),
     ("rank1_median", "median similarity of (PK)[T]ᵀX[T] (Fig. 9)", "cosine similarity", "RdBu_r", True),
     ("wq_spectral_norm", "‖W_Q‖₂ per head (Figs. 3, 11)", "‖W_Q‖₂", "viridis", False),
     ("wq_outlier", "‖W_Q[h]‖₂ over its layer's median (Fig. 3)", "ratio to the layer's median", "viridis", False),
@@ -99,6 +103,26 @@ VERDICT_COLORS = {"healthy": "#56B4E9", "precursor": "#E69F00", "runaway": "#D55
 
 class DoctorError(ValueError):
     """Bad input to the doctor: one line naming the value and what is expected."""
+
+
+def trained_policy(path) -> str | None:
+    """The lpfa attention policy an lpfa checkpoint at ``path`` (a checkpoint folder) trained with, when its
+    δ is worth measuring besides :data:`DELTA_POLICIES`: a policy of the ``lpfa`` backend with BF16 rounding
+    (not FP32-level) that is not one of them; else None. A per-layer policy (``layer_policies``) or FP32 heads do not
+    count: the doctor measures every layer alike. Raises :class:`DoctorError` for a policy with logit soft-capping,
+    which the probe's FP32 forward (PyTorch SDPA) would drop."""
+    from lpfa.attention import get_policy
+    from lpfa.attention.policy import is_fp32_level
+
+    cfg = json.loads((Path(path) / "config.json").read_text()).get("model", {})
+    if cfg.get("attn_backend", "lpfa") != "lpfa":
+        return None
+    name = cfg.get("attn_policy", "fa2")
+    pol = get_policy(name)
+    if pol.softcap is not None:
+        raise DoctorError(f"checkpoint {path} trained with attn_policy={name!r} (logit soft-capping at {pol.softcap:g}); "
+                          "expected a policy without soft-capping: the doctor's FP32 probe does not apply the cap yet")
+    return None if name in DELTA_POLICIES or is_fp32_level(pol) else name
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,8 +316,10 @@ def _cos(a: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS) -> dict[str, np.ndarray]:
-    """Every measure of one layer from its capture (:func:`capture_all`), each an (n_head,) array."""
+def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS,
+                   trained: str | None = None) -> dict[str, np.ndarray]:
+    """Every measure of one layer from its capture (:func:`capture_all`), each an (n_head,) array; with ``trained``
+    (a policy name, :func:`trained_policy`) also its δ error as ``delta_err_trained``, ``delta_t_trained``."""
     from lpfa.attention import FP32_POLICY, get_policy
     from lpfa.diagnostics import tie_fraction, v_sign_dominance
     from lpfa.mechanism import delta_error, p_bar_ones
@@ -307,11 +333,11 @@ def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKEN
            "tie_fraction_fp32": tie_fraction(cap, FP32_POLICY, eps),
            "p_bar_ones": p_bar_ones(q, k, "paper").double().mean(dim=(0, 2)),
            "v_sign_dominance": v_sign_dominance(v)}
-    for pol in DELTA_POLICIES:
+    for col, pol in [(p, p) for p in DELTA_POLICIES] + ([("trained", trained)] if trained else []):
         err = delta_error(q, k, v, do, pol)["delta_err"]  # (B, H, T), float64
         mean, sd = err.mean(dim=(0, 2)), err.std(dim=(0, 2))
-        out[f"delta_err_{pol}"] = mean
-        out[f"delta_t_{pol}"] = mean / (sd / math.sqrt(B * T))  # nan where every row's error is 0
+        out[f"delta_err_{col}"] = mean
+        out[f"delta_t_{col}"] = mean / (sd / math.sqrt(B * T))  # nan where every row's error is 0
     # Fig. 9: cos⟨(PK)[T]ᵀX[T], (PK)[T']ᵀX[T']⟩ = cos(PK_T, PK_T')·cos(X_T, X_T'), first sequence
     tok = torch.linspace(0, T - 1, min(rank1_tokens, T), device=q.device).round().long().unique()
     p = torch.softmax(s[0][:, tok], dim=-1)  # (H, n, T): the exact P of the chosen tokens
@@ -322,9 +348,10 @@ def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKEN
 
 
 def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS,
-                  progress: bool = True):
+                  progress: bool = True, trained: str | None = None):
     """The table of the module docstring for ``model`` on token ids ``x`` with targets ``y`` (B, T): a DataFrame
-    with columns ``layer``, ``head`` and one per measure, one row per (layer, head) in layer-major order."""
+    with columns ``layer``, ``head`` and one per measure, one row per (layer, head) in layer-major order
+    (``trained``: see :func:`layer_measures`)."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -332,7 +359,7 @@ def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, ra
     wq, wk = head_weight_norms(model)
     rows = []
     for layer, cap in enumerate(tqdm(caps, desc="doctor: layers", unit="layer", disable=not progress, file=sys.stderr)):
-        m = layer_measures(cap, eps, rank1_tokens)
+        m = layer_measures(cap, eps, rank1_tokens, trained)
         H = len(m["max_logit"])
         wq_l = wq[layer].double().cpu().numpy()
         rows.append(pd.DataFrame({"layer": layer, "head": np.arange(H), **m, "wq_spectral_norm": wq_l,
@@ -529,10 +556,11 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
     source = "given" if thresholds is not None else "lpfa.alarms.current_thresholds()"
     thr = current_thresholds() if thresholds is None else thresholds
     model, fmt, path = load_model(checkpoint, device)
+    trained = trained_policy(path) if fmt == "lpfa" else None
     cfg = model.config
     x, y, probe = probe_batch(data, cfg.vocab_size, cfg.block_size, batches, seq_len, seed, device)
-    table = diagnose(measure_heads(model, x, y, eps, rank1_tokens, progress), thr)
-    info = {"checkpoint": str(checkpoint), "loaded": str(path), "format": fmt, "device": device,
+    table = diagnose(measure_heads(model, x, y, eps, rank1_tokens, progress, trained), thr)
+    info = {"checkpoint": str(checkpoint), "loaded": str(path), "format": fmt, "device": device, "trained_policy": trained,
             "model": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "probe": probe, "eps": eps, "rank1_tokens": rank1_tokens, "thresholds_source": source,
             "runtime_s": time.time() - t0}

@@ -116,8 +116,13 @@ RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_D
 # split-BF16 tensor cores, fp32_softcap, since SDPA has no cap). QK-clip changes the training (it rescales W_Q and
 # W_K), so it has an FP32 twin too; its tau is Kimi K2's (100), above the FP32 twins' layer-1 logits at the recipe
 # (at most 84 in 9,920 steps, results/paper_recipe). SFA's row is paper_recipe's sfa_paper_recipe.
+# bf16_rerun is bf16_paper_recipe again (same switches, seed and data order): that run kept no checkpoint, so the links
+# that need one (lpfa doctor's δ bias and rank-1 similarity, scripts/gpu/paper_recipe.sh DOCTOR_STEP) come from this run's
+# step-5,000 checkpoint, the base of every row's ratio; its logged links and explosion step measure a rerun's spread.
 QK_CLIP_TAU = 100.0
+STABILISER_RERUN = "bf16_rerun"
 STABILISERS: dict[str, list[str]] = {
+    STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
     "sr": ["attn_policy=paper_sr"],
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
@@ -170,7 +175,8 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
                                        f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
        for to in ("sfa", "fp32")},
-    "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased), the paper's GPT-2 S recipe",
+    STABILISER_RERUN: "bf16_paper_recipe run again, keeping its step-5,000 checkpoint for lpfa doctor (the base of the δ-bias and similarity links)",
+    "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),

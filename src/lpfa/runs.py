@@ -849,7 +849,7 @@ def stabiliser_table(layer: int = 1, root=None):
     ``pending`` the stabiliser rows not committed yet. Empty table (and step None) without the BF16 run."""
     import pandas as pd
 
-    from lpfa.experiments import RECIPE_ISOLATION, STABILISERS, rows as rows_of
+    from lpfa.experiments import RECIPE_ISOLATION, STABILISER_RERUN, STABILISERS, rows as rows_of
     from lpfa.results import experiment_rows
 
     cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
@@ -873,8 +873,9 @@ def stabiliser_table(layer: int = 1, root=None):
         name = f"{col} @ {step}"
         table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
-              for label in found}
+              for label in found if label != STABILISER_RERUN}
     named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
+             STABILISER_RERUN: "none (run again)",
              **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
     table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
     return table, step, pending
@@ -886,11 +887,12 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
     ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
     exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
     the BF16 O."""
-    from lpfa.experiments import STABILISERS
+    from lpfa.experiments import STABILISER_RERUN, STABILISERS
 
     if table.empty:
         return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
-    done = [label for label in STABILISERS if label in table.index]
+    rows = [label for label in STABILISERS if label != STABILISER_RERUN]
+    done = [label for label in rows if label in table.index]
     b = table.loc["bf16_paper_recipe"]
 
     def links(label):
@@ -906,7 +908,7 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
                    and table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
     not_bf16_o = {label for label in table.index if table.loc[label, f"layer {layer} δ from"] != "bf16 O"}
-    return (f"**{len(done)} of the {len(STABILISERS)} stabiliser runs are committed"
+    return (f"**{len(done)} of the {len(rows)} stabiliser runs are committed"
             + (f" ({', '.join(f'`{l}`' for l in done)})" if done else "") + ".** "
             + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
             + (f"SFA leaves {links('sfa_paper_recipe')}. " if "sfa_paper_recipe" in table.index else "")
