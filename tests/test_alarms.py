@@ -69,3 +69,16 @@ def test_fp32_level_policies_are_fp32_and_a_bf16_rounding_is_not():
     for name in ("fa2", "paper", "pv_fp32", "o_fp32", "scores_fp32"):
         assert not is_fp32_level(get_policy(name)), name
     assert not is_fp32_level(get_policy("fp32_split").with_(o_store="bf16"))
+
+
+def test_no_committed_runs_fall_back_to_fixed_thresholds(tmp_path, monkeypatch):
+    """A checkout without results/ (a pip install, or the GPU machine's transfer without it) has no run to learn from:
+    derive gives only the runaway level and current_thresholds the fixed ones (it raised KeyError 'class' before)."""
+    assert alarms.labelled_samples(tmp_path).empty
+    assert alarms.thresholds(tmp_path) == {"max_logit": {"runaway": {"value": 1000.0}}}
+    monkeypatch.setattr(alarms, "results_dir", lambda: tmp_path / "results")
+    alarms._cached.cache_clear()
+    try:
+        assert alarms.current_thresholds() == alarms.fixed_thresholds()
+    finally:
+        alarms._cached.cache_clear()

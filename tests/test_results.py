@@ -359,7 +359,7 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     """Page 17 (issue 19 §1): the BF16, SFA and FP32 runs at the recipe, the committed isolation cuts and stabiliser rows,
     compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16 run's."""
     from lpfa.experiments import STABILISERS
-    from lpfa.run import run_verdict
+    from lpfa.run import Run, run_verdict
     from lpfa.runs import STABILISER_LINKS, layer_max, stabiliser_table
 
     t, step, pending = stabiliser_table()
@@ -368,6 +368,15 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     bf16 = results.experiment_rows("paper_recipe", ["bf16_paper_recipe"])["bf16_paper_recipe"]
     boom = run_verdict(bf16)["explosion_step"]
     assert step < boom and step + 200 >= boom  # diagnostics every 200 steps
+    # the doctor's links: exactly the rows whose folder (or a rerun in it) holds a doctor report, read from it
+    found = {**results.experiment_rows("paper_recipe"), **results.experiment_rows("stabilisers")}
+    with_doctor = {label for label in t.index if Run(found[label]).doctor_reports}
+    assert set(t.index[t["doctor step"].notna()]) == with_doctor
+    for label in with_doctor:
+        step_, rep = max(Run(found[label]).doctor_reports.items())
+        layer1 = [r for r in rep["table"] if r["layer"] == 1]
+        assert t.loc[label, "doctor step"] == step_
+        assert t.loc[label, "δ |t| paper"] == max(abs(r["delta_t_paper"]) for r in layer1)
     want = layer_max(bf16, "max_logit", 1)
     assert t.loc["bf16_paper_recipe", f"{STABILISER_LINKS['logit']} @ {step}"] == pytest.approx(float(want[want.index <= step].iloc[-1]))
     assert (t.loc["bf16_paper_recipe", [f"{k} ÷ bf16" for k in STABILISER_LINKS]] == 1).all()
@@ -461,6 +470,9 @@ def test_stabiliser_headline_from_the_committed_table():
     done = [label for label in rows if label in table.index]
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
     assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text
+    if "bf16_rerun" in table.index and table.loc["bf16_rerun", "exploded"]:  # the rerun's spread, from the two runs
+        d = abs(table.loc["bf16_rerun", "explosion step"] - table.loc["bf16_paper_recipe", "explosion step"])
+        assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.3f}, W_Q ×"
             f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its layer-1 logits running away from "

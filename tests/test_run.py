@@ -68,3 +68,28 @@ def test_device_and_autocast():
     assert isinstance(autocast("cpu", "bfloat16"), torch.autocast)
     with autocast("cpu", "float32"):
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
+    """Run.doctor_reports: doctor_step_NNNNNN/report.json in the run folder and in a rerun_*/ subfolder (a rerun to a
+    step the run did not reach), by step, each with its source; lpfa.runs.doctor_links reads one layer of the last."""
+    from lpfa.runs import doctor_links
+
+    run = tmp_path / "sr"
+    heads = [{"layer": 1, "head": h, "delta_t_paper": t, "delta_t_trained": -2 * t, "rank1_median": r}
+             for h, (t, r) in enumerate([(0.5, 0.9), (-3.5, 0.7), (1.0, 0.8)])]
+    heads.append({"layer": 0, "head": 0, "delta_t_paper": 99.0, "delta_t_trained": None, "rank1_median": 0.0})
+    for folder, step in (("", 5000), ("rerun_to_2850/", 2800)):
+        d = run / f"{folder}doctor_step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / "report.json").write_text(json.dumps({"table": heads if step == 2800 else heads[:1], "probe": {"shape": [4, 256]}}))
+    reports = Run(run).doctor_reports
+    assert list(reports) == [2800, 5000]
+    assert reports[2800]["source"] == "rerun_to_2850/doctor_step_002800" and reports[5000]["source"] == "doctor_step_005000"
+    assert doctor_links(run, layer=1) == {"doctor step": 5000, "δ |t| paper": 0.5, "δ |t| own": 1.0, "rank-1 similarity": 0.9,
+                                          "doctor source": "doctor_step_005000", "doctor probe": "4 × 256"}
+    (run / "doctor_step_005000" / "report.json").unlink()
+    (run / "doctor_step_005000").rmdir()
+    assert doctor_links(Run(run), layer=1) == {"doctor step": 2800, "δ |t| paper": 3.5, "δ |t| own": 7.0, "rank-1 similarity": 0.8,
+                                               "doctor source": "rerun_to_2850/doctor_step_002800", "doctor probe": "4 × 256"}
+    assert doctor_links(tmp_path / "none") == {}

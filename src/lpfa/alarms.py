@@ -118,9 +118,11 @@ def threshold_at_fpr(pos, neg, max_fpr: float = MAX_FPR) -> dict:
 
 def derive(samples: pd.DataFrame, max_fpr: float = MAX_FPR) -> dict:
     """Thresholds from :func:`labelled_samples` (see the module docstring) at a per-sample false-positive rate of at
-    most ``max_fpr``; a measure without both classes is absent."""
-    pos, neg = samples[samples["class"] == "positive"], samples[samples["class"] == "negative"]
+    most ``max_fpr``; a measure without both classes is absent (all of them without samples: no committed run)."""
     out = {}
+    if samples.empty:
+        return {"max_logit": {"runaway": {"value": RunawayCriterion().logit}}}
+    pos, neg = samples[samples["class"] == "positive"], samples[samples["class"] == "negative"]
     for measure, column, neg_precision in (("max_logit", "max_logit", "fp32"), ("wq_outlier", "wq_outlier", "fp32"),
                                            ("tie_fraction_bf16", "tie_fraction", "bf16")):
         p = pos[pos.precision == "bf16"] if measure == "tie_fraction_bf16" else pos

@@ -272,6 +272,20 @@ class Run:
         """``{step: folder}`` of the kept checkpoints (:func:`checkpoints_of`)."""
         return checkpoints_of(self.path)
 
+    @property
+    def doctor_reports(self) -> dict[int, dict]:
+        """``{step: report}``: the ``lpfa doctor`` reports on the run's checkpoints, ``doctor_step_NNNNNN/report.json``
+        (what scripts/gpu/paper_recipe.sh's ``DOCTOR_STEP`` brings back, since a checkpoint cannot leave the GPU
+        machine), also those in a ``rerun_*/`` subfolder: the same run again to a step it did not reach with a
+        checkpoint (e.g. it exploded first). Each report gets ``"source"``, the folder it came from, relative to the
+        run's."""
+        out = {}
+        for f in sorted(self.path.glob("doctor_step_*/report.json")) + sorted(self.path.glob("rerun_*/doctor_step_*/report.json")):
+            step = int(f.parent.name.removeprefix("doctor_step_"))
+            out.setdefault(step, {**read_json(f, ": expected the report.json lpfa doctor writes"),
+                                  "source": str(f.parent.relative_to(self.path))})
+        return dict(sorted(out.items()))
+
     def checkpoint(self, step: int | None = None, map_location="cpu"):
         """The checkpoint of ``step`` (default: the latest), loaded (:func:`lpfa.checkpoints.load_checkpoint`)."""
         cks = self.checkpoints

@@ -837,6 +837,37 @@ STABILISER_BASE = ("bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe")
 STABILISER_LINKS = {"ties": "largest per-head tie fraction", "logit": "largest attention logit", "W_Q": "largest per-head ‖W_Q[h]‖₂"}
 
 
+# the links a checkpoint gives (lpfa doctor, issue 19): per row, on layer `layer` of its last doctor report
+DOCTOR_LINKS = {"doctor step": "the checkpoint's step", "δ |t| paper": "largest |t| of δ_lp − δ_hp over the heads, paper policy",
+                "δ |t| own": "the same with the run's own BF16 policy (when it is not paper or fa2)",
+                "rank-1 similarity": "median over the heads of the median similarity of (PK)[T]ᵀX[T] (Fig. 9)"}
+
+
+T_RESOLVED = 3.0  # |t| of the δ error from which the doctor's probe resolves a bias (the page says so below it)
+
+
+def doctor_links(run, layer: int = 1) -> dict:
+    """:data:`DOCTOR_LINKS` of ``layer`` from the last of :attr:`lpfa.run.Run.doctor_reports` of ``run`` (a run
+    folder or Run), plus ``"doctor source"`` (its folder) and ``"doctor probe"`` (sequences × tokens); an empty dict
+    for a run without a doctor report."""
+    import numpy as np
+
+    reports = (run if isinstance(run, Run) else Run(run)).doctor_reports
+    if not reports:
+        return {}
+    step, rep = max(reports.items())
+    heads = [r for r in rep["table"] if r["layer"] == layer]
+
+    def largest_abs(col):
+        vals = [abs(r[col]) for r in heads if r.get(col) is not None]
+        return max(vals) if vals else None
+
+    sims = sorted(r["rank1_median"] for r in heads if r.get("rank1_median") is not None)
+    return {"doctor step": step, "δ |t| paper": largest_abs("delta_t_paper"), "δ |t| own": largest_abs("delta_t_trained"),
+            "rank-1 similarity": float(np.median(sims)) if sims else None, "doctor source": rep["source"],
+            "doctor probe": " × ".join(str(n) for n in rep["probe"]["shape"])}
+
+
 def stabiliser_table(layer: int = 1, root=None):
     """Issue 19 §1, which link of the chain each stabiliser breaks: :func:`experiment_table` of the unstabilised BF16 run
     at the paper's recipe (``bf16_paper_recipe``), SFA (``sfa_paper_recipe``), the isolation rows committed at the recipe
@@ -872,6 +903,9 @@ def stabiliser_table(layer: int = 1, root=None):
     for short, col in STABILISER_LINKS.items():
         name = f"{col} @ {step}"
         table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
+    doctor = {label: doctor_links(runs[label], layer) for label in table.index}
+    for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
+        table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
               for label in found if label != STABILISER_RERUN}
     named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
@@ -904,6 +938,37 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
                    if r["runaway step"] is not None else ", no runaway"))
 
     cuts = [label for label in table.index if str(table.loc[label, "stabiliser"]).startswith("isolation")]
+    bf16 = [label for label in ("bf16_paper_recipe", STABILISER_RERUN) if label in table.index]
+    booms = [table.loc[label, "explosion step"] for label in bf16 if table.loc[label, "exploded"]]
+
+    def row(label):
+        r = table.loc[label]
+        early = (f"; it exploded {min(booms) - r['explosion step']:,} steps before the earliest BF16 run of this seed"
+                 if r["exploded"] and booms and r["explosion step"] < min(booms) else "")
+        at = f" (stopped at step {r['steps']:,}: its last diagnostics record counts)" if r["steps"] <= step else ""
+        return f"`{label}` (`{r['stabiliser']}`){at}: {links(label)}{early}."
+
+    rerun = ""
+    if STABILISER_RERUN in table.index and table.loc[STABILISER_RERUN, "exploded"] and b["exploded"]:
+        d = int(table.loc[STABILISER_RERUN, "explosion step"]) - int(b["explosion step"])
+        rerun = (f" The BF16 run again, same seed and data order (`{STABILISER_RERUN}`), exploded at step "
+                 f"{table.loc[STABILISER_RERUN, 'explosion step']:,}: the GPU's nondeterminism alone moves the explosion by "
+                 f"{abs(d):,} steps.")
+    doc = table[table["doctor step"].notna()]
+    doctor = ""
+    if not doc.empty:
+        def fmt(label, col):
+            v = doc.loc[label, col]
+            return "–" if v is None or v != v else f"{v:.2f}"
+        resolved = [label for label in doc.index for col in ("δ |t| paper", "δ |t| own")
+                    if doc.loc[label, col] is not None and doc.loc[label, col] >= T_RESOLVED]
+        doctor = (f" **lpfa doctor on layer {layer}**, one checkpoint per row before its explosion: "
+                  + "; ".join(f"`{label}` at step {int(doc.loc[label, 'doctor step']):,}, rank-1 similarity "
+                              f"{doc.loc[label, 'rank-1 similarity']:.3f}, largest |t| of the δ error {fmt(label, 'δ |t| paper')} "
+                              f"(paper)" + (f", {fmt(label, 'δ |t| own')} (its own policy)"
+                                            if doc.loc[label, "δ |t| own"] is not None else "") for label in doc.index)
+                  + (f". With one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| reaches "
+                     f"{T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else "."))
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
                    and table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
@@ -913,6 +978,7 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
             + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
             + (f"SFA leaves {links('sfa_paper_recipe')}. " if "sfa_paper_recipe" in table.index else "")
             + " ".join(f"`{c.removesuffix('_paper_recipe')}`: {links(c)}." for c in cuts)
+            + "".join(f" {row(label)}" for label in done) + rerun + doctor
             + (f" **Ties are not what must go:** {', '.join(f'`{l}`' for l in tie_keepers)} keep at least half of the BF16 "
                "run's tie fraction and do not explode." if tie_keepers else "")
             + (f" The rows without any runaway ({', '.join(f'`{l}`' for l in calm)}) are exactly those whose layer-{layer} δ "
