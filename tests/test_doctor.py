@@ -120,7 +120,8 @@ def test_measures_equal_independent_computations(lpfa_ckpt, data):
 
 @pytest.mark.parametrize("backend, policy, expected", [
     ("lpfa", "paper_sr", "paper_sr"), ("lpfa", "paper_sfa", "paper_sfa"), ("lpfa", "paper", None), ("lpfa", "fa2", None),
-    ("lpfa", "fp32_split", None), ("math", "paper_sr", None)])
+    ("lpfa", "fp32_split", None), ("lpfa", "fp32_softcap", None), ("lpfa", "paper_softcap", "paper_softcap"),
+    ("math", "paper_sr", None)])
 def test_trained_policy_is_the_runs_own_bf16_policy(tmp_path, backend, policy, expected):
     path = save_checkpoint(tmp_path / "ck", tiny_gpt(attn_backend=backend, attn_policy=policy), step=1)
     assert doctor.trained_policy(path) == expected
@@ -143,11 +144,27 @@ def test_trained_policy_delta_is_the_runs_own_kernels(tmp_path, data):
     assert not np.allclose(t["delta_err_trained"], t["delta_err_paper"])  # stochastic, not nearest, rounding
 
 
-def test_softcapped_checkpoint_is_one_line_error(tmp_path, data):
+def test_softcapped_checkpoint_keeps_its_cap(tmp_path, data):
+    """A paper_softcap checkpoint: the probe runs FP32-level attention with the same cap (SDPA has none), and the δ
+    error of every policy is against the exactly capped attention (lpfa.mechanism.delta_error with the cap)."""
+    from lpfa.attention import get_policy
+    from lpfa.mechanism import delta_error
+
     path = save_checkpoint(tmp_path / "cap", tiny_gpt(attn_backend="lpfa", attn_policy="paper_softcap"), step=1)
-    with pytest.raises(doctor.DoctorError, match=r"attn_policy='paper_softcap' .*soft-capping at 50.*expected") as e:
-        doctor.doctor(path, data, **PROBE)
-    assert "\n" not in str(e.value)
+    assert doctor.trained_softcap(path) == 50.0 and doctor.trained_policy(path) == "paper_softcap"
+    model, _, _ = doctor.load_model(path)
+    assert (model.config.attn_backend, model.config.attn_policy) == ("lpfa", "fp32_softcap")
+    r = doctor.doctor(path, data, **PROBE)
+    assert r["info"]["softcap"] == 50.0
+    t = r["table"].set_index(["layer", "head"])
+    x, y, _ = doctor.probe_batch(data, VOCAB, BLOCK, 2, 32, seed=3)
+    cap = doctor.capture_all(model, x, y)[1]
+    err = delta_error(cap["q"], cap["k"], cap["v"], cap["do"], get_policy("paper").with_(softcap=50.0))["delta_err"]
+    for h in range(model.config.n_head):
+        assert t.loc[(1, h), "delta_err_paper"] == pytest.approx(float(err[:, h].mean()), rel=1e-9, abs=1e-15)
+    assert doctor.probe_overrides(None) == doctor.PROBE_OVERRIDES
+    with pytest.raises(doctor.DoctorError, match=r"soft-cap 7: expected a cap that an FP32-level preset has \(\[50.0\]\)"):
+        doctor.probe_overrides(7.0)
 
 
 def aligned_gpt(wq_scale=1.0, c=math.sqrt(5.0)):

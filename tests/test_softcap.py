@@ -69,3 +69,28 @@ def test_fp32_twin_keeps_the_cap():
     """A cap is part of the model, not of the precision: FP32 heads and delta="o_exact" keep it."""
     assert fp32_twin(PRESETS["paper_softcap"]).softcap == 50.0
     assert PRESETS["fp32_softcap"].softcap == 50.0 and PRESETS["fp32_softcap"].p_bar == "fp32"
+
+
+def test_delta_error_compares_with_the_exactly_capped_attention():
+    """lpfa.mechanism.delta_error of a soft-capped policy: δ_hp is rowsum(dO ∘ O) with O from softmax(c·tanh(S/c)) V
+    in float64 (it compared with uncapped attention before), on logits well past the cap."""
+    import math
+
+    import torch
+
+    from lpfa.attention import get_policy
+    from lpfa.mechanism import delta_error
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, H, T, D = 2, 3, 37, 16
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    q = q * 30  # logits up to a few hundred: the cap of 50 changes P
+    out = delta_error(q, k, v, do, get_policy("paper_softcap"))
+    s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+    s = 50.0 * torch.tanh(s / 50.0)
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf)
+    o = torch.softmax(s, -1) @ v.double()
+    torch.testing.assert_close(out["delta_hp"], (do.double() * o.float().double()).sum(-1), rtol=1e-6, atol=1e-6)
+    uncapped = torch.softmax((q.double() @ k.double().transpose(-1, -2) / math.sqrt(D)).masked_fill(
+        torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1) @ v.double()
+    assert not torch.allclose(o, uncapped, atol=1e-3)  # the cap matters on these inputs

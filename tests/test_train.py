@@ -424,3 +424,35 @@ def test_qk_clip_in_a_training_run_logs_the_clipped_heads(token_dir, tmp_path):
 def test_qk_clip_config_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kw)
+
+
+def test_sr_reseed_draws_each_steps_rounding_afresh(token_dir, tmp_path):
+    """sr_reseed (issue 19): step s rounds with sr_seed + s in every stochastic layer (others untouched), so the first
+    step matches a run with one seed and the later steps do not."""
+    from lpfa.model import GPT, GPTConfig
+    from lpfa.train import reseed_stochastic_rounding
+
+    m = GPT(GPTConfig.from_size("debug", vocab_size=256, block_size=32, attn_backend="lpfa", attn_policy="paper",
+                                layer_policies={1: "paper_sr"}))
+    base = m.transformer.h[1].attn.policy
+    reseed_stochastic_rounding(m, 7)
+    assert m.transformer.h[1].attn.policy == base.with_(sr_seed=base.sr_seed + 7, name=base.name)
+    assert m.transformer.h[0].attn.policy == m.config.policy(0)  # no stochastic rounding there: as it was
+    reseed_stochastic_rounding(m, 2**32 - base.sr_seed + 3)
+    assert m.transformer.h[1].attn.policy.sr_seed == 3  # mod 2**32
+    runs = {}
+    for reseed in (False, True):
+        out = tmp_path / f"r{reseed}"
+        assert train(cfg(token_dir, out, attn_policy="paper_sr", max_steps=4, sr_reseed=reseed))["status"] == "completed"
+        runs[reseed] = losses(out)
+    assert runs[True][0] == runs[False][0] and any(runs[True][s] != runs[False][s] for s in (1, 2, 3))
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(attn_policy="paper_sr", sr_reseed=True, compile=True), r"^sr_reseed=true: expected compile=false"),
+    (dict(attn_policy="paper", sr_reseed=True), r"^sr_reseed=true: expected a policy with stochastic rounding .*attn_policy='paper'"),
+    (dict(attn_backend="sdpa", attn_policy="paper_sr", sr_reseed=True), r"^sr_reseed=true: expected a policy with stochastic"),
+])
+def test_sr_reseed_config_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**kw)

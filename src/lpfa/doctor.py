@@ -43,6 +43,10 @@ a folder whose ``config.json`` holds ``"model_type"`` or ``"n_positions"`` is a 
 folder (with ``ckpt/``) means its last checkpoint. The model runs in FP32 (PyTorch SDPA attention, whatever backend
 or policy it trained with), so q, k, v, X and dO are the high-precision values each BF16 policy is then applied to.
 
+A checkpoint trained with logit soft-capping (``paper_softcap``; issue 19's stabiliser) keeps its cap in the probe
+(FP32-level lpfa attention with the same cap, :func:`probe_overrides`) and in every measure but ``max_logit``, which stays
+the raw q·k/√D: the growth of W_Q that the cap hides from the softmax.
+
 **Probe batch** (:func:`probe_batch`): ``batches`` non-overlapping sequences of ``seq_len`` tokens (default the
 model's block size, at most 256) drawn with ``seed`` from a nanoGPT token folder (``val.bin``, else ``train.bin``),
 or without one from the project's embedded corpus (:func:`lpfa.data.embedded_token_dir`: GPT-2 BPE when the model's
@@ -105,24 +109,47 @@ class DoctorError(ValueError):
     """Bad input to the doctor: one line naming the value and what is expected."""
 
 
+def _trained(path):
+    """(attn_backend, policy name) an lpfa checkpoint folder's model trained with."""
+    cfg = json.loads((Path(path) / "config.json").read_text()).get("model", {})
+    return cfg.get("attn_backend", "lpfa"), cfg.get("attn_policy", "fa2")
+
+
 def trained_policy(path) -> str | None:
     """The lpfa attention policy an lpfa checkpoint at ``path`` (a checkpoint folder) trained with, when its
     δ is worth measuring besides :data:`DELTA_POLICIES`: a policy of the ``lpfa`` backend with BF16 rounding
     (not FP32-level) that is not one of them; else None. A per-layer policy (``layer_policies``) or FP32 heads do not
-    count: the doctor measures every layer alike. Raises :class:`DoctorError` for a policy with logit soft-capping,
-    which the probe's FP32 forward (PyTorch SDPA) would drop."""
+    count: the doctor measures every layer alike."""
     from lpfa.attention import get_policy
     from lpfa.attention.policy import is_fp32_level
 
-    cfg = json.loads((Path(path) / "config.json").read_text()).get("model", {})
-    if cfg.get("attn_backend", "lpfa") != "lpfa":
+    backend, name = _trained(path)
+    if backend != "lpfa":
         return None
-    name = cfg.get("attn_policy", "fa2")
-    pol = get_policy(name)
-    if pol.softcap is not None:
-        raise DoctorError(f"checkpoint {path} trained with attn_policy={name!r} (logit soft-capping at {pol.softcap:g}); "
-                          "expected a policy without soft-capping: the doctor's FP32 probe does not apply the cap yet")
-    return None if name in DELTA_POLICIES or is_fp32_level(pol) else name
+    return None if name in DELTA_POLICIES or is_fp32_level(get_policy(name).with_(softcap=None)) else name
+
+
+def trained_softcap(path) -> float | None:
+    """The logit soft-cap an lpfa checkpoint at ``path`` trained with (its policy's ``softcap``), else None. The cap is
+    part of the model: the probe keeps it (:func:`probe_overrides`) and every measure applies it."""
+    from lpfa.attention import get_policy
+
+    backend, name = _trained(path)
+    return get_policy(name).softcap if backend == "lpfa" else None
+
+
+def probe_overrides(softcap: float | None = None) -> dict:
+    """The GPTConfig changes for the probe: :data:`PROBE_OVERRIDES`, or with a soft-cap the FP32-level preset with
+    the same cap on the lpfa backend (PyTorch SDPA has no cap). Raises :class:`DoctorError` when no preset has it."""
+    from lpfa.attention.policy import PRESETS, is_fp32_level
+
+    if softcap is None:
+        return dict(PROBE_OVERRIDES)
+    same = sorted(n for n, p in PRESETS.items() if p.softcap == softcap and is_fp32_level(p.with_(softcap=None)))
+    if not same:
+        raise DoctorError(f"soft-cap {softcap:g}: expected a cap that an FP32-level preset has "
+                          f"({sorted({p.softcap for p in PRESETS.values() if p.softcap is not None and is_fp32_level(p.with_(softcap=None))})}) for the probe")
+    return {**PROBE_OVERRIDES, "attn_backend": "lpfa", "attn_policy": same[0]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,13 +228,14 @@ def detect_format(path) -> tuple[str, Path]:
 
 def load_model(path, device: str = "cpu"):
     """``(model, format, path loaded)``: the checkpoint at ``path`` as an FP32 :class:`lpfa.model.GPT` in eval mode
-    on ``device``, every layer's attention on PyTorch SDPA (:data:`PROBE_OVERRIDES`)."""
+    on ``device``, every layer's attention on PyTorch SDPA (:data:`PROBE_OVERRIDES`), or FP32-level lpfa attention
+    with the checkpoint's logit soft-cap (:func:`probe_overrides`)."""
     from lpfa.checkpoints import load_checkpoint, load_hf_gpt2, load_nanogpt
 
     fmt, p = detect_format(path)
     try:
         if fmt == "lpfa":
-            model = load_checkpoint(p, map_location="cpu", model_overrides=PROBE_OVERRIDES).model
+            model = load_checkpoint(p, map_location="cpu", model_overrides=probe_overrides(trained_softcap(p))).model
         elif fmt == "nanogpt":
             model = load_nanogpt(p, map_location="cpu", **PROBE_OVERRIDES)
         else:
@@ -317,24 +345,32 @@ def _cos(a: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS,
-                   trained: str | None = None) -> dict[str, np.ndarray]:
+                   trained: str | None = None, softcap: float | None = None) -> dict[str, np.ndarray]:
     """Every measure of one layer from its capture (:func:`capture_all`), each an (n_head,) array; with ``trained``
-    (a policy name, :func:`trained_policy`) also its δ error as ``delta_err_trained``, ``delta_t_trained``."""
+    (a policy name, :func:`trained_policy`) also its δ error as ``delta_err_trained``, ``delta_t_trained``. With
+    ``softcap`` (:func:`trained_softcap`) every policy caps the logits as the model does, and so does the exact P of the
+    rank-1 similarity; ``max_logit`` stays the raw q·k/√D, the measure of W_Q's growth that the cap hides."""
     from lpfa.attention import FP32_POLICY, get_policy
     from lpfa.diagnostics import tie_fraction, v_sign_dominance
     from lpfa.mechanism import delta_error, p_bar_ones
+
+    def capped(name):
+        pol = get_policy(name)
+        return pol if softcap is None or pol.softcap == softcap else pol.with_(softcap=softcap, name=f"{pol.name}+cap")
 
     q, k, v, do = (cap[n].float() for n in ("q", "k", "v", "do"))
     B, H, T, D = q.shape
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)  # S in float64
     s = s.masked_fill(torch.ones(T, T, dtype=torch.bool, device=s.device).triu(1), -math.inf)
     out = {"max_logit": s.amax(dim=(0, 2, 3)),
-           "tie_fraction_bf16": tie_fraction(cap, get_policy("paper"), eps),
-           "tie_fraction_fp32": tie_fraction(cap, FP32_POLICY, eps),
-           "p_bar_ones": p_bar_ones(q, k, "paper").double().mean(dim=(0, 2)),
+           "tie_fraction_bf16": tie_fraction(cap, capped("paper"), eps),
+           "tie_fraction_fp32": tie_fraction(cap, capped(FP32_POLICY), eps),
+           "p_bar_ones": p_bar_ones(q, k, capped("paper")).double().mean(dim=(0, 2)),
            "v_sign_dominance": v_sign_dominance(v)}
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)  # -inf stays -inf
     for col, pol in [(p, p) for p in DELTA_POLICIES] + ([("trained", trained)] if trained else []):
-        err = delta_error(q, k, v, do, pol)["delta_err"]  # (B, H, T), float64
+        err = delta_error(q, k, v, do, capped(pol))["delta_err"]  # (B, H, T), float64
         mean, sd = err.mean(dim=(0, 2)), err.std(dim=(0, 2))
         out[f"delta_err_{col}"] = mean
         out[f"delta_t_{col}"] = mean / (sd / math.sqrt(B * T))  # nan where every row's error is 0
@@ -348,10 +384,10 @@ def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKEN
 
 
 def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS,
-                  progress: bool = True, trained: str | None = None):
+                  progress: bool = True, trained: str | None = None, softcap: float | None = None):
     """The table of the module docstring for ``model`` on token ids ``x`` with targets ``y`` (B, T): a DataFrame
     with columns ``layer``, ``head`` and one per measure, one row per (layer, head) in layer-major order
-    (``trained``: see :func:`layer_measures`)."""
+    (``trained``, ``softcap``: see :func:`layer_measures`)."""
     import pandas as pd
     from tqdm.auto import tqdm
 
@@ -359,7 +395,7 @@ def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, ra
     wq, wk = head_weight_norms(model)
     rows = []
     for layer, cap in enumerate(tqdm(caps, desc="doctor: layers", unit="layer", disable=not progress, file=sys.stderr)):
-        m = layer_measures(cap, eps, rank1_tokens, trained)
+        m = layer_measures(cap, eps, rank1_tokens, trained, softcap)
         H = len(m["max_logit"])
         wq_l = wq[layer].double().cpu().numpy()
         rows.append(pd.DataFrame({"layer": layer, "head": np.arange(H), **m, "wq_spectral_norm": wq_l,
@@ -556,11 +592,12 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
     source = "given" if thresholds is not None else "lpfa.alarms.current_thresholds()"
     thr = current_thresholds() if thresholds is None else thresholds
     model, fmt, path = load_model(checkpoint, device)
-    trained = trained_policy(path) if fmt == "lpfa" else None
+    trained, softcap = (trained_policy(path), trained_softcap(path)) if fmt == "lpfa" else (None, None)
     cfg = model.config
     x, y, probe = probe_batch(data, cfg.vocab_size, cfg.block_size, batches, seq_len, seed, device)
-    table = diagnose(measure_heads(model, x, y, eps, rank1_tokens, progress, trained), thr)
+    table = diagnose(measure_heads(model, x, y, eps, rank1_tokens, progress, trained, softcap), thr)
     info = {"checkpoint": str(checkpoint), "loaded": str(path), "format": fmt, "device": device, "trained_policy": trained,
+            "softcap": softcap,
             "model": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "probe": probe, "eps": eps, "rank1_tokens": rank1_tokens, "thresholds_source": source,
             "runtime_s": time.time() - t0}

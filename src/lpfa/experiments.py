@@ -124,10 +124,13 @@ STABILISER_RERUN = "bf16_rerun"
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
     "sr": ["attn_policy=paper_sr"],
+    # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and value
+    # under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn afresh each
+    # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
+    "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"), ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
        for mode in ("bf16", "fp32")},
-    # last: lpfa doctor cannot measure a soft-capped checkpoint yet (its FP32 probe would drop the cap)
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
 }
@@ -178,6 +181,7 @@ DESCRIPTIONS: dict[str, str] = {
        for to in ("sfa", "fp32")},
     STABILISER_RERUN: "bf16_paper_recipe run again, keeping its step-5,000 checkpoint for lpfa doctor (the base of the δ-bias and similarity links)",
     "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe",
+    "sr_reseed": "as sr, with the stochastic rounding drawn afresh each step (sr_seed + step; eager, not compiled)",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),

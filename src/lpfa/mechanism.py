@@ -31,13 +31,13 @@ from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max,
 @torch.no_grad()
 def delta_error(q, k, v, do, policy="paper", scale: float | None = None) -> dict:
     """δ = rowsum(dO ∘ O) with the policy's stored O (rounded as its backward rounds the product) against
-    the same with O in float64. Inputs (B, H, T, D); returns FP32/float64 tensors:
+    the same with O in float64 (the logits soft-capped as the policy caps them, exactly). Inputs (B, H, T, D); returns FP32/float64 tensors:
     ``delta_lp``, ``delta_hp``, ``delta_err`` (B, H, T) and ``o_err`` = O_lp − O_hp (B, H, T, D)."""
     pol = get_policy(policy)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     qf, kf, vf, dof = (t.float() for t in (q, k, v, do))
     o_lp, _ = forward(qf, kf, vf, pol, scale, True)
-    o_hp = _attention_fp32(qf, kf, vf, scale, True).double()
+    o_hp = _attention_fp32(qf, kf, vf, scale, True, pol.softcap).double()  # the same soft-cap, exact
     prod = BF16 if (pol.backward == BF16 and pol.o_store == BF16) else "fp32"
     delta_lp = _r(dof * o_lp, prod).double().sum(-1)
     delta_hp = (dof.double() * o_hp).sum(-1)

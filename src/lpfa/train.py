@@ -92,6 +92,7 @@ class TrainConfig:
     device: str = "auto"  # auto, cpu, cuda, cuda:N
     dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64: weights too
     compile: bool = False  # torch.compile the model
+    sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its seed + step) mod 2**32 (issue 19; else one seed for the run, so a stable value at a stable position rounds the same way every step); eager only (compile=false)
     # bookkeeping
     out_dir: str = "runs/default"  # the run folder; one that holds a run is refused unless resume=true
     seed: int = 1337  # seed of the data order
@@ -152,6 +153,16 @@ class TrainConfig:
         if self.qk_clip and self.qk_norm:
             raise ValueError(f"qk_clip={self.qk_clip!r}: expected 0 with qk_norm=true (QK-norm's LayerNorm undoes a rescale "
                              "of W_Q and W_K, so QK-clip would do nothing)")
+        if self.sr_reseed:
+            if self.compile:
+                raise ValueError("sr_reseed=true: expected compile=false (a new seed is a new policy, which torch.compile "
+                                 "would recompile every step)")
+            lpfa_pols = [n for n in (self.attn_policy if self.attn_backend == "lpfa" else None, *self.layer_policies.values())
+                         if n is not None and n not in ATTN_BACKENDS]
+            if not any(getattr(ATTN_PRESETS.get(n), "stochastic", None) for n in lpfa_pols):
+                raise ValueError(f"sr_reseed=true: expected a policy with stochastic rounding (e.g. attn_policy=paper_sr), "
+                                 f"got attn_backend={self.attn_backend!r}, attn_policy={self.attn_policy!r}, "
+                                 f"layer_policies={self.layer_policies!r}")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
             raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
                              "from lr to min_lr")
@@ -159,6 +170,15 @@ class TrainConfig:
 
 ON_WARNING = ("off", "log", "stop", "sfa", "fp32")
 SFA_SWITCH = {"paper": "paper_sfa", "fa2": "fa2_sfa", "paper_sfa": "paper_sfa", "fa2_sfa": "fa2_sfa"}
+
+
+def reseed_stochastic_rounding(model: GPT, step: int) -> None:
+    """``sr_reseed``: each layer whose policy rounds stochastically gets its configured policy with ``sr_seed`` =
+    (that seed + ``step``) mod 2³², so that step's rounding is drawn afresh (reproducibly: a function of the step)."""
+    for i, block in enumerate(model.transformer.h):
+        base = model.config.policy(i)
+        if base is not None and base.stochastic:
+            block.attn.policy = base.with_(sr_seed=(base.sr_seed + step) % 2**32, name=base.name)
 
 
 def sfa_switch(name: str, block_size: int) -> str | None:
@@ -216,6 +236,7 @@ FIELD_CHECKS: dict[str, Param] = {
                     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None),
     "dtype": text("auto", "bfloat16", "float32", "float64"),
     "compile": boolean(),
+    "sr_reseed": boolean(),
     "out_dir": text(nonempty=True),
     "seed": integer(0),
     "init_seed": integer(0),
@@ -781,6 +802,8 @@ def train(cfg: TrainConfig) -> dict:
             batches = [lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
                        for st in starts]
             info: dict = {}
+            if cfg.sr_reseed:
+                reseed_stochastic_rounding(raw_model, step)
             loss_v, gnorm_v, lr = train_step(model, optimizers, cfg, step, batches, autocast, world, info=info)
             if not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
                 status = "nonfinite"
