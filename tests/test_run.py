@@ -93,3 +93,20 @@ def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
     assert doctor_links(Run(run), layer=1) == {"doctor step": 2800, "δ |t| paper": 3.5, "δ |t| own": 7.0, "rank-1 similarity": 0.8,
                                                "doctor source": "rerun_to_2850/doctor_step_002800", "doctor probe": "4 × 256"}
     assert doctor_links(tmp_path / "none") == {}
+
+
+def test_checkpoint_before_explosion_picks_the_last_kept_state_before_it(tmp_path):
+    """Run.checkpoint_before_explosion: the largest kept checkpoint step <= limit and before the explosion step of the
+    run's verdict (what paper_recipe.sh's DOCTOR_STEP examines), None when there is none."""
+    from dataclasses import asdict
+
+    d = tmp_path / "run"
+    for s in (1000, 2000, 3000, 4000):
+        (d / "ckpt_history" / f"step_{s:06d}").mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps({"train": asdict(TrainConfig())}))
+    for jump, limit, expected in ((3100, 5000, 3000), (None, 5000, 4000), (None, 2500, 2000), (400, 5000, None)):
+        losses = [1.0 if jump is None or s < jump else 10.0 for s in range(4500)]  # the loss jumps for good at `jump`
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in enumerate(losses)))
+        boom = Run(d).verdict()["explosion_step"]
+        assert (boom is None) == (jump is None) and (jump is None or jump <= boom < jump + 100)
+        assert Run(d).checkpoint_before_explosion(limit) == expected, (jump, boom, limit)

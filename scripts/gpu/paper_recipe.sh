@@ -24,12 +24,13 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 LPFA_RUNS=$ROOT
 PY=${PY:-python3}
 L="$PY -m lpfa.launch"
 COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
-# DOCTOR_STEP=N (e.g. 5000, the last diagnostics step before bf16_paper_recipe's explosion): keep the checkpoint of step
-# N (ckpt_history) and, in finish, run `lpfa doctor` on it (DOCTOR_MAX_S, 180 s each), so that every run brings back
-# the links that need a checkpoint (the δ bias of paper and fa2 against FP32, the rank-1 similarity, V's sign; issue
-# 19), not the checkpoint: doctor_step_NNNNNN/report.json and report.md per run, in the archive.
-[ -n "${DOCTOR_STEP:-}" ] && COMMON+=(ckpt_interval="$DOCTOR_STEP" ckpt_history=true)
-DOC=$(printf "doctor_step_%06d" "${DOCTOR_STEP:-0}")
+# DOCTOR_STEP=N (e.g. 5000, the last diagnostics step before bf16_paper_recipe's explosion): keep a checkpoint every
+# DOCTOR_EVERY steps (default N; ckpt_history) and, in finish, run `lpfa doctor` (DOCTOR_MAX_S, 180 s each) on each run's
+# last one at or before step N and before its loss exploded (lpfa.run.Run.checkpoint_before_explosion: a run that
+# explodes early still brings one back), so that every run brings back the links that need a checkpoint (the δ bias of
+# paper, fa2 and its own policy against FP32, the rank-1 similarity, V's sign; issue 19), not the checkpoint:
+# doctor_step_NNNNNN/report.json and report.md per run, in the archive. (GPT-2 S: about 1.5 GB of disk per checkpoint.)
+[ -n "${DOCTOR_STEP:-}" ] && COMMON+=(ckpt_interval="${DOCTOR_EVERY:-$DOCTOR_STEP}" ckpt_history=true)
 case ${PHASE:?PHASE must be start, wait or finish} in
 start)
   if [ -f "$DATA/train.bin.xz" ] && [ ! -f "$DATA/train.bin" ]; then (cd "$DATA" && xz -dkf train.bin.xz val.bin.xz) || exit 1; fi
@@ -62,14 +63,20 @@ wait|finish)
   $L status --name "$NAME"
   X=()
   if [ "$PHASE" = finish ] && [ -n "${DOCTOR_STEP:-}" ]; then
+    # the device tool carries data/corpus afresh into every call's tree, without the val.bin that start unpacked
+    if [ -f "$DATA/val.bin.xz" ] && [ ! -f "$DATA/val.bin" ]; then (cd "$DATA" && xz -dkf val.bin.xz); fi
     for d in "$ROOT/$NAME"/*/; do
-      ck="$d/ckpt_history/${DOC#doctor_}"
-      [ -d "$ck" ] || continue
+      [ -f "$d/config.json" ] || continue
+      step=$($PY -c "import sys; from lpfa.run import Run; s = Run(sys.argv[1]).checkpoint_before_explosion(int(sys.argv[2])); print('' if s is None else s)" "$d" "$DOCTOR_STEP")
+      [ -n "$step" ] || { echo "doctor: $d has no checkpoint at or before step $DOCTOR_STEP and before an explosion"; continue; }
+      DOC=$(printf "doctor_step_%06d" "$step")
+      ck=$($PY -c "import sys; from lpfa.run import Run; print(Run(sys.argv[1]).checkpoints[int(sys.argv[2])])" "$d" "$step")
       echo "doctor: $ck"
       timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" > "$d/$DOC.log" 2>&1
       tail -3 "$d/$DOC.log"
+      X+=("$DOC/report.json" "$DOC/report.md" "$DOC.log")
     done
-    X=(--extra "$DOC/report.json" "$DOC/report.md" "$DOC.log")
+    [ ${#X[@]} -gt 0 ] && X=(--extra "${X[@]}")
   fi
   $L collect --name "$NAME" --out "${OUT:-/tmp/out}" "${X[@]}"
   if [ -d "$ROOT/$NAME/probe" ]; then  # (an if, not &&: a launch without probes must not end the script with status 1)

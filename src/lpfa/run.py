@@ -286,6 +286,14 @@ class Run:
                                   "source": str(f.parent.relative_to(self.path))})
         return dict(sorted(out.items()))
 
+    def checkpoint_before_explosion(self, limit: int) -> int | None:
+        """The step of the last kept checkpoint at or before ``limit`` and before the loss exploded (the run's
+        verdict), or None: what ``lpfa doctor`` examines for the links that need a checkpoint (scripts/gpu/paper_recipe.sh's
+        DOCTOR_STEP), so that a run that exploded early still brings back a state from before it."""
+        boom = self.verdict()["explosion_step"]
+        ok = [s for s in self.checkpoints if s <= limit and (boom is None or s < boom)]
+        return max(ok) if ok else None
+
     def checkpoint(self, step: int | None = None, map_location="cpu"):
         """The checkpoint of ``step`` (default: the latest), loaded (:func:`lpfa.checkpoints.load_checkpoint`)."""
         cks = self.checkpoints
