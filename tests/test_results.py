@@ -676,3 +676,22 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
     assert f"within {worst:.1e} of float64" in text
     with pytest.raises(ValueError, match="no fp32_split and sdpa_fp32 rows"):
         twin_text(throughput_table({k: v for k, v in tput.items() if "fp32" not in k}), error)
+
+
+def test_stabiliser_plan_fits_the_pending_rows_in_one_gpu_call():
+    """Page 17's next step (lpfa.runs.stabiliser_plan): rows per H200 from the latest stabiliser launch's tokens over its
+    longest wall time, the command naming that many pending rows; nothing pending says so."""
+    import re
+
+    from lpfa.run import Run
+    from lpfa.runs import STABILISER_BUDGET_S, STABILISER_STEPS, stabiliser_plan, stabiliser_table
+
+    _, _, pending = stabiliser_table()
+    assert stabiliser_plan([]) == "Every stabiliser row is committed."
+    text = stabiliser_plan(pending)
+    launch = results.runs("stabilisers")[-1]
+    runs = [Run(d) for d in sorted(launch.iterdir()) if (d / "summary.json").is_file()]
+    tps = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs) / max(r.summary["wall_s"] for r in runs)
+    assert f"trained {tps:,.0f} tokens/s together" in text
+    n = int(STABILISER_BUDGET_S // (STABILISER_STEPS * 24 * 1024 / tps))
+    assert re.search(r'ONLY="([^"]*)"', text).group(1).split() == pending[:max(1, n)]

@@ -124,15 +124,15 @@ STABILISER_RERUN = "bf16_rerun"
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
     "sr": ["attn_policy=paper_sr"],
-    # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and value
-    # under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn afresh each
-    # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
-    "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"), ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
        for mode in ("bf16", "fp32")},
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
+    # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and value
+    # under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn afresh each
+    # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
+    "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
 }
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {

@@ -915,6 +915,39 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
+STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1380  # steps per row; seconds of one GPU call's runs (time_budget_s)
+
+
+def stabiliser_plan(pending: list[str], root=None) -> str:
+    """Page 17's next step for the ``pending`` stabiliser rows: how many share one H200 within
+    :data:`STABILISER_BUDGET_S` to :data:`STABILISER_STEPS` steps each, at the throughput that the latest committed
+    stabiliser launch reached on one H200 (its runs' tokens over the longest run's wall time, compilation, evaluations
+    and checkpoints included), and the command. Empty without the BF16 run of the recipe or a committed stabiliser run."""
+    from lpfa.results import experiment_rows, runs as launches
+
+    if not pending:
+        return "Every stabiliser row is committed."
+    base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
+    found = experiment_rows("stabilisers", root=root)
+    if not base or not found:
+        return ""
+    batch = Run(base["bf16_paper_recipe"]).train["batch_size"]
+    launch = launches("stabilisers", root)[-1]  # the latest launch: its runs shared one GPU
+    runs = [Run(d) for d in sorted(launch.iterdir()) if (d / "summary.json").is_file()]
+    tokens = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs)
+    together = tokens / max(r.summary["wall_s"] for r in runs)
+    row_s = STABILISER_STEPS * batch * Run(base["bf16_paper_recipe"]).train["block_size"] / together
+    n = max(1, int(STABILISER_BUDGET_S // row_s))
+    only = " ".join(pending[:n])
+    return (f"The {len(runs)} runs of `{launch.name}` trained {together:,.0f} tokens/s together on one H200 (compilation, "
+            f"evaluations and checkpoints included), so a row of {STABILISER_STEPS:,} steps at batch {batch} takes "
+            f"{row_s / 60:.1f} minutes of it and {n} rows fit in {STABILISER_BUDGET_S:,} s: `ONLY=\"{only}\" "
+            f"EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} "
+            f"WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" bash scripts/gpu/paper_recipe.sh`, then the same with "
+            "`PHASE=finish WAIT=300`, which runs `lpfa doctor` on each run's last checkpoint at or before step 5,000 and "
+            "before its explosion, for the δ-bias and similarity links.")
+
+
 def stabiliser_headline(table, step: int, layer: int = 1) -> str:
     """Page 17's opening finding from :func:`stabiliser_table` (``table``, compared at ``step``): how many of the
     :data:`lpfa.experiments.STABILISERS` runs are committed; each committed cut's links (ties, largest logit and W_Q as
