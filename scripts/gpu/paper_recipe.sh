@@ -30,6 +30,8 @@ COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
 # explodes early still brings one back), so that every run brings back the links that need a checkpoint (the δ bias of
 # paper, fa2 and its own policy against FP32, the rank-1 similarity, V's sign; issue 19), not the checkpoint:
 # doctor_step_NNNNNN/report.json and report.md per run, in the archive. (GPT-2 S: about 1.5 GB of disk per checkpoint.)
+# DOCTOR_ARGS: more lpfa doctor options, e.g. "--batches 8 --seq-len 1024" for a probe that resolves a smaller δ bias
+# (the default 4 × 256 tokens; rows compared on page 17 should share one probe).
 [ -n "${DOCTOR_STEP:-}" ] && COMMON+=(ckpt_interval="${DOCTOR_EVERY:-$DOCTOR_STEP}" ckpt_history=true)
 case ${PHASE:?PHASE must be start, wait or finish} in
 start)
@@ -72,7 +74,7 @@ wait|finish)
       DOC=$(printf "doctor_step_%06d" "$step")
       ck=$($PY -c "import sys; from lpfa.run import Run; print(Run(sys.argv[1]).checkpoints[int(sys.argv[2])])" "$d" "$step")
       echo "doctor: $ck"
-      timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" > "$d/$DOC.log" 2>&1
+      timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" ${DOCTOR_ARGS:-} > "$d/$DOC.log" 2>&1
       tail -3 "$d/$DOC.log"
       X+=("$DOC/report.json" "$DOC/report.md" "$DOC.log")
     done
