@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from lpfa.bf16 import bf16_add
@@ -113,3 +114,26 @@ def test_delta_formulas_o_exact_is_inconsistent_with_bf16_scores():
     assert high["max_logit"] > 100
     assert high["o_exact"]["rms"] > 4 * max(high["o_fp32"]["rms"], high["o_stored"]["rms"]), high
     assert high["o_fp32"]["rms"] < 1e-2 and high["o_stored"]["rms"] < 1e-2, high
+
+
+def test_error_persistence_tells_a_frozen_error_from_a_fresh_one():
+    """lpfa.mechanism.error_persistence: without drift every policy's g repeats exactly (accumulation √steps); SR
+    reseeded each step draws its rounding afresh, so its g changes from step to step while fixed-seed SR's does not;
+    the mean g is the mean over steps of Σ_T δ error computed directly."""
+    import math
+
+    from lpfa.mechanism import delta_error, error_persistence
+
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    B, H, T, D = 1, 3, 45, 16
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g) for _ in range(4))
+    pols = {"paper": "paper", "paper_sr": "paper_sr", "reseeded": "paper_sr"}
+    t = error_persistence(q, k, v, do, pols, steps=4, rel=0.0, reseed=("reseeded",))
+    assert list(t.loc["paper", "accumulation"]) == pytest.approx([2.0] * H, rel=1e-12)  # √4: the same g each step
+    assert list(t.loc["paper_sr", "accumulation"]) == pytest.approx([2.0] * H, rel=1e-12)
+    assert (t.loc["reseeded", "accumulation"] < 2.0 - 1e-9).any()  # SR drawn afresh: g changes with the seed
+    direct = delta_error(q, k, v, do, "paper")["delta_err"].sum(-1)
+    for h in range(H):
+        assert t.loc[("paper", 0, h), "mean g"] == pytest.approx(float(direct[0, h]), rel=1e-9, abs=1e-15)
+    drifting = error_persistence(q, k, v, do, {"paper": "paper"}, steps=3, rel=1e-2, seed=5)
+    assert ((drifting["accumulation"] > 0) & (drifting["accumulation"] <= math.sqrt(3) + 1e-12)).all()

@@ -695,3 +695,14 @@ def test_stabiliser_plan_fits_the_pending_rows_in_one_gpu_call():
     assert f"trained {tps:,.0f} tokens/s together" in text
     n = int(STABILISER_BUDGET_S // (STABILISER_STEPS * 24 * 1024 / tps))
     assert re.search(r'ONLY="([^"]*)"', text).group(1).split() == pending[:max(1, n)]
+
+
+def test_sr_persistence_on_the_committed_capture():
+    """Page 17's stochastic-rounding check (lpfa.runs.sr_persistence) on the kernel-bias audit's captured batch: one row
+    per policy of SR_POLICIES, paper's worst head as the unit, the sentence built from the table."""
+    from lpfa.runs import SR_POLICIES, sr_persistence
+
+    table, text, meta = sr_persistence(sequences=1, steps=3)
+    assert list(table.index) == list(SR_POLICIES) and table.loc["paper", "÷ paper"] == 1.0
+    assert ((table["its accumulation"] >= 0) & (table["its accumulation"] <= 3 ** 0.5 + 1e-12)).all()
+    assert f"captured at step {meta['step']:,}" in text and f"{table.loc['paper_sr', '÷ paper']:.2f}×" in text

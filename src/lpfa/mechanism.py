@@ -13,6 +13,9 @@
   how often the V values at those positions share a sign (Sec. 3.3, what the paper shows by example);
 * :func:`delta_formulas` — each δ formula of the isolation table against the δ that matches the P the
   backward differentiates (why "O recomputed from FP32 scores" is not a clean isolation);
+* :func:`error_persistence` — whether a policy's δ error keeps its sign from one training step to the next (so that
+  the W_Q gradient error adds up like a bias) or is drawn afresh: rounding to nearest, stochastic rounding under one
+  seed, stochastic rounding reseeded each step (issue 19's stabiliser);
 * :func:`sfa_attenuation` — for each SFA β, the fraction of rows whose output the authors' row-sum
   clamp attenuates or silences (issue 5's β sweep).
 """
@@ -236,3 +239,41 @@ def sfa_attenuation(q, k, betas=(1.5, 2.0, 4.0, 8.0), eps: float = 1e-3, clamp: 
                             "silenced": float((factor < 1e-3).double().mean()), "zeroed": float((l == 0).double().mean()),
                             "rows": int(l.numel())}
     return out
+
+
+@torch.no_grad()
+def error_persistence(q, k, v, do, policies: dict, steps: int = 8, rel: float = 1e-3, seed: int = 0,
+                      reseed: tuple[str, ...] = ()):
+    """Does a policy's δ error add up over training steps like a bias? Inputs (B, H, T, D); ``policies``
+    ``{name: policy}``. The inputs drift as over ``steps`` training steps: step s multiplies each of q, k, v, dO by
+    Π (1 + rel·ξ), ξ standard normal per element and step (``seed``), a random walk of relative size ``rel`` per step.
+    Per step, g_s = Σ_T (δ_lp − δ_hp)[T] per (batch, head) (:func:`delta_error`): the W_Q gradient error's factor where
+    the rank-1 matrices (PK)[T]ᵀX[T] share one direction (Fig. 9). The names in ``reseed`` get ``sr_seed`` + s at step s
+    (lpfa.train's ``sr_reseed``).
+
+    Returns a DataFrame indexed by (policy, batch, head): ``mean g`` (over the steps) and ``accumulation``
+    |Σ_s g_s| / √(Σ_s g_s²), which is √steps for an error that keeps its value from step to step and about 1
+    (|N(0, 1)|, median 0.67) for one drawn afresh with mean 0."""
+    import pandas as pd
+
+    gen = torch.Generator().manual_seed(seed)
+    base = [t.double().cpu() for t in (q, k, v, do)]
+    drift = [torch.ones_like(t) for t in base]
+    g = {name: [] for name in policies}
+    for s in range(steps):
+        if s:
+            drift = [d * (1 + rel * torch.randn(d.shape, generator=gen, dtype=torch.float64)) for d in drift]
+        x = [(b * d).float().to(q.device) for b, d in zip(base, drift)]
+        for name, pol in policies.items():
+            pol = get_policy(pol)
+            if name in reseed:
+                pol = pol.with_(sr_seed=(pol.sr_seed + s) % 2**32, name=pol.name)
+            g[name].append(delta_error(*x, pol)["delta_err"].sum(-1).cpu())  # (B, H)
+    rows = []
+    for name, gs in g.items():
+        gs = torch.stack(gs)  # (steps, B, H)
+        acc = gs.sum(0).abs() / gs.pow(2).sum(0).sqrt().clamp_min(1e-300)
+        B, H = gs.shape[1:]
+        rows += [{"policy": name, "batch": b, "head": h, "mean g": float(gs[:, b, h].mean()), "accumulation": float(acc[b, h])}
+                 for b in range(B) for h in range(H)]
+    return pd.DataFrame(rows).set_index(["policy", "batch", "head"])

@@ -6,6 +6,7 @@ this module (``lpfa.runs.read_records``, ``load_metrics``, ...).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from lpfa.run import (  # noqa: F401  (re-exported: the readers live in lpfa.run)
@@ -946,6 +947,54 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
             f"WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" bash scripts/gpu/paper_recipe.sh`, then the same with "
             "`PHASE=finish WAIT=300`, which runs `lpfa doctor` on each run's last checkpoint at or before step 5,000 and "
             "before its explosion, for the δ-bias and similarity links.")
+
+
+SR_POLICIES = {"paper": "paper", "paper_sr": "paper_sr", "paper_sr reseeded": "paper_sr", "o_fp32": "o_fp32",
+               "scores_fp32": "scores_fp32"}  # error_persistence's rows on page 17: rounding points on or off O's path
+
+
+def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=None):
+    """Page 17's look at why stochastic rounding did not help: :func:`lpfa.mechanism.error_persistence` of
+    :data:`SR_POLICIES` (``paper_sr reseeded``: a new seed each step) on the first ``sequences`` of the layer's q, k, v,
+    dO that the latest kernel-bias audit captured (``results/kernel_bias/<run>/<name>/qkv.npz``, a BF16 run before or
+    in its logit runaway). Returns ``(table, text, meta)``: per policy the worst head's mean g (the head with the
+    largest |mean g| under ``paper``), it over ``paper``'s, and its accumulation; ``text`` the finding in words;
+    ``meta`` the capture's. ``(None, reason, None)`` without a capture."""
+    import pandas as pd
+
+    from lpfa.audit import load_captured
+    from lpfa.mechanism import error_persistence
+    from lpfa.results import runs as launches
+
+    try:
+        caps = sorted(launches("kernel_bias", root)[-1].glob("*/qkv.npz"))
+    except FileNotFoundError:
+        caps = []
+    if not caps:
+        return None, "No captured q, k, v, dO is committed (`results/kernel_bias/<run>/<name>/qkv.npz`).", None
+    x, meta = load_captured(caps[0])
+    q, k, v, do = (x[n][:sequences] for n in ("q", "k", "v", "do"))
+    t = error_persistence(q, k, v, do, SR_POLICIES, steps=steps, rel=rel, reseed=("paper_sr reseeded",)).sort_index()
+    worst = t.loc["paper", "mean g"].abs().idxmax()  # (batch, head)
+    ref = t.loc[("paper", *worst), "mean g"]
+    table = pd.DataFrame({name: {"worst head's mean g": t.loc[(name, *worst), "mean g"],
+                                 "÷ paper": t.loc[(name, *worst), "mean g"] / ref,
+                                 "its accumulation": t.loc[(name, *worst), "accumulation"],
+                                 "median accumulation over heads": float(t.loc[name, "accumulation"].median())}
+                          for name in SR_POLICIES}).T
+    r = table["÷ paper"]
+    text = (f"On the layer-{meta['layer']} q, k, v and dO captured at step {meta['step']:,} of a BF16 run "
+            f"({meta['policy']}; {sequences} sequence{'s' if sequences > 1 else ''}), drifted over {steps} steps by "
+            f"{rel:g} per step, head {worst[1]} carries the largest δ error (Σ_T δ_lp − δ_hp = {ref:.2e} under `paper`). "
+            f"Stochastic rounding leaves {r['paper_sr']:.2f}× of it with one seed and {r['paper_sr reseeded']:.2f}× reseeded "
+            f"each step, with accumulations {table.loc['paper_sr', 'its accumulation']:.2f} and "
+            f"{table.loc['paper_sr reseeded', 'its accumulation']:.2f} of at most √{steps} = {math.sqrt(steps):.2f}: it keeps its "
+            f"sign either way. O's path in FP32 (`o_fp32`) leaves {r['o_fp32']:.2f}×, FP32 scores (`scores_fp32`) "
+            f"{r['scores_fp32']:.3f}×: here the error comes from rounding S to BF16, a rounding point that SR at O's path "
+            "does not touch." if abs(r["scores_fp32"]) < 0.1 and abs(r["paper_sr"]) > 0.5 else
+            f"Stochastic rounding leaves {r['paper_sr']:.2f}× of the worst head's δ error with one seed and "
+            f"{r['paper_sr reseeded']:.2f}× reseeded; FP32 scores leave {r['scores_fp32']:.3f}×.")
+    return table, text, meta
 
 
 def stabiliser_headline(table, step: int, layer: int = 1) -> str:
