@@ -426,6 +426,14 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
     assert o["host"].endswith("host-bound" if fa2["host_us"] > fa2["gpu_us"] else "GPU-bound")
     ratio = data["rows"]["sdpa_flash/fwd_bwd"]["gpu_us"] / fa2["gpu_us"]
     assert o["gpu_ratio"].startswith(f"{ratio:.2f}× for `fa2`")
+    host = [n for n in ("fa2", "paper") if data["rows"][f"{n}/fwd_bwd"]["host_us"] > data["rows"][f"{n}/fwd_bwd"]["gpu_us"]]
+    assert o["bound"].startswith("the host bounds " + " and ".join(f"`{n}`" for n in host) if host else "the GPU work bounds")
+    best = {n: max(x["ratio_to_sdpa_flash"] for x in shapes["rows"] if x["impl"] == n) for n in ("fa2", "paper")}
+    goals = shapes_text(shapes, 0.05, {"fa2": 1.0, "paper": 0.8})["goals"]
+    assert goals.startswith(f"`fa2` reaches {best['fa2']:.2f}× at best, `paper` reaches {best['paper']:.2f}× at best: ")
+    assert goals.endswith({(False, False): "both meet their goals", (True, True): "both stay short"}.get(
+        (best["fa2"] < 1.0, best["paper"] < 0.8), "stays short"))
+    assert shapes_text(shapes, 0.05, {"fa2": 0.0, "paper": 0.0})["goals"].endswith("both meet their goals")
 
 
 def test_fig2_headline_states_the_verdict_of_the_committed_twins():

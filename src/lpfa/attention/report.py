@@ -128,9 +128,9 @@ def overhead_table(data: dict):
 
 
 def overhead_text(table) -> dict[str, str]:
-    """Page 12's two clauses from :func:`overhead_table`: ``host``, one ``fa2`` forward+backward's host issue time
+    """Page 12's clauses from :func:`overhead_table`: ``host``, one ``fa2`` forward+backward's host issue time
     against its GPU work, next to SDPA-flash's, and which side sets the pace; ``gpu_ratio``, ``fa2``'s and ``paper``'s
-    forward+backward GPU time as a multiple of SDPA-flash's speed."""
+    forward+backward GPU time as a multiple of SDPA-flash's speed; ``bound``, which of the two the host bounds."""
     fb = {name: table.loc[(name, "fwd_bwd")] for name in ("sdpa_flash", "fa2", "paper")}
     return {
         "host": (f"one `fa2` forward and backward takes {fb['fa2']['host µs']:,.0f} µs of the host's time to issue, against "
@@ -138,7 +138,15 @@ def overhead_text(table) -> dict[str, str]:
                  f"{fb['sdpa_flash']['GPU µs']:,.0f} µs), so the call is {fb['fa2']['bound by']}-bound"),
         "gpu_ratio": (f"{fb['fa2']['GPU time × SDPA-flash']:.2f}× for `fa2` and "
                       f"{fb['paper']['GPU time × SDPA-flash']:.2f}× for `paper`"),
+        "bound": _bound_clause([name for name in ("fa2", "paper") if fb[name]["bound by"] == "host"]),
     }
+
+
+def _bound_clause(host_bound: list[str]) -> str:
+    if not host_bound:
+        return "the GPU work bounds both `fa2` and `paper`'s forward and backward, not the host"
+    names = " and ".join(f"`{n}`" for n in host_bound)
+    return f"the host bounds {names}'s forward and backward before the kernels do (it takes longer to issue than to run)"
 
 
 def shapes_table(shapes: dict):
@@ -155,10 +163,11 @@ def shapes_table(shapes: dict):
     return out
 
 
-def shapes_text(shapes: dict, sfa_goal: float) -> dict[str, str]:
+def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dict[str, str]:
     """Page 12's clauses from ``shapes.json``: ``ratios``, ``fa2``'s and ``paper``'s forward+backward ratio to SDPA-flash
     at T = 4,096, at the longest T (D = 64) and at D = 128, T = 1,024; ``sfa``, the range of the SFA presets' cost over
-    their base at T ≥ 4,096 and whether it is within ``sfa_goal`` (a fraction)."""
+    their base at T ≥ 4,096 and whether it is within ``sfa_goal`` (a fraction); with ``goals`` (``{impl: ratio}``),
+    ``goals``: each one's best ratio over the shapes and whether it reaches its goal there."""
     import pandas as pd
 
     sh = pd.DataFrame(shapes["rows"])
@@ -172,7 +181,19 @@ def shapes_text(shapes: dict, sfa_goal: float) -> dict[str, str]:
                    f"{ratio[(1024, 128, 'paper')]:.2f}×"),
         "sfa": (f"{long_sfa.min():+.1%} to {long_sfa.max():+.1%}, " + ("within" if long_sfa.max() <= sfa_goal else "outside")
                 + f" the goal of at most +{100 * sfa_goal:.0f}%") if len(long_sfa) else "not measured at T ≥ 4,096",
+        **({"goals": _goals_clause({impl: float(sh[sh.impl == impl]["ratio_to_sdpa_flash"].max()) for impl in goals}, goals)}
+           if goals else {}),
     }
+
+
+def _goals_clause(best: dict, goals: dict) -> str:
+    short = [i for i in goals if best[i] < goals[i]]
+    each = ", ".join(f"`{i}` reaches {best[i]:.2f}× at best" for i in goals)
+    if len(short) == len(goals):
+        return f"{each}: {'both' if len(goals) == 2 else 'all'} stay short"
+    if not short:
+        return f"{each}: {'both' if len(goals) == 2 else 'all'} meet their goals"
+    return f"{each}: " + " and ".join(f"`{i}`" for i in short) + " stay" + ("s" if len(short) == 1 else "") + " short"
 
 
 HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names
