@@ -94,7 +94,9 @@ PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_
 # tiling stays the BF16 twin's. The outlier heads are layer 1's heads 7 and 9: the two whose W_Q norm had grown most
 # against the FP32 twin's, and whose logits were largest, when the BF16 twin's layer 1 ran away (step 2,800,
 # results/paper_recipe/h200x2-2026-11-30).
-RECIPE_ISOLATION = ("delta_o_fp32", "pv_fp32", "delta_dp", "o_fp32", "fp32_outlier_heads")
+# scores_fp32 (only S in FP32) joined after page 17 found the worst head's δ error on a captured batch to come from
+# rounding S to BF16 (lpfa.runs.sr_persistence): does the recipe's BF16 run stay clean with FP32 scores alone?
+RECIPE_ISOLATION = ("delta_o_fp32", "pv_fp32", "delta_dp", "o_fp32", "scores_fp32", "fp32_outlier_heads")
 PAPER_RECIPE.update({f"{row}_paper_recipe": [f"attn_policy={row}"] for row in RECIPE_ISOLATION[:-1]})
 PAPER_RECIPE["fp32_outlier_heads_paper_recipe"] = ["attn_policy=paper", "fp32_heads={1: [7, 9]}"]
 # Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
@@ -175,6 +177,7 @@ DESCRIPTIONS: dict[str, str] = {
         ("pv_fp32", "P̄ and P̄V in FP32 (the running and stored O still BF16)"),
         ("delta_dp", "δ = rowsum(dP∘P) instead of rowsum(dO∘O)"),
         ("o_fp32", "O in FP32: Ō, the running output and the stored O (P̄ still BF16)"),
+        ("scores_fp32", "only the scores S in FP32, every later rounding as the BF16 run"),
         ("fp32_outlier_heads", "FP32 O for only the outlier heads 7 and 9 of layer 1"))},
     **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
                                        f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
