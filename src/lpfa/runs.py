@@ -844,7 +844,7 @@ DOCTOR_LINKS = {"doctor step": "the checkpoint's step", "δ |t| paper": "largest
                 "rank-1 similarity": "median over the heads of the median similarity of (PK)[T]ᵀX[T] (Fig. 9)"}
 
 
-T_RESOLVED = 3.0  # |t| of the δ error from which the doctor's probe resolves a bias (the page says so below it)
+T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts the doctor's probe as resolving a bias
 
 
 def doctor_links(run, layer: int = 1) -> dict:
@@ -949,6 +949,7 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
             "before its explosion, for the δ-bias and similarity links.")
 
 
+KEPT = 0.8  # an accumulation of at least this × √steps: the error kept its value over the steps (at most 1)
 SR_POLICIES = {"paper": "paper", "paper_sr": "paper_sr", "paper_sr reseeded": "paper_sr", "o_fp32": "o_fp32",
                "scores_fp32": "scores_fp32"}  # error_persistence's rows on page 17: rounding points on or off O's path
 
@@ -983,13 +984,15 @@ def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=N
                                  "median accumulation over heads": float(t.loc[name, "accumulation"].median())}
                           for name in SR_POLICIES}).T
     r = table["÷ paper"]
+    kept = bool((table.loc[["paper_sr", "paper_sr reseeded"], "its accumulation"] >= KEPT * math.sqrt(steps)).all())
     text = (f"On the layer-{meta['layer']} q, k, v and dO captured at step {meta['step']:,} of a BF16 run "
             f"({meta['policy']}; {sequences} sequence{'s' if sequences > 1 else ''}), drifted over {steps} steps by "
             f"{rel:g} per step, head {worst[1]} carries the largest δ error (Σ_T δ_lp − δ_hp = {ref:.2e} under `paper`). "
             f"Stochastic rounding leaves {r['paper_sr']:.2f}× of it with one seed and {r['paper_sr reseeded']:.2f}× reseeded "
             f"each step, with accumulations {table.loc['paper_sr', 'its accumulation']:.2f} and "
-            f"{table.loc['paper_sr reseeded', 'its accumulation']:.2f} of at most √{steps} = {math.sqrt(steps):.2f}: it keeps its "
-            f"sign either way. O's path in FP32 (`o_fp32`) leaves {r['o_fp32']:.2f}×, FP32 scores (`scores_fp32`) "
+            f"{table.loc['paper_sr reseeded', 'its accumulation']:.2f} of at most √{steps} = {math.sqrt(steps):.2f}: "
+            + ("it keeps its sign either way" if kept else "it does not keep its value from step to step") + ". "
+            f"O's path in FP32 (`o_fp32`) leaves {r['o_fp32']:.2f}×, FP32 scores (`scores_fp32`) "
             f"{r['scores_fp32']:.3f}×: here the error comes from rounding S to BF16, a rounding point that SR at O's path "
             "does not touch." if abs(r["scores_fp32"]) < 0.1 and abs(r["paper_sr"]) > 0.5 else
             f"Stochastic rounding leaves {r['paper_sr']:.2f}× of the worst head's δ error with one seed and "
