@@ -69,10 +69,10 @@ wait|finish)
     if [ -f "$DATA/val.bin.xz" ] && [ ! -f "$DATA/val.bin" ]; then (cd "$DATA" && xz -dkf val.bin.xz); fi
     for d in "$ROOT/$NAME"/*/; do
       [ -f "$d/config.json" ] || continue
-      step=$($PY -c "import sys; from lpfa.run import Run; s = Run(sys.argv[1]).checkpoint_before_explosion(int(sys.argv[2])); print('' if s is None else s)" "$d" "$DOCTOR_STEP")
-      [ -n "$step" ] || { echo "doctor: $d has no checkpoint at or before step $DOCTOR_STEP and before an explosion"; continue; }
+      # "STEP FOLDER" of the checkpoint to examine (lpfa.run.Run.checkpoint_before_explosion), or nothing
+      read -r step ck < <($PY -c "import sys; from lpfa.run import Run; r = Run(sys.argv[1]); s = r.checkpoint_before_explosion(int(sys.argv[2])); print('' if s is None else f'{s} {r.checkpoints[s]}')" "$d" "$DOCTOR_STEP")
+      [ -n "${step:-}" ] || { echo "doctor: $d has no checkpoint at or before step $DOCTOR_STEP and before an explosion"; continue; }
       DOC=$(printf "doctor_step_%06d" "$step")
-      ck=$($PY -c "import sys; from lpfa.run import Run; print(Run(sys.argv[1]).checkpoints[int(sys.argv[2])])" "$d" "$step")
       echo "doctor: $ck"
       timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" ${DOCTOR_ARGS:-} > "$d/$DOC.log" 2>&1
       tail -3 "$d/$DOC.log"

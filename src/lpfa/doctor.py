@@ -145,10 +145,11 @@ def probe_overrides(softcap: float | None = None) -> dict:
 
     if softcap is None:
         return dict(PROBE_OVERRIDES)
-    same = sorted(n for n, p in PRESETS.items() if p.softcap == softcap and is_fp32_level(p.with_(softcap=None)))
+    capped = {n: p.softcap for n, p in sorted(PRESETS.items()) if p.softcap is not None and is_fp32_level(p.with_(softcap=None))}
+    same = [n for n, cap in capped.items() if cap == softcap]
     if not same:
-        raise DoctorError(f"soft-cap {softcap:g}: expected a cap that an FP32-level preset has "
-                          f"({sorted({p.softcap for p in PRESETS.values() if p.softcap is not None and is_fp32_level(p.with_(softcap=None))})}) for the probe")
+        raise DoctorError(f"soft-cap {softcap:g}: expected a cap that an FP32-level preset has ({sorted(set(capped.values()))}) "
+                          "for the probe")
     return {**PROBE_OVERRIDES, "attn_backend": "lpfa", "attn_policy": same[0]}
 
 

@@ -27,7 +27,7 @@ import math
 import torch
 
 from lpfa.attention import get_policy
-from lpfa.attention.policy import BF16, DELTA_FORMULAS
+from lpfa.attention.policy import BF16, DELTA_FORMULAS, reseeded
 from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, backward_delta, forward
 
 
@@ -265,9 +265,7 @@ def error_persistence(q, k, v, do, policies: dict, steps: int = 8, rel: float = 
             drift = [d * (1 + rel * torch.randn(d.shape, generator=gen, dtype=torch.float64)) for d in drift]
         x = [(b * d).float().to(q.device) for b, d in zip(base, drift)]
         for name, pol in policies.items():
-            pol = get_policy(pol)
-            if name in reseed:
-                pol = pol.with_(sr_seed=(pol.sr_seed + s) % 2**32, name=pol.name)
+            pol = reseeded(get_policy(pol), s) if name in reseed else get_policy(pol)
             g[name].append(delta_error(*x, pol)["delta_err"].sum(-1).cpu())  # (B, H)
     rows = []
     for name, gs in g.items():

@@ -932,12 +932,13 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     found = experiment_rows("stabilisers", root=root)
     if not base or not found:
         return ""
-    batch = Run(base["bf16_paper_recipe"]).train["batch_size"]
+    bf16 = Run(base["bf16_paper_recipe"]).train
     launch = launches("stabilisers", root)[-1]  # the latest launch: its runs shared one GPU
     runs = [Run(d) for d in sorted(launch.iterdir()) if (d / "summary.json").is_file()]
     tokens = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs)
     together = tokens / max(r.summary["wall_s"] for r in runs)
-    row_s = STABILISER_STEPS * batch * Run(base["bf16_paper_recipe"]).train["block_size"] / together
+    batch = bf16["batch_size"]
+    row_s = STABILISER_STEPS * batch * bf16["block_size"] / together
     n = max(1, int(STABILISER_BUDGET_S // row_s))
     only = " ".join(pending[:n])
     return (f"The {len(runs)} runs of `{launch.name}` trained {together:,.0f} tokens/s together on one H200 (compilation, "

@@ -43,6 +43,7 @@ import yaml
 from lpfa import data as lpfa_data
 from lpfa.data import drop_partial_line
 from lpfa.attention import PRESETS as ATTN_PRESETS
+from lpfa.attention.policy import reseeded
 from lpfa.explosion import explosion_step
 from lpfa.model import ATTN_BACKENDS, GPT, SIZES, GPTConfig, unwrap
 from lpfa.params import Param, boolean, dict_of, integer, list_of, real, text
@@ -178,7 +179,7 @@ def reseed_stochastic_rounding(model: GPT, step: int) -> None:
     for i, block in enumerate(model.transformer.h):
         base = model.config.policy(i)
         if base is not None and base.stochastic:
-            block.attn.policy = base.with_(sr_seed=(base.sr_seed + step) % 2**32, name=base.name)
+            block.attn.policy = reseeded(base, step)
 
 
 def sfa_switch(name: str, block_size: int) -> str | None:

@@ -329,6 +329,12 @@ EMULATED: dict[str, PrecisionPolicy] = {
 kernels); :func:`get_policy` resolves them like :data:`PRESETS`."""
 
 
+def reseeded(policy: PrecisionPolicy, step: int) -> PrecisionPolicy:
+    """``policy`` with its stochastic rounding drawn afresh for training step ``step``: ``sr_seed`` + ``step`` mod 2³², the
+    name kept (lpfa.train's ``sr_reseed``)."""
+    return policy.with_(sr_seed=(policy.sr_seed + step) % 2**32, name=policy.name)
+
+
 def is_fp32_level(policy: PrecisionPolicy) -> bool:
     """True where ``policy`` rounds nothing to BF16 and differs from :data:`FP32_POLICY` at most in its name and in how
     its GEMMs reach FP32 accuracy (``gemm``: IEEE FP32, or split BF16 parts as in ``fp32_split``)."""
