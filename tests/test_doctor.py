@@ -242,6 +242,20 @@ def test_cli_writes_report_that_round_trips(lpfa_ckpt, data, tmp_path, capsys):
     assert rep["table"] == json.loads(json.dumps(doctor._json_table(expect)))
 
 
+def test_cli_thresholds_file_sets_the_verdicts(lpfa_ckpt, data, tmp_path, capsys):
+    # a runaway threshold below every head's largest logit makes every head a runaway, and the report keeps the file's
+    t = doctor.doctor(lpfa_ckpt, data, **PROBE)["table"]
+    thr = {"max_logit": {"precursor": {"value": 1e9, "fpr": 0.0}, "runaway": float(t.max_logit.min()) / 2}}
+    f = tmp_path / "thr.json"
+    f.write_text(json.dumps(thr))
+    out = tmp_path / "report"
+    assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",
+                     "--device", "cpu", "--out", str(out), "--thresholds", str(f)]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["thresholds"] == thr and rep["thresholds_source"] == "given"
+    assert rep["verdicts"]["runaway"] == len(t) and "runaway" in capsys.readouterr().out
+
+
 def test_help():
     assert cli.main(["doctor", "--help"]) == 0
 
@@ -257,7 +271,16 @@ def _bad_cases(tmp_path, lpfa_ckpt, data):
     wide = token_folder(tmp_path / "wide", high=300)
     short = token_folder(tmp_path / "short", n=50)
     d = ["--data", str(data)]
+    bad_thr = tmp_path / "bad_thr.json"
+    bad_thr.write_text(json.dumps({"max_logit": {"precursor": "high"}}))
+    not_json = tmp_path / "not_json.json"
+    not_json.write_text("{max_logit")
     return {
+        "no thresholds file": ([str(lpfa_ckpt), *d, "--thresholds", str(tmp_path / "t.json")],
+                               r"--thresholds='.*t\.json': expected a JSON file of thresholds"),
+        "bad thresholds": ([str(lpfa_ckpt), *d, "--thresholds", str(bad_thr)],
+                           r"--thresholds='.*bad_thr\.json': thresholds\['max_logit'\]\['precursor'\] must be a number"),
+        "thresholds not JSON": ([str(lpfa_ckpt), *d, "--thresholds", str(not_json)], r"not_json\.json is not valid JSON"),
         "missing path": ([str(tmp_path / "nope"), *d], r"checkpoint .*nope does not exist; expected an lpfa checkpoint folder"),
         "unknown format": ([str(unknown), *d], r"cannot tell the format of checkpoint .*unknown"),
         "missing keys": ([str(broken), *d], r"1 missing keys, e\.g\. transformer\.h\.1\.attn\.c_attn\.weight"),

@@ -469,12 +469,12 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
 def test_stabiliser_headline_from_the_committed_table():
     """Page 17's opening finding (lpfa.runs.stabiliser_headline) from stabiliser_table: the count of committed
     stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
-    from lpfa.experiments import STABILISER_RERUN, STABILISERS
+    from lpfa.experiments import RERUNS, STABILISERS
     from lpfa.runs import stabiliser_headline, stabiliser_table
 
     table, step, _ = stabiliser_table(layer=1)
     text = stabiliser_headline(table, step, 1)
-    rows = [label for label in STABILISERS if label != STABILISER_RERUN]  # the rerun of the base is no stabiliser
+    rows = [label for label in STABILISERS if label not in RERUNS]  # the reruns of the base are no stabilisers
     done = [label for label in rows if label in table.index]
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
     assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text

@@ -74,7 +74,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lpfa.alarms import current_thresholds, fixed_thresholds
+from lpfa.alarms import current_thresholds, fixed_thresholds, read_thresholds
 from lpfa.diagnostics import spectral_norms, wq_outlier
 
 FORMATS = ("lpfa", "nanogpt", "hf")
@@ -627,9 +627,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", default=None, help="a folder for report.md, report.json and the figures")
     p.add_argument("--top", type=int, default=10, help="worst heads shown in the terminal (default 10)")
+    p.add_argument("--thresholds", default=None, help="a JSON file of thresholds as lpfa.alarms.thresholds() returns them "
+                                                      "(default: learnt from the committed runs, else fixed ones)")
     a = p.parse_args(argv)
     try:
-        r = doctor(a.checkpoint, a.data, a.batches, a.seq_len, a.seed, a.device, a.out,
+        thr = read_thresholds(a.thresholds, "--thresholds") if a.thresholds else None
+    except (FileNotFoundError, ValueError) as e:  # a missing, unreadable or malformed file: one line
+        print(f"lpfa doctor: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        r = doctor(a.checkpoint, a.data, a.batches, a.seq_len, a.seed, a.device, a.out, thresholds=thr,
                    command=" ".join(["lpfa doctor", *argv]))
     except DoctorError as e:
         print(f"lpfa doctor: error: {e}", file=sys.stderr)

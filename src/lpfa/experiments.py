@@ -121,10 +121,15 @@ RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_D
 # bf16_rerun is bf16_paper_recipe again (same switches, seed and data order): that run kept no checkpoint, so the links
 # that need one (lpfa doctor's δ bias and rank-1 similarity, scripts/gpu/paper_recipe.sh DOCTOR_STEP) come from this run's
 # step-5,000 checkpoint, the base of every row's ratio; its logged links and explosion step measure a rerun's spread.
+# fp32_rerun is fp32_paper_recipe again to step 5,000, for the same reason: its checkpoint gives the FP32 twin's
+# doctor links at the BF16 rerun's step (and lpfa doctor's page its healthy example); it is bf16_rerun's reference.
 QK_CLIP_TAU = 100.0
-STABILISER_RERUN = "bf16_rerun"
+STABILISER_RERUN, FP32_RERUN = "bf16_rerun", "fp32_rerun"
+RERUNS = (STABILISER_RERUN, FP32_RERUN)  # the base runs again: no stabiliser rows
+RERUN_STOP = 5000  # fp32_rerun's last step: the doctor's step (scripts/gpu/paper_recipe.sh DOCTOR_STEP)
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
+    FP32_RERUN: [*PAPER_RECIPE["fp32_paper_recipe"], f"stop_at_step={RERUN_STOP}"],
     "sr": ["attn_policy=paper_sr"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"), ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
@@ -183,6 +188,7 @@ DESCRIPTIONS: dict[str, str] = {
                                        f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
        for to in ("sfa", "fp32")},
     STABILISER_RERUN: "bf16_paper_recipe run again, keeping its step-5,000 checkpoint for lpfa doctor (the base of the δ-bias and similarity links)",
+    FP32_RERUN: f"fp32_paper_recipe run again to step {RERUN_STOP:,}, keeping that checkpoint for lpfa doctor (the FP32 twin's δ-bias and similarity links)",
     "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe",
     "sr_reseed": "as sr, with the stochastic rounding drawn afresh each step (sr_seed + step; eager, not compiled)",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"

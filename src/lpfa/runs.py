@@ -881,7 +881,7 @@ def stabiliser_table(layer: int = 1, root=None):
     ``pending`` the stabiliser rows not committed yet. Empty table (and step None) without the BF16 run."""
     import pandas as pd
 
-    from lpfa.experiments import RECIPE_ISOLATION, STABILISER_RERUN, STABILISERS, rows as rows_of
+    from lpfa.experiments import FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABILISER_RERUN, STABILISERS, rows as rows_of
     from lpfa.results import experiment_rows
 
     cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
@@ -908,9 +908,9 @@ def stabiliser_table(layer: int = 1, root=None):
     for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
         table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
-              for label in found if label != STABILISER_RERUN}
+              for label in found if label not in RERUNS}
     named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
-             STABILISER_RERUN: "none (run again)",
+             STABILISER_RERUN: "none (run again)", FP32_RERUN: "none (FP32, run again)",
              **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
     table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
     return table, step, pending
@@ -1007,11 +1007,11 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
     ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
     exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
     the BF16 O."""
-    from lpfa.experiments import STABILISER_RERUN, STABILISERS
+    from lpfa.experiments import RERUNS, STABILISER_RERUN, STABILISERS
 
     if table.empty:
         return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
-    rows = [label for label in STABILISERS if label != STABILISER_RERUN]
+    rows = [label for label in STABILISERS if label not in RERUNS]
     done = [label for label in rows if label in table.index]
     b = table.loc["bf16_paper_recipe"]
 

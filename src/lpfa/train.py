@@ -585,20 +585,11 @@ def _alarm(cfg: TrainConfig):
     """The :class:`lpfa.monitor.Alarm` of ``on_warning`` (None when it is off), with ``warning_thresholds``' thresholds."""
     if cfg.on_warning == "off":
         return None
-    from lpfa.checkpoints import read_json
+    from lpfa.alarms import read_thresholds
     from lpfa.monitor import Alarm
 
-    thresholds = None
-    if cfg.warning_thresholds:
-        path = Path(cfg.warning_thresholds)
-        if not path.is_file():
-            raise FileNotFoundError(f"warning_thresholds={cfg.warning_thresholds!r}: expected a JSON file of thresholds "
-                                    "(as lpfa.alarms.thresholds() returns them), but there is no such file")
-        thresholds = read_json(path, ": expected thresholds as lpfa.alarms.thresholds() returns them")
-    try:
-        return Alarm(thresholds)
-    except ValueError as e:
-        raise ValueError(f"warning_thresholds={cfg.warning_thresholds!r}: {e}") from e
+    thresholds = read_thresholds(cfg.warning_thresholds, "warning_thresholds") if cfg.warning_thresholds else None
+    return Alarm(thresholds)
 
 
 def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfig, switched: dict, run) -> bool:
