@@ -456,3 +456,37 @@ def test_sr_reseed_draws_each_steps_rounding_afresh(token_dir, tmp_path):
 def test_sr_reseed_config_errors(kw, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(**kw)
+
+
+
+class _FP32Out(torch.nn.Module):
+    """A norm as CUDA autocast runs it: layer_norm is on autocast's FP32 list there (not on the CPU's), so it returns FP32."""
+
+    def __init__(self, norm):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x).float()
+
+
+@pytest.mark.parametrize("switch", [dict(qk_norm=True), dict(gated_attn=True), dict(qk_norm=True, gated_attn=True)])
+@pytest.mark.parametrize("backend", ["lpfa", "sdpa", "sdpa_fp32"])
+def test_model_switches_run_under_bf16_autocast(switch, backend):
+    """The GPU runs train under BF16 autocast, the CPU tests without it: each model switch must hand the attention q,
+    k and v of one dtype there too, with QK-norm's norms returning FP32 as they do under CUDA autocast, and train."""
+    from lpfa.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, vocab_size=61, block_size=19, bias=False, attn_backend=backend,
+                      attn_policy="paper", **switch))
+    attn = m.transformer.h[0].attn
+    if attn.q_norm is not None:
+        attn.q_norm, attn.k_norm = _FP32Out(attn.q_norm), _FP32Out(attn.k_norm)
+    attn.register_forward_pre_hook(lambda mod, args: setattr(mod, "capture", {}))
+    x = torch.randint(0, 61, (2, 19))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = m(x, x)
+    assert {attn.capture[n].dtype for n in "qkv"} == {torch.bfloat16}
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)

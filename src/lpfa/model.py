@@ -175,8 +175,8 @@ class CausalSelfAttention(nn.Module):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q, k, v = (t.view(B, T, self.n_head, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, H, T, D)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:  # under CUDA autocast LayerNorm returns FP32: back to v's (the autocast) dtype
+            q, k = self.q_norm(q).to(v.dtype), self.k_norm(k).to(v.dtype)
         if self.track_max_logit:
             self.max_logit.copy_(torch.maximum(self.max_logit, head_max_logits(q.detach(), k.detach())))
         cap = self.capture
