@@ -25,6 +25,30 @@ def test_wq_spectral_norms_match_svd():
             assert abs(norms[layer, h].item() - want.item()) < 1e-5 * want.item()
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 50), (2, 50, 7), (1, 13, 13), (4, 64, 768)])
+def test_spectral_norms_match_float64_svd(shape):
+    """Wide, tall and square stacks, with one scaled far up, one of rank 1, one zero and one with a NaN entry: each
+    norm is the float64 SVD's largest singular value rounded to FP32 (within 2 FP32 ulps), NaN where w is not finite."""
+    from lpfa.diagnostics import spectral_norms
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = torch.randn(shape, generator=g, dtype=torch.float64)
+    w[0] *= 3e4
+    if shape[0] > 2:
+        w[1] = torch.randn(shape[1], 1, generator=g, dtype=torch.float64) @ torch.randn(1, shape[2], generator=g, dtype=torch.float64)
+        w[2] = 0.0
+    if shape[0] > 3:
+        w[3, 5, 7] = math.nan
+    got = spectral_norms(w.float())
+    assert got.dtype == torch.float32 and got.shape == shape[:1]
+    for h in range(shape[0]):
+        if not torch.isfinite(w[h]).all():
+            assert math.isnan(got[h])
+        else:
+            want = torch.linalg.svdvals(w[h].float().double())[0].item()
+            assert abs(got[h].item() - want) <= 2 * 2**-23 * want, (h, got[h], want)
+
+
 def test_probe_counts_ties_and_max_logits():
     m = _model()
     with torch.no_grad():
