@@ -256,6 +256,24 @@ def test_cli_thresholds_file_sets_the_verdicts(lpfa_ckpt, data, tmp_path, capsys
     assert rep["verdicts"]["runaway"] == len(t) and "runaway" in capsys.readouterr().out
 
 
+def test_report_table_gives_back_the_doctors_table(tmp_path, data):
+    """report.json's table read back (lpfa.doctor.report_table) equals the doctor's own, NaN where the JSON has null
+    (a blown-up head), with the same verdicts; other thresholds give the verdicts diagnose gives."""
+    m = tiny_gpt(seed=3)
+    with torch.no_grad():
+        m.transformer.h[0].attn.c_attn.weight[0, 0] = float("nan")
+    ck = save_checkpoint(tmp_path / "nan", m, step=0)
+    r = doctor.doctor(ck, data, **PROBE, out=tmp_path / "rep")
+    rep = json.loads((tmp_path / "rep" / "report.json").read_text())
+    back = doctor.report_table(rep)
+    want = r["table"]
+    assert list(back.columns) == list(want.columns) and (back["verdict"] == want["verdict"]).all()
+    assert back.drop(columns="verdict").equals(want.drop(columns="verdict").astype(back.drop(columns="verdict").dtypes))
+    thr = {"max_logit": {"runaway": float(want.max_logit.max(skipna=True))}}
+    again = doctor.report_table(rep, thr)
+    assert (again["verdict"].to_numpy() == doctor.diagnose(want.drop(columns="verdict"), thr)["verdict"].to_numpy()).all()
+
+
 def test_help():
     assert cli.main(["doctor", "--help"]) == 0
 

@@ -482,7 +482,7 @@ def test_stabiliser_headline_from_the_committed_table():
         d = abs(table.loc["bf16_rerun", "explosion step"] - table.loc["bf16_paper_recipe", "explosion step"])
         assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
-    assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.3f}, W_Q ×"
+    assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
             f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its layer-1 logits running away from "
             f"step {r['runaway step']:,}") in text
     cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]
@@ -687,8 +687,9 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
 
 
 def test_stabiliser_plan_fits_the_pending_rows_in_one_gpu_call():
-    """Page 17's next step (lpfa.runs.stabiliser_plan): rows per H200 from the latest stabiliser launch's tokens over its
-    longest wall time, the command naming that many pending rows; nothing pending says so."""
+    """Page 17's next step (lpfa.runs.stabiliser_plan): rows per H200 from the tokens over the longest wall time of the
+    stabiliser launch with the most runs (the latest of those), the command naming that many pending rows; nothing
+    pending says so."""
     import re
 
     from lpfa.run import Run
@@ -697,8 +698,10 @@ def test_stabiliser_plan_fits_the_pending_rows_in_one_gpu_call():
     _, _, pending = stabiliser_table()
     assert stabiliser_plan([]) == "Every stabiliser row is committed."
     text = stabiliser_plan(pending)
-    launch = results.runs("stabilisers")[-1]
-    runs = [Run(d) for d in sorted(launch.iterdir()) if (d / "summary.json").is_file()]
+    launches = {f: [Run(d) for d in sorted(f.iterdir()) if (d / "summary.json").is_file()] for f in results.runs("stabilisers")}
+    most = max(len(r) for r in launches.values())
+    runs = [r for r in launches.values() if len(r) == most][-1]
+    assert len(runs) >= 2  # the committed launches: h200-2026-12-02 had two rows sharing the H200
     tps = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs) / max(r.summary["wall_s"] for r in runs)
     assert f"trained {tps:,.0f} tokens/s together" in text
     n = int(STABILISER_BUDGET_S // (STABILISER_STEPS * 24 * 1024 / tps))
@@ -714,3 +717,48 @@ def test_sr_persistence_on_the_committed_capture():
     assert list(table.index) == list(SR_POLICIES) and table.loc["paper", "÷ paper"] == 1.0
     assert ((table["its accumulation"] >= 0) & (table["its accumulation"] <= 3 ** 0.5 + 1e-12)).all()
     assert f"captured at step {meta['step']:,}" in text and f"{table.loc['paper_sr', '÷ paper']:.2f}×" in text
+
+
+def test_rescue_table_reads_the_committed_rescue():
+    """Page 15's rescue (lpfa.runs.rescue_table): the unrescued bias_x128 and each committed rescue run, its warnings
+    and switches as the metrics log them (read here straight from metrics.jsonl.gz), its verdict as summary.json has
+    it, and the sentence built from the table."""
+    import gzip
+
+    from lpfa.experiments import RESCUE
+    from lpfa.runs import rescue_headline, rescue_table
+
+    table = rescue_table()
+    found = results.experiment_rows("rescue", list(RESCUE))
+    assert found and set(found) <= set(table.index) and "bias_x128" in table.index
+    for label, d in found.items():
+        recs = [json.loads(line) for line in gzip.open(d / "metrics.jsonl.gz", "rt")]
+        warns = [r["warning"] for r in recs if "warning" in r]
+        summary = json.loads((d / "summary.json").read_text())
+        row = table.loc[label]
+        assert row["warnings"] == len(warns) and row["steps"] == summary["steps"]
+        assert row["explosion step"] == summary["explosion_step"] and row["runaway step"] == summary["runaway_step"]
+        switched = [w for w in warns if w["action"].startswith("layer ")]
+        assert row["switches"].count("→") == len(switched)
+        if switched:
+            assert row["switches"].startswith(f"layer {switched[0]['layer']} at {switched[0]['step']:,} → ")
+        assert row["on warning"] == json.loads((d / "config.json").read_text())["train"]["on_warning"]
+    text = rescue_headline(table)
+    b = table.loc["bias_x128"]
+    assert f"(`bias_x128`) exploded at step {b['explosion step']:,}" in text
+    for label in found:
+        assert f"(`{label}`: " in text
+    assert rescue_headline(table.iloc[:0]).startswith("The rescue runs")
+
+
+def test_monitor_overhead_table_reads_each_committed_benchmark():
+    from lpfa.runs import monitor_overhead_table
+
+    table = monitor_overhead_table()
+    folders = results.runs("monitor_overhead")
+    assert list(table.index) == [f.name for f in folders]
+    for f in folders:
+        b = json.loads((f / "monitor_overhead.json").read_text())
+        row = table.loc[f.name]
+        assert row["overhead"] == b["overhead"] and abs(b["overhead"] - (b["monitored_ms"] / b["plain_ms"] - 1)) < 1e-12
+        assert row["goal met"] == (b["overhead"] <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]

@@ -539,6 +539,18 @@ def _json_table(table) -> list[dict]:
     return [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in recs]
 
 
+def report_table(report: dict, thresholds: dict | None = None):
+    """The per-head table of a ``report.json`` (as :func:`write_report` writes it; null measures back to NaN) with
+    its verdicts given again by ``thresholds`` (default: the report's own), worst first: how the book shows a report
+    whose checkpoint stayed on the GPU machine."""
+    import pandas as pd
+
+    table = pd.DataFrame(report["table"]).drop(columns="verdict", errors="ignore")
+    num = [c for c in table.columns if c not in ("layer", "head")]
+    table[num] = table[num].apply(pd.to_numeric, errors="coerce").astype(float)
+    return diagnose(table, report["thresholds"] if thresholds is None else thresholds)
+
+
 def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
     """Write ``out/report.md`` (verdicts, the worst heads, a heatmap per measure, bars for the worst layer) and
     ``out/report.json`` (``info`` plus the table and thresholds). Returns both paths."""

@@ -262,6 +262,12 @@ class Run:
         path = self.path / "summary.json"
         return read_json(path, ": the run folder is damaged") if path.is_file() else None
 
+    @property
+    def warnings(self) -> list[dict]:
+        """The early warnings ``lpfa.train``'s ``on_warning`` logged (:class:`lpfa.monitor.Alarm` events with the
+        ``action`` taken: ``"logged"``, ``"stop"`` or ``"layer L switched to NAME"``), in step order."""
+        return [r["warning"] for r in self.records if "warning" in r]
+
     def verdict(self, criterion: ExplosionCriterion = ExplosionCriterion(),
                 runaway: RunawayCriterion = RunawayCriterion()) -> dict:
         """:func:`run_verdict` of the run."""
