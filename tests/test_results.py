@@ -726,7 +726,7 @@ def test_rescue_table_reads_the_committed_rescue():
     import gzip
 
     from lpfa.experiments import RESCUE
-    from lpfa.runs import rescue_headline, rescue_table
+    from lpfa.dose import rescue_headline, rescue_table
 
     table = rescue_table()
     found = results.experiment_rows("rescue", list(RESCUE))

@@ -154,24 +154,6 @@ def fixed_thresholds() -> dict:
     return {"max_logit": {"precursor": 100.0, "runaway": RunawayCriterion().logit}, "tie_fraction_bf16": {"precursor": 0.2}}
 
 
-def read_thresholds(path, what: str = "thresholds") -> dict:
-    """Thresholds from a JSON file as :func:`thresholds` returns them (write one with ``json.dump(current_thresholds(),
-    f)`` to fix them for a run or a doctor call, e.g. on a machine without the committed runs). Each measure must be one
-    the monitor computes, with numeric levels; a one-line error that names ``what`` (the option that gave the path)
-    otherwise."""
-    from lpfa.checkpoints import read_json
-    from lpfa.monitor import normalise_thresholds
-
-    expected = "a JSON file of thresholds as lpfa.alarms.thresholds() returns them"
-    thr = read_json(path, f" ({what}: expected {expected})",
-                    missing=f"{what}={str(path)!r}: expected {expected}, but there is no such file")
-    try:
-        normalise_thresholds(thr)
-    except ValueError as e:
-        raise ValueError(f"{what}={str(path)!r}: {e}") from e
-    return thr
-
-
 def current_thresholds() -> dict:
     """The thresholds ``lpfa doctor`` and :class:`lpfa.monitor.AttentionMonitor` use when none are given:
     :func:`thresholds` learnt from the committed runs, or :func:`fixed_thresholds` where no committed run has the

@@ -74,8 +74,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lpfa.alarms import current_thresholds, fixed_thresholds, read_thresholds
+from lpfa.alarms import current_thresholds, fixed_thresholds
 from lpfa.diagnostics import spectral_norms, wq_outlier
+from lpfa.monitor import read_thresholds
 
 FORMATS = ("lpfa", "nanogpt", "hf")
 # GPTConfig fields set on loading: the probe runs every layer in FP32 with PyTorch's SDPA, no dropout

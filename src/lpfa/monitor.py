@@ -38,7 +38,8 @@ saying so. Not yet checked under CUDA graphs or on a GPU.
 the monitor reports a head's measure when it crosses upwards (not again while it stays above), through
 ``on_warning(event)`` (an :class:`AttentionEvent`) or else :func:`warnings.warn` with an :class:`AttentionWarning`.
 Thresholds default to :func:`lpfa.alarms.current_thresholds` (those of :func:`lpfa.alarms.thresholds`, learnt from
-the committed runs with their error rates); a dict in the same format replaces them.
+the committed runs with their error rates); a dict in the same format replaces them, or a JSON file of one
+(:func:`read_thresholds`, which ``lpfa.train``'s ``warning_thresholds`` and ``lpfa doctor --thresholds`` use).
 
 **Replay** (:func:`replay_logged`, :func:`warning_table`): the committed runs' logged diagnostics through the same
 decision, giving each run's first warning and its lead over the runaway or the explosion, and the false alarms of the
@@ -63,6 +64,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from lpfa.checkpoints import read_json
 from lpfa.model import unwrap
 
 MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_outlier", "wq_growth")
@@ -121,6 +123,22 @@ def normalise_thresholds(thresholds: dict) -> dict[str, dict[str, float]]:
                 raise MonitorError(f"thresholds[{measure!r}][{level!r}] must be a number or a dict with a numeric 'value', got {x!r}")
             out[measure][level] = float(v)
     return out
+
+
+def read_thresholds(path, what: str = "thresholds") -> dict:
+    """Thresholds from a JSON file as :func:`lpfa.alarms.thresholds` returns them (write one with
+    ``json.dump(lpfa.alarms.current_thresholds(), f)`` to fix them for a run or a doctor call, e.g. on a machine
+    without the committed runs): ``lpfa.train``'s ``warning_thresholds``, ``lpfa doctor --thresholds``. Each measure
+    must be one the monitor computes, with numeric levels; a one-line error that names ``what`` (the option that gave
+    the path) otherwise."""
+    expected = "a JSON file of thresholds as lpfa.alarms.thresholds() returns them"
+    thr = read_json(path, f" ({what}: expected {expected})",
+                    missing=f"{what}={str(path)!r}: expected {expected}, but there is no such file")
+    try:
+        normalise_thresholds(thr)
+    except ValueError as e:
+        raise ValueError(f"{what}={str(path)!r}: {e}") from e
+    return thr
 
 
 def default_thresholds() -> dict:

@@ -916,45 +916,6 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
-def rescue_table(root=None):
-    """Issue 20's rescue: one row per committed run of :data:`lpfa.experiments.RESCUE`, beside the run it rescues (the
-    dose table's ``bias_x128``, same seed and data order, no ``on_warning``) and the FP32 twin of that preset (the
-    isolation table's ``fp32``, the dose table's reference): ``on warning`` (what the flagged layer switches to),
-    ``first warning`` (step, layer, head and measure of the first), ``switches`` (each layer switched and the step),
-    ``warnings`` (how many were logged), the run's verdict (``steps``, ``runaway step``, ``explosion step``) and
-    ``eval loss @ N``, the last evaluation at or before the rescued runs' last step N (NaN where a run stopped
-    earlier). Indexed by label; empty without committed rescue runs."""
-    import pandas as pd
-
-    from lpfa.dose import committed_runs
-    from lpfa.experiments import RESCUE, RESCUE_DOSE
-    from lpfa.results import experiment_rows
-
-    found = experiment_rows("rescue", list(RESCUE), root=root)
-    if not found:
-        return pd.DataFrame()
-    dose = committed_runs(root)
-    runs = {**{k: dose[k] for k in (f"bias_x{RESCUE_DOSE}", "fp32") if k in dose}, **found}
-    last = max(Run(d).steps for d in found.values())
-    rows = {}
-    for label, d in runs.items():
-        r = Run(d)
-        v, warns = r.verdict(), r.warnings
-        switched = [(w["layer"], w["step"], w["action"].rsplit(" ", 1)[-1]) for w in warns if "switched" in w["action"]]
-        first = warns[0] if warns else None
-        _, val, _ = load_metrics(d)
-        val = val[val.index <= last]["val_loss"] if len(val) else val
-        rows[label] = {
-            "on warning": r.train.get("on_warning", "off"),
-            "first warning": (f"step {first['step']:,}: layer {first['layer']} head {first['head']} {first['measure']} "
-                              f"{first['value']:,.0f} ≥ {first['level']} {first['threshold']:,.4g}") if first else "",
-            "switches": "; ".join(f"layer {layer} at {step:,} → {to}" for layer, step, to in switched),
-            "warnings": len(warns), "steps": v["steps"], "runaway step": v["runaway_step"],
-            "explosion step": v["explosion_step"],
-            f"eval loss @ {last:,}": float(val.iloc[-1]) if len(val) and v["steps"] >= last else float("nan")}
-    return pd.DataFrame(rows).T
-
-
 def monitor_overhead_table(root=None):
     """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
     the commit, the model and batch, the mean step time without and with :class:`lpfa.monitor.AttentionMonitor`, the
@@ -977,35 +938,6 @@ def monitor_overhead_table(root=None):
                         "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
                         "capture extra ms": b["capture_extra_ms"], "goal met": b["overhead"] <= 0.02}
     return pd.DataFrame(rows).T
-
-
-def rescue_headline(table) -> str:
-    """Page 15's sentence on the rescue, from :func:`rescue_table`: whether each rescued run exploded where the
-    unrescued run did, its first switch, its runaway and its eval loss against the FP32 twin's."""
-    from lpfa.experiments import RESCUE_DOSE
-
-    if table.empty:
-        return "The rescue runs (`lpfa.experiments.RESCUE`) are not committed yet."
-    base = f"bias_x{RESCUE_DOSE}"
-    loss = next(c for c in table.columns if c.startswith("eval loss @"))
-    out = []
-    if base in table.index:
-        b = table.loc[base]
-        out.append(f"Without a switch, BF16 attention with layer 1's δ error × {RESCUE_DOSE} (`{base}`) "
-                   + (f"exploded at step {b['explosion step']:,}" if b["explosion step"] is not None else
-                      f"did not explode in {b['steps']:,} steps") + ".")
-    for label, r in table.iterrows():
-        if label in (base, "fp32"):
-            continue
-        first_switch = r["switches"].split(";")[0] if r["switches"] else "no switch"
-        fate = (f"exploded at step {r['explosion step']:,}" if r["explosion step"] is not None
-                else f"did not explode in {r['steps']:,} steps")
-        runaway = (f"its logits ran away from step {r['runaway step']:,} all the same" if r["runaway step"] is not None
-                   else "its logits never ran away")
-        ref = (f" (FP32 twin {table.loc['fp32', loss]:.2f})" if "fp32" in table.index and r[loss] == r[loss] else "")
-        out.append(f"With `on_warning={r['on warning']}` (`{label}`: {first_switch}) it {fate}; {runaway}; eval loss "
-                   f"{r[loss]:.2f} at step {loss.split('@ ')[1]}{ref}.")
-    return " ".join(out)
 
 
 STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1380  # steps per row; seconds of one GPU call's runs (time_budget_s)

@@ -585,8 +585,7 @@ def _alarm(cfg: TrainConfig):
     """The :class:`lpfa.monitor.Alarm` of ``on_warning`` (None when it is off), with ``warning_thresholds``' thresholds."""
     if cfg.on_warning == "off":
         return None
-    from lpfa.alarms import read_thresholds
-    from lpfa.monitor import Alarm
+    from lpfa.monitor import Alarm, read_thresholds
 
     thresholds = read_thresholds(cfg.warning_thresholds, "warning_thresholds") if cfg.warning_thresholds else None
     return Alarm(thresholds)
