@@ -762,3 +762,22 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         row = table.loc[f.name]
         assert row["overhead"] == b["overhead"] and abs(b["overhead"] - (b["monitored_ms"] / b["plain_ms"] - 1)) < 1e-12
         assert row["goal met"] == (b["overhead"] <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
+
+
+def test_paper_claims_text_measures_each_committed_claim():
+    """Page 17's test of the paper's Discussion (lpfa.runs.paper_claims_text): each committed BF16 row of QK-norm,
+    gated attention or QK-clip with its claimed link measured against the BF16 run, from stabiliser_table's columns."""
+    from lpfa.runs import PAPER_CLAIMS, paper_claims_text, stabiliser_table
+
+    table, _, _ = stabiliser_table(layer=1)
+    text = paper_claims_text(table)
+    done = [n for n in PAPER_CLAIMS if f"bf16_{n}" in table.index]
+    assert done  # bf16_qknorm is committed (results/stabilisers/h200-2026-12-02b)
+    for n in done:
+        r = table.loc[f"bf16_{n}"]
+        assert f"`bf16_{n}` ({'exploded' if r['exploded'] else 'clean'}" in text
+        assert f"ties ×{r['ties ÷ bf16']:.2f}" in text
+        if r["rank-1 similarity"] is not None:
+            base = table.loc["bf16_rerun", "rank-1 similarity"]
+            assert f"rank-1 similarity {r['rank-1 similarity']:.3f} against the BF16 run's {base:.3f}" in text
+    assert paper_claims_text(table.drop(index=[f"bf16_{n}" for n in done])).startswith("None of")
