@@ -762,6 +762,7 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         row = table.loc[f.name]
         assert row["overhead"] == b["overhead"] and abs(b["overhead"] - (b["monitored_ms"] / b["plain_ms"] - 1)) < 1e-12
         assert row["goal met"] == (b["overhead"] <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
+        assert row["every"] == b["every"]
 
 
 def test_paper_claims_text_measures_each_committed_claim():

@@ -71,6 +71,7 @@ MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_out
 LEVELS = ("precursor", "runaway")  # a measure's thresholds, lowest first
 GROWTH_STEPS = 1000  # wq_growth is the relative growth of ‖W_Q[h]‖₂ per this many steps
 SEQUENCES = 4  # sequences of the batch measured (the training runs' diag_batch)
+OVERHEAD_GOAL = 0.02  # issue 20: the monitor may add at most 2 % to the step time at every=100 (benchmarks/monitor_overhead.py)
 EPS = 1e-3  # scores within EPS of their row's max count as tied (lpfa.train's tie_eps)
 
 
