@@ -752,7 +752,7 @@ def test_rescue_table_reads_the_committed_rescue():
 
 
 def test_monitor_overhead_table_reads_each_committed_benchmark():
-    from lpfa.runs import monitor_overhead_table
+    from lpfa.monitor import monitor_overhead_table
 
     table = monitor_overhead_table()
     folders = results.runs("monitor_overhead")

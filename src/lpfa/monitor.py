@@ -71,7 +71,8 @@ MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_out
 LEVELS = ("precursor", "runaway")  # a measure's thresholds, lowest first
 GROWTH_STEPS = 1000  # wq_growth is the relative growth of ‖W_Q[h]‖₂ per this many steps
 SEQUENCES = 4  # sequences of the batch measured (the training runs' diag_batch)
-OVERHEAD_GOAL = 0.02  # issue 20: the monitor may add at most 2 % to the step time at every=100 (benchmarks/monitor_overhead.py)
+# issue 20: the monitor may add at most 2 % to the step time at every=100 (benchmarks/monitor_overhead.py)
+OVERHEAD_GOAL = 0.02
 EPS = 1e-3  # scores within EPS of their row's max count as tied (lpfa.train's tie_eps)
 
 
@@ -607,3 +608,26 @@ def warning_summary(table) -> dict:
             "fp32 clean": int(clean_fp32.sum()), "fp32 false alarms": int((table["false alarm"] & clean_fp32).sum()),
             "low-precision clean": int(clean_lp.sum()),
             "low-precision clean warned": int((table["false alarm"] & clean_lp).sum())}
+
+
+def monitor_overhead_table(root=None):
+    """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
+    the commit, the model and batch, the mean step time without and with :class:`AttentionMonitor`, the overhead
+    against :data:`OVERHEAD_GOAL` at ``every`` steps, and what one capture step costs over a plain one. Empty without
+    committed runs."""
+    import pandas as pd
+
+    from lpfa.results import runs as launches
+
+    try:
+        folders = launches("monitor_overhead", root)
+    except FileNotFoundError:
+        return pd.DataFrame()
+    rows = {}
+    for d in folders:
+        b = read_json(d / "monitor_overhead.json", ": expected what benchmarks/monitor_overhead.py writes")
+        rows[d.name] = {"commit": b["provenance"]["git_commit"][:7], "device": b["device"],
+                        "setting": f"{b['model']}, B = {b['batch']}, T = {b['seq']}", "every": b["every"],
+                        "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
+                        "capture extra ms": b["capture_extra_ms"], "goal met": b["overhead"] <= OVERHEAD_GOAL}
+    return pd.DataFrame(rows).T

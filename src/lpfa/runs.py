@@ -916,31 +916,6 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
-def monitor_overhead_table(root=None):
-    """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
-    the commit, the model and batch, the mean step time without and with :class:`lpfa.monitor.AttentionMonitor`, the
-    overhead against :data:`lpfa.monitor.OVERHEAD_GOAL` at ``every`` steps, and what one capture step costs over a plain one. Empty
-    without committed runs."""
-    import pandas as pd
-
-    from lpfa.checkpoints import read_json
-    from lpfa.monitor import OVERHEAD_GOAL
-    from lpfa.results import runs as launches
-
-    try:
-        folders = launches("monitor_overhead", root)
-    except FileNotFoundError:
-        return pd.DataFrame()
-    rows = {}
-    for d in folders:
-        b = read_json(d / "monitor_overhead.json", ": expected what benchmarks/monitor_overhead.py writes")
-        rows[d.name] = {"commit": b["provenance"]["git_commit"][:7], "device": b["device"],
-                        "setting": f"{b['model']}, B = {b['batch']}, T = {b['seq']}", "every": b["every"],
-                        "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
-                        "capture extra ms": b["capture_extra_ms"], "goal met": b["overhead"] <= OVERHEAD_GOAL}
-    return pd.DataFrame(rows).T
-
-
 STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1380  # steps per row; seconds of one GPU call's runs (time_budget_s)
 
 
