@@ -49,6 +49,19 @@ def test_spectral_norms_match_float64_svd(shape):
             assert abs(got[h].item() - want) <= 2 * 2**-23 * want, (h, got[h], want)
 
 
+def test_spectral_norms_of_a_stack_of_layers_are_each_layers():
+    """(layers, H, rows, cols) in one call: the same norms as one (H, rows, cols) call per layer, NaN in place."""
+    from lpfa.diagnostics import spectral_norms
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = torch.randn(3, 5, 9, 31, generator=g)
+    w[1, 2, 0, 4] = math.inf
+    got = spectral_norms(w)
+    assert got.shape == (3, 5)
+    torch.testing.assert_close(got, torch.stack([spectral_norms(x) for x in w]), rtol=1e-6, atol=0, equal_nan=True)
+    assert math.isnan(got[1, 2]) and torch.isfinite(got).sum() == 14
+
+
 def test_probe_counts_ties_and_max_logits():
     m = _model()
     with torch.no_grad():

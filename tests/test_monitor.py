@@ -107,6 +107,28 @@ def test_masks_measure_as_causal():
     np.testing.assert_allclose(ref["max_logit"], _logits64(q, k), rtol=1e-12)
 
 
+def test_chunked_sequences_measure_as_one_at_a_time(monkeypatch):
+    """Sequences measured in chunks (CHUNK_BYTES) give each sequence's measures, per-sequence masks included: the max
+    over sequences of the float64 logits and the mean of each sequence's own tie fraction, at an awkward shape."""
+    torch.manual_seed(5)
+    B, H, L, D = 5, 3, 13, 8
+    q, k = torch.randn(B, H, L, D) * 4, torch.randn(B, H, L, D) * 4
+    q[1, :, :, :] = q[1, :, :1, :]  # every query of sequence 1 the same: tied rows wherever two keys tie
+    keep = torch.rand(B, 1, L, L) > 0.3  # a boolean mask of its own per sequence, on top of the causal one
+    keep[..., 0] = True  # every row keeps a key
+    one = [mon.call_measures(q[b : b + 1], k[b : b + 1], causal=True, mask=keep[b : b + 1]) for b in range(B)]
+    for chunk in (1, 2 * H * L * L * 8, 1 << 40):  # one sequence, two, all at once
+        monkeypatch.setattr(mon, "CHUNK_BYTES", chunk)
+        got = mon.call_measures(q, k, causal=True, mask=keep)
+        np.testing.assert_array_equal(got["max_logit"], np.max([o["max_logit"] for o in one], axis=0))
+        np.testing.assert_allclose(got["tie_fraction_bf16"], np.mean([o["tie_fraction_bf16"] for o in one], axis=0),
+                                   rtol=1e-15)
+    vis = torch.ones(L, L, dtype=torch.bool).tril()
+    s = (q.double() @ k.double().mT) / math.sqrt(D)
+    ref = s.masked_fill(~(vis & keep), -math.inf).amax(dim=(-1, -2)).amax(0)
+    np.testing.assert_allclose(got["max_logit"], ref.numpy(), rtol=1e-12)
+
+
 def _runaway_gpt():
     """Layer 1 head 0's W_Q set to 1e5 × its W_K: q·k = 1e5 ‖k‖² on the diagonal, logits far above 1000."""
     model = _gpt()

@@ -24,16 +24,18 @@ from lpfa.attention.reference import fill_stats, fill_tie_stats
 
 @torch.no_grad()
 def spectral_norms(w: torch.Tensor) -> torch.Tensor:
-    """(H,) ‖w[h]‖₂ of (H, rows, cols) matrices, in FP32 on the CPU; NaN for a matrix with a non-finite entry: the
-    per-head norms of a checkpoint that blew up (:mod:`lpfa.doctor`, :mod:`lpfa.monitor`, the training diagnostics).
+    """(...) ‖w[...]‖₂ of (..., rows, cols) matrices (e.g. (H, rows, cols) or (layers, H, rows, cols)), in FP32 on the
+    CPU; NaN for a matrix with a non-finite entry: the per-head norms of a checkpoint that blew up (:mod:`lpfa.doctor`,
+    :mod:`lpfa.monitor`, the training diagnostics).
 
     ‖w‖₂² is the largest eigenvalue of the Gram matrix w wᵀ (or wᵀw, the smaller side). The Gram matrices are formed in
-    float64 where ``w`` lies (one batched matmul) and their eigenvalues taken on the CPU, so the norm's relative error
-    is about float64's epsilon. (A batched SVD on the GPU, ``torch.linalg.matrix_norm(ord=2)``, cost 22 ms per layer
-    of GPT-2 S on an H200, 14× a training step, which made the monitor's capture the bulk of its overhead.)"""
+    float64 where ``w`` lies (one batched matmul) and their eigenvalues taken on the CPU in one batched call, so the
+    norm's relative error is about float64's epsilon and a whole model costs one transfer. (A batched SVD on the GPU,
+    ``torch.linalg.matrix_norm(ord=2)``, was the bulk of the monitor's capture cost; see
+    ``results/monitor_overhead``.)"""
     w = w.detach().double()
-    ok = torch.isfinite(w).flatten(1).all(1)
-    w = torch.where(ok[:, None, None], w, torch.zeros_like(w))
+    ok = torch.isfinite(w).flatten(-2).all(-1)
+    w = torch.where(ok[..., None, None], w, torch.zeros_like(w))
     gram = w @ w.mT if w.shape[-2] <= w.shape[-1] else w.mT @ w
     top = torch.linalg.eigvalsh(gram.cpu())[..., -1].clamp_min(0)  # ascending: the last is the largest
     return torch.where(ok.cpu(), top.sqrt(), torch.full_like(top, math.nan)).float()
@@ -41,8 +43,9 @@ def spectral_norms(w: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def wq_spectral_norms(model) -> torch.Tensor:
-    """(n_layer, n_head) spectral norms ‖W_Q[h]‖₂ of each head's query projection (:func:`spectral_norms`)."""
-    return torch.stack([spectral_norms(model.w_q(i)) for i in range(model.config.n_layer)])
+    """(n_layer, n_head) spectral norms ‖W_Q[h]‖₂ of each head's query projection (:func:`spectral_norms`, all layers
+    in one batched call)."""
+    return spectral_norms(torch.stack([model.w_q(i).detach() for i in range(model.config.n_layer)]))
 
 
 def wq_outlier(norms):

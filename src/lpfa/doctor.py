@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from lpfa.alarms import current_thresholds, fixed_thresholds
-from lpfa.diagnostics import spectral_norms, wq_outlier
+from lpfa.diagnostics import spectral_norms, wq_outlier, wq_spectral_norms
 from lpfa.monitor import read_thresholds
 
 FORMATS = ("lpfa", "nanogpt", "hf")
@@ -336,8 +336,7 @@ def head_weight_norms(model) -> tuple[torch.Tensor, torch.Tensor]:
     :func:`lpfa.diagnostics.wq_spectral_norms` (NaN for a head with a non-finite weight)."""
     C, H = model.config.n_embd, model.config.n_head
     w_k = [b.attn.c_attn.weight[C : 2 * C].view(H, C // H, C) for b in model.transformer.h]
-    return (torch.stack([spectral_norms(model.w_q(i)) for i in range(model.config.n_layer)]),
-            torch.stack([spectral_norms(w) for w in w_k]))
+    return wq_spectral_norms(model), spectral_norms(torch.stack(w_k))
 
 
 def _cos(a: torch.Tensor) -> torch.Tensor:

@@ -278,6 +278,16 @@ def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = No
     k (B, H, S, D) (as :func:`torch.nn.functional.scaled_dot_product_attention` takes them: ``causal`` is its
     top-left ``is_causal``, a boolean ``mask`` marks visible keys, a float one is added to the logits), over all
     of the batch it is given (the max over sequences; the tie fraction is each sequence's, averaged)."""
+    max_logit, ties = _call_measures(q, k, causal, mask, scale, eps)
+    return {"max_logit": max_logit.cpu().numpy(), "tie_fraction_bf16": ties.cpu().numpy()}
+
+
+CHUNK_BYTES = 1 << 28  # the float64 logits of at most this many bytes at a time (256 MiB: 2 sequences of GPT-2 S)
+
+
+def _call_measures(q, k, causal, mask, scale, eps) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`call_measures` as two (H,) float64 tensors on q's device, without a synchronisation (the monitor
+    gathers all layers' before one transfer). Sequences go in chunks whose float64 logits fit :data:`CHUNK_BYTES`."""
     from lpfa.attention import get_policy
     from lpfa.attention.reference import _r, _scores, near_max_counts
 
@@ -287,32 +297,29 @@ def call_measures(q, k, causal: bool = True, mask=None, scale: float | None = No
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     pol = get_policy("paper")
     vis = torch.ones(L, S, dtype=torch.bool, device=q.device).tril() if causal else None
+    if mask is not None and mask.ndim < 4:  # one mask for every sequence
+        mask = mask.reshape(1, *([1] * (3 - mask.ndim)), *mask.shape)
+    n = max(1, CHUNK_BYTES // max(1, H * L * S * 8))
     maxes, ties = [], []
-    for b in range(B):  # one sequence at a time bounds the H × L × S memory
-        m = mask
-        if m is not None and m.ndim == 4:
-            m = m[b] if m.shape[0] > 1 else m[0]
+    for b in range(0, B, n):
+        qb, kb = q[b : b + n], k[b : b + n]
         v_b, add = vis, None
-        if m is not None and m.dtype == torch.bool:
-            v_b = m if v_b is None else v_b & m
-        elif m is not None:
-            add = m
-        s = (q[b].double() @ k[b].double().transpose(-1, -2)) * scale  # the logits in float64
-        sb = _scores(q[b : b + 1], k[b : b + 1], scale, pol)[0]  # as the paper policy rounds them: BF16
+        if mask is not None:
+            m = mask[b : b + n] if mask.shape[0] > 1 else mask
+            if m.dtype == torch.bool:
+                v_b = m if v_b is None else v_b & m
+            else:
+                add = m
+        s = (qb.double() @ kb.double().transpose(-1, -2)) * scale  # S = q·k·scale in float64 (Fig. 2's logits)
+        sb = _scores(qb, kb, scale, pol)  # S as the paper policy rounds it: bf16(bf16(QKᵀ)·scale)
         if add is not None:
             s, sb = s + add.double(), _r(sb + add.float(), pol.scores)
         if v_b is not None:
             s, sb = s.masked_fill(~v_b, -math.inf), sb.masked_fill(~v_b, -math.inf)
-        maxes.append(s.amax(dim=(-1, -2)))
-        rs, rows = near_max_counts(sb, eps, pol.scores)  # (H, L): Fig. 13's count, as fill_tie_stats takes it
+        maxes.append(s.amax(dim=(-1, -2)))  # (n, H): the largest visible logit
+        rs, rows = near_max_counts(sb, eps, pol.scores)  # (n, H, L): Fig. 13's count, as fill_tie_stats takes it
         ties.append(((rs > 1) & rows).sum(-1).double() / rows.sum(-1).clamp_min(1).double())
-    return {"max_logit": torch.stack(maxes).amax(0).cpu().numpy(), "tie_fraction_bf16": torch.stack(ties).mean(0).cpu().numpy()}
-
-
-def _spectral_norms(w: torch.Tensor) -> np.ndarray:
-    from lpfa.diagnostics import spectral_norms
-
-    return spectral_norms(w.detach()).double().cpu().numpy()
+    return torch.cat(maxes).amax(0), torch.cat(ties).mean(0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -464,9 +471,10 @@ class AttentionMonitor:
         return pd.concat(self._frames, ignore_index=True)
 
     # ----------------------------------------------------------------------------------------------
-    def _weights(self, layer: int, heads: int) -> np.ndarray:
+    def _w_q(self, layer: int, heads: int) -> torch.Tensor | None:
+        """W_Q of ``layer`` as (heads, head_dim, n_embd), or None where W_Q is out of reach."""
         if self.w_q is None:
-            return np.full(heads, np.nan)
+            return None
         w = self.w_q(layer)
         if not isinstance(w, torch.Tensor) or w.ndim not in (2, 3):
             raise MonitorError(f"w_q({layer}) must return a tensor (n_head, head_dim, n_embd) or (n_head*head_dim, n_embd), "
@@ -477,7 +485,19 @@ class AttentionMonitor:
             w = w.reshape(heads, w.shape[0] // heads, w.shape[1])
         if w.shape[0] != heads:
             raise MonitorError(f"w_q({layer}) has {w.shape[0]} heads; its attention call had {heads}")
-        return _spectral_norms(w)
+        return w.detach()
+
+    def _weight_norms(self, layers, heads) -> list[np.ndarray]:
+        """‖W_Q[h]‖₂ per layer (NaN where W_Q is out of reach): one batched :func:`spectral_norms` where the layers'
+        W_Q share a shape (one transfer for the model), else one call per layer."""
+        from lpfa.diagnostics import spectral_norms
+
+        ws = [self._w_q(layer, h) for layer, h in zip(layers, heads)]
+        if any(w is None for w in ws):
+            return [np.full(h, np.nan) if w is None else spectral_norms(w).double().numpy() for w, h in zip(ws, heads)]
+        if len({(tuple(w.shape), w.device) for w in ws}) == 1:
+            return list(spectral_norms(torch.stack(ws)).double().numpy())
+        return [spectral_norms(w).double().numpy() for w in ws]
 
     @torch.no_grad()
     def _measure(self, step: int, calls: dict, n_calls: int):
@@ -490,12 +510,17 @@ class AttentionMonitor:
         if self.layers is not None and self.layers[-1] >= n_calls:
             raise MonitorError(f"layers {[x for x in self.layers if x >= n_calls]} are not layers of the model: its forward "
                                f"made {n_calls} attention calls (layers 0..{n_calls - 1})")
-        rows = []
-        for layer, c in sorted(calls.items()):
-            m = call_measures(c["q"], c["k"], c["causal"], c["mask"], c["scale"], self.eps)
-            H = len(m["max_logit"])
-            rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H), **m,
-                                      "wq_spectral_norm": self._weights(layer, H)}))
+        layers = sorted(calls)
+        measured = [_call_measures(calls[x]["q"], calls[x]["k"], calls[x]["causal"], calls[x]["mask"], calls[x]["scale"],
+                                   self.eps) for x in layers]  # queued on the device; no synchronisation yet
+        heads = [len(mx) for mx, _ in measured]
+        norms = self._weight_norms(layers, heads)
+        flat = torch.cat([torch.cat([mx, tie]) for mx, tie in measured]).cpu().numpy()  # the one transfer of the measures
+        rows, at = [], 0
+        for layer, H, wq in zip(layers, heads, norms):
+            rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H), "max_logit": flat[at : at + H],
+                                      "tie_fraction_bf16": flat[at + H : at + 2 * H], "wq_spectral_norm": wq}))
+            at += 2 * H
         frame, events = self._alarm.feed(pd.concat(rows, ignore_index=True))
         self._frames.append(frame)
         if self.writer is not None:
