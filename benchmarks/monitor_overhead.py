@@ -5,9 +5,8 @@ under BF16 autocast on CUDA (FP32 on CPU), eager mode. The same model and optimi
 steps without the monitor and with it (``every``; captures at steps 0, every, 2·every, ... of each segment, so a
 segment of 3·every steps captures exactly once per ``every``), ``--repeats`` times each, after ``--warmup`` steps.
 Every step is synchronised and timed. Reported: the mean step time of each, the overhead ratio (monitored / plain − 1),
-the mean time of a capture step against a plain one (what one capture costs), and the overhead rebuilt from medians,
-(capture extra + (every − 1)·(non-capture median − plain median)) / (every · plain median), which a drift of the GPU's
-clock between segments moves less than the ratio of means.
+the mean time of a capture step against a plain one (what one capture costs), and that cost spread over ``every``
+steps (:func:`lpfa.monitor.amortised_overhead`), which the GPU clock's drift between segments does not move.
 
 Usage::
 
@@ -21,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import math
 import statistics
 import sys
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 import torch
 
 from lpfa.model import GPT, SIZES, GPTConfig
-from lpfa.monitor import OVERHEAD_GOAL, AttentionMonitor
+from lpfa.monitor import OVERHEAD_GOAL, AttentionMonitor, amortised_overhead
 
 
 def main(argv=None) -> dict:
@@ -94,13 +92,11 @@ def main(argv=None) -> dict:
            "capture_step_ms": statistics.mean(capture) * 1e3, "captures": len(capture),
            "capture_extra_ms": (statistics.mean(capture) - statistics.median(plain)) * 1e3,
            "warnings": len(events), "goal": f"overhead <= {OVERHEAD_GOAL} at every=100"}
-    if non_capture:
-        res["overhead_from_medians"] = ((res["capture_extra_ms"] + (a.every - 1) * (res["monitored_non_capture_median_ms"]
-                                         - res["plain_median_ms"])) / (a.every * res["plain_median_ms"]))
+    res["amortised_overhead"] = amortised_overhead(res)
     print(f"{a.model} on {res['device']}, B={a.batch} T={a.seq}: plain {res['plain_ms']:.2f} ms/step, with the monitor "
           f"(every={a.every}) {res['monitored_ms']:.2f} ms/step: overhead {100 * res['overhead']:+.2f} %; one capture step "
-          f"{res['capture_step_ms']:.1f} ms (+{res['capture_extra_ms']:.1f} ms over a plain step's median); from medians "
-          f"{100 * res.get('overhead_from_medians', math.nan):+.2f} %")
+          f"{res['capture_step_ms']:.1f} ms (+{res['capture_extra_ms']:.1f} ms over a plain step's median), amortised "
+          f"over {a.every} steps {100 * res['amortised_overhead']:+.2f} %")
     if a.out:
         from lpfa.provenance import provenance, write_json
 

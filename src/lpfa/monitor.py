@@ -635,11 +635,20 @@ def warning_summary(table) -> dict:
             "low-precision clean warned": int((table["false alarm"] & clean_lp).sum())}
 
 
+def amortised_overhead(b: dict) -> float:
+    """The monitor's overhead as one capture's extra time spread over ``every`` steps, from a
+    ``benchmarks/monitor_overhead.py`` result: capture extra / (every · plain median). Steps between captures run no
+    monitor code (:meth:`AttentionMonitor.step` returns a null context), so any difference of theirs from plain steps
+    is the GPU clock drifting between the benchmark's segments, which moves the ratio of means either way;
+    this estimate leaves that drift out."""
+    return b["capture_extra_ms"] / (b["every"] * b["plain_median_ms"])
+
+
 def monitor_overhead_table(root=None):
     """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
     the commit, the model and batch, the mean step time without and with :class:`AttentionMonitor`, the overhead
-    against :data:`OVERHEAD_GOAL` at ``every`` steps, and what one capture step costs over a plain one. Empty without
-    committed runs."""
+    at ``every`` steps (the ratio of means), the same as an amortised capture (:func:`amortised_overhead`), whether both
+    meet :data:`OVERHEAD_GOAL`, and what one capture step costs over a plain one. Empty without committed runs."""
     import pandas as pd
 
     from lpfa.results import runs as launches
@@ -654,5 +663,6 @@ def monitor_overhead_table(root=None):
         rows[d.name] = {"commit": b["provenance"]["git_commit"][:7], "device": b["device"],
                         "setting": f"{b['model']}, B = {b['batch']}, T = {b['seq']}", "every": b["every"],
                         "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
-                        "capture extra ms": b["capture_extra_ms"], "goal met": b["overhead"] <= OVERHEAD_GOAL}
+                        "amortised capture": amortised_overhead(b), "capture extra ms": b["capture_extra_ms"],
+                        "goal met": max(b["overhead"], amortised_overhead(b)) <= OVERHEAD_GOAL}
     return pd.DataFrame(rows).T
