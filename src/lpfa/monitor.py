@@ -18,7 +18,8 @@ mask and scale. On other steps :meth:`AttentionMonitor.step` returns a no-op con
 Wrap one forward pass (one micro-batch). A model compiled with ``torch.compile`` is monitored as it runs eagerly,
 through both paths (``tests/test_monitor.py``, with Inductor on the CPU: the same history up to the compiled kernels'
 FP32 rounding of q and k); a backend that hid the SDPA calls from the mode would fail the capture step with an error
-saying so. Not yet checked under CUDA graphs or on a GPU.
+saying so. On a GPU it runs in ``benchmarks/monitor_overhead.py`` (GPT-2 S, eager, BF16 autocast;
+``results/monitor_overhead``); not checked under CUDA graphs.
 
 **Measures** (per layer and head, on the first ``sequences`` sequences of the batch, :data:`MEASURE_COLUMNS`):
 
