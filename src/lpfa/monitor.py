@@ -290,7 +290,7 @@ def _call_measures(q, k, causal, mask, scale, eps) -> tuple[torch.Tensor, torch.
     """:func:`call_measures` as two (H,) float64 tensors on q's device, without a synchronisation (the monitor
     gathers all layers' before one transfer). Sequences go in chunks whose float64 logits fit :data:`CHUNK_BYTES`."""
     from lpfa.attention import get_policy
-    from lpfa.attention.reference import _r, _scores, near_max_counts
+    from lpfa.attention.reference import IEEE, _r, _scores, near_max_counts
 
     q, k = _normalise_qk(q, k)
     B, H, L, D = q.shape
@@ -311,8 +311,12 @@ def _call_measures(q, k, causal, mask, scale, eps) -> tuple[torch.Tensor, torch.
                 v_b = m if v_b is None else v_b & m
             else:
                 add = m
-        s = (qb.double() @ kb.double().transpose(-1, -2)) * scale  # S = q·k·scale in float64 (Fig. 2's logits)
-        sb = _scores(qb, kb, scale, pol)  # S as the paper policy rounds it: bf16(bf16(QKᵀ)·scale)
+        qk = qb.double() @ kb.double().transpose(-1, -2)  # QKᵀ in float64
+        s = qk * scale  # S = q·k·scale in float64 (Fig. 2's logits)
+        # S as the paper policy rounds it, bf16(bf16(QKᵀ)·scale): from the same product where the policy's GEMM is
+        # IEEE FP32 (:func:`~lpfa.attention.reference._mm`: the float64 product rounded once), else recomputed
+        sb = (_r(_r(qk.float(), pol.scores) * scale, pol.scores) if pol.gemm == IEEE and pol.softcap is None
+              else _scores(qb, kb, scale, pol))
         if add is not None:
             s, sb = s + add.double(), _r(sb + add.float(), pol.scores)
         if v_b is not None:
