@@ -764,7 +764,7 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         amortised = b["capture_extra_ms"] / (b["every"] * b["plain_median_ms"])
         assert abs(row["amortised capture"] - amortised) < 1e-12
         assert row["goal met"] == (max(b["overhead"], amortised) <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
-        assert row["every"] == b["every"]
+        assert row["every"] == b["every"] and row["first capture apart"] == ("first_capture_step_ms" in b)
 
 
 def test_paper_claims_text_measures_each_committed_claim():
@@ -783,4 +783,7 @@ def test_paper_claims_text_measures_each_committed_claim():
         if r["rank-1 similarity"] is not None:
             base = table.loc["bf16_rerun", "rank-1 similarity"]
             assert f"rank-1 similarity {r['rank-1 similarity']:.3f} against the BF16 run's {base:.3f}" in text
+            healthy = table.loc["fp32_rerun"]  # results/stabilisers/h200-2026-12-03: the FP32 run's doctor report
+            assert f"the FP32 run's {healthy['rank-1 similarity']:.3f} (`fp32_rerun` at step {healthy['doctor step']:,})" in text
+    assert "the FP32 run's" not in paper_claims_text(table.drop(index="fp32_rerun"))
     assert paper_claims_text(table.drop(index=[f"bf16_{n}" for n in done])).startswith("None of")

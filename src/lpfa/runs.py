@@ -1022,9 +1022,9 @@ def paper_claims_text(table) -> str:
     """Page 17's test of the paper's Discussion (:data:`PAPER_CLAIMS`), from :func:`stabiliser_table`: for each
     committed BF16 stabiliser row, the link it is said to break, measured against the unstabilised BF16 run (the doctor's
     rank-1 similarity against ``bf16_rerun``'s, which has the checkpoint; ties against ``bf16_paper_recipe``'s), the
-    other links' ratios beside it, and whether the row's loss exploded. The numbers, not a verdict: no FP32 twin's
-    doctor report is there to say what similarity a healthy run has."""
-    from lpfa.experiments import STABILISER_RERUN
+    other links' ratios beside it, the FP32 run's similarity (``fp32_rerun``: what the link is without BF16 attention,
+    where that report is committed) and whether the row's loss exploded. The numbers, not a verdict."""
+    from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
 
     out = []
     for name, (link, claim) in PAPER_CLAIMS.items():
@@ -1036,8 +1036,11 @@ def paper_claims_text(table) -> str:
         ratios = _link_ratios(r)
         sim, base = r.get("rank-1 similarity"), (table.loc[STABILISER_RERUN, "rank-1 similarity"]
                                                   if STABILISER_RERUN in table.index else None)
+        healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
         if sim is not None and base is not None:
-            similarity = f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
+            similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
+                          + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step {table.loc[FP32_RERUN, 'doctor step']:,})"
+                             if healthy is not None else ""))
         else:
             similarity = "rank-1 similarity not measured (no doctor report)"
         said = similarity + "; " + ratios if link == "rank-1 similarity" else ratios + "; " + similarity
