@@ -5,9 +5,9 @@ under BF16 autocast on CUDA (FP32 on CPU), eager mode. The same model and optimi
 steps without the monitor and with it (``every``; captures at steps 0, every, 2·every, ... of each segment, so a
 segment of 3·every steps captures exactly once per ``every``), ``--repeats`` times each, after ``--warmup`` steps.
 Every step is synchronised and timed. Reported: the mean step time of each, the overhead ratio (monitored / plain − 1),
-the mean time of a capture step against a plain one (what one capture costs; the first capture of the process, which pays one-off costs, is
-timed apart before the segments), and that cost spread over ``every``
-steps (:func:`lpfa.monitor.amortised_overhead`), which the GPU clock's drift between segments does not move.
+the mean time of a capture step against a plain one (what one capture costs; the process's first capture, which pays
+one-off costs, is timed apart before the segments), and that cost spread over ``every`` steps
+(:func:`lpfa.monitor.amortised_overhead`), which the GPU clock's drift between segments does not move.
 
 Usage::
 
