@@ -75,13 +75,15 @@ def main(argv=None) -> dict:
         step(contextlib.nullcontext())
     # the first capture of a process pays one-off costs (lazy imports, loading the CUDA kernels of the measures): timed
     # here on its own, as a training run pays it once, and then once more untimed so the segments see steady captures
+    # (the monitor's step numbers keep rising across segments, as in a training run: its W_Q growth needs them to)
     first_capture_ms = step(monitor.step(0)) * 1e3
-    step(monitor.step(0))
+    step(monitor.step(a.every))
+    start = 2 * a.every
     plain, monitored, capture = [], [], []
     for r in range(a.repeats):
         plain += [step(contextlib.nullcontext()) for _ in range(a.steps)]
         for s in range(a.steps):
-            dt = step(monitor.step(s))
+            dt = step(monitor.step(start + r * a.steps + s))
             monitored.append(dt)
             if monitor.due(s):
                 capture.append(dt)
