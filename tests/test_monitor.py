@@ -1,12 +1,16 @@
 """lpfa.monitor: the live early-warning monitor (our GPT's hook and the SDPA TorchFunctionMode) and its replay."""
 
+import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import write_diag_run
+from conftest import ROOT, write_diag_run
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -295,3 +299,21 @@ def test_compiled_models_are_monitored_as_eager(which):
     np.testing.assert_allclose(compiled.max_logit, eager.max_logit, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(compiled.wq_spectral_norm, eager.wq_spectral_norm, rtol=1e-6)
     assert compiled.tie_fraction_bf16.notna().all()
+
+
+def test_monitor_overhead_benchmark_runs_on_the_cpu(tmp_path):
+    """benchmarks/monitor_overhead.py at its CPU smoke size writes a result whose fields agree with each other and
+    with lpfa.monitor.amortised_overhead, the number page 15 judges the goal by."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "monitor_overhead.py"), "--model", "debug", "--batch", "2",
+           "--seq", "64", "--steps", "10", "--every", "5", "--warmup", "2", "--repeats", "1", "--device", "cpu",
+           "--out", str(tmp_path / "out")]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    b = json.loads((tmp_path / "out" / "monitor_overhead.json").read_text())
+    assert (b["model"], b["batch"], b["seq"], b["every"], b["steps"], b["repeats"]) == ("debug", 2, 64, 5, 10, 1)
+    assert b["captures"] >= 1 and b["first_capture_step_ms"] > 0 and b["plain_ms"] > 0 and b["monitored_ms"] > 0
+    assert math.isclose(b["overhead"], b["monitored_ms"] / b["plain_ms"] - 1, rel_tol=1e-12, abs_tol=1e-15)
+    assert math.isclose(b["capture_extra_ms"], b["capture_step_ms"] - b["plain_median_ms"], rel_tol=1e-9, abs_tol=1e-9)
+    assert math.isclose(b["amortised_overhead"], mon.amortised_overhead(b), rel_tol=1e-12)
+    assert b["provenance"]["config"]["model"] == "debug" and "git_commit" in b["provenance"]

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 
 import numpy as np
 import pandas as pd
@@ -765,6 +766,10 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         assert abs(row["amortised capture"] - amortised) < 1e-12
         assert row["goal met"] == (max(b["overhead"], amortised) <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
         assert row["every"] == b["every"] and row["first capture apart"] == ("first_capture_step_ms" in b)
+        if "first_capture_step_ms" in b:
+            assert row["first capture ms"] == b["first_capture_step_ms"]
+        else:
+            assert math.isnan(row["first capture ms"])
 
 
 def test_paper_claims_text_measures_each_committed_claim():
