@@ -467,14 +467,14 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
     assert f"the BF16 twin trained {v['bf16']['steps']:,} steps without exploding; its FP32 twin did not explode" in none
 
 
-def test_stabiliser_headline_from_the_committed_table():
-    """Page 17's opening finding (lpfa.runs.stabiliser_headline) from stabiliser_table: the count of committed
+def test_stabiliser_summary_from_the_committed_table():
+    """Page 17's rows in words (lpfa.runs.stabiliser_summary) from stabiliser_table: the count of committed
     stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
     from lpfa.experiments import RERUNS, STABILISERS
-    from lpfa.runs import stabiliser_headline, stabiliser_table
+    from lpfa.runs import stabiliser_summary, stabiliser_table
 
     table, step, _ = stabiliser_table(layer=1)
-    text = stabiliser_headline(table, step, 1)
+    text = stabiliser_summary(table, step, 1)
     rows = [label for label in STABILISERS if label not in RERUNS]  # the reruns of the base are no stabilisers
     done = [label for label in rows if label in table.index]
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
@@ -484,13 +484,14 @@ def test_stabiliser_headline_from_the_committed_table():
         assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
-            f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its layer-1 logits running away from "
-            f"step {r['runaway step']:,}") in text
+            f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its eval loss "
+            f"{r['eval loss − twin']:+.2f} against `fp32_paper_recipe`'s at step {r['gap step']:,}, its layer-1 logits "
+            f"running away from step {r['runaway step']:,}") in text
     cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]
     keepers = [l for l in ["sfa_paper_recipe", *cuts, *done] if table.loc[l, "ties ÷ bf16"] > 0.5 and not table.loc[l, "exploded"]]
     assert keepers  # the committed cuts keep the ties (results/paper_recipe)
     assert all(f"`{l}`" in text.split("**Ties are not what must go:**")[1] for l in keepers)
-    assert stabiliser_headline(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
+    assert stabiliser_summary(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
 
 
 def test_host_layers_read_the_committed_host_overhead_runs():
@@ -687,26 +688,64 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
         twin_text(throughput_table({k: v for k, v in tput.items() if "fp32" not in k}), error)
 
 
-def test_stabiliser_plan_fits_the_pending_rows_in_one_gpu_call():
-    """Page 17's next step (lpfa.runs.stabiliser_plan): rows per H200 from the tokens over the longest wall time of the
-    stabiliser launch with the most runs (the latest of those), the command naming that many pending rows; nothing
-    pending says so."""
+def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
+    """Page 17's next step (lpfa.runs.stabiliser_plan) on the committed runs: each pending row timed at the speed that
+    a committed run of its precision reached sharing the H200, and the first call naming as many rows as shared it."""
     import re
 
     from lpfa.run import Run
-    from lpfa.runs import STABILISER_BUDGET_S, STABILISER_STEPS, stabiliser_plan, stabiliser_table
+    from lpfa.runs import STABILISER_STEPS, stabiliser_plan, stabiliser_speeds, stabiliser_table
 
     _, _, pending = stabiliser_table()
     assert stabiliser_plan([]) == "Every stabiliser row is committed."
+    speeds, sharing = stabiliser_speeds()
+    assert sharing >= 2 and "FP32, compiled" in speeds and "BF16, compiled" in speeds
+    tps, name = speeds["FP32, compiled"]
+    run = Run(results.experiment_rows("stabilisers", [name])[name])
+    assert tps == run.summary["steps"] * 24 * 1024 / run.summary["wall_s"]
+    if not pending:
+        return
     text = stabiliser_plan(pending)
-    launches = {f: [Run(d) for d in sorted(f.iterdir()) if (d / "summary.json").is_file()] for f in results.runs("stabilisers")}
-    most = max(len(r) for r in launches.values())
-    runs = [r for r in launches.values() if len(r) == most][-1]
-    assert len(runs) >= 2  # the committed launches: h200-2026-12-02 had two rows sharing the H200
-    tps = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs) / max(r.summary["wall_s"] for r in runs)
-    assert f"trained {tps:,.0f} tokens/s together" in text
-    n = int(STABILISER_BUDGET_S // (STABILISER_STEPS * 24 * 1024 / tps))
-    assert re.search(r'ONLY="([^"]*)"', text).group(1).split() == pending[:max(1, n)]
+    assert f"FP32, compiled: {tps:,.0f} tokens/s (`{name}`)" in text
+    assert re.search(r'ONLY="([^"]*)"', text).group(1).split() == pending[:sharing]
+    if "fp32_qknorm" in pending:
+        assert f"`fp32_qknorm` {STABILISER_STEPS * 24 * 1024 / tps / 60:.1f} min" in text
+
+
+def _stabiliser_root(tmp, walls: dict[str, float]):
+    """A results root with the recipe's BF16 run and one stabiliser launch of ``walls`` (label: wall seconds for
+    6,000 steps), from the committed configs."""
+    import json
+    import shutil
+
+    src = {**results.experiment_rows("paper_recipe", ["bf16_paper_recipe"]), **results.experiment_rows("stabilisers")}
+    for exp, launch, labels in (("paper_recipe", "h200-2026-01-01", ["bf16_paper_recipe"]), ("stabilisers", "h200-2026-01-02", walls)):
+        (tmp / exp / launch).mkdir(parents=True)
+        (tmp / exp / launch / "provenance.json").write_text(json.dumps({"date_utc": launch[5:] + "T00:00:00+00:00"}))
+        for label in labels:
+            d = tmp / exp / launch / label
+            d.mkdir()
+            shutil.copy(src[label] / "config.json", d)
+            if label in walls:
+                (d / "summary.json").write_text(json.dumps({"steps": 6000, "wall_s": walls[label]}))
+    return tmp
+
+
+def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_path):
+    """Rows group in order into calls of as many rows as shared the H200; an eager row (sr_reseed: no eager run is
+    measured) gets its own call; a row whose measured speed needs more than the budget is named."""
+    from lpfa.runs import STABILISER_BUDGET_S, stabiliser_plan
+
+    root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": STABILISER_BUDGET_S + 60.0})
+    text = stabiliser_plan(["fp32_qknorm", "bf16_qkclip", "sr_reseed", "fp32_softcap"], root=root)
+    assert "Sharing one H200 2 ways" in text
+    assert f"BF16, compiled: {6000 * 24 * 1024 / 900:,.0f} tokens/s (`bf16_gated`)" in text
+    assert "`bf16_qkclip` 15.0 min" in text and f"`fp32_softcap` {(STABILISER_BUDGET_S + 60) / 60:.1f} min" in text
+    assert "`sr_reseed` speed not measured" in text
+    assert 'ONLY="fp32_qknorm bf16_qkclip"' in text
+    assert f"(`fp32_qknorm` would stop before step 6,000 at {STABILISER_BUDGET_S:,} s)" in text
+    assert text.endswith("after it, `sr_reseed` then `fp32_softcap`.")
+    assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 
 def test_sr_persistence_on_the_committed_capture():
@@ -770,6 +809,50 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
             assert row["first capture ms"] == b["first_capture_step_ms"]
         else:
             assert math.isnan(row["first capture ms"])
+
+
+def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
+    """lpfa.runs.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last eval step
+    both logged (not at each run's own last step); no shared step gives (None, nan)."""
+    from lpfa.runs import eval_loss_gap
+
+    rng = np.random.default_rng()
+    a, b, c = (tmp_path / n for n in "abc")
+    va, vb = rng.uniform(2, 4, 4), rng.uniform(2, 4, 3)
+    for d, steps, vals in ((a, [500, 1000, 1500, 1800], va), (b, [500, 1000, 1500], vb), (c, [700], [3.0])):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s_, "loss": 9.0}) + "\n" + json.dumps({"step": s_, "val_loss": v}) + "\n"
+                                                 for s_, v in zip(steps, vals)))
+    step, gap = eval_loss_gap(a, b)
+    assert step == 1500 and gap == float(va[2]) - float(vb[2])
+    assert eval_loss_gap(b, a) == (1500, float(vb[2]) - float(va[2]))
+    none = eval_loss_gap(a, c)
+    assert none[0] is None and math.isnan(none[1])
+
+
+def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
+    """Page 17's one-sentence finding (lpfa.runs.stabiliser_finding): from the committed table and from edited copies,
+    a row holds only without explosion, without runaway and within LOSS_MATCH of its FP32 twin."""
+    from lpfa.runs import LOSS_MATCH, stabiliser_finding, stabiliser_table
+
+    table, _, _ = stabiliser_table(layer=1)
+    text = stabiliser_finding(table)
+    assert text.startswith("**At the paper's recipe, ") and text.endswith(".**")
+    g = table.loc["bf16_gated"]  # results/stabilisers/h200-2026-12-03b: ran away and ended above fp32_gated
+    assert g["FP32 twin"] == "fp32_gated" and g["runaway step"] is not None and g["eval loss − twin"] > LOSS_MATCH
+    assert (f"`bf16_gated` keeps the logit runaway (layer 1, from step {g['runaway step']:,}) and ends "
+            f"{g['eval loss − twin']:.2f} above its FP32 twin's eval loss") in text
+    assert f"`sr` explodes (step {table.loc['sr', 'explosion step']:,})" in text
+    assert "`fp32_gated`" not in text  # FP32 twins are references, not stabiliser rows
+    edited = table.copy()
+    edited.loc["bf16_gated", "runaway step"] = None
+    edited.loc["bf16_gated", "eval loss − twin"] = LOSS_MATCH / 2
+    t2 = stabiliser_finding(edited)
+    assert "`bf16_gated`" in t2.split(" hold: ")[0] and "keeps the logit runaway" not in t2
+    edited.loc["bf16_gated", "eval loss − twin"] = -2 * LOSS_MATCH
+    assert f"`bf16_gated` ends {2 * LOSS_MATCH:.2f} below its FP32 twin's eval loss" in stabiliser_finding(edited)
+    assert stabiliser_finding(table.iloc[:0]).startswith("**Nothing to compare yet:**")
+    assert stabiliser_finding(table.drop(index=["sr", "bf16_qknorm", "bf16_gated"])) == "**No BF16 stabiliser row is committed yet.**"
 
 
 def test_paper_claims_text_measures_each_committed_claim():

@@ -847,6 +847,20 @@ DOCTOR_LINKS = {"doctor step": "the checkpoint's step", "δ |t| paper": "largest
 T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts the doctor's probe as resolving a bias
 
 
+def eval_loss_gap(run, twin) -> tuple[int | None, float]:
+    """The cost of a stabiliser in loss (issue 19 §1): ``run``'s eval loss minus its FP32 ``twin``'s at the last eval
+    step both logged (runs stop at different steps, and the loss falls throughout), as ``(step, gap)``; ``(None, nan)``
+    when they share no eval step."""
+    vals = [load_metrics(r)[1] for r in (run, twin)]
+    if any(len(v) == 0 for v in vals):
+        return None, float("nan")
+    common = vals[0].index.intersection(vals[1].index)
+    if not len(common):
+        return None, float("nan")
+    step = int(common.max())
+    return step, float(vals[0].loc[step, "val_loss"] - vals[1].loc[step, "val_loss"])
+
+
 def doctor_links(run, layer: int = 1) -> dict:
     """:data:`DOCTOR_LINKS` of ``layer`` from the last of :attr:`lpfa.run.Run.doctor_reports` of ``run`` (a run
     folder or Run), plus ``"doctor source"`` (its folder) and ``"doctor probe"`` (sequences × tokens); an empty dict
@@ -893,9 +907,12 @@ def stabiliser_table(layer: int = 1, root=None):
     design = rows_of("stabilisers")
     runs = {**base, **found}
 
-    def reference(label):
+    def twin(label):  # the label of the row's FP32 reference
         ref = design[label].reference if label in design else None
-        return found.get(ref) or base.get("fp32_paper_recipe") or runs[label]
+        return ref if ref in found else "fp32_paper_recipe" if "fp32_paper_recipe" in base else label
+
+    def reference(label):
+        return runs[twin(label)]
 
     boom = run_verdict(base["bf16_paper_recipe"])["explosion_step"]  # compare before the BF16 loss explodes
     logged = layer_max(base["bf16_paper_recipe"], "max_logit", layer).index
@@ -904,6 +921,10 @@ def stabiliser_table(layer: int = 1, root=None):
     for short, col in STABILISER_LINKS.items():
         name = f"{col} @ {step}"
         table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
+    table["FP32 twin"] = [twin(label) for label in table.index]
+    gaps = {label: eval_loss_gap(runs[label], runs[twin(label)]) for label in table.index}
+    table["eval loss − twin"] = [gaps[label][1] for label in table.index]
+    table["gap step"] = pd.Series([gaps[label][0] for label in table.index], index=table.index, dtype=object)
     doctor = {label: doctor_links(runs[label], layer) for label in table.index}
     for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
         table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
@@ -916,44 +937,94 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
-STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1380  # steps per row; seconds of one GPU call's runs (time_budget_s)
+# steps per row; seconds of one GPU call's runs (time_budget_s): what fit with the machine's start, the polls and two
+# doctor reports in a session's 1,800 device seconds (results/stabilisers/h200-2026-12-03b ran with BUDGET=1150)
+STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1150
+
+
+def _speed_key(attn_policy: str, compile_: bool) -> str:
+    """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not (the soft-cap, part of the
+    model, aside), compiled or eager."""
+    from lpfa.attention.policy import get_policy, is_fp32_level
+
+    fp32 = is_fp32_level(get_policy(attn_policy).with_(softcap=None))
+    return f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}"
+
+
+def stabiliser_speeds(root=None):
+    """Tokens/s of each committed stabiliser run while it shared one H200 with others: its steps × tokens per step over
+    its wall time (compilation, evaluations and checkpoints included), from the launches with the most runs. Returns
+    ``(speeds, sharing)``: ``{key: (tokens/s, run label)}`` per :func:`_speed_key` (the latest run of that key) and the
+    number of runs those launches shared the GPU between. ``({}, 0)`` without a committed stabiliser run."""
+    from lpfa.results import runs as launches
+
+    try:
+        folders = launches("stabilisers", root)
+    except FileNotFoundError:
+        return {}, 0
+    by_launch = {f: [Run(d) for d in sorted(f.iterdir()) if (d / "summary.json").is_file()] for f in folders}
+    sharing = max((len(r) for r in by_launch.values()), default=0)
+    speeds = {}
+    for runs in by_launch.values():  # oldest first: a later run of the same key replaces an earlier one
+        if len(runs) == sharing:
+            for r in runs:
+                key = _speed_key(r.train["attn_policy"], r.train["compile"])
+                speeds[key] = (r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] / r.summary["wall_s"], r.path.name)
+    return speeds, sharing
 
 
 def stabiliser_plan(pending: list[str], root=None) -> str:
-    """Page 17's next step for the ``pending`` stabiliser rows: how many share one H200 within
-    :data:`STABILISER_BUDGET_S` to :data:`STABILISER_STEPS` steps each, at the throughput that the committed stabiliser
-    launch with the most runs (the latest of those) reached on one H200 (its runs' tokens over the longest run's wall
-    time, compilation, evaluations and checkpoints included), and the command. Empty without the BF16 run of the
-    recipe or a committed stabiliser run."""
-    from lpfa.results import experiment_rows, runs as launches
+    """Page 17's next step for the ``pending`` stabiliser rows: the rows grouped, in order, into GPU calls of as many
+    rows as the committed launches shared one H200 between (:func:`stabiliser_speeds`), each row timed at the measured
+    speed of a committed run of its precision and compilation, and the first call's command with
+    :data:`STABILISER_BUDGET_S`. A row whose kind of speed was never measured gets a call of its own. Empty without the
+    BF16 run of the recipe or a committed stabiliser run."""
+    from lpfa.experiments import rows as rows_of
+    from lpfa.results import experiment_rows
 
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
-    found = experiment_rows("stabilisers", root=root)
-    if not base or not found:
+    speeds, sharing = stabiliser_speeds(root)
+    if not base or not speeds:
         return ""
     bf16 = Run(base["bf16_paper_recipe"]).train
+    batch, tokens = bf16["batch_size"], STABILISER_STEPS * bf16["batch_size"] * bf16["block_size"]
+    design = rows_of("stabilisers")
 
-    def rows_of(launch):
-        return [Run(d) for d in sorted(launch.iterdir()) if (d / "summary.json").is_file()]
+    def key(label):
+        o = dict(x.split("=", 1) for x in design[label].overrides)
+        return _speed_key(o.get("attn_policy", bf16["attn_policy"]), o.get("compile", "true").lower() == "true")
 
-    # the launch with the most rows sharing one GPU (the latest of those): a lone row's speed says nothing of sharing
-    launch = max(reversed(launches("stabilisers", root)), key=lambda f: len(rows_of(f)))
-    runs = rows_of(launch)
-    tokens = sum(r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] for r in runs)
-    together = tokens / max(r.summary["wall_s"] for r in runs)
-    batch = bf16["batch_size"]
-    row_s = STABILISER_STEPS * batch * bf16["block_size"] / together
-    n = max(1, int(STABILISER_BUDGET_S // row_s))
-    only = " ".join(pending[:n])
-    return (f"The {len(runs)} runs of `{launch.name}` trained {together:,.0f} tokens/s together on one H200 (compilation, "
-            f"evaluations and checkpoints included), so a row of {STABILISER_STEPS:,} steps at batch {batch} takes "
-            f"{row_s / 60:.1f} minutes of it and {n} rows fit in {STABILISER_BUDGET_S:,} s: `ONLY=\"{only}\" "
-            f"EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} "
-            f"WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" bash scripts/gpu/paper_recipe.sh`, then the same with "
-            "`PHASE=finish WAIT=300`, which runs `lpfa doctor` on each run's last checkpoint at or before step 5,000 and "
-            "before its explosion, for the δ-bias and similarity links.")
+    calls, call = [], []
+    for label in pending:
+        if key(label) not in speeds:
+            calls += [call, [label]] if call else [[label]]
+            call = []
+            continue
+        call.append(label)
+        if len(call) == sharing:
+            calls.append(call)
+            call = []
+    calls += [call] if call else []
+
+    def minutes(label):
+        return f"{tokens / speeds[key(label)][0] / 60:.1f} min" if key(label) in speeds else "speed not measured"
+
+    measured = "; ".join(f"{k}: {tps:,.0f} tokens/s (`{name}`)" for k, (tps, name) in sorted(speeds.items()))
+    over = [label for label in calls[0] if key(label) in speeds and tokens / speeds[key(label)][0] > STABILISER_BUDGET_S]
+    first = " ".join(calls[0])
+    later = " then ".join("`" + " ".join(c) + "`" for c in calls[1:])
+    return (f"Sharing one H200 {sharing} ways, a committed run trained ({measured}; compilation, evaluations and "
+            f"checkpoints included), so {STABILISER_STEPS:,} steps at batch {batch} take "
+            + ", ".join(f"`{label}` {minutes(label)}" for label in pending)
+            + f". The next GPU call: `ONLY=\"{first}\" EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 "
+            f"DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" "
+            "bash scripts/gpu/paper_recipe.sh`, then the same with `PHASE=finish WAIT=300`, which runs `lpfa doctor` on "
+            "each run's last checkpoint at or before step 5,000 and before its explosion, for the δ-bias and similarity links"
+            + (f" ({', '.join(f'`{x}`' for x in over)} would stop before step {STABILISER_STEPS:,} at "
+               f"{STABILISER_BUDGET_S:,} s)" if over else "")
+            + (f"; after it, {later}." if later else "."))
 
 
 KEPT = 0.8  # an accumulation of at least this × √steps: the error kept its value over the steps (at most 1)
@@ -1012,6 +1083,21 @@ def _link_ratios(row) -> str:
     return f"ties ×{row['ties ÷ bf16']:.2f}, largest logit ×{row['logit ÷ bf16']:.2g}, W_Q ×{row['W_Q ÷ bf16']:.2f}"
 
 
+LOSS_MATCH = 0.05  # nats: an eval loss within this of the FP32 twin's matches it (two FP32 runs of one seed: 0.005 apart)
+
+
+def _loss_fate(row) -> str:
+    """A :func:`stabiliser_table` row's loss in words: where it exploded, or clean by the explosion criterion and its
+    eval loss against its FP32 twin's."""
+    if row["exploded"]:
+        return f"its loss exploded at step {row['explosion step']:,}"
+    gap = row["eval loss − twin"]
+    if row["FP32 twin"] == row.name or gap != gap:
+        return f"its loss clean for {row['steps']:,} steps"
+    return (f"its loss clean for {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at step "
+            f"{row['gap step']:,}")
+
+
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
 PAPER_CLAIMS = {"qknorm": ("rank-1 similarity", "QK-norm works because it disrupts the structural similarity of (PK)[T]ᵀX[T]"),
                 "gated": ("rank-1 similarity", "gated attention works because it disrupts that structural similarity"),
@@ -1032,7 +1118,8 @@ def paper_claims_text(table) -> str:
         if label not in table.index:
             continue
         r = table.loc[label]
-        fate = f"exploded at step {r['explosion step']:,}" if r["exploded"] else f"clean for {r['steps']:,} steps"
+        fate = _loss_fate(r).removeprefix("its loss ") + (f", its layer-{r['runaway layer']} logits running away from "
+                                                           f"step {r['runaway step']:,}" if r["runaway step"] is not None else "")
         ratios = _link_ratios(r)
         sim, base = r.get("rank-1 similarity"), (table.loc[STABILISER_RERUN, "rank-1 similarity"]
                                                   if STABILISER_RERUN in table.index else None)
@@ -1053,8 +1140,46 @@ def paper_claims_text(table) -> str:
     return " ".join(out) if out else "None of QK-norm, gated attention and QK-clip is committed yet."
 
 
-def stabiliser_headline(table, step: int, layer: int = 1) -> str:
-    """Page 17's opening finding from :func:`stabiliser_table` (``table``, compared at ``step``): how many of the
+def stabiliser_finding(table, layer: int = 1) -> str:
+    """Page 17's finding in one bold sentence, from :func:`stabiliser_table`: which committed BF16 stabiliser rows hold
+    (no logit runaway, loss not exploded and within :data:`LOSS_MATCH` of the FP32 twin's) and how each other one fails.
+    Without the BF16 run of the recipe, says so."""
+    from lpfa.experiments import RERUNS, STABILISERS
+
+    if table.empty:
+        return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
+    bf16 = [label for label in STABILISERS if label in table.index and label not in RERUNS
+            and table.loc[label, f"layer {layer} scores"] != "fp32"]
+    if not bf16:
+        return "**No BF16 stabiliser row is committed yet.**"
+
+    def failure(label):
+        r = table.loc[label]
+        if r["exploded"]:
+            return f"`{label}` explodes (step {r['explosion step']:,})"
+        what = []
+        if r["runaway step"] is not None:
+            what.append(f"keeps the logit runaway (layer {r['runaway layer']}, from step {r['runaway step']:,})")
+        gap = r["eval loss − twin"]
+        if gap == gap and abs(gap) > LOSS_MATCH:
+            what.append(f"ends {abs(gap):.2f} {'above' if gap > 0 else 'below'} its FP32 twin's eval loss")
+        return f"`{label}` " + " and ".join(what) if what else ""
+
+    fails = {label: failure(label) for label in bf16}
+    held = [label for label, f in fails.items() if not f]
+    twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
+                and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
+    return (f"**At the paper's recipe, {len(held)} of the {len(bf16)} committed BF16 stabiliser rows "
+            + (f"({', '.join(f'`{l}`' for l in held)}) " if held else "")
+            + f"{'holds' if len(held) == 1 else 'hold'}: no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 "
+            + "twin's" + (f" (for {', '.join(f'`{l}`' for l in twinless)} the plain FP32 run's: its own twin is not committed)"
+                          if twinless else "")
+            + "".join(f"; {f}" for f in fails.values() if f) + ".**")
+
+
+def stabiliser_summary(table, step: int, layer: int = 1) -> str:
+    """Page 17's rows in words, after its finding (:func:`stabiliser_finding`), from :func:`stabiliser_table`
+    (``table``, compared at ``step``): how many of the
     :data:`lpfa.experiments.STABILISERS` runs are committed; each committed cut's links (ties, largest logit and W_Q as
     ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
     exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
@@ -1069,8 +1194,7 @@ def stabiliser_headline(table, step: int, layer: int = 1) -> str:
 
     def links(label):
         r = table.loc[label]
-        return (f"{_link_ratios(r)} of the BF16 run's, " + (f"its loss exploded at step {r['explosion step']:,}" if r["exploded"] else
-                             f"its loss clean for {r['steps']:,} steps")
+        return (f"{_link_ratios(r)} of the BF16 run's, " + _loss_fate(r)
                 + (f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
                    if r["runaway step"] is not None else ", no runaway"))
 
