@@ -197,3 +197,20 @@ def test_fa2_agrees_with_sdpa_flash_within_the_arithmetic_bound(B, H, T, D):
     print(f"fa2 vs SDPA-flash {(B, H, T, D)} seed={seed}: {r}")
     assert r["max_over_bound"] <= 1.0, (r, seed)
     assert r["bit_identical"] >= 0.5, (r, seed)
+
+
+def test_spectral_norms_on_the_gpu_match_the_cpu_eigensolver():
+    """lpfa.diagnostics.spectral_norms on CUDA (top_eigenvalue, no eigensolver) against the CPU path (float64 eigvalsh)
+    on W_Q-shaped stacks with a far-scaled, a rank-1, a zero and a non-finite head: within 2 FP32 ulps, NaN in place."""
+    from lpfa.diagnostics import spectral_norms
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = torch.randn(12, 12, 64, 768, generator=g)
+    w[0, 0] *= 3e4
+    w[0, 1] = torch.randn(64, 1, generator=g) @ torch.randn(1, 768, generator=g)
+    w[0, 2] = 0.0
+    w[0, 3, 5, 7] = float("nan")
+    want, got = spectral_norms(w), spectral_norms(w.cuda())
+    assert got.device.type == "cpu" and got.dtype == torch.float32 and torch.isnan(got[0, 3]) and got[0, 2] == 0
+    ok = torch.isfinite(want)
+    assert ((got[ok] - want[ok]).abs() <= 2 * 2**-23 * want[ok]).all()

@@ -49,6 +49,32 @@ def test_spectral_norms_match_float64_svd(shape):
             assert abs(got[h].item() - want) <= 2 * 2**-23 * want, (h, got[h], want)
 
 
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+def test_top_eigenvalue_matches_float64_eigvalsh_within_its_stated_bound(n):
+    """lpfa.diagnostics.top_eigenvalue (the GPU path of spectral_norms) on fresh PSD matrices: Gram matrices of random
+    and far-scaled rows, rank 1, zero, and eigenvalue clusters down to the worst gap of its error bound
+    (r = 1 − 2^-(k+1)): within n²/(2e·2^k)·λ₁ of float64 eigvalsh, plus float64 rounding."""
+    from lpfa.diagnostics import SQUARINGS, top_eigenvalue
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    w = torch.randn(8, n, 3 * n + 5, generator=g, dtype=torch.float64)
+    w[0] *= 3e4
+    w[1] *= 1e-30
+    w[2] = torch.randn(n, 1, generator=g, dtype=torch.float64) @ torch.randn(1, 3 * n + 5, generator=g, dtype=torch.float64)
+    w[3] = 0.0
+    gram = w @ w.mT
+    for i, gaps in ((4, [0.0, 1e-13]), (5, [2.0 ** -(SQUARINGS + 1)] * 3), (6, [1e-6, 1e-3]), (7, [0.5])):
+        u, _ = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+        lam = torch.rand(n, generator=g, dtype=torch.float64) * 0.4
+        lam[: len(gaps) + 1][: n] = torch.tensor([1.0, *(1.0 - x for x in gaps)], dtype=torch.float64)[: n]
+        gram[i] = (u * lam) @ u.T
+    want = torch.linalg.eigvalsh(gram)[..., -1].clamp_min(0)
+    got = top_eigenvalue(gram)
+    assert got.dtype == torch.float64 and got.shape == (8,) and got[3] == 0.0
+    bound = n * n / (2 * math.e * 2.0**SQUARINGS) + 64 * n * 2.0**-52
+    assert ((got - want).abs() <= bound * want).all(), ((got - want).abs() / want).max()
+
+
 def test_spectral_norms_of_a_stack_of_layers_are_each_layers():
     """(layers, H, rows, cols) in one call: the same norms as one (H, rows, cols) call per layer, NaN in place."""
     from lpfa.diagnostics import spectral_norms

@@ -317,3 +317,39 @@ def test_monitor_overhead_benchmark_runs_on_the_cpu(tmp_path):
     assert math.isclose(b["capture_extra_ms"], b["capture_step_ms"] - b["plain_median_ms"], rel_tol=1e-9, abs_tol=1e-9)
     assert math.isclose(b["amortised_overhead"], mon.amortised_overhead(b), rel_tol=1e-12)
     assert b["provenance"]["config"]["model"] == "debug" and "git_commit" in b["provenance"]
+
+
+@pytest.mark.parametrize("drop", [0, 5])
+def test_add_derived_matches_a_loop_over_heads(drop):
+    """lpfa.monitor.add_derived (NumPy) against a plain loop: wq_outlier is each head's norm over its (step, layer)'s
+    nanmedian, wq_growth the relative growth per GROWTH_STEPS since the same head's previous step, in the frame or in
+    the previous frame; on shuffled rows of several steps, with NaN norms and (drop > 0) heads missing at some steps."""
+    from lpfa.monitor import GROWTH_STEPS, add_derived
+
+    rng = np.random.default_rng()
+    L, H = 3, 5
+    def grid(steps):
+        return pd.DataFrame([(s, l, h) for s in steps for l in range(L) for h in range(H)], columns=["step", "layer", "head"])
+    prev, frame = grid([40, 70]), grid([100, 130, 190])
+    for f in (prev, frame):
+        f["max_logit"] = rng.uniform(0, 50, len(f))
+        f["tie_fraction_bf16"] = rng.uniform(0, 1, len(f))
+        f["wq_spectral_norm"] = rng.uniform(1, 3, len(f))
+    frame.loc[rng.choice(len(frame), 4, replace=False), "wq_spectral_norm"] = np.nan
+    frame = frame.drop(index=rng.choice(len(frame), drop, replace=False)).sample(frac=1, random_state=int(rng.integers(1 << 30)))
+    got = add_derived(frame, prev)
+    assert list(got.index) == list(frame.index) and got[frame.columns].equals(frame)
+    both = pd.concat([prev, frame], ignore_index=True)
+    for i, r in frame.iterrows():
+        peers = frame[(frame.step == r.step) & (frame.layer == r.layer)].wq_spectral_norm.to_numpy()
+        want = r.wq_spectral_norm / np.nanmedian(peers) if np.isfinite(peers).any() else np.nan
+        np.testing.assert_equal(got.loc[i, "wq_outlier"], want)
+        earlier = both[(both.layer == r.layer) & (both["head"] == r["head"]) & (both.step < r.step)]
+        if earlier.empty:
+            assert np.isnan(got.loc[i, "wq_growth"])
+        else:
+            e = earlier.loc[earlier.step.idxmax()]
+            want = (r.wq_spectral_norm / e.wq_spectral_norm - 1.0) * GROWTH_STEPS / (r.step - e.step)
+            np.testing.assert_allclose(got.loc[i, "wq_growth"], want, rtol=1e-15, atol=0, equal_nan=True)
+    first = add_derived(frame)
+    assert first.groupby(["layer", "head"]).wq_growth.apply(lambda g: g.isna().sum() >= 1).all()

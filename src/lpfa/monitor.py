@@ -158,23 +158,40 @@ def wq_growth(norm, before, steps):
 
 def add_derived(frame, previous=None):
     """``frame`` (step, layer, head, max_logit, tie_fraction_bf16, wq_spectral_norm) with ``wq_outlier`` (‖W_Q[h]‖₂
-    over its layer's median at that step) and ``wq_growth`` (:func:`wq_growth` since the same head's previous step,
-    in ``frame`` or else in ``previous``, an earlier frame; NaN for a head's first step)."""
-    import pandas as pd
-
+    over its layer's median at that step, :func:`lpfa.diagnostics.wq_outlier`) and ``wq_growth`` (:func:`wq_growth`
+    since the same head's previous step, in ``frame`` or else in ``previous``, an earlier frame; NaN for a head's first
+    step). In NumPy: the monitor calls it at every capture, where pandas' grouping cost milliseconds."""
     from lpfa.diagnostics import wq_outlier
 
-    wq = frame["wq_spectral_norm"].astype(float)
-    frame = frame.assign(wq_outlier=wq.groupby([frame["step"], frame["layer"]]).transform(lambda x: wq_outlier(x.to_numpy())))
-    base = ["step", "layer", "head", "wq_spectral_norm"]
-    both = frame[base].assign(_row=np.arange(len(frame)))
+    step, layer, head = (frame[c].to_numpy() for c in ("step", "layer", "head"))
+    wq = frame["wq_spectral_norm"].to_numpy(dtype=float)
+    # wq_outlier per (step, layer): one call on a (groups, heads) array when every group has the same heads' count
+    order = np.lexsort((head, layer, step))
+    _, first, counts = np.unique(np.stack([step[order], layer[order]]), axis=1, return_index=True, return_counts=True)
+    outlier = np.empty(len(wq))
+    if len(counts) and (counts == counts[0]).all():
+        outlier[order] = wq_outlier(wq[order].reshape(len(counts), counts[0])).ravel()
+    else:
+        for a, n in zip(first, counts):
+            outlier[order[a:a + n]] = wq_outlier(wq[order[a:a + n]])
+    # wq_growth: the same head's previous step, the previous frame's rows first (a stable sort by layer, head, step)
+    rows = np.arange(len(wq))
     if previous is not None and not previous.empty:
-        both = pd.concat([previous[base].assign(_row=-1), both], ignore_index=True)
-    both = both.sort_values(["layer", "head", "step"], kind="stable")
-    g = both.groupby(["layer", "head"])
-    both["_growth"] = wq_growth(both["wq_spectral_norm"], g["wq_spectral_norm"].shift(), both["step"] - g["step"].shift())
-    both = both[both["_row"] >= 0].sort_values("_row")
-    return frame.assign(wq_growth=both["_growth"].to_numpy())
+        cols = [np.concatenate([previous[c].to_numpy(), frame[c].to_numpy()]) for c in ("step", "layer", "head")]
+        norm = np.concatenate([previous["wq_spectral_norm"].to_numpy(dtype=float), wq])
+        rows = np.concatenate([np.full(len(previous), -1), rows])
+    else:
+        cols, norm = [step, layer, head], wq
+    s_, l_, h_ = cols
+    o = np.lexsort((s_, h_, l_))
+    same = np.r_[False, (l_[o][1:] == l_[o][:-1]) & (h_[o][1:] == h_[o][:-1])]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        growth = np.where(same, wq_growth(norm[o], np.r_[np.nan, norm[o][:-1]],
+                                          np.r_[np.nan, np.diff(s_[o].astype(float))]), np.nan)
+    mine = rows[o] >= 0
+    out = np.empty(len(wq))
+    out[rows[o][mine]] = growth[mine]
+    return frame.assign(wq_outlier=outlier, wq_growth=out)
 
 
 def crossings(frame, thresholds: dict):
