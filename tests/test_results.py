@@ -804,11 +804,34 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         amortised = b["capture_extra_ms"] / (b["every"] * b["plain_median_ms"])
         assert abs(row["amortised capture"] - amortised) < 1e-12
         assert row["goal met"] == (max(b["overhead"], amortised) <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
-        assert row["every"] == b["every"] and row["first capture apart"] == ("first_capture_step_ms" in b)
+        assert row["every"] == b["every"]
         if "first_capture_step_ms" in b:
             assert row["first capture ms"] == b["first_capture_step_ms"]
         else:
             assert math.isnan(row["first capture ms"])
+
+
+def test_overhead_text_states_the_latest_run_and_its_commits_spread():
+    """Page 15's sentence on the monitor's cost (lpfa.monitor.overhead_text) from the committed runs, and from edited
+    tables: one run, a first capture not timed apart, nothing committed."""
+    from lpfa.monitor import ONE_OFF, monitor_overhead_table, overhead_text
+
+    cost = monitor_overhead_table()
+    last = cost.iloc[-1]
+    text = overhead_text(cost)
+    assert text.startswith(f"**At every {last['every']} steps one capture costs {last['capture extra ms']:,.0f} ms")
+    assert f"{last['amortised capture']:.1%} of the step time" in text and f"({last['overhead']:.1%} as the ratio" in text
+    assert ("within the 2% goal" if last["goal met"] else "above the 2% goal") in text
+    same = cost[cost["commit"] == last["commit"]]
+    assert (f"The {len(same)} runs of {last['commit']}" in text) == (len(same) > 1)
+    if len(same) > 1:
+        assert f"ratio of means between {same['overhead'].min():.2%} and {same['overhead'].max():.2%}" in text
+    assert text.count(ONE_OFF) == 1 and f"took {last['first capture ms']:,.0f} ms" in text
+    one = cost.iloc[:1].copy()
+    one.loc[one.index[0], "first capture ms"] = float("nan")
+    t1 = overhead_text(one)
+    assert "That mean includes the process's first capture" in t1 and " At " not in t1.split(".**")[1]
+    assert overhead_text(cost.iloc[:0]).startswith("No run of")
 
 
 def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):

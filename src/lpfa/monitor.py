@@ -670,9 +670,8 @@ def monitor_overhead_table(root=None):
     """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
     the commit, the model and batch, the mean step time without and with :class:`AttentionMonitor`, the overhead
     at ``every`` steps (the ratio of means), the same as an amortised capture (:func:`amortised_overhead`), whether both
-    meet :data:`OVERHEAD_GOAL`, what one capture step costs over a plain one, and whether the process's first capture
-    (its one-off costs: lazy imports, kernel loading) was timed apart or is in that mean, and that first capture step's
-    time where it was (NaN otherwise). Empty without committed runs."""
+    meet :data:`OVERHEAD_GOAL`, what one capture step costs over a plain one, and the process's first capture step's time
+    where it was timed apart (NaN where its one-off costs, lazy imports and kernel loading, are in that mean). Empty without committed runs."""
     import pandas as pd
 
     from lpfa.results import runs as launches
@@ -690,6 +689,35 @@ def monitor_overhead_table(root=None):
                         "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
                         "amortised capture": amortised, "capture extra ms": b["capture_extra_ms"],
                         "goal met": max(b["overhead"], amortised) <= OVERHEAD_GOAL,
-                        "first capture apart": "first_capture_step_ms" in b,
                         "first capture ms": b.get("first_capture_step_ms", float("nan"))}
     return pd.DataFrame(rows).T
+
+
+ONE_OFF = "one-off costs (lazy imports, loading the measures' CUDA kernels) that a training run pays once"
+
+
+def overhead_text(cost) -> str:
+    """Page 15's finding on the monitor's cost, from :func:`monitor_overhead_table` (``cost``): the latest run's
+    capture cost, amortised and as the ratio of means, against :data:`OVERHEAD_GOAL`; the spread over the runs of the
+    same commit where there are several; the process's first capture; the first run's cost for comparison."""
+    if cost.empty:
+        return "No run of `benchmarks/monitor_overhead.py` is committed yet."
+    first, last = cost.iloc[0], cost.iloc[-1]
+    same = cost[cost["commit"] == last["commit"]]
+    text = (f"**At every {last['every']} steps one capture costs {last['capture extra ms']:,.0f} ms over a plain "
+            f"{last['plain ms']:.1f} ms step on {last['device']} ({last['setting']}): {last['amortised capture']:.1%} of the "
+            f"step time spread over {last['every']} steps ({last['overhead']:.1%} as the ratio of the segments' means), "
+            f"{'within' if last['goal met'] else 'above'} the {OVERHEAD_GOAL:.0%} goal.**")
+    if len(same) > 1:
+        text += (f" The {len(same)} runs of {last['commit']} measured the amortised capture between "
+                 f"{same['amortised capture'].min():.2%} and {same['amortised capture'].max():.2%}, and the ratio of means "
+                 f"between {same['overhead'].min():.2%} and {same['overhead'].max():.2%}: the ratio carries the drift "
+                 f"between segments; {int(same['goal met'].sum())} of the {len(same)} "
+                 f"{'meets' if int(same['goal met'].sum()) == 1 else 'meet'} the goal on both.")
+    ms = last["first capture ms"]
+    text += (f" The process's first capture step, timed apart, took {ms:,.0f} ms: {ONE_OFF}." if ms == ms else
+             f" That mean includes the process's first capture, with its {ONE_OFF}; later versions of the benchmark "
+             "time it apart.")
+    if len(cost) > 1:
+        text += f" At {first['commit']} a capture cost {first['capture extra ms']:,.0f} ms ({first['amortised capture']:.1%})."
+    return text
