@@ -353,3 +353,33 @@ def test_add_derived_matches_a_loop_over_heads(drop):
             np.testing.assert_allclose(got.loc[i, "wq_growth"], want, rtol=1e-15, atol=0, equal_nan=True)
     first = add_derived(frame)
     assert first.groupby(["layer", "head"]).wq_growth.apply(lambda g: g.isna().sum() >= 1).all()
+
+
+def test_monitor_on_a_transformers_gpt2_matches_float64():
+    """A Hugging Face GPT2LMHeadModel (random weights, made offline, SDPA attention) through the TorchFunctionMode:
+    each layer's per-head largest logit equals float64 q·kᵀ/√d of the q, k its c_attn made (causal), and ‖W_Q[h]‖₂ from
+    the documented w_q (c_attn's Conv1D weight, (in, out), transposed) equals the float64 SVD's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(torch.seed() % 2**31)
+    C, H, L = 48, 3, 2
+    config = transformers.GPT2Config(n_layer=L, n_head=H, n_embd=C, n_positions=40, vocab_size=97, bos_token_id=0,
+                                     eos_token_id=0, attn_implementation="sdpa")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    qk = {}
+    hooks = [b.attn.c_attn.register_forward_hook(lambda mod, inp, out, i=i: qk.__setitem__(i, out.detach()))
+             for i, b in enumerate(model.transformer.h)]
+    x = torch.randint(0, 97, (5, 37))
+    m = mon.AttentionMonitor(model, every=1, thresholds=QUIET, sequences=4,
+                             w_q=lambda i: model.transformer.h[i].attn.c_attn.weight[:, :C].T)
+    with torch.no_grad(), m.step(0):
+        model(x)
+    for h_ in hooks:
+        h_.remove()
+    hist = m.history
+    assert sorted(set(hist.layer)) == list(range(L)) and len(hist) == L * H
+    for layer in range(L):
+        q, k, _ = (t.view(5, 37, H, C // H).transpose(1, 2) for t in qk[layer].split(C, dim=2))
+        rows = hist[hist.layer == layer].sort_values("head")
+        np.testing.assert_allclose(rows.max_logit, _logits64(q[:4], k[:4]), rtol=1e-12)
+        w = model.transformer.h[layer].attn.c_attn.weight[:, :C].T.detach().double().view(H, C // H, C)
+        np.testing.assert_allclose(rows.wq_spectral_norm, torch.linalg.svdvals(w)[:, 0].numpy(), rtol=1e-6)
