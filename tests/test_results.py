@@ -898,3 +898,34 @@ def test_paper_claims_text_measures_each_committed_claim():
             assert f"the FP32 run's {healthy['rank-1 similarity']:.3f} (`fp32_rerun` at step {healthy['doctor step']:,})" in text
     assert "the FP32 run's" not in paper_claims_text(table.drop(index="fp32_rerun"))
     assert paper_claims_text(table.drop(index=[f"bf16_{n}" for n in done])).startswith("None of")
+
+
+def test_stabiliser_styles_pair_twins_and_never_repeat():
+    """Page 17's figure (lpfa.runs.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
+    and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed
+    ones (is_fp32_run on the committed configs); one line per label and panel."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.runs import STABILISER_COLORS, is_fp32_run, plot_stabilisers, stabiliser_styles
+
+    names = [f"s{i}" for i in range(2 * len(STABILISER_COLORS) + 1)]
+    labels = ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_rerun", *(f"{m}_{n}" for n in names for m in ("bf16", "fp32"))]
+    fp32 = {label for label in labels if label.startswith("fp32_")}
+    st = stabiliser_styles(labels, fp32)
+    assert len(set(map(repr, st.values()))) == len(labels)
+    for n in names:
+        assert st[f"bf16_{n}"][0] == st[f"fp32_{n}"][0] and st[f"bf16_{n}"][1] != st[f"fp32_{n}"][1]
+    assert st["bf16_s0"][1] == "-" and st["fp32_s0"][1] == "--"
+    rows = {**results.experiment_rows("paper_recipe"), **results.experiment_rows("stabilisers")}
+    assert is_fp32_run(rows["fp32_paper_recipe"]) and is_fp32_run(rows["fp32_gated"])  # sdpa_fp32; lpfa fp32_split
+    assert not is_fp32_run(rows["bf16_gated"]) and not is_fp32_run(rows["fp32_outlier_heads_paper_recipe"])
+    groups = {"a": ["bf16_paper_recipe", "fp32_outlier_heads_paper_recipe"], "b": ["bf16_paper_recipe", "bf16_gated", "fp32_gated"]}
+    fig = plot_stabilisers(rows, 1, groups)
+    assert fig.axes[0].get_yscale() == "log" and len(fig.axes) == 6
+    for ax, col in zip(fig.axes, [0, 1] * 3):
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        assert list(lines) == list(groups["ab"[col]])
+    dashed = {ln.get_label(): ln.get_linestyle() for ln in fig.axes[1].get_lines()}
+    assert dashed["fp32_gated"] == "--" and dashed["bf16_gated"] == "-"
+    assert {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].get_lines()}["fp32_outlier_heads_paper_recipe"] == "-"
+    plt.close(fig)

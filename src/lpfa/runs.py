@@ -289,6 +289,77 @@ def plot_precursors(runs: dict, layer: int):
     return fig
 
 
+STABILISER_COLORS = ("#E69F00", "#56B4E9", "#CC79A7", "#000000", "#7F7F7F", "#009E73")  # Okabe-Ito, after the modes'
+
+
+def is_fp32_run(run_dir) -> bool:
+    """Whether every layer of a run's attention is FP32-level: ``sdpa_fp32``, or lpfa with a policy that rounds
+    nothing to BF16 (:func:`lpfa.attention.policy.is_fp32_level`; a soft-cap is part of the model, not of the
+    precision)."""
+    from lpfa.attention.policy import is_fp32_level
+    from lpfa.model import GPTConfig
+
+    cfg = GPTConfig.from_dict(Run(run_dir).config["model"])
+    return all(cfg.layer_backend(i) == "sdpa_fp32" or cfg.layer_backend(i) == "lpfa"
+               and is_fp32_level(cfg.policy(i).with_(softcap=None)) for i in range(cfg.n_layer))
+
+
+def stabiliser_styles(labels, fp32=()) -> dict:
+    """``{label: (colour, dash)}`` for one column of page 17's figure: the base runs in their modes' colours (BF16
+    solid, FP32 dashed, SFA dash-dot; their reruns dotted); every other row a colour of its own name (the label without
+    its ``bf16_``/``fp32_`` prefix and ``_paper_recipe``), solid, or dashed where the run is in ``fp32`` (FP32-level
+    attention), so a stabiliser and its FP32 twin share a colour and differ in dash. No two labels share both."""
+    from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
+    from lpfa.plotting import COLORS
+
+    base = {"bf16_paper_recipe": (COLORS["bf16"], "-"), "fp32_paper_recipe": (COLORS["fp32"], "--"),
+            "sfa_paper_recipe": (COLORS["sfa"], "-."), STABILISER_RERUN: (COLORS["bf16"], ":"),
+            FP32_RERUN: (COLORS["fp32"], ":")}
+
+    def name(label):
+        return label.removesuffix("_paper_recipe").removeprefix("bf16_").removeprefix("fp32_")
+
+    names = list(dict.fromkeys(name(label) for label in labels if label not in base))
+    # beyond the palette the next round of colours gets other dashes: (BF16, FP32) per round
+    dashes = [("-", "--"), ((0, (5, 1.5)), (0, (1, 1))), ((0, (3, 1, 1, 1)), (0, (6, 2, 1, 2)))]
+    out = {}
+    for label in labels:
+        if label in base:
+            out[label] = base[label]
+            continue
+        i = names.index(name(label))
+        out[label] = (STABILISER_COLORS[i % len(STABILISER_COLORS)],
+                      dashes[(i // len(STABILISER_COLORS)) % len(dashes)][label in fp32])
+    return out
+
+
+def plot_stabilisers(runs: dict, layer: int, groups: dict):
+    """Page 17's figure: the three logged links of ``layer`` (rows: largest logit, log scale; tie fraction; W_Q) over
+    training, one column per group of ``groups`` (``{title: [labels]}``, each label a key of ``runs``), each line in
+    its column's :func:`stabiliser_styles` (FP32 twins dashed, :func:`is_fp32_run`), a legend under each column."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    use_style()
+    fp32 = {label for labels in groups.values() for label in labels if is_fp32_run(runs[label])}
+    fig, axes = plt.subplots(3, len(groups), figsize=(4.2 * len(groups), 8.0), sharex=True, sharey="row", squeeze=False)
+    for col, (title, labels) in enumerate(groups.items()):
+        style = stabiliser_styles(labels, fp32)
+        for row, metric in enumerate(PRECURSORS):
+            ax = axes[row, col]
+            for label in labels:
+                s = layer_max(runs[label], metric, layer)
+                ax.plot(s.index, s.values, color=style[label][0], ls=style[label][1], label=label, lw=1.4)
+        axes[0, col].set_title(title, fontsize=10)
+        axes[-1, col].set_xlabel("step")
+        axes[-1, col].legend(fontsize=9, ncol=1, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    for row, name in enumerate(PRECURSORS.values()):
+        axes[row, 0].set_ylabel(f"layer {layer}:\n{name}", fontsize=9)
+    axes[0, 0].set_yscale("log")
+    return fig
+
+
 def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = True) -> int | None:
     """When does one run's precursor leave its twin's behind? ``a`` and ``b``: Series indexed by step.
 
