@@ -470,12 +470,12 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
 def test_stabiliser_summary_from_the_committed_table():
     """Page 17's rows in words (lpfa.runs.stabiliser_summary) from stabiliser_table: the count of committed
     stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
-    from lpfa.experiments import RERUNS, STABILISERS
+    from lpfa.experiments import BASES, STABILISERS
     from lpfa.runs import stabiliser_summary, stabiliser_table
 
     table, step, _ = stabiliser_table(layer=1)
     text = stabiliser_summary(table, step, 1)
-    rows = [label for label in STABILISERS if label not in RERUNS]  # the reruns of the base are no stabilisers
+    rows = [label for label in STABILISERS if label not in BASES]  # the reruns and the Muon base are no stabilisers
     done = [label for label in rows if label in table.index]
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
     assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text
@@ -712,6 +712,20 @@ def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
         assert f"`fp32_qknorm` {STABILISER_STEPS * 24 * 1024 / tps / 60:.1f} min" in text
 
 
+def test_muon_clip_rows_are_held_against_their_twins_and_the_muon_base():
+    """Issue 19's QK-clip with Muon (Kimi K2's MuonClip): the BF16 rows' references are their FP32 twins, the only
+    change from the Muon base is the clip, and the Muon base is no stabiliser row (BASES)."""
+    from lpfa.experiments import BASES, MUON_BASE, QK_CLIP_TAU, rows
+
+    r = rows("stabilisers")
+    assert set(MUON_BASE) <= set(BASES) and r["bf16_qkclip_muon"].reference == "fp32_qkclip_muon"
+    assert r["bf16_muon_recipe"].reference == "fp32_muon_recipe"
+    for mode in ("bf16", "fp32"):
+        clip, base = set(r[f"{mode}_qkclip_muon"].overrides), set(r[f"{mode}_muon_recipe"].overrides)
+        assert clip - base == {f"qk_clip={QK_CLIP_TAU:g}"} and "optimizer=muon" in base
+        assert clip - {"optimizer=muon"} == set(r[f"{mode}_qkclip"].overrides)
+
+
 def _stabiliser_root(tmp, walls: dict[str, float]):
     """A results root with the recipe's BF16 run and one stabiliser launch of ``walls`` (label: wall seconds for
     6,000 steps), from the committed configs."""
@@ -737,14 +751,14 @@ def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_p
     from lpfa.runs import STABILISER_BUDGET_S, stabiliser_plan
 
     root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": STABILISER_BUDGET_S + 60.0})
-    text = stabiliser_plan(["fp32_qknorm", "bf16_qkclip", "sr_reseed", "fp32_softcap"], root=root)
+    text = stabiliser_plan(["fp32_qknorm", "bf16_qkclip", "sr_reseed", "fp32_softcap", "bf16_qkclip_muon"], root=root)
     assert "Sharing one H200 2 ways" in text
     assert f"BF16, compiled: {6000 * 24 * 1024 / 900:,.0f} tokens/s (`bf16_gated`)" in text
     assert "`bf16_qkclip` 15.0 min" in text and f"`fp32_softcap` {(STABILISER_BUDGET_S + 60) / 60:.1f} min" in text
-    assert "`sr_reseed` speed not measured" in text
+    assert "`sr_reseed` speed not measured" in text and "`bf16_qkclip_muon` speed not measured" in text  # eager; Muon
     assert 'ONLY="fp32_qknorm bf16_qkclip"' in text
     assert f"(`fp32_qknorm` would stop before step 6,000 at {STABILISER_BUDGET_S:,} s)" in text
-    assert text.endswith("after it, `sr_reseed` then `fp32_softcap`.")
+    assert text.endswith("after it, `sr_reseed` then `fp32_softcap` then `bf16_qkclip_muon`.")
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 

@@ -126,6 +126,8 @@ RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_D
 QK_CLIP_TAU = 100.0
 STABILISER_RERUN, FP32_RERUN = "bf16_rerun", "fp32_rerun"
 RERUNS = (STABILISER_RERUN, FP32_RERUN)  # the base runs again: no stabiliser rows
+MUON_BASE = ("bf16_muon_recipe", "fp32_muon_recipe")  # the recipe with Muon, no stabiliser: the Muon QK-clip rows' base
+BASES = (*RERUNS, *MUON_BASE)  # the STABILISERS rows that carry no stabiliser
 RERUN_STOP = 5000  # fp32_rerun's last step: the doctor's step (scripts/gpu/paper_recipe.sh DOCTOR_STEP)
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
@@ -136,6 +138,9 @@ STABILISERS: dict[str, list[str]] = {
        for mode in ("bf16", "fp32")},
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
+    # QK-clip is Kimi K2's MuonClip: the clip with Muon as well, held against the recipe with Muon and no clip
+    **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], *switch, "optimizer=muon"]
+       for name, switch in (("muon_recipe", []), ("qkclip_muon", [f"qk_clip={QK_CLIP_TAU:g}"])) for mode in ("bf16", "fp32")},
     # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and value
     # under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn afresh each
     # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
@@ -197,6 +202,10 @@ DESCRIPTIONS: dict[str, str] = {
                           ("softcap", "logits soft-capped at 50 (Gemma 2)"),
                           ("qkclip", f"QK-clip at τ = {QK_CLIP_TAU:g} (Kimi K2's MuonClip: W_Q, W_K of a head scaled by "
                                      "√(τ / its largest logit) after each step it exceeds τ)")) for m in ("bf16", "fp32")},
+    **{f"{m}_muon_recipe": f"{'BF16' if m == 'bf16' else 'FP32'} attention, Muon optimizer, the paper's GPT-2 S recipe (the base of the Muon QK-clip rows)"
+       for m in ("bf16", "fp32")},
+    **{f"{m}_qkclip_muon": f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe"
+       for m in ("bf16", "fp32")},
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }

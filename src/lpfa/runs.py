@@ -1013,13 +1013,13 @@ def stabiliser_table(layer: int = 1, root=None):
 STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1150
 
 
-def _speed_key(attn_policy: str, compile_: bool) -> str:
+def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> str:
     """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not (the soft-cap, part of the
-    model, aside), compiled or eager."""
+    model, aside), compiled or eager, and the optimizer where it is not AdamW (Muon's orthogonalisation costs time)."""
     from lpfa.attention.policy import get_policy, is_fp32_level
 
     fp32 = is_fp32_level(get_policy(attn_policy).with_(softcap=None))
-    return f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}"
+    return f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}" + ("" if optimizer == "adamw" else f", {optimizer}")
 
 
 def stabiliser_speeds(root=None):
@@ -1039,7 +1039,7 @@ def stabiliser_speeds(root=None):
     for runs in by_launch.values():  # oldest first: a later run of the same key replaces an earlier one
         if len(runs) == sharing:
             for r in runs:
-                key = _speed_key(r.train["attn_policy"], r.train["compile"])
+                key = _speed_key(r.train["attn_policy"], r.train["compile"], r.train.get("optimizer", "adamw"))
                 speeds[key] = (r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] / r.summary["wall_s"], r.path.name)
     return speeds, sharing
 
@@ -1065,7 +1065,8 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
 
     def key(label):
         o = dict(x.split("=", 1) for x in design[label].overrides)
-        return _speed_key(o.get("attn_policy", bf16["attn_policy"]), o.get("compile", "true").lower() == "true")
+        return _speed_key(o.get("attn_policy", bf16["attn_policy"]), o.get("compile", "true").lower() == "true",
+                          o.get("optimizer", bf16.get("optimizer", "adamw")))
 
     calls, call = [], []
     for label in pending:
@@ -1215,11 +1216,11 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     """Page 17's finding in one bold sentence, from :func:`stabiliser_table`: which committed BF16 stabiliser rows hold
     (no logit runaway, loss not exploded and within :data:`LOSS_MATCH` of the FP32 twin's) and how each other one fails.
     Without the BF16 run of the recipe, says so."""
-    from lpfa.experiments import RERUNS, STABILISERS
+    from lpfa.experiments import BASES, STABILISERS
 
     if table.empty:
         return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
-    bf16 = [label for label in STABILISERS if label in table.index and label not in RERUNS
+    bf16 = [label for label in STABILISERS if label in table.index and label not in BASES
             and table.loc[label, f"layer {layer} scores"] != "fp32"]
     if not bf16:
         return "**No BF16 stabiliser row is committed yet.**"
@@ -1255,11 +1256,11 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
     exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
     the BF16 O."""
-    from lpfa.experiments import RERUNS, STABILISER_RERUN, STABILISERS
+    from lpfa.experiments import BASES, STABILISER_RERUN, STABILISERS
 
     if table.empty:
         return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
-    rows = [label for label in STABILISERS if label not in RERUNS]
+    rows = [label for label in STABILISERS if label not in BASES]
     done = [label for label in rows if label in table.index]
     b = table.loc["bf16_paper_recipe"]
 
