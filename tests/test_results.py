@@ -484,7 +484,7 @@ def test_stabiliser_summary_from_the_committed_table():
         assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
-            f"{r['W_Q ÷ bf16']:.2f} of the BF16 run's, its loss clean for 6,000 steps, its eval loss "
+            f"{r['W_Q ÷ bf16']:.2f}, its loss clean for 6,000 steps, its eval loss "
             f"{r['eval loss − twin']:+.2f} against `fp32_paper_recipe`'s at step {r['gap step']:,}, its layer-1 logits "
             f"running away from step {r['runaway step']:,}") in text
     cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]

@@ -1266,7 +1266,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
 
     def links(label):
         r = table.loc[label]
-        return (f"{_link_ratios(r)} of the BF16 run's, " + _loss_fate(r)
+        return (f"{_link_ratios(r)}, " + _loss_fate(r)
                 + (f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
                    if r["runaway step"] is not None else ", no runaway"))
 
@@ -1295,25 +1295,26 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
             return "–" if v is None or v != v else f"{v:.2f}"
         resolved = [label for label in doc.index for col in ("δ |t| paper", "δ |t| own")
                     if doc.loc[label, col] is not None and doc.loc[label, col] >= T_RESOLVED]
-        doctor = (f" **lpfa doctor on layer {layer}**, one checkpoint per row before its explosion: "
-                  + "; ".join(f"`{label}` at step {int(doc.loc[label, 'doctor step']):,}, rank-1 similarity "
+        doctor = (f"\n\n**lpfa doctor on layer {layer}**, one checkpoint per row before its explosion:\n\n"
+                  + "\n".join(f"- `{label}` at step {int(doc.loc[label, 'doctor step']):,}: rank-1 similarity "
                               f"{doc.loc[label, 'rank-1 similarity']:.3f}, largest |t| of the δ error {fmt(label, 'δ |t| paper')} "
                               f"(paper)" + (f", {fmt(label, 'δ |t| own')} (its own policy)"
                                             if doc.loc[label, "δ |t| own"] is not None else "") for label in doc.index)
-                  + (f". With one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| reaches "
-                     f"{T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else "."))
+                  + (f"\n\nWith one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| reaches "
+                     f"{T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
                    and table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
     not_bf16_o = {label for label in table.index if table.loc[label, f"layer {layer} δ from"] != "bf16 O"}
+    items = ([f"SFA: {links('sfa_paper_recipe')}."] if "sfa_paper_recipe" in table.index else []) + [
+        f"`{c.removesuffix('_paper_recipe')}`: {links(c)}." for c in cuts] + [row(label) for label in done]
     return (f"**{len(done)} of the {len(rows)} stabiliser runs are committed"
             + (f" ({', '.join(f'`{l}`' for l in done)})" if done else "") + ".** "
-            + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
-            + (f"SFA leaves {links('sfa_paper_recipe')}. " if "sfa_paper_recipe" in table.index else "")
-            + " ".join(f"`{c.removesuffix('_paper_recipe')}`: {links(c)}." for c in cuts)
-            + "".join(f" {row(label)}" for label in done) + rerun + doctor
-            + (f" **Ties are not what must go:** {', '.join(f'`{l}`' for l in tie_keepers)} keep at least half of the BF16 "
-               "run's tie fraction and do not explode." if tie_keepers else "")
+            + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), each "
+            "row's links as ratios to the BF16 run's:\n\n" + "\n".join(f"- {item}" for item in items)
+            + (f"\n\n{rerun.strip()}" if rerun else "") + doctor
+            + (f"\n\n**Ties are not what must go:** {', '.join(f'`{l}`' for l in tie_keepers)} keep at least half of the "
+               "BF16 run's tie fraction and do not explode." if tie_keepers else "")
             + (f" The rows without any runaway ({', '.join(f'`{l}`' for l in calm)}) are exactly those whose layer-{layer} δ "
                "does not come from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))
