@@ -919,10 +919,12 @@ def test_paper_claims_text_measures_each_committed_claim():
 def test_stabiliser_styles_pair_twins_and_never_repeat():
     """Page 17's figure (lpfa.runs.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
     and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed
-    ones (is_fp32_run on the committed configs); one line per label and panel."""
+    ones (every layer "fp32" in lpfa.alarms.layer_precision on the committed configs); one line per label and panel."""
     import matplotlib.pyplot as plt
 
-    from lpfa.runs import STABILISER_COLORS, is_fp32_run, plot_stabilisers, stabiliser_styles
+    from lpfa.alarms import layer_precision
+    from lpfa.run import Run
+    from lpfa.runs import STABILISER_COLORS, plot_stabilisers, stabiliser_styles
 
     names = [f"s{i}" for i in range(2 * len(STABILISER_COLORS) + 1)]
     labels = ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_rerun", *(f"{m}_{n}" for n in names for m in ("bf16", "fp32"))]
@@ -933,8 +935,10 @@ def test_stabiliser_styles_pair_twins_and_never_repeat():
         assert st[f"bf16_{n}"][0] == st[f"fp32_{n}"][0] and st[f"bf16_{n}"][1] != st[f"fp32_{n}"][1]
     assert st["bf16_s0"][1] == "-" and st["fp32_s0"][1] == "--"
     rows = {**results.experiment_rows("paper_recipe"), **results.experiment_rows("stabilisers")}
-    assert is_fp32_run(rows["fp32_paper_recipe"]) and is_fp32_run(rows["fp32_gated"])  # sdpa_fp32; lpfa fp32_split
-    assert not is_fp32_run(rows["bf16_gated"]) and not is_fp32_run(rows["fp32_outlier_heads_paper_recipe"])
+    precision = {label: set(layer_precision(Run(rows[label]))) for label in
+                 ("fp32_paper_recipe", "fp32_gated", "bf16_gated", "fp32_outlier_heads_paper_recipe")}
+    assert precision["fp32_paper_recipe"] == precision["fp32_gated"] == {"fp32"}  # sdpa_fp32; lpfa fp32_split
+    assert precision["bf16_gated"] == {"bf16"} and "fp32" not in precision["fp32_outlier_heads_paper_recipe"]
     groups = {"a": ["bf16_paper_recipe", "fp32_outlier_heads_paper_recipe"], "b": ["bf16_paper_recipe", "bf16_gated", "fp32_gated"]}
     fig = plot_stabilisers(rows, 1, groups)
     assert fig.axes[0].get_yscale() == "log" and len(fig.axes) == 6

@@ -292,18 +292,6 @@ def plot_precursors(runs: dict, layer: int):
 STABILISER_COLORS = ("#E69F00", "#56B4E9", "#CC79A7", "#000000", "#7F7F7F", "#009E73")  # Okabe-Ito, after the modes'
 
 
-def is_fp32_run(run_dir) -> bool:
-    """Whether every layer of a run's attention is FP32-level: ``sdpa_fp32``, or lpfa with a policy that rounds
-    nothing to BF16 (:func:`lpfa.attention.policy.is_fp32_level`; a soft-cap is part of the model, not of the
-    precision)."""
-    from lpfa.attention.policy import is_fp32_level
-    from lpfa.model import GPTConfig
-
-    cfg = GPTConfig.from_dict(Run(run_dir).config["model"])
-    return all(cfg.layer_backend(i) == "sdpa_fp32" or cfg.layer_backend(i) == "lpfa"
-               and is_fp32_level(cfg.policy(i).with_(softcap=None)) for i in range(cfg.n_layer))
-
-
 def stabiliser_styles(labels, fp32=()) -> dict:
     """``{label: (colour, dash)}`` for one column of page 17's figure: the base runs in their modes' colours (BF16
     solid, FP32 dashed, SFA dash-dot; their reruns dotted); every other row a colour of its own name (the label without
@@ -336,13 +324,16 @@ def stabiliser_styles(labels, fp32=()) -> dict:
 def plot_stabilisers(runs: dict, layer: int, groups: dict):
     """Page 17's figure: the three logged links of ``layer`` (rows: largest logit, log scale; tie fraction; W_Q) over
     training, one column per group of ``groups`` (``{title: [labels]}``, each label a key of ``runs``), each line in
-    its column's :func:`stabiliser_styles` (FP32 twins dashed, :func:`is_fp32_run`), a legend under each column."""
+    its column's :func:`stabiliser_styles` (FP32 twins dashed: every layer "fp32" in
+    :func:`lpfa.alarms.layer_precision`), a legend under each column."""
     import matplotlib.pyplot as plt
 
+    from lpfa.alarms import layer_precision
     from lpfa.plotting import use_style
 
     use_style()
-    fp32 = {label for labels in groups.values() for label in labels if is_fp32_run(runs[label])}
+    fp32 = {label for labels in groups.values() for label in labels
+            if all(p == "fp32" for p in layer_precision(Run(runs[label])))}
     fig, axes = plt.subplots(3, len(groups), figsize=(4.2 * len(groups), 8.0), sharex=True, sharey="row", squeeze=False)
     for col, (title, labels) in enumerate(groups.items()):
         style = stabiliser_styles(labels, fp32)
@@ -1014,11 +1005,13 @@ STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1150
 
 
 def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> str:
-    """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not (the soft-cap, part of the
-    model, aside), compiled or eager, and the optimizer where it is not AdamW (Muon's orthogonalisation costs time)."""
-    from lpfa.attention.policy import get_policy, is_fp32_level
+    """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not
+    (:func:`lpfa.alarms.attention_precision` of the policy, which sets a soft-cap aside), compiled or eager, and the
+    optimizer where it is not AdamW (Muon's orthogonalisation costs time)."""
+    from lpfa.alarms import attention_precision
+    from lpfa.attention.policy import get_policy
 
-    fp32 = is_fp32_level(get_policy(attn_policy).with_(softcap=None))
+    fp32 = attention_precision("lpfa", get_policy(attn_policy)) == "fp32"
     return f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}" + ("" if optimizer == "adamw" else f", {optimizer}")
 
 
