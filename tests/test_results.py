@@ -688,6 +688,29 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
         twin_text(throughput_table({k: v for k, v in tput.items() if "fp32" not in k}), error)
 
 
+def test_page_6_and_page_17_figures_share_their_precursor_panels():
+    """plot_precursors (page 6) and plot_stabilisers (page 17) draw their panels in one loop: on the same base runs
+    each panel holds, in order, one line per run, its layer_max of that precursor, in the run's mode's colour and dash
+    (stabiliser_styles gives the base runs those)."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.runs import PRECURSORS, layer_max, plot_precursors, plot_stabilisers
+
+    rows = results.experiment_rows("paper_recipe", ["bf16_paper_recipe", "fp32_paper_recipe", "sfa_paper_recipe"])
+    assert len(rows) == 3
+    page6, page17 = plot_precursors(rows, 1), plot_stabilisers(rows, 1, {"base": list(rows)})
+    assert len(page6.axes) == len(page17.axes) == len(PRECURSORS)
+    for a, b, metric in zip(page6.axes, page17.axes, PRECURSORS):
+        assert [ln.get_label() for ln in a.get_lines()] == [ln.get_label() for ln in b.get_lines()] == list(rows)
+        for label, la, lb in zip(rows, a.get_lines(), b.get_lines()):
+            s = layer_max(rows[label], metric, 1)
+            for ln in (la, lb):
+                assert np.array_equal(ln.get_xdata(), s.index) and np.array_equal(ln.get_ydata(), s.values)
+            assert (la.get_color(), la.get_linestyle(), la.get_linewidth()) == (lb.get_color(), lb.get_linestyle(), 1.4)
+    plt.close(page6)
+    plt.close(page17)
+
+
 def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
     """Page 17's next step (lpfa.runs.stabiliser_plan) on the committed runs: each pending row timed at the speed that
     a committed run of its precision reached sharing the H200, and the first call naming as many rows as shared it."""

@@ -268,6 +268,15 @@ def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=N
     return pd.DataFrame(rows).T, step
 
 
+def _plot_precursor_panels(axes, runs: dict, layer: int, style: dict):
+    """Draw each run of ``runs`` (``{label: run_dir}``, in order) on ``axes``, one panel per :data:`PRECURSORS`
+    (its :func:`layer_max` in ``layer`` over training), in ``style[label]`` = (colour, dash)."""
+    for label, d in runs.items():
+        for ax, metric in zip(axes, PRECURSORS):
+            s = layer_max(d, metric, layer)
+            ax.plot(s.index, s.values, color=style[label][0], ls=style[label][1], label=label, lw=1.4)
+
+
 def plot_precursors(runs: dict, layer: int):
     """The three precursors of one layer over training, one panel per row (legible at page width), every run in its
     mode's colour and line style (:func:`lpfa.plotting.color_of`, :func:`lpfa.plotting.dash_of`)."""
@@ -277,10 +286,7 @@ def plot_precursors(runs: dict, layer: int):
 
     use_style()
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.2), sharex=True)
-    for label, d in runs.items():
-        for ax, metric in zip(axes, PRECURSORS):
-            s = layer_max(d, metric, layer)
-            ax.plot(s.index, s.values, color=color_of(label), ls=dash_of(label), label=label, lw=1.4)
+    _plot_precursor_panels(axes, runs, layer, {label: (color_of(label), dash_of(label)) for label in runs})
     for ax, name in zip(axes, PRECURSORS.values()):
         ax.set_title(f"layer {layer}: {name}", fontsize=10)
     axes[-1].set_xlabel("step")
@@ -336,12 +342,8 @@ def plot_stabilisers(runs: dict, layer: int, groups: dict):
             if all(p == "fp32" for p in layer_precision(Run(runs[label])))}
     fig, axes = plt.subplots(3, len(groups), figsize=(4.2 * len(groups), 8.0), sharex=True, sharey="row", squeeze=False)
     for col, (title, labels) in enumerate(groups.items()):
-        style = stabiliser_styles(labels, fp32)
-        for row, metric in enumerate(PRECURSORS):
-            ax = axes[row, col]
-            for label in labels:
-                s = layer_max(runs[label], metric, layer)
-                ax.plot(s.index, s.values, color=style[label][0], ls=style[label][1], label=label, lw=1.4)
+        _plot_precursor_panels(axes[:, col], {label: runs[label] for label in labels}, layer,
+                               stabiliser_styles(labels, fp32))
         axes[0, col].set_title(title, fontsize=10)
         axes[-1, col].set_xlabel("step")
         axes[-1, col].legend(fontsize=9, ncol=1, loc="upper center", bbox_to_anchor=(0.5, -0.3))
