@@ -361,7 +361,7 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16 run's."""
     from lpfa.experiments import STABILISERS
     from lpfa.run import Run, run_verdict
-    from lpfa.runs import STABILISER_LINKS, layer_max, stabiliser_table
+    from lpfa.runs import STABILISER_LINKS, layer_max, read_records, stabiliser_table
 
     t, step, pending = stabiliser_table()
     assert {"bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe"} <= set(t.index)
@@ -384,6 +384,14 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     fp32 = t.loc["fp32_paper_recipe"]
     assert fp32["logit ÷ bf16"] < 0.01 and fp32["outcome"] == "clean"
     assert t.loc["delta_dp_paper_recipe", "stabiliser"] == "isolation: delta_dp"
+    # the cost in loss: each row's eval loss minus its twin's at the last eval step both logged, from the records
+    evals = {label: {r["step"]: r["val_loss"] for r in read_records(d) if "val_loss" in r}
+             for label, d in found.items()}
+    assert t.loc["sfa_paper_recipe", "FP32 twin"] == "fp32_paper_recipe"
+    for label, row in t.iterrows():
+        mine, twin = evals[label], evals[row["FP32 twin"]]
+        assert row["gap step"] == max(set(mine) & set(twin))
+        assert row["eval loss − twin"] == mine[row["gap step"]] - twin[row["gap step"]]
 
 
 def test_speed_table_adds_the_gpu_only_columns_where_the_run_timed_them():
@@ -873,8 +881,8 @@ def test_overhead_text_states_the_latest_run_and_its_commits_spread():
 
 def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
     """lpfa.runs.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last eval step
-    both logged (not at each run's own last step); no shared step gives (None, nan)."""
-    from lpfa.runs import eval_loss_gap
+    both logged (not at each run's own last step); no shared step, or no evals, gives (None, nan)."""
+    from lpfa.runs import eval_loss_gap, load_metrics
 
     rng = np.random.default_rng()
     a, b, c = (tmp_path / n for n in "abc")
@@ -883,11 +891,12 @@ def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
         d.mkdir()
         (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s_, "loss": 9.0}) + "\n" + json.dumps({"step": s_, "val_loss": v}) + "\n"
                                                  for s_, v in zip(steps, vals)))
-    step, gap = eval_loss_gap(a, b)
+    val = {d: load_metrics(d)[1] for d in (a, b, c)}
+    step, gap = eval_loss_gap(val[a], val[b])
     assert step == 1500 and gap == float(va[2]) - float(vb[2])
-    assert eval_loss_gap(b, a) == (1500, float(vb[2]) - float(va[2]))
-    none = eval_loss_gap(a, c)
-    assert none[0] is None and math.isnan(none[1])
+    assert eval_loss_gap(val[b], val[a]) == (1500, float(vb[2]) - float(va[2]))
+    for none in (eval_loss_gap(val[a], val[c]), eval_loss_gap(val[a], val[a].iloc[:0])):
+        assert none[0] is None and math.isnan(none[1])
 
 
 def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():

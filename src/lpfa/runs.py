@@ -911,18 +911,18 @@ DOCTOR_LINKS = {"doctor step": "the checkpoint's step", "δ |t| paper": "largest
 T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts the doctor's probe as resolving a bias
 
 
-def eval_loss_gap(run, twin) -> tuple[int | None, float]:
-    """The cost of a stabiliser in loss (issue 19 §1): ``run``'s eval loss minus its FP32 ``twin``'s at the last eval
-    step both logged (runs stop at different steps, and the loss falls throughout), as ``(step, gap)``; ``(None, nan)``
-    when they share no eval step."""
-    vals = [load_metrics(r)[1] for r in (run, twin)]
-    if any(len(v) == 0 for v in vals):
+def eval_loss_gap(val, twin_val) -> tuple[int | None, float]:
+    """The cost of a stabiliser in loss (issue 19 §1): a run's eval loss minus its FP32 twin's at the last eval step
+    both logged (runs stop at different steps, and the loss falls throughout), as ``(step, gap)``; ``(None, nan)`` when
+    they share no eval step. ``val``, ``twin_val``: the runs' eval frames (:func:`load_metrics`' second), loaded once
+    by the caller however many rows share a twin."""
+    if len(val) == 0 or len(twin_val) == 0:
         return None, float("nan")
-    common = vals[0].index.intersection(vals[1].index)
+    common = val.index.intersection(twin_val.index)
     if not len(common):
         return None, float("nan")
     step = int(common.max())
-    return step, float(vals[0].loc[step, "val_loss"] - vals[1].loc[step, "val_loss"])
+    return step, float(val.loc[step, "val_loss"] - twin_val.loc[step, "val_loss"])
 
 
 def doctor_links(run, layer: int = 1) -> dict:
@@ -986,7 +986,8 @@ def stabiliser_table(layer: int = 1, root=None):
         name = f"{col} @ {step}"
         table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
     table["FP32 twin"] = [twin(label) for label in table.index]
-    gaps = {label: eval_loss_gap(runs[label], runs[twin(label)]) for label in table.index}
+    vals = {label: load_metrics(d)[1] for label, d in runs.items()}  # each run's evals once, twins shared by rows
+    gaps = {label: eval_loss_gap(vals[label], vals[twin(label)]) for label in table.index}
     table["eval loss − twin"] = [gaps[label][1] for label in table.index]
     table["gap step"] = pd.Series([gaps[label][0] for label in table.index], index=table.index, dtype=object)
     doctor = {label: doctor_links(runs[label], layer) for label in table.index}
