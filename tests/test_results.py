@@ -908,6 +908,9 @@ def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
     table, _, _ = stabiliser_table(layer=1)
     text = stabiliser_finding(table)
     assert text.startswith("**At the paper's recipe, ") and text.endswith(".**")
+    rerun = table.loc["fp32_rerun"]  # LOSS_MATCH's comment: ten times the spread of two FP32 runs of one seed
+    assert rerun["FP32 twin"] == "fp32_paper_recipe" and rerun["gap step"] == 5000
+    assert round(rerun["eval loss − twin"], 3) == -0.005 and LOSS_MATCH == 0.05
     g = table.loc["bf16_gated"]  # results/stabilisers/h200-2026-12-03b: ran away and ended above fp32_gated
     assert g["FP32 twin"] == "fp32_gated" and g["runaway step"] is not None and g["eval loss − twin"] > LOSS_MATCH
     assert (f"`bf16_gated` keeps the logit runaway (layer 1, from step {g['runaway step']:,}) and ends "
