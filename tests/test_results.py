@@ -696,6 +696,28 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
         twin_text(throughput_table({k: v for k, v in tput.items() if "fp32" not in k}), error)
 
 
+def test_stabiliser_groups_put_the_cuts_and_the_stabilisers_in_two_columns():
+    """Page 17's figure columns (lpfa.runs.stabiliser_groups): the recipe's BF16 and FP32 runs head both, the paper's
+    cuts (*_paper_recipe) and the reruns go left, every other row right, each in the order given."""
+    from lpfa.runs import stabiliser_groups
+
+    labels = ["bf16_qknorm", "sfa_paper_recipe", "fp32_paper_recipe", "bf16_rerun", "delta_dp_paper_recipe",
+              "bf16_paper_recipe", "sr", "fp32_rerun", "bf16_gated", "fp32_gated"]
+    assert stabiliser_groups(labels) == {
+        "the paper's cuts and reruns": ["bf16_paper_recipe", "fp32_paper_recipe", "sfa_paper_recipe", "bf16_rerun",
+                                        "delta_dp_paper_recipe", "fp32_rerun"],
+        "stabilisers and their FP32 twins": ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_qknorm", "sr",
+                                             "bf16_gated", "fp32_gated"]}
+    assert stabiliser_groups(["bf16_paper_recipe", "bf16_gated"]) == {
+        "the paper's cuts and reruns": ["bf16_paper_recipe"],
+        "stabilisers and their FP32 twins": ["bf16_paper_recipe", "bf16_gated"]}
+    assert stabiliser_groups([]) == {"the paper's cuts and reruns": [], "stabilisers and their FP32 twins": []}
+    rows = [*results.experiment_rows("paper_recipe"), *results.experiment_rows("stabilisers")]
+    left, right = stabiliser_groups(rows).values()
+    assert left[:2] == right[:2] == ["bf16_paper_recipe", "fp32_paper_recipe"]
+    assert sorted(left + right[2:]) == sorted(rows)  # every committed row drawn once, the base in both
+
+
 def test_page_6_and_page_17_figures_share_their_precursor_panels():
     """plot_precursors (page 6) and plot_stabilisers (page 17) draw their panels in one loop: on the same base runs
     each panel holds, in order, one line per run, its layer_max of that precursor, in the run's mode's colour and dash

@@ -353,6 +353,19 @@ def plot_stabilisers(runs: dict, layer: int, groups: dict):
     return fig
 
 
+def stabiliser_groups(labels) -> dict:
+    """Page 17's figure columns, :func:`plot_stabilisers`' ``groups``, from the committed rows ``labels`` (in their
+    order): the BF16 and FP32 runs of the recipe head both columns; the first holds the paper's own cuts of the chain
+    (every other ``*_paper_recipe`` row: SFA, the isolation rows) and the base runs again
+    (:data:`lpfa.experiments.RERUNS`), the second every remaining row: the stabilisers and their FP32 twins."""
+    from lpfa.experiments import RERUNS
+
+    base = [label for label in ("bf16_paper_recipe", "fp32_paper_recipe") if label in labels]
+    cuts = [label for label in labels if label.endswith("_paper_recipe") and label not in base or label in RERUNS]
+    stabilisers = [label for label in labels if label not in base and label not in cuts]
+    return {"the paper's cuts and reruns": [*base, *cuts], "stabilisers and their FP32 twins": [*base, *stabilisers]}
+
+
 def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = True) -> int | None:
     """When does one run's precursor leave its twin's behind? ``a`` and ``b``: Series indexed by step.
 
