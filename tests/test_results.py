@@ -973,6 +973,57 @@ def test_paper_claims_text_measures_each_committed_claim():
     assert paper_claims_text(table.drop(index=[f"bf16_{n}" for n in done])).startswith("None of")
 
 
+def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
+    """Page 17's verdicts on the paper's Discussion (lpfa.runs.paper_claims_text): a claim stands only when its BF16 row
+    breaks the claimed link (similarity below the FP32 run's; ties at most TIES_KEPT of the BF16 run's) and holds (no
+    explosion, no runaway, eval loss within LOSS_MATCH of its twin's); each other case says which part fails."""
+    from lpfa.runs import LOSS_MATCH, PAPER_CLAIMS, TIES_KEPT, paper_claims_text, stabiliser_table
+
+    table, _, _ = stabiliser_table(layer=1)
+    healthy = table.loc["fp32_rerun", "rank-1 similarity"]
+
+    def verdict(t, name):
+        item = [line for line in paper_claims_text(t).splitlines() if line.startswith("- ") and f"`bf16_{name}`" in line]
+        assert len(item) == 1
+        return item[0].split("Verdict: ")[1]
+
+    def holding(t, label):
+        t.loc[label, ["exploded", "runaway step", "eval loss − twin"]] = [False, None, LOSS_MATCH / 2]
+
+    done = [n for n in PAPER_CLAIMS if f"bf16_{n}" in table.index]
+    for name in done:  # every branch, on an edited copy of each committed row
+        label, link = f"bf16_{name}", PAPER_CLAIMS[name][0]
+        t = table.copy()
+        broken_value, kept_value = (healthy - 0.1, healthy + 0.01) if link == "rank-1 similarity" else (TIES_KEPT, 1.5)
+        column = "rank-1 similarity" if link == "rank-1 similarity" else "ties ÷ bf16"
+        holding(t, label)
+        t.loc[label, column] = broken_value
+        assert verdict(t, name) == "consistent with the claim: the row breaks the link and holds."
+        t.loc[label, column] = kept_value
+        assert verdict(t, name).startswith("**against the claim**: the row holds with the link intact")
+        t.loc[label, "eval loss − twin"] = 2 * LOSS_MATCH
+        assert verdict(t, name) == (f"**against the claim**: the row leaves the link intact and ends {2 * LOSS_MATCH:.2f} "
+                                    "above its FP32 twin's eval loss; the stabiliser does not work here.")
+        t.loc[label, column] = broken_value
+        t.loc[label, ["exploded", "explosion step"]] = [True, 4321]
+        assert verdict(t, name) == ("**against the claim**: the row breaks the link, yet it explodes (step 4,321), so "
+                                    "breaking the link is not enough here.")
+        if link == "rank-1 similarity":
+            t.loc[label, column] = None
+            assert verdict(t, name) == "not judged: the link is not measured on this row."
+    lead = paper_claims_text(table).splitlines()[0]
+    judged = [n for n in done if PAPER_CLAIMS[n][0] == "ties" or table.loc[f"bf16_{n}", "rank-1 similarity"] is not None]
+    stand = []
+    for n in judged:  # the committed verdicts, recomputed from the table's columns
+        r = table.loc[f"bf16_{n}"]
+        broken = (r["rank-1 similarity"] < healthy if PAPER_CLAIMS[n][0] == "rank-1 similarity"
+                  else r["ties ÷ bf16"] <= TIES_KEPT)
+        holds = not r["exploded"] and r["runaway step"] is None and abs(r["eval loss − twin"]) <= LOSS_MATCH
+        stand += [n] if broken and holds else []
+    assert lead.startswith(f"**{len(stand)} of the paper's {len(judged)} explanations measured here stand")
+    assert lead.endswith(".**")
+
+
 def test_stabiliser_styles_pair_twins_and_never_repeat():
     """Page 17's figure (lpfa.runs.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
     and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed

@@ -1181,21 +1181,60 @@ def _loss_fate(row) -> str:
             f"{row['gap step']:,}")
 
 
+# A row keeps the ties when its largest per-head tie fraction is above half the BF16 run's (ratio ``ties ÷ bf16``)
+TIES_KEPT = 0.5
+
+
+def _failure(row) -> str:
+    """How a :func:`stabiliser_table` row fails to hold, in words: it explodes, or keeps a logit runaway, or ends more than
+    :data:`LOSS_MATCH` from its FP32 twin's eval loss; ``""`` when it holds."""
+    if row["exploded"]:
+        return f"explodes (step {row['explosion step']:,})"
+    what = []
+    if row["runaway step"] is not None:
+        what.append(f"keeps the logit runaway (layer {row['runaway layer']}, from step {row['runaway step']:,})")
+    gap = row["eval loss − twin"]
+    if gap == gap and abs(gap) > LOSS_MATCH:
+        what.append(f"ends {abs(gap):.2f} {'above' if gap > 0 else 'below'} its FP32 twin's eval loss")
+    return " and ".join(what)
+
+
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
 PAPER_CLAIMS = {"qknorm": ("rank-1 similarity", "QK-norm works because it disrupts the structural similarity of (PK)[T]ᵀX[T]"),
                 "gated": ("rank-1 similarity", "gated attention works because it disrupts that structural similarity"),
                 "qkclip": ("ties", "QK-clipping works by making P̄ = 1 rarer")}
 
 
+def _claim_verdict(broken, failure: str) -> str:
+    """One :data:`PAPER_CLAIMS` claim judged on one BF16 row: whether the row breaks the claimed link (``broken``:
+    True, False or None when unmeasured) and whether it holds (``failure`` is ``""``, from :func:`_failure`). The claim
+    is "this stabiliser works because it breaks this link", so it stands only when the row does both."""
+    if broken is None:
+        return "not judged: the link is not measured on this row"
+    if broken and not failure:
+        return "consistent with the claim: the row breaks the link and holds"
+    if not failure:
+        return "**against the claim**: the row holds with the link intact, so the link is not why it works here"
+    if broken:
+        return f"**against the claim**: the row breaks the link, yet it {failure}, so breaking the link is not enough here"
+    return f"**against the claim**: the row leaves the link intact and {failure}; the stabiliser does not work here"
+
+
 def paper_claims_text(table) -> str:
-    """Page 17's test of the paper's Discussion (:data:`PAPER_CLAIMS`), from :func:`stabiliser_table`: for each
-    committed BF16 stabiliser row, the link it is said to break, measured against the unstabilised BF16 run (the doctor's
-    rank-1 similarity against ``bf16_rerun``'s, which has the checkpoint; ties against ``bf16_paper_recipe``'s), the
-    other links' ratios beside it, the FP32 run's similarity (``fp32_rerun``: what the link is without BF16 attention,
-    where that report is committed) and whether the row's loss exploded. The numbers, not a verdict."""
+    """Page 17's test of the paper's Discussion (:data:`PAPER_CLAIMS`), from :func:`stabiliser_table`: one bold sentence
+    of verdicts, then for each committed BF16 stabiliser row the link it is said to break, measured against the
+    unstabilised BF16 run (the doctor's rank-1 similarity against ``bf16_rerun``'s, which has the checkpoint; ties
+    against ``bf16_paper_recipe``'s), the other links' ratios beside it, the FP32 run's similarity (``fp32_rerun``: what
+    the link is without BF16 attention), its own FP32 twin's, and the verdict (:func:`_claim_verdict`).
+
+    The link counts as broken when the row's rank-1 similarity is below the FP32 run's (BF16 attention no longer adds
+    structure that FP32 attention lacks), or when its ties fall to :data:`TIES_KEPT` of the BF16 run's or fewer. Block
+    MyST: a list."""
     from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
 
-    out = []
+    base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
+    healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
+    items, verdicts = [], []
     for name, (link, claim) in PAPER_CLAIMS.items():
         label = f"bf16_{name}"
         if label not in table.index:
@@ -1204,23 +1243,37 @@ def paper_claims_text(table) -> str:
         fate = _loss_fate(r).removeprefix("its loss ") + (f", its layer-{r['runaway layer']} logits running away from "
                                                            f"step {r['runaway step']:,}" if r["runaway step"] is not None else "")
         ratios = _link_ratios(r)
-        sim, base = r.get("rank-1 similarity"), (table.loc[STABILISER_RERUN, "rank-1 similarity"]
-                                                  if STABILISER_RERUN in table.index else None)
-        healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
+        sim = r.get("rank-1 similarity")
         if sim is not None and base is not None:
             similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
                           + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step {table.loc[FP32_RERUN, 'doctor step']:,})"
                              if healthy is not None else ""))
         else:
             similarity = "rank-1 similarity not measured (no doctor report)"
-        said = similarity + "; " + ratios if link == "rank-1 similarity" else ratios + "; " + similarity
+        if link == "rank-1 similarity":
+            said = similarity + "; " + ratios
+            broken = None if sim is None or healthy is None else bool(sim < healthy)
+            short = (f"{sim:.3f} against the FP32 run's {healthy:.3f}" if broken is not None else "similarity not measured")
+        else:
+            said = ratios + "; " + similarity
+            broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
+            short = f"ties ×{r['ties ÷ bf16']:.2f} the BF16 run's"
         twin = f"fp32_{name}"
         if twin in table.index and table.loc[twin].get("rank-1 similarity") is not None:
             twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
         else:  # the stabiliser changes the model: its own FP32 twin says what it does to the similarity without BF16
             twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
-        out.append(f"The paper says {claim}. `{label}` ({fate}): {said}.{twin_text}")
-    return " ".join(out) if out else "None of QK-norm, gated attention and QK-clip is committed yet."
+        verdict = _claim_verdict(broken, _failure(r))
+        items.append(f"- The paper says {claim}. `{label}` ({fate}): {said}.{twin_text} Verdict: {verdict}.")
+        verdicts.append((claim.split(" works")[0], broken, not _failure(r), short))
+    if not items:
+        return "None of QK-norm, gated attention and QK-clip is committed yet."
+    judged = [v for v in verdicts if v[1] is not None]
+    stand = [v for v in judged if v[1] and v[2]]
+    lead = (f"**{len(stand)} of the paper's {len(judged)} explanations measured here {'stands' if len(stand) == 1 else 'stand'}"
+            + "".join(f"; {who}: {'breaks' if broken else 'keeps'} the link ({short}) and "
+                      f"{'holds' if holds else 'fails'}" for who, broken, holds, short in judged) + ".**")
+    return lead + "\n\n" + "\n".join(items)
 
 
 def stabiliser_finding(table, layer: int = 1) -> str:
@@ -1236,19 +1289,7 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     if not bf16:
         return "**No BF16 stabiliser row is committed yet.**"
 
-    def failure(label):
-        r = table.loc[label]
-        if r["exploded"]:
-            return f"`{label}` explodes (step {r['explosion step']:,})"
-        what = []
-        if r["runaway step"] is not None:
-            what.append(f"keeps the logit runaway (layer {r['runaway layer']}, from step {r['runaway step']:,})")
-        gap = r["eval loss − twin"]
-        if gap == gap and abs(gap) > LOSS_MATCH:
-            what.append(f"ends {abs(gap):.2f} {'above' if gap > 0 else 'below'} its FP32 twin's eval loss")
-        return f"`{label}` " + " and ".join(what) if what else ""
-
-    fails = {label: failure(label) for label in bf16}
+    fails = {label: f"`{label}` {f}" if (f := _failure(table.loc[label])) else "" for label in bf16}
     held = [label for label, f in fails.items() if not f]
     twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
                 and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
@@ -1314,7 +1355,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
                   + (f"\n\nWith one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| reaches "
                      f"{T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
-                   and table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
+                   and table.loc[label, "ties ÷ bf16"] > TIES_KEPT and not table.loc[label, "exploded"]]
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
     not_bf16_o = {label for label in table.index if table.loc[label, f"layer {layer} δ from"] != "bf16 O"}
     items = ([f"SFA: {links('sfa_paper_recipe')}."] if "sfa_paper_recipe" in table.index else []) + [
