@@ -492,7 +492,7 @@ def test_stabiliser_summary_from_the_committed_table():
         assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
-            f"{r['W_Q ÷ bf16']:.2f}, its loss clean for 6,000 steps, its eval loss "
+            f"{r['W_Q ÷ bf16']:.2f}, no loss explosion in 6,000 steps, its eval loss "
             f"{r['eval loss − twin']:+.2f} against `fp32_paper_recipe`'s at step {r['gap step']:,}, its layer-1 logits "
             f"running away from step {r['runaway step']:,}") in text
     cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]
@@ -962,7 +962,7 @@ def test_paper_claims_text_measures_each_committed_claim():
     assert done  # bf16_qknorm is committed (results/stabilisers/h200-2026-12-02b)
     for n in done:
         r = table.loc[f"bf16_{n}"]
-        assert f"`bf16_{n}` ({'exploded' if r['exploded'] else 'clean'}" in text
+        assert f"`bf16_{n}` ({'exploded' if r['exploded'] else 'no loss explosion'}" in text
         assert f"ties ×{r['ties ÷ bf16']:.2f}" in text
         if r["rank-1 similarity"] is not None:
             base = table.loc["bf16_rerun", "rank-1 similarity"]

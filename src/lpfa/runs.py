@@ -1170,14 +1170,14 @@ LOSS_MATCH = 0.05
 
 
 def _loss_fate(row) -> str:
-    """A :func:`stabiliser_table` row's loss in words: where it exploded, or clean by the explosion criterion and its
-    eval loss against its FP32 twin's."""
+    """A :func:`stabiliser_table` row's loss in words: where it exploded, or that the explosion criterion never fired and
+    its eval loss against its FP32 twin's (not "clean": a row can end far above its twin without exploding)."""
     if row["exploded"]:
         return f"its loss exploded at step {row['explosion step']:,}"
     gap = row["eval loss − twin"]
     if row["FP32 twin"] == row.name or gap != gap:
-        return f"its loss clean for {row['steps']:,} steps"
-    return (f"its loss clean for {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at step "
+        return f"no loss explosion in {row['steps']:,} steps"
+    return (f"no loss explosion in {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at step "
             f"{row['gap step']:,}")
 
 
