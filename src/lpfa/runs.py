@@ -1257,7 +1257,7 @@ def paper_claims_text(table) -> str:
         else:
             said = ratios + "; " + similarity
             broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
-            short = f"ties ×{r['ties ÷ bf16']:.2f} the BF16 run's"
+            short = f"{r['ties ÷ bf16']:.2f}× the BF16 run's ties"
         twin = f"fp32_{name}"
         if twin in table.index and table.loc[twin].get("rank-1 similarity") is not None:
             twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
