@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from conftest import write_diag_run
 
-from lpfa import alarms
+from lpfa import alarms, run
 
 
 def test_thresholds_separate_known_classes(tmp_path):
@@ -72,23 +72,23 @@ def test_fp32_level_policies_are_fp32_and_a_bf16_rounding_is_not():
 
 
 def test_a_soft_cap_keeps_the_precision_label():
-    """lpfa.alarms.attention_precision / layer_precision: a soft-cap is part of the model, not of the precision, so
+    """lpfa.run.attention_precision / layer_precision: a soft-cap is part of the model, not of the precision, so
     fp32_softcap is "fp32" like fp32_split and paper_softcap "bf16" like paper; page 17's speed key agrees."""
     from lpfa.attention import get_policy
     from lpfa.model import GPTConfig
     from lpfa.runs import _speed_key
 
     def of(name):
-        return alarms.attention_precision("lpfa", get_policy(name))
+        return run.attention_precision("lpfa", get_policy(name))
 
     for capped, plain, label in (("fp32_softcap", "fp32_split", "fp32"), ("paper_softcap", "paper", "bf16")):
         assert get_policy(capped).softcap == 50.0 and of(capped) == of(plain) == label
-        assert alarms.layer_precision(GPTConfig(n_layer=2, attn_policy=capped)) == [label] * 2
+        assert run.layer_precision(GPTConfig(n_layer=2, attn_policy=capped)) == [label] * 2
     assert of("fa2") == "mixed"
-    assert alarms.attention_precision("sdpa_fp32", None) == "fp32"
-    assert alarms.attention_precision("sdpa", None) == "mixed"
+    assert run.attention_precision("sdpa_fp32", None) == "fp32"
+    assert run.attention_precision("sdpa", None) == "mixed"
     cfg = GPTConfig(n_layer=3, attn_policy="paper_softcap", layer_policies={0: "fp32_softcap", 2: "sdpa_fp32"})
-    assert alarms.layer_precision(cfg) == ["fp32", "bf16", "fp32"]
+    assert run.layer_precision(cfg) == ["fp32", "bf16", "fp32"]
     assert _speed_key("fp32_softcap", True) == _speed_key("fp32_split", True) == "FP32, compiled"
     assert _speed_key("paper_softcap", False, "muon") == _speed_key("paper", False, "muon") == "BF16, eager, muon"
 

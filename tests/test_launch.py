@@ -81,7 +81,7 @@ def test_every_experiment_is_a_valid_repro_config():
 def test_every_fp32_twin_is_fp32_split_and_fp32_in_every_layer():
     """Issue 17: the experiments' FP32 twin is the fp32_split policy (FP32-level, deterministic, on tensor cores), and
     the early-warning classes read its every layer as FP32."""
-    from lpfa.alarms import layer_precision
+    from lpfa.run import layer_precision
     from lpfa.experiments import EXPERIMENT_PRESETS, EXPERIMENTS, FP32_TWIN
     from lpfa.model import GPTConfig
     from lpfa.train import make_config, parse_overrides

@@ -1027,10 +1027,10 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
 def test_stabiliser_styles_pair_twins_and_never_repeat():
     """Page 17's figure (lpfa.runs.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
     and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed
-    ones (every layer "fp32" in lpfa.alarms.layer_precision on the committed configs); one line per label and panel."""
+    ones (every layer "fp32" in lpfa.run.layer_precision on the committed configs); one line per label and panel."""
     import matplotlib.pyplot as plt
 
-    from lpfa.alarms import layer_precision
+    from lpfa.run import layer_precision
     from lpfa.run import Run
     from lpfa.runs import STABILISER_COLORS, plot_stabilisers, stabiliser_styles
 

@@ -29,11 +29,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from lpfa.attention.policy import BF16, is_fp32_level
 from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
-from lpfa.run import Run, run_verdict
+from lpfa.run import Run, layer_precision, run_verdict
 from lpfa.runs import head_metric_frame
 
 LEAD_STEPS = 1000  # how long before the runaway a sample counts as a positive
@@ -46,26 +45,6 @@ def training_runs(root=None) -> list[Path]:
     base = Path(root) if root else results_dir()
     return sorted(c.parent for c in base.glob("*/*/*/config.json")
                   if any((c.parent / f).is_file() for f in ("metrics.jsonl", "metrics.jsonl.gz")))
-
-
-def attention_precision(backend: str, pol) -> str:
-    """One layer's attention precision: "fp32" where its scores are FP32 and nothing is rounded to BF16 (``sdpa_fp32``,
-    or the lpfa backend with an FP32-level policy: fp32, fp32_split), "bf16" where its scores are BF16, "mixed"
-    otherwise (FP32 scores with later BF16 roundings: fa2, SDPA under BF16 autocast). ``pol``: the layer's
-    :class:`~lpfa.attention.policy.PrecisionPolicy`, None for a backend other than lpfa. A soft-cap is part of the
-    model, not of the precision: a soft-capped policy has the label of the same policy without the cap."""
-    if backend == "sdpa_fp32" or (pol is not None and is_fp32_level(pol.with_(softcap=None))):
-        return "fp32"
-    if pol is not None and pol.scores == BF16:
-        return "bf16"
-    return "mixed"
-
-
-def layer_precision(run) -> list[str]:
-    """Per layer of a :class:`~lpfa.run.Run` (or of a :class:`lpfa.model.GPTConfig`): its
-    :func:`attention_precision`, "fp32", "bf16" or "mixed"."""
-    m = run.model_config() if isinstance(run, Run) else run
-    return [attention_precision(m.layer_backend(i), m.policy(i)) for i in range(m.n_layer)]
 
 
 def layer_samples(run_dir) -> pd.DataFrame:

@@ -45,7 +45,7 @@ the committed runs with their error rates); a dict in the same format replaces t
 **Replay** (:func:`replay_logged`, :func:`warning_table`): the committed runs' logged diagnostics through the same
 decision, giving each run's first warning and its lead over the runaway or the explosion, and the false alarms of the
 runs that stayed clean. The logged tie fraction is of the scores as the run computed them: it stands for
-``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.alarms.layer_precision`).
+``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.run.layer_precision`).
 
 **What the replay finds** is computed on the early-warning page (``notebooks/15_early_warning.ipynb``) from
 :func:`warning_table` and :func:`warning_summary`. Runs that neither ran away nor exploded are of two kinds there:
@@ -261,7 +261,7 @@ class Alarm:
 def record_frame(step: int, record: dict, precision):
     """One diagnostics record of ``lpfa.train`` (:func:`lpfa.diagnostics.probe_record`: per layer, per head) as the
     frame :meth:`Alarm.feed` takes; ``tie_fraction_bf16`` is NaN in layers whose scores are not BF16 (``precision``:
-    per layer, as :func:`lpfa.alarms.layer_precision` gives it), where the logged ties are not BF16 ties."""
+    per layer, as :func:`lpfa.run.layer_precision` gives it), where the logged ties are not BF16 ties."""
     import pandas as pd
 
     logit = np.asarray(record["max_logit"], dtype=float)
@@ -566,10 +566,10 @@ class AttentionMonitor:
 def logged_frame(run_dir):
     """A run's logged diagnostics (:func:`lpfa.runs.head_metric_frame`) as the monitor's measures: a DataFrame
     (step, layer, head, :data:`MEASURE_COLUMNS`); ``tie_fraction_bf16`` is the logged tie fraction in layers whose
-    scores are BF16 (:func:`lpfa.alarms.layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
+    scores are BF16 (:func:`lpfa.run.layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
     import pandas as pd
 
-    from lpfa.alarms import layer_precision
+    from lpfa.run import layer_precision
     from lpfa.run import Run
     from lpfa.runs import head_metric_frame
 
@@ -607,10 +607,11 @@ def warning_table(root=None, thresholds: dict | None = None):
     warned (layer, head, measure, level), ``lead`` (steps from the first warning to the runaway, or to the explosion
     where there is none; negative: after it), ``warned before`` (lead > 0) and ``false alarm`` (a run that neither ran
     away nor exploded, but warned), and ``attention``: "fp32" where every layer's attention is FP32
-    (:func:`lpfa.alarms.layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
+    (:func:`lpfa.run.layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
     import pandas as pd
 
-    from lpfa.alarms import layer_precision, training_runs
+    from lpfa.alarms import training_runs
+    from lpfa.run import layer_precision
     from lpfa.run import Run
     from lpfa.run import run_verdict
 

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from lpfa import data as lpfa_data
+from lpfa.attention.policy import BF16, is_fp32_level
 from lpfa.checkpoints import load_checkpoint, read_json
 from lpfa.data import drop_partial_line  # noqa: F401  (re-exported with the other readers of a run folder)
 from lpfa.explosion import (ExplosionCriterion, RunawayCriterion, attention_label, explosion_step, logit_runaway,
@@ -321,3 +322,23 @@ class Run:
     def autocast(self, device: str):
         """The run's autocast context on ``device`` (its recorded ``dtype``)."""
         return autocast(device, self.train.get("dtype", "auto"))
+
+
+def attention_precision(backend: str, pol) -> str:
+    """One layer's attention precision: "fp32" where its scores are FP32 and nothing is rounded to BF16 (``sdpa_fp32``,
+    or the lpfa backend with an FP32-level policy: fp32, fp32_split), "bf16" where its scores are BF16, "mixed"
+    otherwise (FP32 scores with later BF16 roundings: fa2, SDPA under BF16 autocast). ``pol``: the layer's
+    :class:`~lpfa.attention.policy.PrecisionPolicy`, None for a backend other than lpfa. A soft-cap is part of the
+    model, not of the precision: a soft-capped policy has the label of the same policy without the cap."""
+    if backend == "sdpa_fp32" or (pol is not None and is_fp32_level(pol.with_(softcap=None))):
+        return "fp32"
+    if pol is not None and pol.scores == BF16:
+        return "bf16"
+    return "mixed"
+
+
+def layer_precision(run) -> list[str]:
+    """Per layer of a :class:`~lpfa.run.Run` (or of a :class:`lpfa.model.GPTConfig`): its
+    :func:`attention_precision`, "fp32", "bf16" or "mixed"."""
+    m = run.model_config() if isinstance(run, Run) else run
+    return [attention_precision(m.layer_backend(i), m.policy(i)) for i in range(m.n_layer)]

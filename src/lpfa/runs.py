@@ -331,10 +331,10 @@ def plot_stabilisers(runs: dict, layer: int, groups: dict):
     """Page 17's figure: the three logged links of ``layer`` (rows: largest logit, log scale; tie fraction; W_Q) over
     training, one column per group of ``groups`` (``{title: [labels]}``, each label a key of ``runs``), each line in
     its column's :func:`stabiliser_styles` (FP32 twins dashed: every layer "fp32" in
-    :func:`lpfa.alarms.layer_precision`), a legend under each column."""
+    :func:`lpfa.run.layer_precision`), a legend under each column."""
     import matplotlib.pyplot as plt
 
-    from lpfa.alarms import layer_precision
+    from lpfa.run import layer_precision
     from lpfa.plotting import use_style
 
     use_style()
@@ -1022,9 +1022,9 @@ STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1150
 
 def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> str:
     """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not
-    (:func:`lpfa.alarms.attention_precision` of the policy, which sets a soft-cap aside), compiled or eager, and the
+    (:func:`lpfa.run.attention_precision` of the policy, which sets a soft-cap aside), compiled or eager, and the
     optimizer where it is not AdamW (Muon's orthogonalisation costs time)."""
-    from lpfa.alarms import attention_precision
+    from lpfa.run import attention_precision
     from lpfa.attention.policy import get_policy
 
     fp32 = attention_precision("lpfa", get_policy(attn_policy)) == "fp32"

@@ -596,7 +596,7 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
     log and to metrics.jsonl as ``{"step", "warning": {event, "action"}}``), and with ``stop`` return True; with ``sfa``
     or ``fp32`` switch the flagged layer (once; ``switched`` records it for the checkpoints) to
     :func:`sfa_switch`'s preset or to ``sdpa_fp32``."""
-    from lpfa.alarms import layer_precision
+    from lpfa.run import layer_precision
     from lpfa.monitor import record_frame
 
     _, events = alarm.feed(record_frame(step, record, layer_precision(model.config)))
