@@ -420,6 +420,16 @@ def build_optimizers(model: GPT, cfg: TrainConfig) -> list[torch.optim.Optimizer
     return [muon, torch.optim.AdamW(rest, **adam)]
 
 
+def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
+    """The model ``cfg`` trains, for a vocabulary of ``vocab_size`` (padded to a multiple of 64 by :func:`train`)."""
+    return GPTConfig.from_size(
+        cfg.model, vocab_size=vocab_size, block_size=cfg.block_size, dropout=cfg.dropout, bias=cfg.bias,
+        attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy, layer_policies=cfg.layer_policies,
+        fp32_heads=cfg.fp32_heads, qk_norm=cfg.qk_norm, gated_attn=cfg.gated_attn, delta_dose=cfg.delta_dose,
+        delta_dose_sign=cfg.delta_dose_sign, delta_dose_layers=cfg.delta_dose_layers,
+    )
+
+
 def _device(name: str, local_rank: int) -> str:
     """The torch device of ``device=name`` for this process, or a one-line error when there is no such GPU."""
     if name == "auto":
@@ -679,12 +689,7 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"replay={cfg.replay!r}: {e}") from e
 
     # model and optimizers
-    mcfg = GPTConfig.from_size(
-        cfg.model, vocab_size=vocab_padded, block_size=cfg.block_size, dropout=cfg.dropout, bias=cfg.bias,
-        attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy, layer_policies=cfg.layer_policies,
-        fp32_heads=cfg.fp32_heads, qk_norm=cfg.qk_norm, gated_attn=cfg.gated_attn, delta_dose=cfg.delta_dose,
-        delta_dose_sign=cfg.delta_dose_sign, delta_dose_layers=cfg.delta_dose_layers,
-    )
+    mcfg = model_config(cfg, vocab_padded)
     ck = _resume_checkpoint(cfg, mcfg, ckpt_dir, device) if cfg.resume else None
     first_conf = None  # on resume: the run's config.json, which keeps its first start's record
     if ck is not None and rank == 0 and (out_dir / "config.json").exists():
