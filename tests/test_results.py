@@ -1057,3 +1057,63 @@ def test_stabiliser_styles_pair_twins_and_never_repeat():
     assert dashed["fp32_gated"] == "--" and dashed["bf16_gated"] == "-"
     assert {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].get_lines()}["fp32_outlier_heads_paper_recipe"] == "-"
     plt.close(fig)
+
+
+def test_stabiliser_costs_read_the_committed_benchmark():
+    """Page 17's speed cost (lpfa.runs.stabiliser_costs) is the committed benchmark's summary.json: each row's ratio
+    is its tokens/s over its speed base's of the same run, every BF16 stabiliser row of STABILISERS was timed, and the
+    sentence quotes the slowest row and the row measured furthest above its base (the noise)."""
+    import json
+
+    from lpfa.experiments import BASES, STABILISERS
+    from lpfa.runs import stabiliser_cost_text, stabiliser_costs, stabiliser_table
+
+    costs = stabiliser_costs()
+    raw = json.loads((results.run_dir("stabiliser_cost") / "summary.json").read_text())
+    assert list(costs.index) == list(raw)
+    for label, r in costs.iterrows():
+        if isinstance(r["speed base"], str):
+            assert r["÷ base"] == pytest.approx(r["tokens/s"] / costs.loc[r["speed base"], "tokens/s"], rel=1e-12)
+    assert {label for label in STABILISERS if label not in BASES} <= set(costs.index)
+    text = stabiliser_cost_text(costs)
+    rows = costs.loc[[label for label in costs.index if label in STABILISERS and label not in BASES]]
+    slowest = rows["÷ base"].astype(float).idxmin()
+    assert f"`{slowest}` ×{costs.loc[slowest, '÷ base']:.2f}" in text
+    top = costs["÷ base"].dropna().astype(float)
+    if top.max() > 1:
+        assert f"`{top.idxmax()}` measured ×{top.max():.3f} of its base" in text
+    table, _, _ = stabiliser_table()
+    assert costs.loc["bf16_paper_recipe", "speed base"] is None or costs["speed base"].isna()["bf16_paper_recipe"]
+    assert table["speed ÷ base"].isna()["bf16_rerun"]  # the BF16 run again: the base of the ratios, none of its own
+    assert table.loc["fp32_rerun", "speed ÷ base"] == costs.loc["fp32_paper_recipe", "÷ base"]
+    assert table.loc["delta_dp_paper_recipe", "speed ÷ base"] is None  # the cuts were not timed
+
+
+def test_stabiliser_cost_without_a_benchmark(tmp_path):
+    from lpfa.runs import stabiliser_cost_text, stabiliser_costs
+
+    costs = stabiliser_costs(root=tmp_path)
+    assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base"]
+    assert stabiliser_cost_text(costs).startswith("No speed benchmark of the stabilisers is committed yet")
+
+
+def test_stabiliser_plan_scales_a_row_by_its_speed_alone(tmp_path):
+    """With a speed benchmark committed, a pending row takes the shared speed of a committed run of its kind times
+    the two rows' tokens/s alone; a Muon row, of a kind no committed run has, is scaled from another kind's run."""
+    import json
+
+    from lpfa.runs import stabiliser_plan
+
+    root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": 1000.0})
+    alone = {"bf16_gated": 300_000.0, "bf16_softcap": 200_000.0, "bf16_muon_recipe": 150_000.0}
+    folder = root / "stabiliser_cost" / "h200-2026-01-03"
+    folder.mkdir(parents=True)
+    (folder / "provenance.json").write_text(json.dumps({"date_utc": "2026-01-03T00:00:00+00:00"}))
+    (folder / "summary.json").write_text(json.dumps({k: {"tokens_per_s": v, "speed_base": None, "ratio_to_base": None}
+                                                     for k, v in alone.items()}))
+    text = stabiliser_plan(["bf16_softcap", "bf16_muon_recipe", "fp32_softcap"], root=root)
+    shared = 6000 * 24 * 1024 / 900
+    assert f"`bf16_softcap` {6000 * 24 * 1024 / (shared * 2 / 3) / 60:.1f} min" in text
+    assert f"`bf16_muon_recipe` {6000 * 24 * 1024 / (shared / 2) / 60:.1f} min" in text
+    assert "`fp32_softcap` 16.7 min" in text  # not timed alone: its kind's shared speed as it is
+    assert 'ONLY="bf16_softcap bf16_muon_recipe"' in text and "scaled by the row's tokens/s alone" in text

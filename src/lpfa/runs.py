@@ -968,7 +968,8 @@ def stabiliser_table(layer: int = 1, root=None):
     ``reference``; the FP32 policy twin ``fp32_paper_recipe`` where the stabiliser changes only the attention's rounding),
     with the logged links of ``layer`` at the last diagnostics step before the BF16 run's explosion (every run reached it,
     or its last record before it counts) also as ratios to the BF16 run's (``ties ÷ bf16``,
-    ``logit ÷ bf16``, ``W_Q ÷ bf16``) and ``stabiliser`` naming the row's switch. Returns ``(table, step, pending)``:
+    ``logit ÷ bf16``, ``W_Q ÷ bf16``), ``stabiliser`` naming the row's switch and ``speed ÷ base`` its tokens/s alone
+    on one GPU over its speed base's (:func:`stabiliser_costs`; None where it was not timed). Returns ``(table, step, pending)``:
     ``pending`` the stabiliser rows not committed yet. Empty table (and step None) without the BF16 run."""
     import pandas as pd
 
@@ -1003,6 +1004,10 @@ def stabiliser_table(layer: int = 1, root=None):
     gaps = {label: eval_loss_gap(vals[label], vals[twin(label)]) for label in table.index}
     table["eval loss − twin"] = [gaps[label][1] for label in table.index]
     table["gap step"] = pd.Series([gaps[label][0] for label in table.index], index=table.index, dtype=object)
+    costs = stabiliser_costs(root)  # the speed alone on one GPU (benchmarks/stabiliser_cost.py); the cuts were not timed
+    same = {STABILISER_RERUN: "bf16_paper_recipe", FP32_RERUN: "fp32_paper_recipe"}  # a rerun is its base again
+    table["speed ÷ base"] = pd.Series({label: costs["÷ base"].get(same.get(label, label)) for label in table.index},
+                                      dtype=object)
     doctor = {label: doctor_links(runs[label], layer) for label in table.index}
     for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
         table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
@@ -1015,9 +1020,63 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
-# steps per row; seconds of one GPU call's runs (time_budget_s): what fit with the machine's start, the polls and two
-# doctor reports in a session's 1,800 device seconds (results/stabilisers/h200-2026-12-03b ran with BUDGET=1150)
-STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1150
+def stabiliser_costs(root=None):
+    """What each stabiliser costs in speed (issue 19 §1), from the latest ``results/stabiliser_cost`` run
+    (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU): a
+    DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by) and ``÷ base``, in
+    the benchmark's order (the reruns are not timed: they are their base runs again). Empty without a committed run;
+    a row that failed there has no tokens/s."""
+    import pandas as pd
+
+    from lpfa.results import load
+
+    columns = ["tokens/s", "speed base", "÷ base"]
+    try:
+        rows = load("stabiliser_cost", "summary.json", root=root)
+    except FileNotFoundError:
+        return pd.DataFrame(columns=columns)
+    return pd.DataFrame([[r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base")] for r in rows.values()],
+                        index=list(rows), columns=columns)
+
+
+def stabiliser_cost_text(costs) -> str:
+    """:func:`stabiliser_costs` in sentences: the speed of the BF16 stabiliser rows (and SFA) as a fraction of their
+    base's, slowest first, then their FP32 twins'; for scale, what FP32 attention, Muon and eager mode cost the BF16
+    run; and how far any row measured above its base (the timing's noise: a stabiliser only adds work)."""
+    from lpfa.experiments import BASES, STABILISERS
+
+    if costs.empty:
+        return "No speed benchmark of the stabilisers is committed yet (`benchmarks/stabiliser_cost.py`)."
+    timed = costs.dropna(subset=["÷ base"])
+    rows = timed.loc[[label for label in timed.index if label in STABILISERS and label not in BASES
+                      or label == "sfa_paper_recipe"]].sort_values("÷ base")
+
+    def listed(labels):
+        return ", ".join(f"`{label}` ×{rows.loc[label, '÷ base']:.2f}" + ("" if rows.loc[label, "speed base"].endswith(
+            "_paper_recipe") else f" (of `{rows.loc[label, 'speed base']}`)") for label in labels)
+
+    bf16 = [label for label in rows.index if not label.startswith("fp32")]
+    fp32 = [label for label in rows.index if label.startswith("fp32")]
+    text = (f"Alone on one idle GPU, at the recipe's batch and compiled unless the row runs eager, the BF16 stabilisers "
+            f"train at {listed(bf16)} of the BF16 run's tokens/s" + (f", their FP32 twins at {listed(fp32)} of the FP32 "
+                                                                     "run's" if fp32 else "") + ".")
+    scale = [f"{what} at ×{timed.loc[label, '÷ base']:.2f}" for label, what in (
+        ("fp32_paper_recipe", "FP32 attention runs"), ("bf16_muon_recipe", "Muon in place of AdamW"),
+        ("bf16_eager", "the BF16 run eager")) if label in timed.index]
+    if scale:
+        text += " For scale: " + _and(scale) + " of the BF16 run's speed."
+    over = float(timed["÷ base"].max()) - 1
+    if over > 0:
+        text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its base, "
+                 f"so differences of about {100 * over:.0f} % or less are within the noise.")
+    return text
+
+
+# steps per row; seconds of one GPU call's runs (time_budget_s): what fits with the machine's start, the polls and two
+# doctor reports in a session's 1,800 device seconds (results/stabilisers/h200-2026-12-03c ran with BUDGET=1150, its runs
+# took 955 and 1,041 s and the lease was held 1,140 s in all: about 100 s beside the runs, 1,300 leaves room for one
+# failed machine start)
+STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1300
 
 
 def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> str:
@@ -1056,8 +1115,10 @@ def stabiliser_speeds(root=None):
 def stabiliser_plan(pending: list[str], root=None) -> str:
     """Page 17's next step for the ``pending`` stabiliser rows: the rows grouped, in order, into GPU calls of as many
     rows as the committed launches shared one H200 between (:func:`stabiliser_speeds`), each row timed at the measured
-    speed of a committed run of its precision and compilation, and the first call's command with
-    :data:`STABILISER_BUDGET_S`. A row whose kind of speed was never measured gets a call of its own. Empty without the
+    speed of a committed run of its precision and compilation, scaled by the two rows' speeds alone on one GPU
+    (:func:`stabiliser_costs`) where both were timed (a soft-cap or a clip costs what the precision does not say), and
+    the first call's command with :data:`STABILISER_BUDGET_S`. A row timed alone but of a kind no committed run has is
+    scaled from a committed run of another kind; a row with no speed at all gets a call of its own. Empty without the
     BF16 run of the recipe or a committed stabiliser run."""
     from lpfa.experiments import rows as rows_of
     from lpfa.results import experiment_rows
@@ -1071,15 +1132,24 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     bf16 = Run(base["bf16_paper_recipe"]).train
     batch, tokens = bf16["batch_size"], STABILISER_STEPS * bf16["batch_size"] * bf16["block_size"]
     design = rows_of("stabilisers")
+    alone = stabiliser_costs(root)["tokens/s"].dropna().to_dict()
 
     def key(label):
         o = dict(x.split("=", 1) for x in design[label].overrides)
         return _speed_key(o.get("attn_policy", bf16["attn_policy"]), o.get("compile", "true").lower() == "true",
                           o.get("optimizer", bf16.get("optimizer", "adamw")))
 
+    def speed(label) -> float | None:  # tokens/s sharing the H200
+        own = [speeds[key(label)]] if key(label) in speeds else []
+        if label in alone:  # from a run of its kind, else of any kind, that was timed alone too
+            for tps, ref in own + sorted(speeds.values(), key=lambda v: v[1]):
+                if ref in alone:
+                    return tps * alone[label] / alone[ref]
+        return own[0][0] if own else None
+
     calls, call = [], []
     for label in pending:
-        if key(label) not in speeds:
+        if speed(label) is None:
             calls += [call, [label]] if call else [[label]]
             call = []
             continue
@@ -1090,14 +1160,16 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     calls += [call] if call else []
 
     def minutes(label):
-        return f"{tokens / speeds[key(label)][0] / 60:.1f} min" if key(label) in speeds else "speed not measured"
+        return f"{tokens / speed(label) / 60:.1f} min" if speed(label) is not None else "speed not measured"
 
     measured = "; ".join(f"{k}: {tps:,.0f} tokens/s (`{name}`)" for k, (tps, name) in sorted(speeds.items()))
-    over = [label for label in calls[0] if key(label) in speeds and tokens / speeds[key(label)][0] > STABILISER_BUDGET_S]
+    scaled = (", each scaled by the row's tokens/s alone on one GPU over that run's (`benchmarks/stabiliser_cost.py`)"
+              if any(label in alone for label in pending) else "")
+    over = [label for label in calls[0] if speed(label) is not None and tokens / speed(label) > STABILISER_BUDGET_S]
     first = " ".join(calls[0])
     later = " then ".join("`" + " ".join(c) + "`" for c in calls[1:])
     return (f"Sharing one H200 {sharing} ways, a committed run trained ({measured}; compilation, evaluations and "
-            f"checkpoints included), so {STABILISER_STEPS:,} steps at batch {batch} take "
+            f"checkpoints included){scaled}, so {STABILISER_STEPS:,} steps at batch {batch} take "
             + ", ".join(f"`{label}` {minutes(label)}" for label in pending)
             + f". The next GPU call: `ONLY=\"{first}\" EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 "
             f"DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" "
