@@ -1117,3 +1117,33 @@ def test_stabiliser_plan_scales_a_row_by_its_speed_alone(tmp_path):
     assert f"`bf16_muon_recipe` {6000 * 24 * 1024 / (shared / 2) / 60:.1f} min" in text
     assert "`fp32_softcap` 16.7 min" in text  # not timed alone: its kind's shared speed as it is
     assert 'ONLY="bf16_softcap bf16_muon_recipe"' in text and "scaled by the row's tokens/s alone" in text
+
+
+def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
+    """The intro's two rows from issue 19: the paper's Discussion judged as page 17 judges it (the same sentence, a
+    verdict from its counts) and the production kernels' tied-row δ error from page 16's audit (shown only when one
+    has paper's sign with an interval excluding 0); with nothing committed both say "not run"."""
+    from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
+    from lpfa.runs import paper_claims, paper_claims_lead, stabiliser_table
+    from lpfa.scorecard import _discussion_row, _kernel_row, scorecard, styled
+
+    card = scorecard().set_index("page")
+    judged = [c for c in paper_claims(stabiliser_table()[0]) if c["broken"] is not None]
+    row = card.loc["17_stabilisers"]
+    assert row["our result"] == paper_claims_lead(judged)
+    stand = sum(c["broken"] and c["holds"] for c in judged)
+    assert row["verdict"] == ("reproduced" if stand == len(judged) == 3 else "partly" if stand else "not reproduced")
+    full, _, folder = load_audit()
+    ran = at_largest_T(full)
+    ran = ran[ran.unavailable.isna()]
+    paper = result(ran, "ref:paper", "ties", "delta")
+    carry = [k for k in PRODUCTION if k in set(ran.kernel) and excludes_zero(r := result(ran, k, "ties", "delta"))
+             and r["mean"] * paper["mean"] > 0]
+    row = card.loc["16_kernel_bias"]
+    assert ci_text(paper) in row["our result"] and folder.name in row["our result"]
+    assert row["verdict"] == ("shown" if carry else "not shown")
+    empty = tmp_path / "empty"
+    (empty / "paper_recipe").mkdir(parents=True)
+    assert _kernel_row(empty)["verdict"] == "not run" and _discussion_row(1, empty)["verdict"] == "not run"
+    html = styled(scorecard()).to_html()
+    assert "`" not in html and "<code>paper</code>" in html

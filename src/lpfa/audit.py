@@ -66,8 +66,9 @@ TIE_STRIDE = 4
 TIE_LOGIT = 12.0
 PRESET_KERNELS = ("paper", "fa2", "fp32", "paper_sfa", "fa2_sfa", "paper_sr")  # paper_sr: stochastic rounding of O
 FP8_KERNELS = ("fa3_fp8", "fa3_fp8_p")  # lpfa.attention.EMULATED: the reference only
+PRODUCTION = ("sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex")  # the GPU kernels people train with (not sdpa:math)
 KERNELS = ("float64", *(f"ref:{p}" for p in (*PRESET_KERNELS, *FP8_KERNELS)), *(f"triton:{p}" for p in PRESET_KERNELS),
-           "sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "sdpa:math", "flex")
+           *PRODUCTION[:3], "sdpa:math", PRODUCTION[3])
 CPU_KERNELS = tuple(k for k in KERNELS if k == "float64" or k.startswith("ref:") or k == "sdpa:math")
 Z95 = 1.96
 
@@ -372,7 +373,7 @@ def headline(df, where: str, T: int | None = None) -> str:
     quantities = ("o", "delta", "dq_u")
     tied = r("ref:paper", "ties", "o")
     paper_chain = all(biased("ref:paper", "ties", q) for q in quantities)
-    production = [k for k in ("sdpa:flash", "sdpa:cudnn", "sdpa:efficient", "flex") if k in set(ran.kernel)]
+    production = [k for k in PRODUCTION if k in set(ran.kernel)]
     prod_ties = [k for k in production if biased(k, "ties", "delta")]
     clean = [k for k in ("ref:fa2", "ref:fp32", "sdpa:math") if k in set(ran.kernel)
              and not any(biased(k, f, q) for f in FAMILIES for q in quantities)]

@@ -1292,21 +1292,24 @@ def _claim_verdict(broken, failure: str) -> str:
     return f"**against the claim**: the row leaves the link intact and {failure}; the stabiliser does not work here"
 
 
-def paper_claims_text(table) -> str:
-    """Page 17's test of the paper's Discussion (:data:`PAPER_CLAIMS`), from :func:`stabiliser_table`: one bold sentence
-    of verdicts, then for each committed BF16 stabiliser row the link it is said to break, measured against the
-    unstabilised BF16 run (the doctor's rank-1 similarity against ``bf16_rerun``'s, which has the checkpoint; ties
-    against ``bf16_paper_recipe``'s), the other links' ratios beside it, the FP32 run's similarity (``fp32_rerun``: what
-    the link is without BF16 attention), its own FP32 twin's, and the verdict (:func:`_claim_verdict`).
+def paper_claims(table) -> list[dict]:
+    """The paper's Discussion (:data:`PAPER_CLAIMS`) judged on each committed BF16 stabiliser row of
+    :func:`stabiliser_table`: per claim ``who`` (the stabiliser), ``label``, ``broken`` (whether the row breaks the
+    link it is said to break; None when unmeasured), ``holds`` (no :func:`_failure`), ``short`` (the link's number in a
+    few words) and ``item`` (the claim, the row's links and fate, its FP32 twin and the verdict, as a MyST list item).
 
-    The link counts as broken when the row's rank-1 similarity is below the FP32 run's (BF16 attention no longer adds
-    structure that FP32 attention lacks), or when its ties fall to :data:`TIES_KEPT` of the BF16 run's or fewer. Block
-    MyST: a list."""
+    The link is measured against the unstabilised BF16 run (the doctor's rank-1 similarity against ``bf16_rerun``'s,
+    which has the checkpoint; ties against ``bf16_paper_recipe``'s), with the FP32 run's similarity beside it
+    (``fp32_rerun``: what the link is without BF16 attention). It counts as broken when the row's rank-1 similarity is
+    below the FP32 run's (BF16 attention no longer adds structure that FP32 attention lacks), or when its ties fall to
+    :data:`TIES_KEPT` of the BF16 run's or fewer; the verdict is :func:`_claim_verdict`'s."""
     from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
 
+    if table.empty:
+        return []
     base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
     healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
-    items, verdicts = [], []
+    claims = []
     for name, (link, claim) in PAPER_CLAIMS.items():
         label = f"bf16_{name}"
         if label not in table.index:
@@ -1335,17 +1338,30 @@ def paper_claims_text(table) -> str:
             twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
         else:  # the stabiliser changes the model: its own FP32 twin says what it does to the similarity without BF16
             twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
-        verdict = _claim_verdict(broken, _failure(r))
-        items.append(f"- The paper says {claim}. `{label}` ({fate}): {said}.{twin_text} Verdict: {verdict}.")
-        verdicts.append((claim.split(" works")[0], broken, not _failure(r), short))
-    if not items:
+        failure = _failure(r)
+        claims.append({"who": claim.split(" works")[0], "label": label, "broken": broken, "holds": not failure,
+                       "short": short, "item": f"- The paper says {claim}. `{label}` ({fate}): {said}.{twin_text} "
+                                               f"Verdict: {_claim_verdict(broken, failure)}."})
+    return claims
+
+
+def paper_claims_lead(claims: list[dict]) -> str:
+    """:func:`paper_claims` in one sentence (plain text): how many of the judged explanations stand (the row breaks
+    the link and holds), then each one's link and fate."""
+    judged = [c for c in claims if c["broken"] is not None]
+    stand = [c for c in judged if c["broken"] and c["holds"]]
+    return (f"{len(stand)} of the paper's {len(judged)} explanations measured here {'stands' if len(stand) == 1 else 'stand'}"
+            + "".join(f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
+                      f"{'holds' if c['holds'] else 'fails'}" for c in judged) + ".")
+
+
+def paper_claims_text(table) -> str:
+    """Page 17's test of the paper's Discussion: :func:`paper_claims_lead` in bold, then each claim's item from
+    :func:`paper_claims` (block MyST: a list)."""
+    claims = paper_claims(table)
+    if not claims:
         return "None of QK-norm, gated attention and QK-clip is committed yet."
-    judged = [v for v in verdicts if v[1] is not None]
-    stand = [v for v in judged if v[1] and v[2]]
-    lead = (f"**{len(stand)} of the paper's {len(judged)} explanations measured here {'stands' if len(stand) == 1 else 'stand'}"
-            + "".join(f"; {who}: {'breaks' if broken else 'keeps'} the link ({short}) and "
-                      f"{'holds' if holds else 'fails'}" for who, broken, holds, short in judged) + ".**")
-    return lead + "\n\n" + "\n".join(items)
+    return f"**{paper_claims_lead(claims)}**\n\n" + "\n".join(c["item"] for c in claims)
 
 
 def stabiliser_finding(table, layer: int = 1) -> str:

@@ -14,6 +14,8 @@ The intro page (``book/intro.ipynb``) shows the table and :func:`summary_text`.
 
 from __future__ import annotations
 
+import html
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -22,8 +24,10 @@ from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import run_verdict
-from lpfa.runs import (against_paper, head_metric_frame, isolation_table, precursor_table, recipe_isolation_table,
-                       seed_table, seeds_text, sfa_findings, step_before_failure)
+from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
+from lpfa.runs import (PAPER_CLAIMS, against_paper, head_metric_frame, isolation_table, paper_claims, paper_claims_lead,
+                       precursor_table, recipe_isolation_table, seed_table, seeds_text, sfa_findings, stabiliser_table,
+                       step_before_failure)
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
@@ -204,6 +208,44 @@ def _dose_row(root) -> dict:
                 "shown" if ks else "not shown", "06_loss_explosion")
 
 
+def _discussion_row(layer: int, root) -> dict:
+    """The paper's Discussion on why stabilisers work, judged on page 17's rows (:func:`lpfa.runs.paper_claims`)."""
+    table, _, _ = stabiliser_table(layer=layer, root=root)
+    judged = [c for c in paper_claims(table) if c["broken"] is not None]
+    stand = [c for c in judged if c["broken"] and c["holds"]]
+    verdict = ("not run" if not judged else "reproduced" if len(stand) == len(judged) == len(PAPER_CLAIMS)
+               else "partly" if stand else "not reproduced")
+    return _row("QK-norm and gated attention work by disrupting the structure of (PK)[T]ᵀX[T], QK-clipping by making "
+                "P̄ = 1 rarer", "Discussion (no experiment)",
+                paper_claims_lead(judged) if judged else "no BF16 stabiliser row with its link measured is committed",
+                verdict, "17_stabilisers")
+
+
+def _kernel_row(root) -> dict:
+    """Beyond the paper: do PyTorch's production kernels carry the δ bias of the paper's rounding on tied rows? Shown
+    when one of them has a tied-row δ error of ``paper``'s sign whose interval excludes 0 (page 16's audit)."""
+    claim = "Beyond the paper: PyTorch's production attention kernels carry the paper's δ bias on tied rows"
+    try:
+        full, _, folder = load_audit(root=root)
+    except FileNotFoundError:
+        return _row(claim, "kernel audit", "no committed GPU audit", "not run", "16_kernel_bias")
+    ran = at_largest_T(full)
+    ran = ran[ran.unavailable.isna()]
+    paper = result(ran, "ref:paper", "ties", "delta")
+    production = [k for k in PRODUCTION if k in set(ran.kernel)]
+    if not production:
+        return _row(claim, "kernel audit", "no production kernel ran in the committed audit", "not run", "16_kernel_bias")
+    rows = {k: result(ran, k, "ties", "delta") for k in production}
+    carry = [k for k, r in rows.items() if excludes_zero(r) and r["mean"] * paper["mean"] > 0]
+    worst = max(production, key=lambda k: abs(rows[k]["mean"]))
+    text = (f"`paper`'s δ error on tied rows {ci_text(paper)}; the production kernels' largest, `{worst}`'s "
+            f"{ci_text(rows[worst])}, {abs(paper['mean']) / abs(rows[worst]['mean']):.0f}× smaller"
+            + (f"; of `paper`'s sign with an interval excluding 0: {', '.join(f'`{k}`' for k in carry)}" if carry else
+               f"; none of the {len(production)} has `paper`'s sign with an interval excluding 0")
+            + f" (`results/kernel_bias/{folder.name}`)")
+    return _row(claim, "kernel audit", text, "shown" if carry else "not shown", "16_kernel_bias")
+
+
 def scorecard(layer: int = 1, replay_experiment: str = "repro_runaway", replay: str = "bf16_runaway_replay",
               twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None) -> pd.DataFrame:
     """One row per claim: ``claim``, ``paper`` (figure or section), ``our result`` (numbers from the committed runs),
@@ -211,7 +253,7 @@ def scorecard(layer: int = 1, replay_experiment: str = "repro_runaway", replay: 
     Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5; ``twins_experiment``: the `repro` SFA twin."""
     rows = [*_fig2_rows(fig2_experiment, layer, root), *_mechanism_rows(replay_experiment, replay, root),
             _sfa_row(fig2_experiment, twins_experiment, layer, root),
-            _isolation_row(layer, root), _dose_row(root)]
+            _isolation_row(layer, root), _dose_row(root), _discussion_row(layer, root), _kernel_row(root)]
     return pd.DataFrame(rows, columns=COLUMNS)
 
 
@@ -223,8 +265,11 @@ def summary_text(card: pd.DataFrame) -> str:
 
 
 def styled(card: pd.DataFrame, link: bool = True):
-    """The scorecard for a page: page names as links (``../notebooks/<page>.html`` from the intro), no index."""
+    """The scorecard for a page: page names as links (``../notebooks/<page>.html`` from the intro), the claims and
+    results HTML-escaped with their `code` spans as ``<code>``, no index."""
     shown = card.copy()
+    for col in ("claim", "our result"):  # the HTML table does not render Markdown: `code` by hand, the rest escaped
+        shown[col] = [re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(str(t), quote=False)) for t in shown[col]]
     if link:
         shown["page"] = [f'<a href="../notebooks/{p}.html">{p[:2]}</a>' for p in shown["page"]]
     return shown.style.hide(axis="index").set_table_attributes('class="scorecard"')
