@@ -205,11 +205,14 @@ def main(argv=None) -> dict | None:
         r = time_row(a.worker, a.batch, a.steps, a.warmup, a.device, a.set, out / "signal")
         write_json(out / "rows" / f"{a.worker}.json", r)
         return None
-    for label in a.rows:
-        row_config(label, a.batch, a.set)  # a bad row or override fails here, in one line, before any process starts
     for name, v in (("--batch", a.batch), ("--steps", a.steps), ("--parallel", a.parallel)):
         if v < 1:
             raise SystemExit(f"{name} {v}: expected a positive integer")
+    for label in a.rows:  # a bad row or override fails here, in one line, before any process starts
+        try:
+            row_config(label, a.batch, a.set)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     config = {"preset": PRESET, "batch": a.batch, "steps": a.steps, "warmup": a.warmup, "parallel": a.parallel,
               "device": a.device, "set": a.set, "rows": {label: ROWS[label] for label in a.rows}}
     write_json(out / "provenance.json", provenance(config=config))

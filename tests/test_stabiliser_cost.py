@@ -62,3 +62,14 @@ def test_the_benchmark_times_rows_on_the_cpu(tmp_path):
     prov = json.loads((tmp_path / "out" / "provenance.json").read_text())
     assert prov["config"]["rows"] == {label: cost.ROWS[label] for label in rows} and "git_commit" in prov
     assert "fp32_qkclip_muon" in (tmp_path / "out" / "table.txt").read_text()
+
+
+@pytest.mark.parametrize("args, message", [(["--rows", "bf16_nope"], "row 'bf16_nope': expected one of bf16_paper_recipe"),
+                                           (["--set", "lr=fast"], "lr="),
+                                           (["--steps", "0"], "--steps 0: expected a positive integer")])
+def test_bad_arguments_are_one_line(tmp_path, args, message):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "stabiliser_cost.py"), "--out", str(tmp_path / "out"), *args]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
