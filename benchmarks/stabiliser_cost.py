@@ -79,15 +79,16 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
     """Build ``label``'s run, warm it up (``warmup`` steps: the compilation), then, once ``signal``/<label>.go exists
     (written by the driver when the GPU is free; None: at once), time ``steps`` steps after ``warmup`` more."""
     cfg = row_config(label, batch, extra)
+    cuda = device.startswith("cuda")
     torch.manual_seed(cfg.init_seed)
-    if device.startswith("cuda"):
+    if cuda:
         torch.backends.cuda.matmul.allow_tf32 = False  # as lpfa.train: FP32 means FP32
         torch.backends.cudnn.allow_tf32 = False
     mcfg = model_config(cfg, 50304)
     raw = GPT(mcfg).to(device)
     optimizers = build_optimizers(raw, cfg)
     model = torch.compile(raw) if cfg.compile else raw
-    amp = autocast(device, "bfloat16" if device.startswith("cuda") else "float32")
+    amp = autocast(device, "bfloat16" if cuda else "float32")
     x = torch.randint(0, 50257, (cfg.batch_size, cfg.block_size + 1), device=device)
     batches = [(x[:, :-1].contiguous(), x[:, 1:].contiguous())]
     step = cfg.warmup_steps  # past the warmup: the peak learning rate, as in most of a run
@@ -103,7 +104,7 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
         step += 1
 
     def sync():
-        if device.startswith("cuda"):
+        if cuda:
             torch.cuda.synchronize()
 
     t0 = time.time()
@@ -111,7 +112,7 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
         one()
     sync()
     warm_s = time.time() - t0
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.empty_cache()  # hand the activations' memory back while the other rows time
     if signal is not None:
         (signal / f"{label}.ready").touch()
@@ -120,7 +121,7 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
     for _ in range(warmup):  # the allocator grows back
         one()
     sync()
-    if device.startswith("cuda"):
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     for _ in range(steps):
@@ -130,7 +131,7 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
     return {"label": label, "overrides": ROWS[label], "speed_base": speed_base(label), "tokens_per_s": cfg.batch_size * cfg.block_size / dt,
             "step_ms": dt * 1e3, "compiled": cfg.compile, "optimizer": cfg.optimizer, "warmup_s": warm_s,
             "qk_clipped": clipped if cfg.qk_clip else None,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device.startswith("cuda") else None}
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
 def drive(labels: list[str], args, out: Path) -> dict:

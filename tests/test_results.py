@@ -1076,6 +1076,8 @@ def test_stabiliser_costs_read_the_committed_benchmark():
             assert r["÷ base"] == pytest.approx(r["tokens/s"] / costs.loc[r["speed base"], "tokens/s"], rel=1e-12)
     assert {label for label in STABILISERS if label not in BASES} <= set(costs.index)
     text = stabiliser_cost_text(costs)
+    clipped = [r.get("qk_clipped") for r in raw.values() if r.get("qk_clipped") is not None]
+    assert clipped and ("QK-clip rescaled no head" in text) == (sum(clipped) == 0)
     rows = costs.loc[[label for label in costs.index if label in STABILISERS and label not in BASES]]
     slowest = rows["÷ base"].astype(float).idxmin()
     assert f"`{slowest}` ×{costs.loc[slowest, '÷ base']:.2f}" in text
@@ -1093,7 +1095,7 @@ def test_stabiliser_cost_without_a_benchmark(tmp_path):
     from lpfa.runs import stabiliser_cost_text, stabiliser_costs
 
     costs = stabiliser_costs(root=tmp_path)
-    assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base"]
+    assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base", "heads clipped"]
     assert stabiliser_cost_text(costs).startswith("No speed benchmark of the stabilisers is committed yet")
 
 

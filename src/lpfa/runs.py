@@ -1023,26 +1023,27 @@ def stabiliser_table(layer: int = 1, root=None):
 def stabiliser_costs(root=None):
     """What each stabiliser costs in speed (issue 19 §1), from the latest ``results/stabiliser_cost`` run
     (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU): a
-    DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by) and ``÷ base``, in
-    the benchmark's order (the reruns are not timed: they are their base runs again). Empty without a committed run;
+    DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by), ``÷ base`` and
+    ``heads clipped`` (QK-clip's rescales over the row's steps; None without QK-clip), in the benchmark's order (the reruns are not timed: they are their base runs again). Empty without a committed run;
     a row that failed there has no tokens/s."""
     import pandas as pd
 
     from lpfa.results import load
 
-    columns = ["tokens/s", "speed base", "÷ base"]
+    columns = ["tokens/s", "speed base", "÷ base", "heads clipped"]
     try:
         rows = load("stabiliser_cost", "summary.json", root=root)
     except FileNotFoundError:
         return pd.DataFrame(columns=columns)
-    return pd.DataFrame([[r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base")] for r in rows.values()],
-                        index=list(rows), columns=columns)
+    return pd.DataFrame([[r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base"), r.get("qk_clipped")]
+                         for r in rows.values()], index=list(rows), columns=columns)
 
 
 def stabiliser_cost_text(costs) -> str:
     """:func:`stabiliser_costs` in sentences: the speed of the BF16 stabiliser rows (and SFA) as a fraction of their
     base's, slowest first, then their FP32 twins'; for scale, what FP32 attention, Muon and eager mode cost the BF16
-    run; and how far any row measured above its base (the timing's noise: a stabiliser only adds work)."""
+    run; whether QK-clip rescaled any head while it was timed; and how far any row measured above its base (the
+    timing's noise: a stabiliser only adds work)."""
     from lpfa.experiments import BASES, STABILISERS
 
     if costs.empty:
@@ -1065,6 +1066,10 @@ def stabiliser_cost_text(costs) -> str:
         ("bf16_eager", "the BF16 run eager")) if label in timed.index]
     if scale:
         text += " For scale: " + _and(scale) + " of the BF16 run's speed."
+    clipped = costs["heads clipped"].dropna()
+    if len(clipped) and not clipped.astype(float).any():
+        text += (" QK-clip rescaled no head in the timed steps (random tokens, from initialisation), so its "
+                 "cost here is the tracking of the largest logits and the check.")
     over = float(timed["÷ base"].max()) - 1
     if over > 0:
         text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its base, "
