@@ -140,3 +140,33 @@ def test_gpu_corpus_size_matches_the_corpus_where_present():
     with lzma.open(xz) as f:
         n = sum(len(chunk) for chunk in iter(lambda: f.read(1 << 24), b"")) // 2  # uint16 token ids
     assert n == GPU_CORPUS_TRAIN_TOKENS
+
+
+def test_two_processes_building_one_folder_both_finish(tmp_path):
+    """Two runs started together on a fresh machine build the same token folder at once: each keeps its own temporary
+    files, so both finish, with the same files."""
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    src.mkdir()
+    rng = np.random.default_rng()
+    words = ["attention", "rounding", "bias", "flash", "tie", "softmax", "gradient"]
+    for i in range(3):
+        (src / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=200_000)))
+    go = tmp_path / "go"  # both start building at once, after their imports
+    code = ("import sys, time, pathlib; from lpfa.data import build_token_files\n"
+            "while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.005)\n"
+            "build_token_files(sys.argv[1], sys.argv[2], tokenizer='bytes')")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "out"), str(go)], stderr=subprocess.PIPE)
+             for _ in range(2)]
+    time.sleep(1.0)
+    go.touch()
+    for p in procs:
+        assert p.wait(timeout=120) == 0, p.stderr.read().decode()[-500:]
+    want = data.build_token_files(src, tmp_path / "again", tokenizer="bytes")
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["train_tokens"] == want["train_tokens"]
+    for split in ("train", "val"):
+        assert (tmp_path / "out" / f"{split}.bin").read_bytes() == (tmp_path / "again" / f"{split}.bin").read_bytes()
+    assert not list((tmp_path / "out").glob(".*.tmp"))

@@ -494,8 +494,9 @@ def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, 
 
     js = json.loads((tmp_path / "rep" / "replay.json").read_text())
     for key in ("run", "verdict", "checkpoint_step", "steps", "layer", "heads", "choice", "policy", "n_seq", "summary",
-                "per_step", "provenance"):
+                "per_step", "provenance", "agreement"):
         assert key in js, key
+    assert js["agreement"] == {"compared": 10, "bit_equal": 10, "first_mismatch": None, "max_abs_diff": 0.0}
     assert js["checkpoint_step"] == 10 and js["steps"] == 10 and js["policy"] == "paper_untiled"
     assert js["layer"] in (0, 1) and sorted(js["heads"]) == [0, 1]
     assert js["verdict"]["exploded"] is False
@@ -602,12 +603,14 @@ def test_thin_delta_err():
     rng = np.random.default_rng()
     n = int(rng.integers(1, 40))
     steps = np.arange(100, 100 + n)
-    arrays = {"h3_delta_err": rng.standard_normal((n, 2, 5)).astype(np.float32), "h3_g_u": rng.standard_normal((n, 4))}
+    arrays = {"h3_delta_err": rng.standard_normal((n, 2, 5)).astype(np.float32), "h3_g_u": rng.standard_normal((n, 4)),
+              "h3_g_v": rng.standard_normal((n, 6)), "h3_overlap_first": rng.standard_normal(n)}
     t = thin_delta_err(arrays, steps, 7)
     keep = sorted(set(range(0, n, 7)) | {n - 1})
-    assert t["h3_delta_err_steps"].tolist() == [100 + i for i in keep]
-    assert np.array_equal(t["h3_delta_err"], arrays["h3_delta_err"][keep])
-    assert t["h3_g_u"] is arrays["h3_g_u"]  # only the per-token δ errors are thinned
+    for key in ("h3_delta_err", "h3_g_u", "h3_g_v"):  # the per-step arrays are thinned
+        assert t[f"{key}_steps"].tolist() == [100 + i for i in keep]
+        assert np.array_equal(t[key], arrays[key][keep])
+    assert t["h3_overlap_first"] is arrays["h3_overlap_first"]  # the overlaps keep every step
     assert thin_delta_err(t, steps, 3)["h3_delta_err"] is t["h3_delta_err"]  # already thinned: left alone
     assert np.array_equal(thin_delta_err(arrays, steps, 1)["h3_delta_err"], arrays["h3_delta_err"])
     with pytest.raises(ValueError, match="every must be"):
@@ -679,3 +682,55 @@ def test_replay_saves_the_layers_qkv_for_the_audit(tiny_run, tmp_path):
     cap = capture_qkv(run.checkpoint(10).model.eval(), xb)[1]
     for n in ("q", "k", "v"):
         torch.testing.assert_close(x[n].float(), cap[n].bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_loss_agreement_finds_the_first_mismatch():
+    from lpfa.replay import loss_agreement
+
+    records = [{"step": s, "loss": 1.0 + s} for s in range(5)] + [{"step": 5, "diag": {}}, {"step": 5, "val_loss": 9.0}]
+    per_step = [{"step": 2, "loss": 3.0}, {"step": 3, "loss": 4.5}, {"step": 4, "loss": 5.0}, {"step": 7, "loss": 1.0}]
+    assert loss_agreement(per_step, records) == {"compared": 3, "bit_equal": 2, "first_mismatch": 3, "max_abs_diff": 0.5}
+    assert loss_agreement([], records)["max_abs_diff"] is None
+
+
+def test_replay_measures_another_policy_on_an_fp32_run(byte_tokens, tmp_path):
+    """The FP32 twin replayed with the BF16 run's policy: its own trajectory, bit for bit, with the δ error that BF16
+    attention would have made on it; details every ``detail_every`` steps as well as the first and last."""
+    from lpfa.mechanism import delta_accounting
+    from lpfa.replay import replay
+    from lpfa.train import train
+
+    out = tmp_path / "fp32"
+    train(_cfg(byte_tokens, out, block_size=32, max_steps=12, ckpt_interval=4, ckpt_history=True,
+               attn_backend="sdpa_fp32", lr=1e-2, warmup_steps=2))
+    with pytest.raises(ValueError, match="backend 'sdpa_fp32'"):
+        replay(out, tmp_path / "r0", step=4, layer=0, heads=[1], steps=2, n_seq=2, device="cpu")
+    r = replay(out, tmp_path / "r1", step=4, layer=0, heads=[1], steps=7, n_seq=2, device="cpu",
+               measure_policy="paper_untiled", detail_every=3)
+    assert r["policy"] == "paper_untiled" and r["own_policy"] != "paper_untiled"
+    assert r["agreement"]["compared"] == 7 and r["agreement"]["bit_equal"] == 7
+    worst = [p["step"] for p in r["per_step"] if "worst_token" in p["heads"]["1"]]
+    assert worst == [4, 7, 10]  # the first, every 3rd, the last
+    assert all(p["heads"]["1"]["abs_err_mean"] > 0 for p in r["per_step"])  # BF16 rounding, measured on FP32 weights
+    with pytest.raises(ValueError, match="detail_every=-1"):
+        replay(out, tmp_path / "r2", step=4, layer=0, heads=[1], steps=2, n_seq=2, device="cpu",
+               measure_policy="paper_untiled", detail_every=-1)
+
+
+def test_head_measures_round_do_as_the_kernel_receives_it():
+    """An FP32 dO is measured as the BF16 kernel would receive it (rounded to v's dtype): the same numbers as the
+    BF16 dO itself; and the δ errors are delta_accounting's on those inputs."""
+    from lpfa.mechanism import delta_accounting
+    from lpfa.replay import _head_measures
+
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(2**31)))
+    B, H, T, D, C = 2, 3, 19, 8, 12
+    q, k, v = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(3))
+    do32 = torch.randn(B, H, T, D, generator=g)
+    cap = {"q": q, "k": k, "v": v, "x": torch.randn(B, T, C, generator=g), "do": do32}
+    a, _ = _head_measures(cap, 1, 2, "paper_untiled", detail=False)
+    b, arr = _head_measures({**cap, "do": do32.bfloat16()}, 1, 2, "paper_untiled", detail=False)
+    assert a == b
+    want = delta_accounting(q[:, 1:2].float(), k[:, 1:2].float(), v[:, 1:2].float(), do32[:, 1:2].bfloat16().float(),
+                            "paper_untiled", 1 / math.sqrt(D))
+    assert np.array_equal(arr["delta_err"], want["delta_err"][:, 0].float().numpy())

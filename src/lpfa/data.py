@@ -132,15 +132,17 @@ def _sources_digest(folder: Path) -> list[dict]:
 
 
 class _TokenFileWriter:
-    """Streams token ids into ``.train.bin.tmp`` / ``.val.bin.tmp`` and renames them when finished, so an
-    interrupted build never leaves a file that looks complete."""
+    """Streams token ids into ``.train.bin.<pid>.tmp`` / ``.val.bin.<pid>.tmp`` and renames them when finished, so an
+    interrupted build never leaves a file that looks complete, and two processes building the same folder at once
+    (two runs started together on a fresh machine) each finish with the same complete files."""
 
     def __init__(self, out: Path, tok: Tokenizer):
         if tok.vocab_size > 2**16:
             raise ValueError(f"tokenizer {tok.name} has {tok.vocab_size} ids; uint16 token files hold at most 65536")
         self.out, self.tok = out, tok
         out.mkdir(parents=True, exist_ok=True)
-        self.files = {split: open(out / f".{split}.bin.tmp", "wb") for split in ("train", "val")}
+        self.tmp = {split: out / f".{split}.{os.getpid()}.tmp" for split in ("train.bin", "val.bin", "meta.json")}
+        self.files = {split: open(self.tmp[f"{split}.bin"], "wb") for split in ("train", "val")}
         self.counts = {"train": 0, "val": 0}
 
     def write(self, split: str, ids) -> None:
@@ -155,16 +157,15 @@ class _TokenFileWriter:
                 "eot_token": self.tok.eot_token, **meta,
                 "train_tokens": self.counts["train"], "val_tokens": self.counts["val"]}
         for split in ("train", "val"):
-            (self.out / f".{split}.bin.tmp").replace(self.out / f"{split}.bin")
-        tmp = self.out / ".meta.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1) + "\n")
-        tmp.replace(self.out / "meta.json")
+            self.tmp[f"{split}.bin"].replace(self.out / f"{split}.bin")
+        self.tmp["meta.json"].write_text(json.dumps(meta, indent=1) + "\n")
+        self.tmp["meta.json"].replace(self.out / "meta.json")
         return meta
 
     def abort(self) -> None:
         for split, f in self.files.items():
             f.close()
-            (self.out / f".{split}.bin.tmp").unlink(missing_ok=True)
+            self.tmp[f"{split}.bin"].unlink(missing_ok=True)
 
 
 def build_token_files(

@@ -146,6 +146,18 @@ STABILISERS: dict[str, list[str]] = {
     # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
     "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
 }
+# The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again, eager, since the
+# instrumented replay (lpfa.replay) is eager and follows an eager run bit for bit; a checkpoint every 500 steps kept, so
+# the replay can start about 1,000 steps before the explosion; diagnostics every 100 steps. Its FP32 twin runs to
+# step 4,000 (compiled: it is replayed from that checkpoint, not compared bit for bit) and is replayed with the BF16
+# run's policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs both and their replays.
+MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
+MECHANISM: dict[str, list[str]] = {
+    "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=false", f"ckpt_interval={MECHANISM_CKPT}",
+                       "ckpt_history=true", "diag_interval=100"],
+    "fp32_mechanism": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_TWIN_STOP}",
+                       f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"],
+}
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
     "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
@@ -206,13 +218,17 @@ DESCRIPTIONS: dict[str, str] = {
        for m in ("bf16", "fp32")},
     **{f"{m}_qkclip_muon": f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe"
        for m in ("bf16", "fp32")},
+    "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
+    "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
 EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
                                                  "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
-                                                 "muon_long": MUON_LONG, "rescue": RESCUE, "stabilisers": STABILISERS}
-EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper", "stabilisers": "gpt2-s-paper"}  # the rest: "repro"
+                                                 "muon_long": MUON_LONG, "rescue": RESCUE, "stabilisers": STABILISERS,
+                                                 "mechanism": MECHANISM}
+EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper", "stabilisers": "gpt2-s-paper",
+                                      "mechanism": "gpt2-s-paper"}  # the rest: "repro"
 
 
 @dataclass(frozen=True)

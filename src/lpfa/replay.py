@@ -74,6 +74,9 @@ def _top_direction(g):
 def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, n_top: int = 64) -> tuple[dict, dict]:
     from lpfa.mechanism import delta_accounting, p_bar, pv_running_error
 
+    # dO as the attention kernel receives it: in v's dtype (a no-op for a BF16 run; the FP32 twin's FP32 dO rounded to
+    # BF16, as a BF16 kernel would see it when the twin is measured with a BF16 policy)
+    cap = {**cap, "do": cap["do"].to(cap["v"].dtype)}
     q, k, v, do = (cap[n][:n_seq, head : head + 1].float() for n in ("q", "k", "v", "do"))
     x = cap["x"][:n_seq].double()  # (n, T, C): the layer's attention input (after ln_1)
     D = q.shape[-1]
@@ -115,16 +118,17 @@ def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, 
 
 
 def thin_delta_err(arrays: dict, steps, every: int) -> dict:
-    """Keep the per-token δ errors ``h<head>_delta_err`` (replayed steps × sequences × tokens) of every
-    ``every``-th replayed step and the last, recording which in ``h<head>_delta_err_steps``. The per-step
-    sums of every step stay in ``replay.json``; this only keeps ``replay.npz`` small. Arrays already
-    thinned (with their ``_steps`` key) are left as they are."""
+    """Keep the per-step arrays ``h<head>_delta_err`` (per-token δ errors: replayed steps × sequences × tokens),
+    ``h<head>_g_u`` and ``h<head>_g_v`` (G's top singular vectors) of every ``every``-th replayed step and the last,
+    recording which in ``h<head>_<name>_steps``. The per-step sums and overlaps of every step stay in ``replay.json``
+    and the overlap arrays; this only keeps ``replay.npz`` small. Arrays already thinned (with their ``_steps`` key) are
+    left as they are."""
     if every < 1:
         raise ValueError(f"every must be >= 1, got {every}")
     steps = np.asarray(steps)
     keep = np.unique(np.r_[np.arange(0, len(steps), every), len(steps) - 1]) if len(steps) else np.arange(0)
     out = dict(arrays)
-    for key in [k for k in arrays if re.fullmatch(r"h\d+_delta_err", k)]:
+    for key in [k for k in arrays if re.fullmatch(r"h\d+_(delta_err|g_u|g_v)", k)]:
         if f"{key}_steps" in arrays:
             continue
         if len(arrays[key]) != len(steps):
@@ -134,15 +138,32 @@ def thin_delta_err(arrays: dict, steps, every: int) -> dict:
     return out
 
 
+def loss_agreement(per_step: list[dict], records: list[dict]) -> dict:
+    """How closely a replay followed its run: each replayed step's loss against the loss the run logged at that step.
+    ``compared`` steps (those the run logged), ``bit_equal`` of them, the ``first_mismatch`` step (None when all agree)
+    and the largest absolute difference. A replay that follows the run bit for bit has ``bit_equal == compared``."""
+    logged = {r["step"]: r["loss"] for r in records if "loss" in r and "diag" not in r}
+    pairs = [(p["step"], p["loss"], logged[p["step"]]) for p in per_step if p["step"] in logged]
+    diff = [abs(a - b) for _, a, b in pairs if math.isfinite(a) and math.isfinite(b)]
+    first = next((s for s, a, b in pairs if a != b), None)
+    return {"compared": len(pairs), "bit_equal": sum(a == b for _, a, b in pairs), "first_mismatch": first,
+            "max_abs_diff": max(diff) if diff else None}
+
+
 def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", heads: list[int] | None = None,
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
-           max_s: float = 0.0, delta_err_every: int = 10, save_qkv: int = 0) -> dict:
+           max_s: float = 0.0, delta_err_every: int = 10, save_qkv: int = 0, measure_policy: str | None = None,
+           detail_every: int = 0) -> dict:
     """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
     before its explosion, else before its logit runaway, else before the first record above the runaway
     threshold, else the latest; ``choice`` in the result says which) and measure ``layer``/``heads``;
     writes ``out/replay.{json,npz}``.
     ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed.
     ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`).
+    ``measure_policy`` measures that policy's δ error instead of the layer's own (the FP32 twin measured with the BF16
+    run's ``paper``: what BF16 attention would have done on the twin's trajectory); ``detail_every`` > 0 measures in
+    detail (Figs. 4–6) every that many steps as well as the first and last. ``agreement`` in the result compares
+    the replayed losses with the run's logged ones, step by step (:func:`loss_agreement`).
     ``save_qkv`` > 0 also writes ``out/qkv.npz``: the layer's q, k, v and dO (every head) of the first replayed step's
     first micro-batch, its first ``save_qkv`` sequences, as the run's attention saw them (the kernel-bias audit's
     captured family, :func:`lpfa.audit.load_captured`)."""
@@ -193,10 +214,13 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         opt.load_state_dict(st)
     tokens, _ = lpfa_data.load_tokens(data_dir, "train")
     log = lpfa_data.ReplayLog.open(run_dir / "replay.jsonl", data_dir / "train.bin")
-    if model.config.layer_backend(layer) != "lpfa":
+    if measure_policy is None and model.config.layer_backend(layer) != "lpfa":
         raise ValueError(f"layer {layer} of {run_dir} used attention backend {model.config.layer_backend(layer)!r}; "
-                         "the replay measures a layer that ran an lpfa precision policy")
-    policy = model.config.layer_policies.get(layer, model.config.attn_policy)
+                         "the replay measures a layer that ran an lpfa precision policy, or the one measure_policy names")
+    own_policy = model.config.layer_policies.get(layer, model.config.attn_policy)
+    policy = measure_policy or own_policy
+    if detail_every < 0:
+        raise ValueError(f"detail_every={detail_every!r}: expected 0 (first and last step only) or a positive step count")
     attn = model.transformer.h[layer].attn
 
     per_step, series, details = [], {h: {"delta_err": [], "g_u": [], "g_v": []} for h in heads}, {}
@@ -228,7 +252,8 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
                           {"run": str(run_dir), "step": s, "layer": layer, "policy": policy, "micro_batch": 0})
         rec = {"step": s, "loss": loss, "heads": {}}
         for h in heads:
-            num, arr = _head_measures(cap, h, n_seq, policy, detail=s in (step, last))
+            detail = s in (step, last) or bool(detail_every and (s - step) % detail_every == 0)
+            num, arr = _head_measures(cap, h, n_seq, policy, detail=detail)
             rec["heads"][str(h)] = num
             for key in ("delta_err", "g_u", "g_v"):
                 series[h][key].append(arr.pop(key))
@@ -276,8 +301,9 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
             arrays[f"h{h}_s{s}_{key}"] = np.asarray(val)
     out.mkdir(parents=True, exist_ok=True)
     result = {"run": str(run_dir), "verdict": verdict, "checkpoint_step": step, "steps": len(per_step), "layer": layer,
-              "heads": heads, "choice": choice, "policy": policy, "n_seq": n_seq, "summary": summary_heads, "per_step": per_step,
-              "provenance": provenance(command=command)}
+              "heads": heads, "choice": choice, "policy": policy, "own_policy": own_policy, "n_seq": n_seq,
+              "summary": summary_heads, "per_step": per_step,
+              "agreement": loss_agreement(per_step, run.records), "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)
     np.savez_compressed(out / "replay.npz", **thin_delta_err(arrays, [r["step"] for r in per_step], delta_err_every))
     return result
@@ -298,11 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
     p.add_argument("--delta-err-every", type=int, default=10, help="keep per-token δ errors of every N-th step in replay.npz")
+    p.add_argument("--measure-policy", default=None, help="measure this policy's δ error (e.g. paper) instead of the layer's own")
+    p.add_argument("--detail-every", type=int, default=0, help="also measure in detail (Figs. 4-6) every N steps (0: first and last only)")
     p.add_argument("--save-qkv", type=int, default=0, metavar="N",
                    help="also write qkv.npz: the layer's q, k, v, dO of N sequences of the first step (the kernel-bias audit's captured family)")
     a = p.parse_args(argv)
     r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s,
-               delta_err_every=a.delta_err_every, save_qkv=a.save_qkv)
+               delta_err_every=a.delta_err_every, save_qkv=a.save_qkv, measure_policy=a.measure_policy,
+               detail_every=a.detail_every)
     print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
     return 0
 

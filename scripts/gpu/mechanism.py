@@ -1,0 +1,225 @@
+"""The mechanism on the run that fails, in one GPU session: train, replay, bring back (lpfa.experiments.MECHANISM).
+
+``run`` (detached, on the GPU machine) does everything before ``--deadline-s`` seconds from its start:
+
+1. starts ``bf16_mechanism`` (the paper-recipe BF16 run, eager, a checkpoint every 500 steps kept, stopped 100 steps
+   after its loss explodes) and ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
+2. once the BF16 run has stopped, replays it from its last checkpoint at least ``--window`` steps before the explosion
+   (a later one when the time left, at ``--s-per-step``, would not reach the explosion) to 50 steps past it; a run
+   that did not explode is replayed up to its last step;
+3. once the twin has stopped and the BF16 replay has begun (the BF16 run has the GPU first), replays the twin from
+   step 4,000 with the BF16 run's policy measured (``--measure-policy paper``): what BF16 attention would have done on
+   the FP32 trajectory, the control of Fig. 5. Both replays stop at the deadline and write what they measured;
+4. packs every run's small files, the replays and the logs into ``ROOT/NAME/mechanism.tar.gz``.
+
+``follow`` prints where it stands every ``--poll-s`` until it is done or ``--max-s`` has passed, and with ``--out``
+copies the archive there once it exists. Each device command can then be short and self-contained::
+
+    setsid nohup python3 scripts/gpu/mechanism.py run --data data/corpus > /tmp/mechanism.log 2>&1 &
+    python3 scripts/gpu/mechanism.py follow --max-s 560
+    python3 scripts/gpu/mechanism.py follow --max-s 560 --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import os
+import tarfile
+import time
+import traceback
+from pathlib import Path
+
+from lpfa import launch
+from lpfa.experiments import MECHANISM, MECHANISM_TWIN_STOP
+from lpfa.replay import choose_layer_heads
+from lpfa.run import Run, checkpoints_of
+
+BF16, FP32 = "bf16_mechanism", "fp32_mechanism"
+PAST_EXPLOSION = 50  # replayed steps after the explosion step: the figures show it begin
+
+
+def log(base: Path, msg: str) -> None:
+    line = f"{time.strftime('%H:%M:%S')} {msg}"
+    print(line, flush=True)
+    with open(base / "driver.log", "a") as f:
+        f.write(line + "\n")
+
+
+def bf16_window(run_dir: Path, window: int, steps_affordable: float) -> tuple[int, int, str]:
+    """``(checkpoint step, steps to replay, why)`` for the BF16 run (module docstring, step 3)."""
+    run = Run(run_dir)
+    v = run.verdict()
+    end = v["explosion_step"] + PAST_EXPLOSION if v["explosion_step"] is not None else run.steps
+    cks = sorted(s for s in checkpoints_of(run_dir) if s < end)
+    if not cks:
+        raise RuntimeError(f"{run_dir} has no checkpoint before step {end}")
+    wanted = [s for s in cks if s <= end - window] or cks[:1]
+    ck, why = wanted[-1], f"the last checkpoint at least {window} steps before step {end}"
+    if end - ck > steps_affordable:
+        later = [s for s in cks if end - s <= steps_affordable]
+        if later:
+            ck, why = later[0], f"the earliest checkpoint from which {end - later[0]} steps fit the time left"
+    return ck, end - ck, why
+
+
+def start_replay(base: Path, label: str, step: int, steps: int, max_s: float, heads: list[int], a,
+                 measure_policy: str | None = None):
+    out = base / f"{label}_replay"
+    cmd = [sys.executable, "-m", "lpfa.replay", "--run", str(base / label), "--out", str(out), "--step", str(step),
+           "--steps", str(steps), "--layer", str(a.layer), "--heads", *map(str, heads), "--n-seq", str(a.n_seq),
+           "--max-s", f"{max_s:.0f}",
+           "--delta-err-every", str(a.delta_err_every), "--detail-every", str(a.detail_every),
+           *(["--measure-policy", measure_policy] if measure_policy else [])]
+    log(base, f"replay {label}: {' '.join(cmd[1:])}")
+    return subprocess.Popen(cmd, stdout=open(base / f"{label}_replay.log", "w"), stderr=subprocess.STDOUT)
+
+
+def pack(base: Path) -> Path:
+    archive = base / "mechanism.tar.gz"
+    tmp = base / "mechanism.tar.gz.part"
+    with tarfile.open(tmp, "w:gz") as tar:
+        for f in ("launch.json", "driver.log", f"{BF16}_replay.log", f"{FP32}_replay.log"):
+            if (base / f).exists():
+                tar.add(base / f, arcname=f)
+        for label in (BF16, FP32):
+            for f in launch.SMALL_FILES:
+                if (base / label / f).exists():
+                    tar.add(base / label / f, arcname=f"{label}/{f}")
+            for f in ("replay.json", "replay.npz"):
+                if (base / f"{label}_replay" / f).exists():
+                    tar.add(base / f"{label}_replay" / f, arcname=f"{label}_replay/{f}")
+    tmp.rename(archive)
+    return archive
+
+
+def run(a) -> int:
+    """Steps 1-4 of the module docstring; whatever fails, what exists is packed (a failed run never loses its logs)."""
+    t0 = time.time()
+    base = Path(a.root) / a.name
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "driver.pid").write_text(str(os.getpid()))
+    try:
+        _run(a, base, t0)
+    except Exception:
+        log(base, "failed:\n" + traceback.format_exc())
+    finally:
+        for r in launch.status(a.name, a.root) if (base / "launch.json").exists() else []:
+            if r["alive"]:
+                (base / r["label"] / "STOP").touch()
+                log(base, f"{r['label']} still training at the end: STOP")
+        time.sleep(5)
+        log(base, f"packed {pack(base)} after {time.time() - t0:.0f} s")
+    return 0
+
+
+def _run(a, base: Path, t0: float) -> None:
+    left = lambda: a.deadline_s - (time.time() - t0)  # noqa: E731
+    data = Path(a.data)
+    for name in ("train.bin", "val.bin"):
+        if not (data / name).is_file() and (data / f"{name}.xz").is_file():
+            subprocess.run(["xz", "-dkf", str(data / f"{name}.xz")], check=True)
+    # the BF16 run must leave its replay time: it stops by then even if its loss has not exploded
+    budget = max(60.0, a.deadline_s - a.replay_reserve_s)
+    common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
+              f"time_budget_s={budget:.0f}", "log_interval=100"]
+    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])] for label, o in MECHANISM.items()}
+    launch.start(a.name, runs, a.preset, common, a.root)
+    log(base, f"started {BF16} and {FP32}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
+    procs: dict[str, subprocess.Popen] = {}
+    heads: list[int] = []  # both replays measure the same heads: the BF16 run's fastest-growing W_Q heads of the layer
+    while left() > 0:
+        st = {r["label"]: r for r in launch.status(a.name, a.root)}
+        if FP32 not in procs and not st[FP32]["alive"] and BF16 in procs:  # after the BF16 run: it has the GPU first
+            if a.twin_stop in checkpoints_of(base / FP32):
+                heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
+                procs[FP32] = start_replay(base, FP32, a.twin_stop, a.twin_steps, left() - 30, heads, a, a.policy)
+            else:
+                log(base, f"{FP32} ended without its step-{a.twin_stop} checkpoint: no control replay")
+                procs[FP32] = None
+        if BF16 not in procs and not st[BF16]["alive"]:
+            speed = a.s_per_step * 1.25  # the twin's replay will share the GPU
+            affordable = (left() - 40) / speed
+            ck, steps, why = bf16_window(base / BF16, a.window, affordable)
+            v = Run(base / BF16).verdict()
+            log(base, f"{BF16}: {v['steps']} steps, loss exploded at {v['explosion_step']}, layer {v['runaway_layer']}'s "
+                      f"logits ran away at {v['runaway_step']}; replaying {steps} steps from step {ck} ({why}; "
+                      f"{speed:.3f} s/step assumed, {affordable:.0f} steps affordable)")
+            heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
+            procs[BF16] = start_replay(base, BF16, ck, steps, left() - 25, heads, a)
+        running = [p for p in procs.values() if p is not None and p.poll() is None]
+        if len(procs) == 2 and not running:
+            break
+        log(base, "  ".join(f"{k}: step {r['step']} loss {r['loss']}" for k, r in st.items())
+            + "".join(f"  {k} replay {'running' if p is not None and p.poll() is None else 'done'}" for k, p in procs.items()))
+        time.sleep(a.poll_s)
+    for label, p in procs.items():
+        if p is not None and p.poll() is None:
+            log(base, f"{label} replay still running at the deadline: stopped")
+            p.kill()
+
+
+def follow(a) -> int:
+    base = Path(a.root) / a.name
+    t_end = time.time() + a.max_s
+    archive = base / "mechanism.tar.gz"
+    seen = 0
+    while True:
+        if (base / "driver.log").is_file():
+            lines = (base / "driver.log").read_text().splitlines()
+            for line in lines[seen:]:
+                print(line, flush=True)
+            seen = len(lines)
+        if archive.exists() or time.time() >= t_end:
+            break
+        pid = base / "driver.pid"
+        if pid.is_file() and not launch._alive(int(pid.read_text())):
+            print("the driver is no longer running and packed nothing", flush=True)
+            break
+        time.sleep(min(a.poll_s, max(0.0, t_end - time.time())))
+    for f in (f"{BF16}_replay.log", f"{FP32}_replay.log"):
+        if (base / f).is_file():  # tqdm's last line
+            print(f, (base / f).read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-1:], flush=True)
+    if a.out and archive.exists():
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        shutil.copy(archive, Path(a.out) / archive.name)
+        print("copied", archive, "to", a.out)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--data", default="data/corpus")
+    r.add_argument("--preset", default="gpt2-s-paper")
+    r.add_argument("--extra", nargs="*", default=[], help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
+    r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
+    r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP, help="the FP32 twin's last step, replayed from")
+    r.add_argument("--deadline-s", type=float, default=1450.0)
+    r.add_argument("--batch", type=int, default=24)
+    r.add_argument("--explosion-stop", type=int, default=60)
+    r.add_argument("--replay-reserve-s", type=float, default=350.0, help="the BF16 run stops this long before the deadline")
+    r.add_argument("--window", type=int, default=1000, help="replay at least this many steps before the explosion")
+    r.add_argument("--twin-steps", type=int, default=1300, help="steps of the FP32 twin's replay from step 4,000")
+    r.add_argument("--s-per-step", type=float, default=0.35, help="replay seconds per step, until one is measured")
+    r.add_argument("--layer", default="1", help="the replayed layer (1: where the recipe runs' logits ran away)")
+    r.add_argument("--n-seq", type=int, default=8)
+    r.add_argument("--delta-err-every", type=int, default=25)
+    r.add_argument("--detail-every", type=int, default=250)
+    f = sub.add_parser("follow")
+    f.add_argument("--max-s", type=float, required=True)
+    f.add_argument("--out", default=None)
+    for s in (r, f):
+        s.add_argument("--root", default="/tmp/runs")
+        s.add_argument("--name", default="mechanism")
+        s.add_argument("--poll-s", type=float, default=60.0)
+    a = p.parse_args(argv)
+    return run(a) if a.cmd == "run" else follow(a)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
