@@ -126,13 +126,16 @@ def _run(a, base: Path, t0: float) -> None:
     budget = max(60.0, a.deadline_s - a.replay_reserve_s)
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
               f"time_budget_s={budget:.0f}", "log_interval=100"]
-    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])] for label, o in MECHANISM.items()}
+    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])] for label, o in MECHANISM.items()
+            if label == BF16 or not a.no_twin}
     launch.start(a.name, runs, a.preset, common, a.root)
-    log(base, f"started {BF16} and {FP32}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
+    log(base, f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
     procs: dict[str, subprocess.Popen] = {}
     heads: list[int] = []  # both replays measure the same heads: the BF16 run's fastest-growing W_Q heads of the layer
     while left() > 0:
         st = {r["label"]: r for r in launch.status(a.name, a.root)}
+        if FP32 not in procs and a.no_twin:
+            procs[FP32] = None
         if FP32 not in procs and not st[FP32]["alive"] and BF16 in procs:  # after the BF16 run: it has the GPU first
             if a.twin_stop in checkpoints_of(base / FP32):
                 heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
@@ -198,6 +201,7 @@ def main(argv=None) -> int:
     r.add_argument("--preset", default="gpt2-s-paper")
     r.add_argument("--extra", nargs="*", default=[], help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
     r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
+    r.add_argument("--no-twin", action="store_true", help="the BF16 run and its replay only (a short GPU session)")
     r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP, help="the FP32 twin's last step, replayed from")
     r.add_argument("--deadline-s", type=float, default=1450.0)
     r.add_argument("--batch", type=int, default=24)
