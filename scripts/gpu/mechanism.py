@@ -119,9 +119,16 @@ def run(a) -> int:
 def _run(a, base: Path, t0: float) -> None:
     left = lambda: a.deadline_s - (time.time() - t0)  # noqa: E731
     data = Path(a.data)
-    for name in ("train.bin", "val.bin"):
-        if not (data / name).is_file() and (data / f"{name}.xz").is_file():
-            subprocess.run(["xz", "-dkf", str(data / f"{name}.xz")], check=True)
+    if not (data / "train.bin").is_file():
+        # unpack outside the checkout: the device tool carries data/corpus afresh into every call's tree, which would
+        # take the unpacked files away from the runs and replays of a later call
+        unpacked = Path(a.root) / "corpus"
+        unpacked.mkdir(parents=True, exist_ok=True)
+        for name in ("train.bin", "val.bin"):
+            if not (unpacked / name).is_file():
+                with open(unpacked / name, "wb") as f:
+                    subprocess.run(["xz", "-dc", str(data / f"{name}.xz")], stdout=f, check=True)
+        data = unpacked.resolve()
     # the BF16 run must leave its replay time: it stops by then even if its loss has not exploded
     budget = max(60.0, a.deadline_s - a.replay_reserve_s)
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
