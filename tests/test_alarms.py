@@ -76,7 +76,7 @@ def test_a_soft_cap_keeps_the_precision_label():
     fp32_softcap is "fp32" like fp32_split and paper_softcap "bf16" like paper; page 17's speed key agrees."""
     from lpfa.attention import get_policy
     from lpfa.model import GPTConfig
-    from lpfa.runs import _speed_key
+    from lpfa.pages.stabilisers import _speed_key
 
     def of(name):
         return run.attention_precision("lpfa", get_policy(name))

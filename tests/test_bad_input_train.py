@@ -19,7 +19,7 @@ from lpfa.book import execute_notebook, profile_parameters
 from lpfa.checkpoints import load_checkpoint
 from lpfa.data import ReplayLog
 from lpfa.run import checkpoints_of, run_verdict
-from lpfa.runs import load_metrics, read_records
+from lpfa.run import load_metrics, read_records
 from lpfa.scaling import compare_runs
 from lpfa.structure import summarize_run
 from lpfa.train import TrainConfig, main, train

@@ -67,7 +67,7 @@ def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
     every figure of every page renders at least 600 px wide in a 1280 px window (legible at page width)."""
     from playwright.sync_api import sync_playwright
 
-    from lpfa.scorecard import VERDICTS
+    from lpfa.pages.intro import VERDICTS
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True,

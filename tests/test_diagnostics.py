@@ -164,7 +164,7 @@ def test_metrics_read_plain_or_gzip(tmp_path):
     import json
 
     from lpfa.run import run_verdict
-    from lpfa.runs import load_metrics, metrics_path, read_records
+    from lpfa.run import load_metrics, metrics_path, read_records
 
     recs = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(20)] + [{"step": 19, "val_loss": 2.9},
                                                                       {"step": 10, "diag": {"wq_spectral_norm": [[1.0]]}}]
@@ -200,7 +200,8 @@ def _fake_run(d, steps, logit, tie, wq, losses, vals):
 def test_precursor_table_and_divergence(tmp_path):
     import numpy as np
 
-    from lpfa.runs import divergence_step, layer_max, plot_precursors, precursor_table
+    from lpfa.compare import divergence_step, layer_max, precursor_table
+    from lpfa.pages.loss_explosion import plot_precursors
 
     rng = np.random.default_rng()
     base = rng.uniform(1, 2, size=6)
@@ -227,7 +228,7 @@ def test_precursor_table_and_divergence(tmp_path):
     with pytest.raises(ValueError, match="no layer 5"):
         layer_max(runs["bf16"], "max_logit", 5)
     assert len(plot_precursors(runs, 1).axes) == 3
-    from lpfa.runs import plot_logit_runaway
+    from lpfa.compare import plot_logit_runaway
 
     ax = plot_logit_runaway({"bf16_s2": runs["bf16"], "x": runs["fp32"]}, 1).axes[0]
     assert [l.get_label() for l in ax.get_lines()] == ["bf16_s2", "x", "runaway threshold 1000"]
@@ -238,7 +239,8 @@ def test_experiment_table_and_seeds_summary(tmp_path):
 
     import numpy as np
 
-    from lpfa.runs import experiment_table, seeds_summary
+    from lpfa.compare import experiment_table
+    from lpfa.pages.seeds import seeds_summary
 
     rng = np.random.default_rng()
     steps = [s * 100 for s in range(12)]
@@ -285,7 +287,7 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
     assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None  # no model config: unknown
     assert t2.loc["pre", "layer 1 δ from"] == "fp32 O"  # layer 1 runs sdpa_fp32
-    from lpfa.runs import outcome_text
+    from lpfa.pages.sfa import outcome_text
 
     assert outcome_text(t2, "pre") == "showed the precursor from step 700" and outcome_text(t2, "ref") == "stayed clean"
     assert outcome_text(t2, "bf16_s2") == "did not explode, but its layer-1 logits ran away from step 600"
@@ -304,7 +306,7 @@ def test_precursor_events_on_committed_pair():
     the FP32 twin has none of them (its own columns against itself are absent)."""
     from conftest import ROOT
 
-    from lpfa.runs import precursor_events
+    from lpfa.pages.tie_frequency import precursor_events
 
     d = ROOT / "results/repro_pair/h200x2-2026-11-29"
     ev = precursor_events({"bf16": d / "bf16", "fp32": d / "fp32"}, layer=1, reference="fp32")
@@ -319,7 +321,7 @@ def test_delta_source_of_every_isolation_row():
     isolation page tests its pattern with)."""
     from lpfa.experiments import ISOLATION
     from lpfa.model import GPTConfig
-    from lpfa.runs import delta_source, score_precision
+    from lpfa.compare import delta_source, score_precision
     from lpfa.train import parse_overrides
 
     want = {"bf16": "bf16 O", "fp32": "fp32 O", "bf16_tiled": "bf16 O", "bf16_only_layer1": "bf16 O", "fp32_only_layer1": "fp32 O",
@@ -343,7 +345,8 @@ def test_seed_table_and_sfa_findings(tmp_path):
     import numpy as np
 
     from lpfa.run import run_verdict
-    from lpfa.runs import seed_table, seeds_text, sfa_findings, sfa_text
+    from lpfa.pages.loss_explosion import seed_table, seeds_text
+    from lpfa.pages.sfa import sfa_findings, sfa_text
 
     rng = np.random.default_rng()
     steps = [0, 100, 200, 300, 400, 500]
@@ -381,11 +384,11 @@ def test_seed_table_and_sfa_findings(tmp_path):
 
 
 def test_seed_spread_text_counts_and_spans():
-    """lpfa.runs.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread paragraph
+    """lpfa.pages.seeds.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread paragraph
     only where every BF16 run shows the precursor and no FP32 run does."""
     import pandas as pd
 
-    from lpfa.runs import seed_spread_text
+    from lpfa.pages.seeds import seed_spread_text
 
     index = ["bf16_s1337", "bf16_s1337_compiled", "fp32_s1337", "fp32_s1"]
     table = pd.DataFrame({"runaway step": pd.Series([6400, None, None, None], index=index, dtype=object),  # as

@@ -86,7 +86,7 @@ def test_committed_runs_runaway_verdicts():
     from lpfa.run import run_verdict
 
     pair, twins = ROOT / "results/repro_pair/h200x2-2026-11-29", ROOT / "results/repro_twins/h200-2026-11-29"
-    from lpfa.runs import read_records
+    from lpfa.run import read_records
 
     for d in (pair / "bf16", twins / "bf16"):  # the two BF16 runs are bit-identical up to step 7,338
         v = run_verdict(d)

@@ -82,7 +82,7 @@ def test_layer_tensors_reproduce_the_layer_output():
 def test_run_frames_and_growth(tmp_path):
     import json
 
-    from lpfa.runs import growth_table, head_metric_frame
+    from lpfa.compare import growth_table, head_metric_frame
 
     d = tmp_path / "run"
     d.mkdir()

@@ -100,7 +100,7 @@ def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
 
 def test_committed_explosions_name_every_exploded_run():
     """The loss-explosion page's first paragraph: which committed runs exploded, and whether a BF16 row's FP32 twin did."""
-    from lpfa.runs import bf16_only_explosions, committed_explosions, explosions_text
+    from lpfa.pages.loss_explosion import bf16_only_explosions, committed_explosions, explosions_text
 
     t = committed_explosions()
     boom = t[t["exploded"]]
@@ -124,8 +124,8 @@ def test_twins_text_states_the_bf16_only_explosion():
     """Page 06's Fig. 2 sentence, from the committed paper-recipe twins (results/paper_recipe): numbers as in their files."""
     from lpfa.results import run_dir
     from lpfa.run import run_verdict
-    from lpfa.runs import twins_text
-    from lpfa.scorecard import fig2_twins
+    from lpfa.pages.loss_explosion import twins_text
+    from lpfa.pages.intro import fig2_twins
 
     runs = fig2_twins()["bf16_paper_recipe"]  # the twins ran in different GPU runs than later seeds
     v = {k: run_verdict(p) for k, p in runs.items()}
@@ -141,10 +141,12 @@ def test_twins_text_states_the_bf16_only_explosion():
 def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypatch):
     """A caller that has judged the runs (page 06, the scorecard) passes its verdicts and W_Q frames: the text and the
     Fig. 3 step are the same, and no run is judged again."""
-    import lpfa.runs
+    import lpfa.compare
+    import lpfa.pages.loss_explosion
     from lpfa.run import run_verdict
-    from lpfa.runs import head_metric_frame, step_before_failure, twins_text
-    from lpfa.scorecard import fig2_twins
+    from lpfa.compare import head_metric_frame, step_before_failure
+    from lpfa.pages.loss_explosion import twins_text
+    from lpfa.pages.intro import fig2_twins
 
     runs = fig2_twins()["bf16_paper_recipe"]
     text, at = twins_text(runs, layer=1), step_before_failure(runs)
@@ -154,7 +156,8 @@ def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypa
     def judged_again(*a, **k):
         raise AssertionError("run_verdict called again")
 
-    monkeypatch.setattr(lpfa.runs, "run_verdict", judged_again)
+    monkeypatch.setattr(lpfa.compare, "run_verdict", judged_again)
+    monkeypatch.setattr(lpfa.pages.loss_explosion, "run_verdict", judged_again)
     assert twins_text(runs, layer=1, verdicts=v) == text
     assert step_before_failure(runs, frames=frames, verdicts=v) == at
 
@@ -162,7 +165,7 @@ def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypa
 def test_scorecard_is_computed_from_the_committed_runs():
     """The intro's scorecard: one row per claim, valid verdicts, and the Fig. 2 row's numbers are the runs' own."""
     from lpfa.run import run_verdict
-    from lpfa.scorecard import COLUMNS, VERDICTS, fig2_twins, scorecard, summary_text
+    from lpfa.pages.intro import COLUMNS, VERDICTS, fig2_twins, scorecard, summary_text
 
     card = scorecard()
     assert list(card.columns) == COLUMNS and len(card) >= 8 and card["verdict"].isin(VERDICTS).all()
@@ -173,7 +176,7 @@ def test_scorecard_is_computed_from_the_committed_runs():
     assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
     assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
     iso = card[card["paper"] == "Sec. 3.2"].iloc[0]  # the isolation claim, at the repro preset and at the recipe
-    from lpfa.runs import recipe_isolation_table
+    from lpfa.pages.isolation import recipe_isolation_table
 
     recipe = recipe_isolation_table()
     for label in recipe.index[recipe.verdict.isin(["exploded", "clean"])].drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
@@ -188,8 +191,9 @@ def test_fig3_head_bars_before_the_explosion():
 
     matplotlib.use("Agg")
     from lpfa.run import run_verdict
-    from lpfa.runs import head_metric_frame, plot_head_bars, step_before_failure
-    from lpfa.scorecard import fig2_twins
+    from lpfa.compare import head_metric_frame, step_before_failure
+    from lpfa.pages.spectral_norms import plot_head_bars
+    from lpfa.pages.intro import fig2_twins
 
     runs = fig2_twins()["bf16_paper_recipe"]
     step = step_before_failure(runs)
@@ -212,7 +216,7 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     from lpfa.experiments import RECIPE_ISOLATION
     from lpfa.results import experiment_rows
     from lpfa.run import run_verdict
-    from lpfa.runs import recipe_isolation_table
+    from lpfa.pages.isolation import recipe_isolation_table
 
     t = recipe_isolation_table()
     labels = ["bf16_paper_recipe", "fp32_paper_recipe", *(f"{r}_paper_recipe" for r in RECIPE_ISOLATION)]
@@ -247,7 +251,7 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     assert {h for h in range(above.shape[1]) if streak(above[:, h]) >= crit.patience} == set(heads)
     assert t.loc["delta_dp_paper_recipe", "runaway heads"] == ()
     # page 10's sentence from the same table: every clean row with a runaway, in the heads the table names
-    from lpfa.runs import recipe_runaway_text
+    from lpfa.pages.isolation import recipe_runaway_text
 
     text = recipe_runaway_text(t)
     assert ("`fp32_outlier_heads_paper_recipe` stayed clean by the loss for 6,000 steps, yet its layer-1 logits ran away "
@@ -264,7 +268,7 @@ def test_muon_text_gives_each_learning_rate_its_verdicts():
     from lpfa.experiments import MUON_LONG, MUON_LR2
     from lpfa.results import experiment_rows
     from lpfa.run import run_verdict
-    from lpfa.runs import muon_text
+    from lpfa.pages.sfa import muon_text
 
     runs = experiment_rows("muon_long", list(MUON_LONG))
     v = {label: run_verdict(d) for label, d in runs.items()}
@@ -361,7 +365,9 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
     compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16 run's."""
     from lpfa.experiments import STABILISERS
     from lpfa.run import Run, run_verdict
-    from lpfa.runs import STABILISER_LINKS, layer_max, read_records, stabiliser_table
+    from lpfa.compare import layer_max
+    from lpfa.pages.stabilisers import STABILISER_LINKS, stabiliser_table
+    from lpfa.run import read_records
 
     t, step, pending = stabiliser_table()
     assert {"bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe"} <= set(t.index)
@@ -446,12 +452,12 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
 
 
 def test_fig2_headline_states_the_verdict_of_the_committed_twins():
-    """Page 06's opening sentence (lpfa.scorecard.fig2_headline): reproduced from the committed recipe twins, with their
+    """Page 06's opening sentence (lpfa.pages.intro.fig2_headline): reproduced from the committed recipe twins, with their
     explosion step, the FP32 twin's steps, the seed count and the SFA twin; "not reproduced" when the FP32 twin explodes
     too or the BF16 one does not."""
     from lpfa.run import Run, run_verdict
-    from lpfa.runs import seed_table
-    from lpfa.scorecard import fig2_headline, fig2_twins, recipe_rows
+    from lpfa.pages.loss_explosion import seed_table
+    from lpfa.pages.intro import fig2_headline, fig2_twins, recipe_rows
 
     rows = recipe_rows()
     pair = fig2_twins()["bf16_paper_recipe"]
@@ -476,10 +482,10 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
 
 
 def test_stabiliser_summary_from_the_committed_table():
-    """Page 17's rows in words (lpfa.runs.stabiliser_summary) from stabiliser_table: the count of committed
+    """Page 17's rows in words (lpfa.pages.stabilisers.stabiliser_summary) from stabiliser_table: the count of committed
     stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
     from lpfa.experiments import BASES, STABILISERS
-    from lpfa.runs import stabiliser_summary, stabiliser_table
+    from lpfa.pages.stabilisers import stabiliser_summary, stabiliser_table
 
     table, step, _ = stabiliser_table(layer=1)
     text = stabiliser_summary(table, step, 1)
@@ -546,7 +552,7 @@ def test_throughput_text_reads_the_committed_training_run():
 
 
 def _recipe_twins():
-    from lpfa.scorecard import recipe_rows
+    from lpfa.pages.intro import recipe_rows
 
     rows = recipe_rows("paper_recipe", None)
     return {"bf16": rows["bf16_paper_recipe"], "fp32": rows["fp32_paper_recipe"]}
@@ -555,7 +561,8 @@ def _recipe_twins():
 def test_wq_ratio_text_reads_the_recipe_twins():
     """Page 07's Fig. 3 sentence: the per-head BF16/FP32 ratios of ‖W_Q‖₂ in layer 1 at the step before the failure,
     recomputed here from the logged norms."""
-    from lpfa.runs import head_metric_frame, step_before_failure, wq_ratio_text
+    from lpfa.compare import head_metric_frame, step_before_failure
+    from lpfa.pages.spectral_norms import wq_ratio_text
 
     runs = _recipe_twins()
     step = step_before_failure(runs)
@@ -570,7 +577,8 @@ def test_wq_ratio_text_reads_the_recipe_twins():
 
 
 def test_growth_and_comparison_texts_read_the_recipe_twins():
-    from lpfa.runs import growth_table, growth_text, wq_comparison_text
+    from lpfa.compare import growth_table
+    from lpfa.pages.spectral_norms import growth_text, wq_comparison_text
 
     runs = _recipe_twins()
     items, sentence = growth_text(runs, 1)
@@ -599,7 +607,7 @@ def _v_frame(first: float, late: float, steps=(100, 200, 300, 400)):
                                                (0.1, 0.3, "the FP32 twin has more of them"),
                                                (0.2, 0.19, "about the same")])
 def test_v_sign_text_compares_the_twins_in_the_layer(bf16, fp32, words):
-    from lpfa.runs import plot_v_sign, v_sign_text
+    from lpfa.pages.tie_frequency import plot_v_sign, v_sign_text
 
     frames = {"bf16": _v_frame(0.05, bf16), "fp32": _v_frame(0.05, fp32)}
     text = v_sign_text(frames, 1)
@@ -613,7 +621,8 @@ def test_v_sign_text_compares_the_twins_in_the_layer(bf16, fp32, words):
 
 def test_tie_grids_read_the_logged_ties_of_the_twins():
     """Page 05's logged-ties figure and sentence: layer × head grids at two common steps, numbers from the grids."""
-    from lpfa.runs import head_metric_frame, plot_tie_grids, tie_grids, tie_grids_text
+    from lpfa.compare import head_metric_frame
+    from lpfa.pages.structure import plot_tie_grids, tie_grids, tie_grids_text
 
     folder = results.run_dir("repro_pair")
     runs = {label: folder / label for label in ("bf16", "fp32")}
@@ -657,7 +666,7 @@ def test_rank1_and_structure_texts_read_the_committed_replay_and_checkpoints():
 def test_isolation_ties_text_splits_failing_rows_by_their_ties():
     import pandas as pd
 
-    from lpfa.runs import isolation_ties_text
+    from lpfa.pages.isolation import isolation_ties_text
 
     ties = pd.DataFrame({"largest tie fraction": {"fp32": 0.05, "a": 0.8, "b": 0.06},
                          "largest logit": {"fp32": 40.0, "a": 9000.0, "b": 2500.0}})
@@ -671,7 +680,8 @@ def test_isolation_ties_text_splits_failing_rows_by_their_ties():
 def test_isolation_ties_reads_the_layer_maxima_of_the_committed_rows():
     import pandas as pd
 
-    from lpfa.runs import isolation_ties, layer_max
+    from lpfa.compare import layer_max
+    from lpfa.pages.isolation import isolation_ties
 
     rows = {label: d for label, d in results.experiment_rows("isolation").items() if label in ("bf16", "fp32")}
     table = pd.DataFrame({"outcome": {label: "x" for label in rows}})
@@ -697,9 +707,9 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
 
 
 def test_stabiliser_groups_put_the_cuts_and_the_stabilisers_in_two_columns():
-    """Page 17's figure columns (lpfa.runs.stabiliser_groups): the recipe's BF16 and FP32 runs head both, the paper's
+    """Page 17's figure columns (lpfa.pages.stabilisers.stabiliser_groups): the recipe's BF16 and FP32 runs head both, the paper's
     cuts (*_paper_recipe) and the reruns go left, every other row right, each in the order given."""
-    from lpfa.runs import stabiliser_groups
+    from lpfa.pages.stabilisers import stabiliser_groups
 
     labels = ["bf16_qknorm", "sfa_paper_recipe", "fp32_paper_recipe", "bf16_rerun", "delta_dp_paper_recipe",
               "bf16_paper_recipe", "sr", "fp32_rerun", "bf16_gated", "fp32_gated"]
@@ -724,7 +734,9 @@ def test_page_6_and_page_17_figures_share_their_precursor_panels():
     (stabiliser_styles gives the base runs those)."""
     import matplotlib.pyplot as plt
 
-    from lpfa.runs import PRECURSORS, layer_max, plot_precursors, plot_stabilisers
+    from lpfa.compare import PRECURSORS, layer_max
+    from lpfa.pages.loss_explosion import plot_precursors
+    from lpfa.pages.stabilisers import plot_stabilisers
 
     rows = results.experiment_rows("paper_recipe", ["bf16_paper_recipe", "fp32_paper_recipe", "sfa_paper_recipe"])
     assert len(rows) == 3
@@ -742,12 +754,12 @@ def test_page_6_and_page_17_figures_share_their_precursor_panels():
 
 
 def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
-    """Page 17's next step (lpfa.runs.stabiliser_plan) on the committed runs: each pending row timed at the speed that
+    """Page 17's next step (lpfa.pages.stabilisers.stabiliser_plan) on the committed runs: each pending row timed at the speed that
     a committed run of its precision reached sharing the H200, and the first call naming as many rows as shared it."""
     import re
 
     from lpfa.run import Run
-    from lpfa.runs import STABILISER_STEPS, stabiliser_plan, stabiliser_speeds, stabiliser_table
+    from lpfa.pages.stabilisers import STABILISER_STEPS, stabiliser_plan, stabiliser_speeds, stabiliser_table
 
     _, _, pending = stabiliser_table()
     assert stabiliser_plan([]) == "Every stabiliser row is committed."
@@ -801,7 +813,7 @@ def _stabiliser_root(tmp, walls: dict[str, float]):
 def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_path):
     """Rows group in order into calls of as many rows as shared the H200; an eager row (sr_reseed: no eager run is
     measured) gets its own call; a row whose measured speed needs more than the budget is named."""
-    from lpfa.runs import STABILISER_BUDGET_S, stabiliser_plan
+    from lpfa.pages.stabilisers import STABILISER_BUDGET_S, stabiliser_plan
 
     root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": STABILISER_BUDGET_S + 60.0})
     text = stabiliser_plan(["fp32_qknorm", "bf16_qkclip", "sr_reseed", "fp32_softcap", "bf16_qkclip_muon"], root=root)
@@ -816,9 +828,9 @@ def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_p
 
 
 def test_sr_persistence_on_the_committed_capture():
-    """Page 17's stochastic-rounding check (lpfa.runs.sr_persistence) on the kernel-bias audit's captured batch: one row
+    """Page 17's stochastic-rounding check (lpfa.pages.stabilisers.sr_persistence) on the kernel-bias audit's captured batch: one row
     per policy of SR_POLICIES, paper's worst head as the unit, the sentence built from the table."""
-    from lpfa.runs import SR_POLICIES, sr_persistence
+    from lpfa.pages.stabilisers import SR_POLICIES, sr_persistence
 
     table, text, meta = sr_persistence(sequences=1, steps=3)
     assert list(table.index) == list(SR_POLICIES) and table.loc["paper", "÷ paper"] == 1.0
@@ -827,7 +839,7 @@ def test_sr_persistence_on_the_committed_capture():
 
 
 def test_rescue_table_reads_the_committed_rescue():
-    """Page 15's rescue (lpfa.runs.rescue_table): the unrescued bias_x128 and each committed rescue run, its warnings
+    """Page 15's rescue (lpfa.compare.rescue_table): the unrescued bias_x128 and each committed rescue run, its warnings
     and switches as the metrics log them (read here straight from metrics.jsonl.gz), its verdict as summary.json has
     it, and the sentence built from the table."""
     import gzip
@@ -902,9 +914,10 @@ def test_overhead_text_states_the_latest_run_and_its_commits_spread():
 
 
 def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
-    """lpfa.runs.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last eval step
+    """lpfa.pages.stabilisers.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last eval step
     both logged (not at each run's own last step); no shared step, or no evals, gives (None, nan)."""
-    from lpfa.runs import eval_loss_gap, load_metrics
+    from lpfa.pages.stabilisers import eval_loss_gap
+    from lpfa.run import load_metrics
 
     rng = np.random.default_rng()
     a, b, c = (tmp_path / n for n in "abc")
@@ -922,10 +935,10 @@ def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
 
 
 def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
-    """Page 17's one-sentence finding (lpfa.runs.stabiliser_finding): from the committed table and from edited copies,
+    """Page 17's one-sentence finding (lpfa.pages.stabilisers.stabiliser_finding): from the committed table and from edited copies,
     a row holds only without explosion, without runaway and within LOSS_MATCH of its FP32 twin."""
     from lpfa.experiments import BASES, STABILISERS
-    from lpfa.runs import LOSS_MATCH, stabiliser_finding, stabiliser_table
+    from lpfa.pages.stabilisers import LOSS_MATCH, stabiliser_finding, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
     text = stabiliser_finding(table)
@@ -952,9 +965,9 @@ def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
 
 
 def test_paper_claims_text_measures_each_committed_claim():
-    """Page 17's test of the paper's Discussion (lpfa.runs.paper_claims_text): each committed BF16 row of QK-norm,
+    """Page 17's test of the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): each committed BF16 row of QK-norm,
     gated attention or QK-clip with its claimed link measured against the BF16 run, from stabiliser_table's columns."""
-    from lpfa.runs import PAPER_CLAIMS, paper_claims_text, stabiliser_table
+    from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims_text, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
     text = paper_claims_text(table)
@@ -974,10 +987,10 @@ def test_paper_claims_text_measures_each_committed_claim():
 
 
 def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
-    """Page 17's verdicts on the paper's Discussion (lpfa.runs.paper_claims_text): a claim stands only when its BF16 row
+    """Page 17's verdicts on the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): a claim stands only when its BF16 row
     breaks the claimed link (similarity below the FP32 run's; ties at most TIES_KEPT of the BF16 run's) and holds (no
     explosion, no runaway, eval loss within LOSS_MATCH of its twin's); each other case says which part fails."""
-    from lpfa.runs import LOSS_MATCH, PAPER_CLAIMS, TIES_KEPT, paper_claims_text, stabiliser_table
+    from lpfa.pages.stabilisers import LOSS_MATCH, PAPER_CLAIMS, TIES_KEPT, paper_claims_text, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
     healthy = table.loc["fp32_rerun", "rank-1 similarity"]
@@ -1025,14 +1038,14 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
 
 
 def test_stabiliser_styles_pair_twins_and_never_repeat():
-    """Page 17's figure (lpfa.runs.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
+    """Page 17's figure (lpfa.pages.stabilisers.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
     and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed
     ones (every layer "fp32" in lpfa.run.layer_precision on the committed configs); one line per label and panel."""
     import matplotlib.pyplot as plt
 
     from lpfa.run import layer_precision
     from lpfa.run import Run
-    from lpfa.runs import STABILISER_COLORS, plot_stabilisers, stabiliser_styles
+    from lpfa.pages.stabilisers import STABILISER_COLORS, plot_stabilisers, stabiliser_styles
 
     names = [f"s{i}" for i in range(2 * len(STABILISER_COLORS) + 1)]
     labels = ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_rerun", *(f"{m}_{n}" for n in names for m in ("bf16", "fp32"))]
@@ -1060,13 +1073,13 @@ def test_stabiliser_styles_pair_twins_and_never_repeat():
 
 
 def test_stabiliser_costs_read_the_committed_benchmark():
-    """Page 17's speed cost (lpfa.runs.stabiliser_costs) is the committed benchmark's summary.json: each row's ratio
+    """Page 17's speed cost (lpfa.pages.stabilisers.stabiliser_costs) is the committed benchmark's summary.json: each row's ratio
     is its tokens/s over its speed base's of the same run, every BF16 stabiliser row of STABILISERS was timed, and the
     sentence quotes the slowest row and the row measured furthest above its base (the noise)."""
     import json
 
     from lpfa.experiments import BASES, STABILISERS
-    from lpfa.runs import stabiliser_cost_text, stabiliser_costs, stabiliser_table
+    from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs, stabiliser_table
 
     costs = stabiliser_costs()
     raw = json.loads((results.run_dir("stabiliser_cost") / "summary.json").read_text())
@@ -1092,7 +1105,7 @@ def test_stabiliser_costs_read_the_committed_benchmark():
 
 
 def test_stabiliser_cost_without_a_benchmark(tmp_path):
-    from lpfa.runs import stabiliser_cost_text, stabiliser_costs
+    from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs
 
     costs = stabiliser_costs(root=tmp_path)
     assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base", "heads clipped"]
@@ -1104,7 +1117,7 @@ def test_stabiliser_plan_scales_a_row_by_its_speed_alone(tmp_path):
     the two rows' tokens/s alone; a Muon row, of a kind no committed run has, is scaled from another kind's run."""
     import json
 
-    from lpfa.runs import stabiliser_plan
+    from lpfa.pages.stabilisers import stabiliser_plan
 
     root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": 1000.0})
     alone = {"bf16_gated": 300_000.0, "bf16_softcap": 200_000.0, "bf16_muon_recipe": 150_000.0}
@@ -1126,8 +1139,8 @@ def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
     verdict from its counts) and the production kernels' tied-row δ error from page 16's audit (shown only when one
     has paper's sign with an interval excluding 0); with nothing committed both say "not run"."""
     from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
-    from lpfa.runs import paper_claims, paper_claims_lead, stabiliser_table
-    from lpfa.scorecard import _discussion_row, _kernel_row, scorecard, styled
+    from lpfa.pages.stabilisers import paper_claims, paper_claims_lead, stabiliser_table
+    from lpfa.pages.intro import _discussion_row, _kernel_row, scorecard, styled
 
     card = scorecard().set_index("page")
     judged = [c for c in paper_claims(stabiliser_table()[0]) if c["broken"] is not None]

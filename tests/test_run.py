@@ -72,8 +72,8 @@ def test_device_and_autocast():
 
 def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
     """Run.doctor_reports: doctor_step_NNNNNN/report.json in the run folder and in a rerun_*/ subfolder (a rerun to a
-    step the run did not reach), by step, each with its source; lpfa.runs.doctor_links reads one layer of the last."""
-    from lpfa.runs import doctor_links
+    step the run did not reach), by step, each with its source; lpfa.pages.stabilisers.doctor_links reads one layer of the last."""
+    from lpfa.pages.stabilisers import doctor_links
 
     run = tmp_path / "sr"
     heads = [{"layer": 1, "head": h, "delta_t_paper": t, "delta_t_trained": -2 * t, "rank1_median": r}

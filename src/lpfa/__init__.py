@@ -15,7 +15,8 @@ Modules, one per concept:
 * :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
 * :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).
 * :mod:`lpfa.run` — one run folder (``Run``): config, metrics, verdict, checkpoints; :mod:`lpfa.explosion` — the
-  explosion criterion; :mod:`lpfa.runs` — comparing and plotting runs (Fig. 2's twins, the isolation table).
+  explosion criterion; :mod:`lpfa.compare` — tables and figures across runs (per-head diagnostics, the precursors,
+  the experiment tables).
 * :mod:`lpfa.doctor` — ``lpfa doctor CHECKPOINT``: every link of the failure chain measured per layer and head of one
   checkpoint (ours, nanoGPT's, Hugging Face GPT-2) on a probe batch, a verdict per head and a report;
   :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates.
@@ -23,7 +24,8 @@ Modules, one per concept:
   warning when a head crosses those thresholds; its replay over the committed runs (lead times, false alarms).
 * :mod:`lpfa.audit` — is your attention kernel biased? Signed errors of O, δ and dQ·u against float64 per kernel.
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
-* :mod:`lpfa.scorecard` — each claim of the paper, our committed result and a verdict (the intro's table).
+* :mod:`lpfa.pages` — the book's own layer: one module per notebook (its tables, figures and sentences);
+  :mod:`lpfa.pages.intro` — each claim of the paper, our committed result and a verdict (the intro's table).
 * :mod:`lpfa.scaling` — DDP agreement, throughput and the cost of runs at scale.
 * :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
 * :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.

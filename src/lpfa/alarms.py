@@ -33,7 +33,7 @@ from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
 from lpfa.run import Run, layer_precision, run_verdict
-from lpfa.runs import head_metric_frame
+from lpfa.compare import head_metric_frame
 
 LEAD_STEPS = 1000  # how long before the runaway a sample counts as a positive
 MAX_FPR = 0.001  # the largest share of negative samples a precursor threshold may flag

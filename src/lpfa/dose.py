@@ -28,7 +28,7 @@ This module turns the run folders into the evidence:
 
 A run that did not fail is *censored*: its failure step is only known to lie beyond its length. The fit leaves
 such runs out (they are drawn, and counted in the fit's ``n_censored``), so it describes the runs that failed.
-Runs are read only through :mod:`lpfa.runs` and :mod:`lpfa.explosion`.
+Runs are read only through :mod:`lpfa.run`, :mod:`lpfa.compare` and :mod:`lpfa.explosion`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import pandas as pd
 
 from lpfa.attention import get_policy
 from lpfa.run import Run, load_metrics, read_run_config, run_verdict
-from lpfa.runs import layer_max
+from lpfa.compare import layer_max
 
 COLUMNS = ["k", "sign", "base", "seed", "steps", "exploded", "explosion step", "runaway step", "runaway layer",
            "failure step", "censored", "final eval loss", "max logit"]

@@ -95,7 +95,7 @@ PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_
 # against the FP32 twin's, and whose logits were largest, when the BF16 twin's layer 1 ran away (step 2,800,
 # results/paper_recipe/h200x2-2026-11-30).
 # scores_fp32 (only S in FP32) joined after page 17 found the worst head's δ error on a captured batch to come from
-# rounding S to BF16 (lpfa.runs.sr_persistence): does the recipe's BF16 run stay clean with FP32 scores alone?
+# rounding S to BF16 (lpfa.pages.stabilisers.sr_persistence): does the recipe's BF16 run stay clean with FP32 scores alone?
 RECIPE_ISOLATION = ("delta_o_fp32", "pv_fp32", "delta_dp", "o_fp32", "scores_fp32", "fp32_outlier_heads")
 PAPER_RECIPE.update({f"{row}_paper_recipe": [f"attn_policy={row}"] for row in RECIPE_ISOLATION[:-1]})
 PAPER_RECIPE["fp32_outlier_heads_paper_recipe"] = ["attn_policy=paper", "fp32_heads={1: [7, 9]}"]

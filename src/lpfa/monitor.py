@@ -564,14 +564,14 @@ class AttentionMonitor:
 
 
 def logged_frame(run_dir):
-    """A run's logged diagnostics (:func:`lpfa.runs.head_metric_frame`) as the monitor's measures: a DataFrame
+    """A run's logged diagnostics (:func:`lpfa.compare.head_metric_frame`) as the monitor's measures: a DataFrame
     (step, layer, head, :data:`MEASURE_COLUMNS`); ``tie_fraction_bf16`` is the logged tie fraction in layers whose
     scores are BF16 (:func:`lpfa.run.layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
     import pandas as pd
 
     from lpfa.run import layer_precision
     from lpfa.run import Run
-    from lpfa.runs import head_metric_frame
+    from lpfa.compare import head_metric_frame
 
     key = ["step", "layer", "head"]
     cols = {}

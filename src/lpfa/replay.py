@@ -47,7 +47,7 @@ def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | N
 def choose_layer_heads(run_dir, n_heads: int = 2, layer: int | None = None) -> tuple[int, list[int]]:
     """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first), or
     ``layer`` if given, and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
-    from lpfa.runs import read_records
+    from lpfa.run import read_records
 
     w = np.array([r["diag"]["wq_spectral_norm"] for r in read_records(run_dir) if "diag" in r])
     if not len(w):

@@ -4,7 +4,7 @@
 against ``torchrun`` over several) step by step: how closely their losses and gradient norms agree,
 from which step they drift apart, and their throughput, speedup and scaling efficiency.
 :func:`plot_compare` draws the comparison. Both read only a run folder's ``metrics.jsonl`` (through
-:func:`lpfa.runs.load_metrics`) and ``config.json``.
+:func:`lpfa.run.load_metrics`) and ``config.json``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from lpfa.runs import read_run_config
+from lpfa.run import read_run_config
 
 
 def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
@@ -62,7 +62,7 @@ def compare_runs(run_a: str | Path, run_b: str | Path, skip: int = 50, windows=(
     """
     import pandas as pd
 
-    from lpfa.runs import load_metrics
+    from lpfa.run import load_metrics
 
     (da, ca), (db, cb) = _run_folder(run_a), _run_folder(run_b)
     (ta, va, _), (tb, vb, _) = load_metrics(da), load_metrics(db)
@@ -200,7 +200,7 @@ def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss")
     """Are two runs of one configuration and seed bit-identical? ``common_steps`` (steps both logged),
     ``identical_steps`` (how many of them have exactly equal ``column``) and ``first_differing_step``
     (None when every common step agrees): run-to-run determinism, e.g. the same run on another GPU."""
-    from lpfa.runs import load_metrics
+    from lpfa.run import load_metrics
 
     (da, _), (db, _) = _run_folder(run_a), _run_folder(run_b)
     ta, tb = load_metrics(da)[0], load_metrics(db)[0]

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import pandas as pd
 
+from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
+from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
 from lpfa.dose import committed_runs, dose_findings, dose_table
+from lpfa.pages.isolation import against_paper, isolation_table, recipe_isolation_table
+from lpfa.pages.loss_explosion import seed_table, seeds_text
+from lpfa.pages.sfa import sfa_findings
+from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import run_verdict
-from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
-from lpfa.runs import (PAPER_CLAIMS, against_paper, head_metric_frame, isolation_table, paper_claims, paper_claims_lead,
-                       precursor_table, recipe_isolation_table, seed_table, seeds_text, sfa_findings, stabiliser_table,
-                       step_before_failure)
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
@@ -61,7 +63,7 @@ def recipe_rows(experiment: str = "paper_recipe", run: str | None = None, root=N
 def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dict | None = None) -> str:
     """Page 06's opening sentence on Fig. 2: ``verdicts`` (``{"bf16": ..., "fp32": ...}``, :func:`lpfa.run.run_verdict`)
     of the twins trained with ``conf`` (the BF16 twin's train config), set against the paper's recipe and explosion step;
-    with ``n_pairs`` committed BF16/FP32 pairs (:func:`fig2_twins`), their ``seeds`` (:func:`lpfa.runs.seed_table`, when
+    with ``n_pairs`` committed BF16/FP32 pairs (:func:`fig2_twins`), their ``seeds`` (:func:`lpfa.pages.loss_explosion.seed_table`, when
     there are at least two) and the SFA twin's verdict ``sfa`` where one is committed."""
     from lpfa.scaling import PAPER_EXPLOSION_STEP, paper_explosion_tokens, tokens_per_step
     from lpfa.train import PRESETS
@@ -209,7 +211,7 @@ def _dose_row(root) -> dict:
 
 
 def _discussion_row(layer: int, root) -> dict:
-    """The paper's Discussion on why stabilisers work, judged on page 17's rows (:func:`lpfa.runs.paper_claims`)."""
+    """The paper's Discussion on why stabilisers work, judged on page 17's rows (:func:`lpfa.pages.stabilisers.paper_claims`)."""
     table, _, _ = stabiliser_table(layer=layer, root=root)
     judged = [c for c in paper_claims(table) if c["broken"] is not None]
     stand = [c for c in judged if c["broken"] and c["holds"]]

@@ -1,0 +1,304 @@
+"""Tables and figures across training runs that more than one page reads: a run's per-head diagnostics as a long frame,
+each layer's largest precursor (logit, ties, W_Q norm), the step where two runs part, the experiment tables with their
+verdicts, the loss curves. Runs are read through :mod:`lpfa.run`; nothing here knows the book (:mod:`lpfa.pages` does).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lpfa.run import (
+    load_metrics,
+    read_run_config,
+    run_verdict,
+)
+
+
+def plot_losses(runs: dict, smooth: int = 20, ax=None):
+    """Training loss (rolling mean over ``smooth`` steps) and evaluation loss of one or more runs
+    (``{label: run_dir}``), colours from :data:`lpfa.plotting.COLORS` where a label names a mode."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    if ax is None:
+        _, ax = plt.subplots()
+    for i, (label, d) in enumerate(runs.items()):
+        train, val, _ = load_metrics(d)
+        color = COLORS.get(label, list(COLORS.values())[i % len(COLORS)])
+        ax.plot(train.index, train["loss"].rolling(smooth, min_periods=1).mean(), color=color, label=f"{label} (train)")
+        if len(val):
+            ax.plot(val.index, val["val_loss"], "o--", color=color, ms=4, label=f"{label} (eval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    ax.legend()
+    return ax.figure
+
+
+def head_metric_frame(run_dir: str | Path, metric: str):
+    """Long DataFrame (step, layer, head, value) of a per-head diagnostic of a run."""
+    import numpy as np
+    import pandas as pd
+
+    _, _, diag = load_metrics(run_dir)
+    if diag.empty or metric not in diag:
+        raise ValueError(f"{run_dir} has no {metric!r} diagnostics (was diag_interval 0?)")
+    values = np.array(diag[metric].tolist())  # (records, layers, heads)
+    r, L, H = values.shape
+    return pd.DataFrame({"step": np.repeat(diag["step"].to_numpy(), L * H), "layer": np.tile(np.repeat(np.arange(L), H), r),
+                         "head": np.tile(np.arange(H), r * L), "value": values.reshape(-1)})
+
+
+def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: str = "bf16",
+                        frames: dict | None = None, verdicts: dict | None = None) -> int:
+    """The diagnostics step at which to compare heads (Fig. 3's "before the explosion"): the last step that every run
+    logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not explode).
+    ``frames`` (``{label: head_metric_frame(run, metric)}``) and ``verdicts`` (``{label: run_verdict(run)}``): what the
+    caller has already read, so that it is not read again."""
+    frames = frames if frames is not None else {k: head_metric_frame(d, metric) for k, d in runs.items()}
+    steps = [set(frames[k].step) for k in runs]
+    common = sorted(set.intersection(*steps))
+    if not common:
+        raise ValueError(f"the runs {sorted(runs)} share no diagnostics step of {metric!r}")
+    boom = None
+    if failing in runs:
+        boom = (verdicts[failing] if verdicts and failing in verdicts else run_verdict(runs[failing]))["explosion_step"]
+    before = [s for s in common if boom is None or s < boom]
+    return int((before or common)[-1])
+
+
+def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
+    """Per run: the (layer, head) whose ``metric`` grew most between the first and last diagnostics record."""
+    import pandas as pd
+
+    rows = []
+    for label, d in runs.items():
+        f = head_metric_frame(d, metric)
+        first, last = f[f.step == f.step.min()].set_index(["layer", "head"]).value, f[f.step == f.step.max()].set_index(["layer", "head"]).value
+        g = (last / first).sort_values(ascending=False)
+        (layer, head), ratio = g.index[0], g.iloc[0]
+        rows.append({"run": label, "steps": int(f.step.max()), "layer": int(layer), "head": int(head),
+                     f"{metric} first": float(first[(layer, head)]), f"{metric} last": float(last[(layer, head)]),
+                     "growth": float(ratio), "largest last value": float(last.max())})
+    return pd.DataFrame(rows).set_index("run")
+
+
+def explorer(runs: dict, metric: str = "wq_spectral_norm"):
+    """An ipywidgets explorer (run, layer, heads, step range) of a per-head diagnostic, for JupyterLab.
+    Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well."""
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import use_style
+
+    frames = {label: head_metric_frame(d, metric) for label, d in runs.items()}
+    first = next(iter(frames.values()))
+    n_layer, n_head = int(first.layer.max()) + 1, int(first["head"].max()) + 1
+    lo, hi = int(first.step.min()), int(max(f.step.max() for f in frames.values()))
+
+    def show(run, layer, heads, steps):
+        use_style()
+        f = frames[run]
+        f = f[(f.layer == layer) & f["head"].isin(heads) & f.step.between(*steps)]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        for h, g in f.groupby("head"):
+            ax.plot(g.step, g.value, label=f"head {h}")
+        ax.set_xlabel("step")
+        ax.set_ylabel(metric.replace("_", " "))
+        ax.set_title(f"{run}, layer {layer}", fontsize=9)
+        ax.legend(ncol=4, fontsize=9)
+        plt.show()
+
+    return w.interactive(
+        show,
+        run=w.Dropdown(options=list(frames)),
+        layer=w.IntSlider(min=0, max=n_layer - 1, value=min(1, n_layer - 1)),
+        heads=w.SelectMultiple(options=list(range(n_head)), value=tuple(range(n_head)), description="heads"),
+        steps=w.IntRangeSlider(min=lo, max=hi, value=(lo, hi), step=max(1, (hi - lo) // 100), description="steps"),
+    )
+
+
+PRECURSORS = {"max_logit": "largest attention logit", "tie_fraction": "largest per-head tie fraction",
+              "wq_spectral_norm": "largest per-head ‖W_Q[h]‖₂"}
+
+
+def layer_max(run_dir: str | Path, metric: str, layer: int):
+    """Series indexed by step: the largest value over heads of a per-head diagnostic in one layer."""
+    f = head_metric_frame(run_dir, metric)
+    if layer not in set(f.layer):
+        raise ValueError(f"{run_dir} has no layer {layer} (layers {sorted(set(f.layer))})")
+    return f[f.layer == layer].groupby("step").value.max()
+
+
+def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=None, verdicts: dict | None = None):
+    """One row per run (``{label: run_dir}``): steps, explosion verdict (:func:`lpfa.run.run_verdict`),
+    final eval loss, and in ``layer`` the largest attention logit, tie fraction and W_Q norm at ``step``
+    (default: the last diagnostics step that every run reached; each run's last record at or before it).
+    ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller has them already (else computed here).
+    Returns ``(table, step)``."""
+    import pandas as pd
+
+    from lpfa.explosion import ExplosionCriterion
+
+    criterion = criterion or ExplosionCriterion()
+    verdicts = {label: (verdicts or {}).get(label) or run_verdict(d, criterion) for label, d in runs.items()}
+    series = {label: {m: layer_max(d, m, layer) for m in PRECURSORS} for label, d in runs.items()}
+    if step is None:
+        step = min(int(s["max_logit"].index.max()) for s in series.values())
+    rows = {}
+    for label, d in runs.items():
+        _, val, _ = load_metrics(d)
+        row = {"steps": verdicts[label]["steps"], "exploded": verdicts[label]["exploded"],
+               "explosion step": verdicts[label]["explosion_step"], "runaway step": verdicts[label]["runaway_step"],
+               "runaway layer": verdicts[label]["runaway_layer"],
+               "final eval loss": float(val["val_loss"].iloc[-1]) if len(val) else float("nan")}
+        for m, name in PRECURSORS.items():
+            s = series[label][m]
+            before = s[s.index <= step]
+            row[f"{name} @ {step}"] = float(before.iloc[-1]) if len(before) else float("nan")
+        rows[label] = row
+    return pd.DataFrame(rows).T, step
+
+
+def precursor_panels(axes, runs: dict, layer: int, style: dict):
+    """Draw each run of ``runs`` (``{label: run_dir}``, in order) on ``axes``, one panel per :data:`PRECURSORS`
+    (its :func:`layer_max` in ``layer`` over training), in ``style[label]`` = (colour, dash)."""
+    for label, d in runs.items():
+        for ax, metric in zip(axes, PRECURSORS):
+            s = layer_max(d, metric, layer)
+            ax.plot(s.index, s.values, color=style[label][0], ls=style[label][1], label=label, lw=1.4)
+
+
+def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = True) -> int | None:
+    """When does one run's precursor leave its twin's behind? ``a`` and ``b``: Series indexed by step.
+
+    ``permanent`` (default): the first step from which ``a > ratio × b`` at every later common record, provided
+    that stretch holds at least ``patience`` records (None if ``a`` is not above at the end). Otherwise: the
+    first step where ``a > ratio × b`` for ``patience`` consecutive common records, even if it falls back later."""
+    common = a.index.intersection(b.index).sort_values()
+    above = (a.loc[common] > ratio * b.loc[common]).to_numpy()
+    if permanent:
+        below = [i for i, x in enumerate(above) if not x]
+        start = below[-1] + 1 if below else 0
+        return int(common[start]) if len(common) - start >= patience else None
+    from lpfa.explosion import first_sustained
+
+    start = first_sustained(above, patience)
+    return int(common[start]) if start is not None else None
+
+
+def score_precision(model_conf: dict, layer: int) -> str:
+    """How a run's attention scores S = QKᵀ·scale of ``layer`` are rounded (``model_conf``: the ``model`` part of a
+    run's config.json): ``bf16`` or ``fp32``, and the heads that differ, e.g. ``bf16; fp32 in heads 2, 5``.
+    SDPA's kernels and ``sdpa_fp32`` keep S in FP32; the ``math`` backend under BF16 autocast rounds it to BF16."""
+    from lpfa.explosion import heads_text
+    from lpfa.model import GPTConfig
+
+    cfg = GPTConfig.from_dict(model_conf)
+    backend = cfg.layer_backend(layer)
+    if backend != "lpfa":
+        return "bf16" if backend == "math" else "fp32"
+    pol = cfg.policy(layer)
+    if pol.fp32_heads and pol.scores != "fp32":
+        return f"{pol.scores}; fp32 in {heads_text(pol.fp32_heads)}"
+    return pol.scores
+
+
+def delta_source(model_conf: dict, layer: int) -> str:
+    """What the backward's δ of ``layer`` is computed from (``model_conf``: the ``model`` part of a run's
+    config.json), the step of the paper's chain that the isolation rows change (Sec. 3.1, Eq. 3):
+    ``bf16 O`` (rowsum(dO∘O) with O rounded to BF16, the paper's failing δ), ``fp32 O`` (with an O kept or
+    recomputed in FP32 from the forward's scores), ``exact O`` (O recomputed from FP32 scores, inconsistent with
+    the backward's P when the scores are BF16) or ``dP∘P`` (rowsum(dP∘P), which needs no O; also autograd's
+    softmax backward, the ``math`` backend); and the heads that differ, e.g. ``bf16 O; fp32 O in head 5``.
+    SDPA's flash kernels store a BF16 O under autocast and take δ from it; ``sdpa_fp32`` an FP32 O."""
+    from lpfa.explosion import heads_text
+    from lpfa.model import GPTConfig
+
+    cfg = GPTConfig.from_dict(model_conf)
+    backend = cfg.layer_backend(layer)
+    if backend != "lpfa":
+        return {"sdpa": "bf16 O", "sdpa_fp32": "fp32 O", "math": "dP∘P"}[backend]
+    pol = cfg.policy(layer)
+    src = {"dp_p": "dP∘P", "o_fp32": "fp32 O", "o_exact": "exact O"}.get(pol.delta, f"{pol.o_store} O")
+    if pol.fp32_heads and src != "fp32 O":
+        return f"{src}; fp32 O in {heads_text(pol.fp32_heads)}"
+    return src
+
+
+def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
+                     logit_ratio: float = 10.0):
+    """:func:`precursor_table` of the runs of an experiment, with what each run changes
+    (:data:`lpfa.experiments.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
+    scores were rounded (:func:`score_precision`), what its δ is computed from (:func:`delta_source`) and its
+    outcome in front. Returns ``(table, step)``: the isolation table, the seeds table.
+
+    ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
+    ``config.json``) or a dict ``{label: run_dir}``. ``reference``: the stable run each row is held against,
+    a run folder or a function ``label -> run folder`` (e.g. the FP32 run of the same seed); then the column
+    ``precursor from`` is the step from which the layer's largest logit stays above ``logit_ratio`` × the
+    reference's (:func:`divergence_step`). Outcome: ``exploded`` (:class:`lpfa.explosion.ExplosionCriterion`),
+    else ``ran away`` (:class:`lpfa.explosion.RunawayCriterion`), else ``precursor`` (when a reference is
+    given and the logit left it behind for good), else ``clean`` (``stable`` without a reference)."""
+    import pandas as pd
+
+    from lpfa.experiments import DESCRIPTIONS
+    from lpfa.explosion import attention_label
+
+    if isinstance(folder, dict):
+        runs = {label: Path(d) for label, d in folder.items() if labels is None or label in labels}
+    else:
+        folder = Path(folder)
+        if labels is None:
+            labels = sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+        runs = {label: folder / label for label in labels}
+    if not runs:
+        raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
+    table, step = precursor_table(runs, layer, step)
+    full = {label: read_run_config(d) for label, d in runs.items()}
+    confs, models = {label: c["train"] for label, c in full.items()}, {label: c.get("model") for label, c in full.items()}
+    table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
+    table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
+    table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
+    table.insert(3, "compiled", [bool(confs[label].get("compile", False)) for label in table.index])
+    table.insert(4, f"layer {layer} scores", pd.Series([score_precision(models[label], layer) if models[label] else None
+                                                         for label in table.index], index=table.index, dtype=object))
+    table.insert(5, f"layer {layer} δ from", pd.Series([delta_source(models[label], layer) if models[label] else None
+                                                       for label in table.index], index=table.index, dtype=object))
+    if reference is not None:
+        ref_of = reference if callable(reference) else (lambda label: reference)
+        table.insert(6, "precursor from", pd.Series([
+            divergence_step(layer_max(runs[label], "max_logit", layer), layer_max(ref_of(label), "max_logit", layer), logit_ratio)
+            for label in table.index], index=table.index, dtype=object))
+    quiet = "stable" if reference is None else "clean"
+    table.insert(6, "outcome", [
+        "exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None
+        else "precursor" if reference is not None and r["precursor from"] is not None else quiet
+        for _, r in table.iterrows()])
+    return table, step
+
+
+def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
+    """The largest attention logit of ``layer`` over training for every run (``{label: run_dir}``), with the
+    runaway threshold of :class:`lpfa.explosion.RunawayCriterion`. A label's colour is its mode's
+    (``bf16_s2`` → ``bf16``) where :data:`lpfa.plotting.COLORS` has one, else a cycle colour."""
+    import matplotlib.pyplot as plt
+
+    from lpfa.explosion import RunawayCriterion
+    from lpfa.plotting import COLORS, use_style
+
+    use_style()
+    criterion = criterion or RunawayCriterion()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    for i, (label, d) in enumerate(runs.items()):
+        s = layer_max(d, "max_logit", layer)
+        color = COLORS.get(label, COLORS.get(label.split("_s")[0], plt.cm.tab10(i % 10)))
+        ax.plot(s.index, s.values, lw=1.1, label=label, color=color)
+    ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"layer {layer}: largest attention logit")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=9, ncol=2)
+    return fig

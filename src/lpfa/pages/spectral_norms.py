@@ -1,0 +1,128 @@
+"""Page 07, W_Q spectral norms (Figs. 3, 11): per-head norms before the failure and their growth against the FP32 twin."""
+
+from __future__ import annotations
+
+from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer_max
+
+
+def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral_norm", ax=None):
+    """Fig. 3 as the paper draws it: ``metric`` of every head of ``layer`` at ``step``, one bar per (head, run), each run
+    in its mode's colour (:data:`lpfa.plotting.COLORS`), with hatching for the low-precision runs so that BF16 and FP32
+    differ by more than colour."""
+    import matplotlib.pyplot as plt
+    import pandas as pd
+    import seaborn as sns
+
+    from lpfa.plotting import color_of
+
+    rows = []
+    for label, d in runs.items():
+        f = head_metric_frame(d, metric)
+        at = f[(f.layer == layer) & (f.step == step)]
+        if at.empty:
+            raise ValueError(f"run {label!r} ({d}) logged no {metric!r} at step {step} (diagnostics steps: "
+                             f"{int(f.step.min())}..{int(f.step.max())})")
+        rows.append(at.assign(run=label))
+    frame = pd.concat(rows)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(7.5, 3.4))
+    palette = {label: color_of(label) for label in runs}
+    sns.barplot(frame, x="head", y="value", hue="run", palette=palette, ax=ax, edgecolor="black", linewidth=0.4, saturation=1)
+    for bars, label in zip(ax.containers, runs):
+        if not label.startswith("fp32"):
+            for bar in bars:
+                bar.set_hatch("//")
+    ax.set_ylabel("‖W_Q[h]‖₂" if metric == "wq_spectral_norm" else metric.replace("_", " "))
+    ax.set_xlabel(f"head of layer {layer}")
+    ax.set_title(f"layer {layer}, step {step:,}: every head", fontsize=10)
+    ax.legend(handles=[c.patches[0] for c in ax.containers], labels=list(runs), title=None)  # hatched as the bars
+    return ax.figure
+
+
+def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: str = "fp32", grown: float = 1.25) -> str:
+    """Page 07's sentence on Fig. 3: at ``step``, the three heads of ``layer`` with the largest ‖W_Q[h]‖₂ ratio of the
+    BF16 run to its FP32 twin, how many heads exceed ``grown``× their twin's, the median ratio, and whether the growth
+    is layer-wide (more than half the heads) or carried by a few heads, as in the paper."""
+    at = {}
+    for label in (bf16, fp32):
+        f = head_metric_frame(runs[label], "wq_spectral_norm")
+        at[label] = f[(f.layer == layer) & (f.step == step)].set_index("head").value
+    top = (at[bf16] / at[fp32]).sort_values(ascending=False)
+    n = int((top > grown).sum())
+    return (f"At step {step:,}, layer {layer}'s heads {', '.join(str(h) for h in top.index[:3])} have the largest BF16/FP32 "
+            f"ratios of ‖W_Q[h]‖₂ ({', '.join(f'{r:.1f}×' for r in top.iloc[:3])}); {n} of {len(top)} heads are more than "
+            f"{grown}× their FP32 twin's, and the median ratio is {top.median():.2f}"
+            + (": the growth is layer-wide here, not confined to a few heads as in the paper." if n > len(top) / 2
+               else ": as in the paper, a few heads carry it."))
+
+
+def _layer_wq_at_common_step(runs: dict, layer: int):
+    """The last diagnostics step every run reached, and per run the per-head ‖W_Q‖₂ rows of ``layer`` there (a frame of
+    :func:`head_metric_frame`)."""
+    frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
+    common = min(int(f.step.max()) for f in frames.values())
+    return common, {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())] for label, f in frames.items()}
+
+
+def growth_text(runs: dict, layer: int) -> tuple[str, str]:
+    """Page 07's two findings on W_Q growth: a Markdown list, one item per run, of its fastest-growing head
+    (:func:`growth_table`) and its largest norm; and a sentence on the largest ‖W_Q‖₂ in ``layer`` of each run at the
+    last diagnostics step that every run reached."""
+    g = growth_table(runs)
+    items = "\n".join(
+        f"* **{r}**: after {int(row['steps'])} steps the fastest-growing head is layer {int(row['layer'])}, head "
+        f"{int(row['head'])} (×{row['growth']:.2f}, {row['wq_spectral_norm first']:.2f} → {row['wq_spectral_norm last']:.2f}); "
+        f"the largest norm anywhere is {row['largest last value']:.2f}." for r, row in g.iterrows())
+    common, at = _layer_wq_at_common_step(runs, layer)
+    sentence = (f"At step {common}, the last step all runs reached, the largest W_Q norm in layer {layer} is "
+                + ", ".join(f"{a.value.max():.2f} in {label} (head {int(a.loc[a.value.idxmax(), 'head'])})" for label, a in at.items())
+                + ".")
+    return items, sentence
+
+
+def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_name: str = "",
+                       same: dict | None = None) -> str:
+    """Page 07's comparison with the paper: whether ``layer`` holds each run's fastest-growing head (:func:`growth_table`),
+    the BF16 run's largest layer-``layer`` ‖W_Q‖₂ over the other runs' at the last step all reached, and from which step
+    it stays 1.25× above the first FP32-side run's (:func:`divergence_step`). ``short``: the same twins, label → folder,
+    of a shorter experiment (``short_name``) with the same seed and data: their W_Q ratio at the last step both reached;
+    ``same``: for "bf16" and "fp32", :func:`lpfa.scaling.first_difference` of this run and the short one's (how many of
+    their losses are bit-identical)."""
+    g = growth_table(runs)
+    common, at = _layer_wq_at_common_step(runs, layer)
+    vals = {label: a.value.max() for label, a in at.items()}
+    hp = [label for label in vals if label != "bf16"]
+    ratio = vals["bf16"] / max(vals[label] for label in hp)
+    wq = {label: layer_max(d, "wq_spectral_norm", layer) for label, d in runs.items()}
+    div = divergence_step(wq["bf16"], wq[hp[0]], 1.25)
+    where = ("every run" if (g["layer"] == layer).all() else
+             f"{', '.join(g.index[g['layer'] == layer]) or 'no run'} (elsewhere: "
+             + ", ".join(f"{r} layer {int(row['layer'])}" for r, row in g[g["layer"] != layer].iterrows()) + ")")
+    text = [f"**Compared with the paper.** The paper reports W_Q norms growing in a few heads of one early layer of the failing "
+            f"run only. Here layer {layer} is the layer of the fastest-growing head in {where}; at step {common:,} the BF16 run's "
+            f"largest layer-{layer} norm is {ratio:.2f}× the largest among {', '.join(hp)}",
+            f", and it stays above 1.25× the {hp[0]} run's from step {div:,} on." if div is not None else
+            ", and it never stays 1.25× above it: within these steps W_Q is not a BF16-specific precursor."]
+    if short:
+        s_wq = {label: layer_max(short[label], "wq_spectral_norm", layer) for label in ("bf16", "fp32")}
+        s_step = min(int(s.index.max()) for s in s_wq.values())
+
+        def pick(s):
+            return float(s[s.index <= s_step].iloc[-1])
+
+        sb, sf, pb, pf = pick(s_wq["bf16"]), pick(s_wq["fp32"]), pick(wq["bf16"]), pick(wq["fp32"])
+        text.append(f" For scale: at step {s_step:,} the shorter experiment (`{short_name}`, same seed and data, four runs sharing "
+                    f"one GPU) has {sb:.1f} (bf16) against {sf:.1f} (fp32), ×{sb / sf:.2f}, while this experiment has {pb:.1f} "
+                    f"against {pf:.1f}, ×{pb / pf:.2f}. ")
+    if short and same:
+        for label, s in same.items():
+            text.append(f"The two {label} runs have bit-identical losses at {s['identical_steps']:,} of their "
+                        f"{s['common_steps']:,} common steps"
+                        + (f" (they first differ at step {s['first_differing_step']:,}). " if s["first_differing_step"] is not None
+                           else ". "))
+        if same["bf16"]["first_differing_step"] is None and same["fp32"]["first_differing_step"] is not None:
+            text.append("lpfa's BF16 kernels are deterministic from run to run, on another machine and with the GPU shared or not; "
+                        "the FP32 twin (PyTorch SDPA on FP32 inputs) is not, so FP32 runs of one seed already scatter, "
+                        "and a BF16/FP32 ratio at one step is only meaningful well beyond that scatter (the seeds page "
+                        "measures it).")
+    return "".join(text)
