@@ -1,4 +1,4 @@
-"""GPU check and benchmark of lpfa's precision-policy attention against PyTorch SDPA (issue 3).
+"""GPU check and benchmark of lpfa's precision-policy attention against PyTorch SDPA.
 
 Its parts, all in one run on one GPU:
 
@@ -15,7 +15,7 @@ Its parts, all in one run on one GPU:
    time, the GPU's busy time summed over the kernels (by name, torch.profiler), and the time of calls back to back
    with and without an L2 flush between them, to tell launch overhead from kernel time (``overhead.json``).
 6. **error** — O, lse, dq, dk, dv of ``fp32`` (IEEE FP32 GEMMs), ``fp32_split`` (BF16 tensor-core GEMMs of split
-   FP32 operands, issue 17) and ``fa2`` against float64 attention on the same inputs (BF16 and FP32 q, k, v; FP32
+   FP32 operands) and ``fa2`` against float64 attention on the same inputs (BF16 and FP32 q, k, v; FP32
    dO): max and mean error relative to the float64 tensor's max and mean magnitude (:mod:`lpfa.attention.accuracy`).
 
 The speed part also times SDPA on FP32 q, k, v (``sdpa_fp32``: the experiments' FP32 twin today, TF32 off), the row
@@ -25,8 +25,8 @@ Usage::
 
     python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick] [--parts check,error,speed]
 
-Writes ``check.json``, ``error.json``, ``bench.json``, ``overhead.json``, ``memory.json``, ``summary.json`` (preset → fwd+bwd TFLOP/s
-and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
+Writes ``check.json``, ``error.json``, ``bench.json``, ``overhead.json``, ``memory.json``, ``summary.json`` (preset →
+fwd+bwd TFLOP/s and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ from lpfa.attention import PRESETS, attention
 from lpfa.attention import reference as ref
 from lpfa.provenance import provenance, write_json
 
-PRESET_ORDER = ["fa2", "paper", "fp32", "fp32_split", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32", "paper_untiled"]
+PRESET_ORDER = ["fa2", "paper", "fp32", "fp32_split", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32",
+                "paper_untiled"]
 
 
 def flops(B, H, T, D, mode):
@@ -53,9 +54,9 @@ def flops(B, H, T, D, mode):
 
 
 def bench_ms(fn, budget_s=20.0):
-    """Median time of ``fn`` in ms by ``triton.testing.do_bench`` (the method of issue 17's measurements): calls queued
-    back to back, so the host's launch overhead hides behind the GPU's work as it does inside a training step, with
-    the L2 cache flushed between calls. ``budget_s`` caps the measuring time (do_bench's ``rep``, in ms)."""
+    """Median time of ``fn`` in ms by ``triton.testing.do_bench`` (the method of the kernel speed measurements): calls
+    queued back to back, so the host's launch overhead hides behind the GPU's work as it does inside a training step,
+    with the L2 cache flushed between calls. ``budget_s`` caps the measuring time (do_bench's ``rep``, in ms)."""
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=25, rep=max(10, min(100, int(budget_s * 1000))), return_mode="median")
@@ -94,7 +95,8 @@ def graph_ms(fn, rep=20, replays=3):
 
 def inputs(B, H, T, D, seed=0, requires_grad=True):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(requires_grad) for _ in range(3)]
+    return [torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_(requires_grad)
+            for _ in range(3)]
 
 
 def compare(x, y):
@@ -117,8 +119,11 @@ def check(B, H, T, D):
         ro, rlse = ref.forward(q.float(), k.float(), v.float(), pol, scale)
         dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, pol, scale)
         rdq, rdk, rdv = ref.backward(do.float(), q.float(), k.float(), v.float(), ro, rlse, pol, scale)
-        out[name] = {n: compare(a, b) for n, a, b in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv))}
-        print(f"check {name:14s} " + "  ".join(f"{n}: {r['bit_identical']:.4%} same, max {r['max_rel_to_max']:.2e}" for n, r in out[name].items()), flush=True)
+        out[name] = {n: compare(a, b) for n, a, b in (("o", o, ro), ("lse", lse, rlse), ("dq", dq, rdq),
+                                                      ("dk", dk, rdk), ("dv", dv, rdv))}
+        print(f"check {name:14s} "
+              + "  ".join(f"{n}: {r['bit_identical']:.4%} same, max {r['max_rel_to_max']:.2e}"
+                          for n, r in out[name].items()), flush=True)
     return out
 
 
@@ -189,8 +194,8 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
         if save is not None:
             save(rows)
         graph = f"{r['graph_fwd_bwd_tflops']:7.1f}" if r["graph_fwd_bwd_tflops"] else "    n/a"
-        print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  fwd+bwd {r['fwd_bwd_tflops']:7.1f} "
-              f"(from a CUDA graph: {graph}) TFLOP/s", flush=True)
+        print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  "
+              f"fwd+bwd {r['fwd_bwd_tflops']:7.1f} (from a CUDA graph: {graph}) TFLOP/s", flush=True)
 
     def sdpa(backend):
         def fwd():
@@ -213,7 +218,7 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
     return rows
 
 
-# issue 17's other shapes, at GPT-2's model width (H·D = 768) and about 16k tokens per call; non-causal attention is not
+# the sweep's shapes, at GPT-2's model width (H·D = 768) and about 16k tokens per call; non-causal attention is not
 # in the table: the Triton kernels are causal only (lpfa.attention.triton_common.check_triton_support)
 SHAPES = [(16, 12, 1024, 64), (16, 6, 1024, 128), (4, 12, 4096, 64), (1, 12, 16384, 64)]
 SHAPE_PRESETS = ["fa2", "paper", "fa2_sfa", "paper_sfa"]
@@ -327,7 +332,8 @@ def memory(Ts, H, D, deadline):
                 torch.cuda.synchronize()
                 peak = torch.cuda.max_memory_allocated() - base
                 out[f"{name}@{T}"] = {"name": name, "T": T, "peak_mib": peak / 2**20, "seconds": time.time() - t0}
-                print(f"memory {name:10s} T={T:6d}: peak {peak / 2**20:8.1f} MiB above inputs, {time.time() - t0:.2f} s", flush=True)
+                print(f"memory {name:10s} T={T:6d}: peak {peak / 2**20:8.1f} MiB above inputs, "
+                      f"{time.time() - t0:.2f} s", flush=True)
             except Exception as e:
                 out[f"{name}@{T}"] = {"name": name, "T": T, "error": f"{type(e).__name__}: {e}"[:300]}
                 print(f"memory {name} T={T}: {type(e).__name__}: {e}", flush=True)
@@ -368,14 +374,16 @@ def write_speed_summary(out: Path, shape: dict, rows: dict) -> str:
         "shape": shape,
         "sdpa_flash_fwd_bwd_tflops": base,
         "presets": {
-            n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"], "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None,
+            n: {"fwd_bwd_tflops": r["fwd_bwd_tflops"],
+                "ratio_to_sdpa_flash": (r["fwd_bwd_tflops"] / base) if base else None,
                 "graph_fwd_bwd_tflops": r.get("graph_fwd_bwd_tflops"), "graph_ratio_to_sdpa_flash": graph_ratio(r)}
             for n, r in rows.items()
         },
     }
     write_json(out / "summary.json", summary)
-    lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s} {'graph':>8s} {'ratio':>7s}   (TFLOP/s; "
-             "ratio = fwd+bwd / SDPA-flash's; graph: fwd+bwd replayed from a CUDA graph, the GPU's time alone)"]
+    lines = [f"{'impl':16s} {'fwd':>8s} {'bwd':>8s} {'fwd+bwd':>8s} {'ratio':>7s} {'graph':>8s} {'ratio':>7s}   "
+             "(TFLOP/s; ratio = fwd+bwd / SDPA-flash's; graph: fwd+bwd replayed from a CUDA graph, the GPU's time "
+             "alone)"]
     for n, r in rows.items():
         ratio = r["fwd_bwd_tflops"] / base if base else float("nan")
         g, gr = r.get("graph_fwd_bwd_tflops"), graph_ratio(r)
@@ -407,13 +415,15 @@ def main():
     parts = a.parts.split(",")
     B, H, T, D = 16, 12, 1024, 64
     t0 = time.time()
-    write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick}))
+    write_json(out / "provenance.json",
+               provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick}))
     results = {}
     if "compile" in parts:
         results["compile"] = compile_check()
     if "check" in parts:
         results["check"] = check(2 if a.quick else B, H, T, D)
-        write_json(out / "check.json", {"shape": [B, H, T, D], "presets": results["check"], "compile": results.get("compile")})
+        write_json(out / "check.json",
+                   {"shape": [B, H, T, D], "presets": results["check"], "compile": results.get("compile")})
     if "error" in parts:
         B_err = 2 if a.quick else 4  # float64 autograd holds a few (B, H, T, T) tensors
         results["error"] = error(B_err, H, T, D)
@@ -429,8 +439,8 @@ def main():
     if "shapes" in parts:
         rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)
         write_json(out / "shapes.json", {"rows": rows})
-        lines = [f"{'B':>3s} {'H':>3s} {'T':>6s} {'D':>4s} {'impl':12s} {'fwd':>7s} {'bwd':>7s} {'fwd+bwd':>8s} {'ratio':>6s} "
-                 f"{'SFA over base':>14s}   (TFLOP/s; ratio = fwd+bwd / SDPA-flash at that shape)"]
+        lines = [f"{'B':>3s} {'H':>3s} {'T':>6s} {'D':>4s} {'impl':12s} {'fwd':>7s} {'bwd':>7s} {'fwd+bwd':>8s} "
+                 f"{'ratio':>6s} {'SFA over base':>14s}   (TFLOP/s; ratio = fwd+bwd / SDPA-flash at that shape)"]
         for r in rows:
             sfa = f"{r['sfa_overhead']['fwd_bwd']:+.1%}" if r["sfa_overhead"] else ""
             ratio = f"{r['ratio_to_sdpa_flash']:.3f}" if r["ratio_to_sdpa_flash"] is not None else "-"

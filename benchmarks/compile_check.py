@@ -151,7 +151,8 @@ def _compile_ptx(src, target, opts):
 
 
 def _cuobjdump(cubin: bytes, flag: str) -> str | None:
-    """``cuobjdump FLAG`` of a cubin (Triton's bundled cuobjdump): its output, or None without the tool or on failure."""
+    """``cuobjdump FLAG`` of a cubin (Triton's bundled cuobjdump): its output, or None without the tool or on
+    failure."""
     import subprocess
     import tempfile
 
@@ -232,8 +233,8 @@ def main(argv=None) -> int:
             continue
         for dt in a.dtype:
             for D in a.d:
-                launch = {k: v for k, v in (("num_stages", a.num_stages), ("num_warps", a.num_warps), ("block_m", a.block_m),
-                                                 ("block_n", a.block_n)) if v is not None}
+                launch = {k: v for k, v in (("num_stages", a.num_stages), ("num_warps", a.num_warps),
+                                            ("block_m", a.block_m), ("block_n", a.block_n)) if v is not None}
                 for kernel, args, kwargs in capture(preset, dtypes[dt], B, H, T, D, launch):
                     k = _key(kernel, _spec(kernel, args, kwargs, backend))
                     if k not in keys:

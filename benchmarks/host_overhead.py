@@ -1,4 +1,4 @@
-"""Where the host's time goes when it issues one attention call, layer by layer (issue 17's overhead part).
+"""Where the host's time goes when it issues one attention call, layer by layer.
 
 At GPT-2 shapes (B=16, H=12, T=1024, D=64) the op is host-bound: issuing a forward and backward takes the host
 longer than the GPU takes to run them. This splits the host's time per call into the layers of the call, each timed

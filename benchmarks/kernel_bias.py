@@ -1,4 +1,4 @@
-"""Is your attention kernel biased? The audit of :mod:`lpfa.audit` on one device (issue 19 §2).
+"""Is your attention kernel biased? The audit of :mod:`lpfa.audit` on one device.
 
 For each input family (random; tied BF16 row maxima with one-signed V, the paper's Fig. 6 setting) and each kernel
 (lpfa presets through the reference and the Triton kernels, PyTorch SDPA flash / cuDNN / efficient / math,
@@ -9,7 +9,7 @@ with the reason.
 Usage (the next GPU session commits the folder as ``results/kernel_bias/<run>/``)::
 
     python benchmarks/kernel_bias.py --out results/kernel_bias/<run> --device cuda [--T 1024] [--B 4 --H 8 --D 64]
-        [--captured REPLAY_OUT/qkv.npz]      # issue 19's third family: a trained layer's q, k, v, dO
+        [--captured REPLAY_OUT/qkv.npz]      # the third family: a trained layer's q, k, v, dO
 
 Writes ``audit.json`` (the rows of :func:`lpfa.audit.audit`, plus the settings) and ``provenance.json``.
 """
@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--families", nargs="+", default=list(A.FAMILIES), choices=A.FAMILIES)
     ap.add_argument("--kernels", nargs="+", default=list(A.KERNELS), choices=A.KERNELS)
     ap.add_argument("--captured", nargs="*", default=[], metavar="QKV_NPZ",
-                    help="qkv.npz files of lpfa.replay --save-qkv: each a family of its own, named by its file's folder")
+                    help="qkv.npz files of lpfa.replay --save-qkv: each a family of its own, "
+                         "named by its file's folder")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Step-time overhead of :class:`lpfa.monitor.AttentionMonitor` in a training loop (issue 20; goal ≤ 2 % at every=100).
+"""Step-time overhead of :class:`lpfa.monitor.AttentionMonitor` in a training loop (goal ≤ 2 % at every=100).
 
 One training step = forward + backward + AdamW on B × T random token ids (the time does not depend on the data),
 under BF16 autocast on CUDA (FP32 on CPU), eager mode. The same model and optimizer alternate segments of ``--steps``
@@ -92,8 +92,8 @@ def main(argv=None) -> dict:
     mp, mm = statistics.mean(plain), statistics.mean(monitored)
     non_capture = [t for i, t in enumerate(monitored) if i % a.steps % a.every]
     res = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "model": a.model,
-           "backend": a.backend, "batch": a.batch, "seq": a.seq, "every": a.every, "steps": a.steps, "repeats": a.repeats,
-           "plain_ms": mp * 1e3, "monitored_ms": mm * 1e3, "overhead": mm / mp - 1,
+           "backend": a.backend, "batch": a.batch, "seq": a.seq, "every": a.every, "steps": a.steps,
+           "repeats": a.repeats, "plain_ms": mp * 1e3, "monitored_ms": mm * 1e3, "overhead": mm / mp - 1,
            "plain_median_ms": statistics.median(plain) * 1e3,
            "monitored_non_capture_median_ms": statistics.median(non_capture) * 1e3 if non_capture else None,
            "capture_step_ms": statistics.mean(capture) * 1e3, "captures": len(capture),
@@ -102,9 +102,10 @@ def main(argv=None) -> dict:
            "warnings": len(events), "goal": f"overhead <= {OVERHEAD_GOAL} at every=100"}
     res["amortised_overhead"] = amortised_overhead(res)
     print(f"{a.model} on {res['device']}, B={a.batch} T={a.seq}: plain {res['plain_ms']:.2f} ms/step, with the monitor "
-          f"(every={a.every}) {res['monitored_ms']:.2f} ms/step: overhead {100 * res['overhead']:+.2f} %; one capture step "
-          f"{res['capture_step_ms']:.1f} ms (+{res['capture_extra_ms']:.1f} ms over a plain step's median), amortised "
-          f"over {a.every} steps {100 * res['amortised_overhead']:+.2f} %; the process's first capture step {first_capture_ms:.0f} ms")
+          f"(every={a.every}) {res['monitored_ms']:.2f} ms/step: overhead {100 * res['overhead']:+.2f} %; "
+          f"one capture step {res['capture_step_ms']:.1f} ms (+{res['capture_extra_ms']:.1f} ms over a plain step's "
+          f"median), amortised over {a.every} steps {100 * res['amortised_overhead']:+.2f} %; "
+          f"the process's first capture step {first_capture_ms:.0f} ms")
     if a.out:
         from lpfa.provenance import provenance, write_json
 

@@ -1,10 +1,10 @@
-"""What limits each attention kernel: Nsight Compute's counters for one forward+backward (issue 17).
+"""What limits each attention kernel: Nsight Compute's counters for one forward+backward.
 
 For SDPA-flash (the FlashAttention-2 kernel that ``fa2`` emulates) and each lpfa preset, one call of forward+backward
 at GPT-2 shapes (B=16, H=12, T=1024, D=64, causal, BF16) runs under ``ncu`` after two warm-up calls (Triton compiles
 there), and every kernel of that call is profiled: its duration, compute and memory throughput as a share of the
 H200's peak (speed of light), achieved occupancy, registers per thread, the busiest pipes, and the warp stall reasons
-per issued instruction. ``lpfa.attention.report.ncu_table`` reads the result into page 12's table.
+per issued instruction. ``lpfa.pages.kernels.ncu_table`` reads the result into page 12's table.
 
 ``ncu`` runs with ``--clock-control none`` (the device guide: leave the clocks alone), so durations are at the clocks
 the GPU runs at, and each kernel is replayed once per counter pass; the durations are ncu's, not the benchmark's.
@@ -14,7 +14,7 @@ Usage::
     python benchmarks/ncu_attention.py --out DIR [--targets sdpa_flash,fa2,paper] [--ncu PATH]
 
 Writes ``DIR/<target>.csv`` (ncu's raw page), ``DIR/ncu.json`` (target → kernels → metrics, by
-:func:`lpfa.attention.report.parse_ncu_csv`), ``DIR/ncu.log`` and ``DIR/provenance.json``.
+:func:`lpfa.attention.ncu.parse_ncu_csv`), ``DIR/ncu.log`` and ``DIR/provenance.json``.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from lpfa.attention import attention
-from lpfa.attention.report import parse_ncu_csv
+from lpfa.attention.ncu import parse_ncu_csv
 from lpfa.provenance import provenance, write_json
 
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis")
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
+            "MemoryWorkloadAnalysis")
 SHAPE = dict(B=16, H=12, T=1024, D=64)
 
 
@@ -44,7 +45,8 @@ def child(target: str) -> None:
 
     B, H, T, D = SHAPE.values()
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
     do = torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16)
 
     def call():
@@ -68,7 +70,8 @@ def find_ncu(given: str | None) -> str:
     found = given or shutil.which("ncu") or next(iter(sorted(glob.glob("/opt/nvidia/nsight-compute/*/ncu"))), None) \
         or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))), None)
     if not found:
-        raise SystemExit("ncu_attention: no ncu found (looked on PATH, /opt/nvidia/nsight-compute, /usr/local/cuda*); pass --ncu PATH")
+        raise SystemExit("ncu_attention: no ncu found (looked on PATH, /opt/nvidia/nsight-compute, /usr/local/cuda*); "
+                         "pass --ncu PATH")
     return found
 
 
@@ -76,7 +79,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out")
     p.add_argument("--targets", default="sdpa_flash,fa2,paper")
-    p.add_argument("--ncu", default=None, help="path of the ncu executable (default: found on PATH or under /opt/nvidia)")
+    p.add_argument("--ncu", default=None,
+                   help="path of the ncu executable (default: found on PATH or under /opt/nvidia)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.child:
@@ -101,8 +105,8 @@ def main():
             continue
         result[target] = parse_ncu_csv(csv.read_text())
         for name, m in result[target].items():
-            print(f"{target:11s} {name[:40]:40s} {m['duration_us']:8.1f} us  sm {m['sm_pct']:5.1f}%  mem {m['mem_pct']:5.1f}%"
-                  f"  stall {m['top_stall']}", flush=True)
+            print(f"{target:11s} {name[:40]:40s} {m['duration_us']:8.1f} us  sm {m['sm_pct']:5.1f}%  "
+                  f"mem {m['mem_pct']:5.1f}%  stall {m['top_stall']}", flush=True)
     (out / "ncu.log").write_text("\n".join(log))
     (out / "ncu.json").write_text(json.dumps(result, indent=1))
     write_json(out / "provenance.json", provenance(config={**SHAPE, "targets": a.targets.split(","),

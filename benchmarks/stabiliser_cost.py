@@ -1,14 +1,15 @@
-"""What each stabiliser costs in training speed (issue 19 §1: "tokens/s"), alone on one GPU.
+"""What each stabiliser costs in training speed (tokens/s), alone on one GPU.
 
 The committed stabiliser runs shared their H200 two ways with partners that differ from launch to launch, so their own
 tokens/s mix the stabiliser's cost with the partner's. Here every row of :data:`lpfa.experiments.STABILISERS` (the
 reruns aside: they are the base runs again), the recipe runs it is held against, and the eager BF16 run that
-``sr_reseed`` (eager) is timed against, train for a few steps exactly as ``lpfa.train`` builds them: the ``gpt2-s-paper``
-preset, ``compile=true``, one micro-batch of ``--batch`` sequences (the committed runs' 24), then the row's overrides;
-the model from :func:`lpfa.train.model_config`, the optimizers from :func:`lpfa.train.build_optimizers` (Muon included)
-and each step from :func:`lpfa.train.train_step` (QK-clip's logit tracking and rescale included), with ``sr_reseed``'s
-redraw before each step as in the loop. The data are random token ids: the speed does not depend on them, except that
-QK-clip rescales no head here (no logit near τ at initialisation): its cost is the tracking and the check.
+``sr_reseed`` (eager) is timed against, train for a few steps exactly as ``lpfa.train`` builds them: the
+``gpt2-s-paper`` preset, ``compile=true``, one micro-batch of ``--batch`` sequences (the committed runs' 24), then the
+row's overrides; the model from :func:`lpfa.train.model_config`, the optimizers from :func:`lpfa.train.build_optimizers`
+(Muon included) and each step from :func:`lpfa.train.train_step` (QK-clip's logit tracking and rescale included), with
+``sr_reseed``'s redraw before each step as in the loop. The data are random token ids: the speed does not depend on
+them, except that QK-clip rescales no head here (no logit near τ at initialisation): its cost is the tracking and the
+check.
 
 Compilation takes most of the time, so the rows warm up (compile) ``--parallel`` at a time, each in its own process;
 once a wave is warm, its rows are timed one after another while the others wait idle, so no timing shares the GPU.
@@ -39,7 +40,14 @@ from lpfa.experiments import PAPER_RECIPE, RERUNS, STABILISERS
 from lpfa.model import GPT
 from lpfa.provenance import provenance, write_json
 from lpfa.run import autocast
-from lpfa.train import build_optimizers, make_config, model_config, parse_overrides, reseed_stochastic_rounding, train_step
+from lpfa.train import (
+    build_optimizers,
+    make_config,
+    model_config,
+    parse_overrides,
+    reseed_stochastic_rounding,
+    train_step,
+)
 
 PRESET = "gpt2-s-paper"
 EAGER_BASE = "bf16_eager"  # sr_reseed runs eager (a new seed each step is a new policy to torch.compile)
@@ -75,7 +83,8 @@ def row_config(label: str, batch: int, extra: list[str]):
     return make_config(PRESET, overrides=parse_overrides(items))
 
 
-def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra: list[str], signal: Path | None) -> dict:
+def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra: list[str],
+             signal: Path | None) -> dict:
     """Build ``label``'s run, warm it up (``warmup`` steps: the compilation), then, once ``signal``/<label>.go exists
     (written by the driver when the GPU is free; None: at once), time ``steps`` steps after ``warmup`` more."""
     cfg = row_config(label, batch, extra)
@@ -128,7 +137,8 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
         one()
     sync()
     dt = (time.time() - t0) / steps
-    return {"label": label, "overrides": ROWS[label], "speed_base": speed_base(label), "tokens_per_s": cfg.batch_size * cfg.block_size / dt,
+    return {"label": label, "overrides": ROWS[label], "speed_base": speed_base(label),
+            "tokens_per_s": cfg.batch_size * cfg.block_size / dt,
             "step_ms": dt * 1e3, "compiled": cfg.compile, "optimizer": cfg.optimizer, "warmup_s": warm_s,
             "qk_clipped": clipped if cfg.qk_clip else None,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
@@ -151,7 +161,8 @@ def drive(labels: list[str], args, out: Path) -> dict:
         procs = {}
         for label in wave:
             cmd = [sys.executable, __file__, "--worker", label, "--out", str(out), "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device, "--set", *args.set]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", args.device,
+                   "--set", *args.set]
             log = open(out / "rows" / f"{label}.log", "w")
             procs[label] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         print(f"[{time.time() - t_start:6.0f} s] warming up {', '.join(wave)}", flush=True)

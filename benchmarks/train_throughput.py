@@ -1,8 +1,8 @@
-"""GPT-2 small training throughput with lpfa attention against the same model on PyTorch SDPA (issue 4).
+"""GPT-2 small training throughput with lpfa attention against the same model on PyTorch SDPA.
 
 One optimizer step = forward + backward + AdamW on B × 1024 tokens under BF16 autocast with FP32
 master weights (the paper's recipe), random token ids (throughput does not depend on the data).
-Every backend eagerly, and with ``--compile`` also the model under ``torch.compile`` (issue 17's goal: lpfa ``fa2``
+Every backend eagerly, and with ``--compile`` also the model under ``torch.compile`` (the goal: lpfa ``fa2``
 ≥ 0.95× and ``paper`` ≥ 0.9× the same model on SDPA, compiled, in the same run) for :data:`COMPILED`; each compiled
 model is warmed up (compiled) before its timing starts. MFU uses nanoGPT's FLOP estimate (6N + 12·L·H·D·T per
 token) against the H200's 989 TFLOP/s dense BF16 peak.
@@ -30,12 +30,13 @@ BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper",
             ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2"),
             ("sdpa_fp32", "sdpa_fp32", "fa2"), ("lpfa_fp32_split", "lpfa", "fp32_split")]
 # compiled as well with --compile (each costs a compilation); the last two are the FP32 twins: SDPA on FP32 q, k, v (the
-# committed twins') against fp32_split (FP32-level, bit-deterministic, BF16 tensor cores), issue 17's twin question
+# committed twins') against fp32_split (FP32-level, bit-deterministic, BF16 tensor cores): which FP32 twin is faster
 COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper", "sdpa_fp32", "lpfa_fp32_split")
 
 
 def profile_steps(step, n: int = 2, top: int = 15) -> dict:
-    """``n`` calls of ``step`` under torch.profiler: wall and GPU-busy ms per step, and the ``top`` kernels' ms per step."""
+    """``n`` calls of ``step`` under torch.profiler: wall and GPU-busy ms per step, and the ``top`` kernels' ms per
+    step."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -89,12 +90,11 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     flops_per_token = 6 * n + 12 * L * H * D * T
     tok_s = batch * T / dt
     out = {"tokens_per_s": tok_s, "step_ms": dt * 1e3, "mfu": flops_per_token * tok_s / PEAK_BF16,
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach()), "warmup_s": warmup_s}
+           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss.detach()),
+           "warmup_s": warmup_s}
     if profile:
         out["profile"] = profile_steps(step)
-    del model, opt
-    torch.cuda.empty_cache()
-    return out
+    return out  # its model, optimizer and step are freed on return; the caller empties the cache
 
 
 def main():
@@ -107,7 +107,8 @@ def main():
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(a.out)
-    write_json(out / "provenance.json", provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
+    write_json(out / "provenance.json",
+               provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
                                                            "autocast": "bfloat16", "compile": a.compile,
                                                            "profile": a.profile}))
     rows = {}
@@ -119,7 +120,9 @@ def main():
             rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile)
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-        write_json(out / "throughput.json", rows)  # after every backend: a run cut by its time limit keeps what it measured
+        torch.cuda.empty_cache()  # measure's model and optimizer are gone by now: give their memory back
+        # after every backend: a run cut by its time limit keeps what it measured
+        write_json(out / "throughput.json", rows)
         r = rows[name]
         print(name, {k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k != "profile"}, flush=True)
         if "profile" in r:
@@ -131,11 +134,14 @@ def main():
         return rows.get("sdpa_compiled" if name.endswith("_compiled") else "sdpa", {}).get("tokens_per_s")
 
     summary = {"model": "gpt2-s", "T": 1024, "batch": a.batch,
-               "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"), "compiled": n.endswith("_compiled"),
-                                "ratio_to_sdpa": (r["tokens_per_s"] / base_of(n)) if base_of(n) and "tokens_per_s" in r else None}
+               "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"),
+                                "compiled": n.endswith("_compiled"),
+                                "ratio_to_sdpa": (r["tokens_per_s"] / base_of(n))
+                                if base_of(n) and "tokens_per_s" in r else None}
                             for n, r in rows.items()}}
     write_json(out / "summary.json", summary)
-    lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}   (ratio: to SDPA in the same mode)"]
+    lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}   "
+             "(ratio: to SDPA in the same mode)"]
     for n, r in rows.items():
         if "tokens_per_s" in r and base_of(n):
             lines.append(f"{n:24s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {r['tokens_per_s'] / base_of(n):6.3f} "

@@ -15,10 +15,9 @@ import time
 from pathlib import Path
 
 import torch
+from attention import graph_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
 
 from lpfa.provenance import provenance, write_json
-
-from attention import graph_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
 
 B, H, T, D = 16, 12, 1024, 64
 
@@ -62,17 +61,21 @@ def main():
     p.add_argument("--quick", action="store_true",
                    help="a few launch configurations each (precise math only), for a short GPU call")
     p.add_argument("--eager", action="store_true",
-                   help="time the calls as issued by the host (the speed the op sees when host-bound), not from a CUDA graph")
+                   help="time the calls as issued by the host (the speed the op sees when host-bound), "
+                        "not from a CUDA graph")
     p.add_argument("--compare-split", action="store_true",
-                   help="also time every configuration with causal_split=False (every tile masked, as before issue 17)")
+                   help="also time every configuration with causal_split=False "
+                        "(every tile masked, as before the causal split)")
     p.add_argument("--from-log", metavar="LOG",
-                   help="only rebuild DIR/tune.json from the printed rows of a run cut by its time limit (no GPU needed)")
+                   help="only rebuild DIR/tune.json from the printed rows of a run cut by its time limit "
+                        "(no GPU needed)")
     a = p.parse_args()
     out = Path(a.out)
     if a.from_log:
         write_json(out / "tune.json", rows_from_log(Path(a.from_log).read_text()))
         return
-    write_json(out / "provenance.json", provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
+    write_json(out / "provenance.json",
+               provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,
                                                           "compare_split": a.compare_split, "graph": not a.eager}))
 
     def timed(fn):  # (ms, whether from a CUDA graph); eagerly where the capture fails (graph_ms says so)
@@ -96,30 +99,34 @@ def main():
     print(f"sdpa_flash fwd {f_fwd / t_f / 1e9:.1f} bwd {2.5 * f_fwd / t_b / 1e9:.1f} TFLOP/s", flush=True)
 
     fwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, precise_math=pm)
-                for (m, n, w, s) in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3), (128, 128, 8, 3),
-                                     (64, 128, 8, 2), (128, 64, 4, 3), (64, 256, 8, 2)]
+                for (m, n, w, s) in [(64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 3),
+                                     (128, 128, 8, 3), (64, 128, 8, 2), (128, 64, 4, 3), (64, 256, 8, 2)]
                 for pm in (True, False)]
     bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
                 for (m, n, w, s) in [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3),
                                      (64, 64, 8, 2), (128, 64, 8, 2), (32, 32, 4, 3), (128, 128, 8, 2)]]
     # the dQ kernel with tiles of its own (many rows, few keys per step), next to dK/dV tiles of few rows and many keys,
-    # as in Triton's fused-attention tutorial; without spills at D = 64 by benchmarks/compile_check.py: dQ 128 × 32 (4 warps)
+    # as in Triton's fused-attention tutorial; without spills at D = 64 by benchmarks/compile_check.py:
+    # dQ 128 × 32 (4 warps)
     split_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, dq_block_m=qm, dq_block_n=qn)
-                  for (m, n, w, s, qm, qn) in [(64, 64, 4, 3, 128, 32), (64, 64, 4, 3, 128, 64), (32, 128, 8, 2, 128, 32),
-                                               (64, 128, 8, 2, 128, 64), (32, 64, 4, 3, 128, 32)]]
+                  for (m, n, w, s, qm, qn) in [(64, 64, 4, 3, 128, 32), (64, 64, 4, 3, 128, 64),
+                                               (32, 128, 8, 2, 128, 32), (64, 128, 8, 2, 128, 64),
+                                               (32, 64, 4, 3, 128, 32)]]
     bwd_cfgs += split_cfgs
     if a.quick:
         fwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s, precise_math=True)
                     for (m, n, w, s) in [(64, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2), (128, 128, 8, 2)]]
         bwd_cfgs = [dict(block_m=m, block_n=n, num_warps=w, num_stages=s)
-                    for (m, n, w, s) in [(64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]] + split_cfgs[:3]
+                    for (m, n, w, s) in [(64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 3), (64, 128, 8, 2)]]
+        bwd_cfgs += split_cfgs[:3]
     if a.compare_split:
         fwd_cfgs += [dict(cfg, causal_split=False) for cfg in fwd_cfgs]
         bwd_cfgs += [dict(cfg, causal_split=False) for cfg in bwd_cfgs]
     t0 = time.time()
 
     def save(rows, complete=False):  # after every row, so that a run cut by its time limit keeps what it measured
-        write_json(out / "tune.json", {"shape": [B, H, T, D], "rows": rows, "seconds": time.time() - t0, "complete": complete})
+        write_json(out / "tune.json",
+                   {"shape": [B, H, T, D], "rows": rows, "seconds": time.time() - t0, "complete": complete})
 
     for name in a.presets.split(","):
         for cfg in fwd_cfgs:

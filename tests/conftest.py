@@ -25,7 +25,8 @@ def byte_tokens(tmp_path_factory):
     from lpfa import data as lpfa_data
 
     src = tmp_path_factory.mktemp("texts")
-    text = lzma.decompress((ROOT / "src/lpfa/embedded_corpus/kjv.txt.xz").read_bytes())[:200_000].decode("utf-8", "ignore")
+    raw = lzma.decompress((ROOT / "src/lpfa/embedded_corpus/kjv.txt.xz").read_bytes())
+    text = raw[:200_000].decode("utf-8", "ignore")
     (src / "kjv.txt").write_text(text)
     out = tmp_path_factory.mktemp("tokens")
     lpfa_data.build_token_files(src, out, tokenizer="bytes", val_fraction=0.1)
@@ -46,7 +47,7 @@ def write_diag_run(root, name, logits, ties, wq, backend="lpfa", policy="paper",
     model = GPTConfig(n_layer=2, n_head=3, n_embd=48, attn_backend=backend, attn_policy=policy)
     (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {
         "attn_backend": backend, "attn_policy": policy, "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
-    recs = [{"step": s, "loss": l} for s, l in enumerate(losses or [3.0] * (100 * len(logits)))]
+    recs = [{"step": s, "loss": loss} for s, loss in enumerate(losses or [3.0] * (100 * len(logits)))]
     for i, (x, t, w) in enumerate(zip(logits, ties, wq)):
         recs.append({"step": 100 * i, "diag": {"max_logit": [[1.0, 1.0, 1.0], [1.0, 1.0, x]],
                                                "tie_fraction": [[0.0, 0.0, 0.0], [0.0, 0.0, t]],

@@ -13,7 +13,7 @@ import torch
 
 from lpfa.attention import EMULATED, PRESETS, PrecisionPolicy, attention, get_policy
 from lpfa.attention.policy import E4M3_MAX, FA2, delta_o_policy
-from lpfa.attention.reference import forward, quantize_v_e4m3, round_e4m3
+from lpfa.attention.reference import quantize_v_e4m3, round_e4m3
 
 
 def _e4m3_magnitudes() -> np.ndarray:
@@ -95,7 +95,8 @@ def test_constant_v_gives_fp8_numerator_over_fp32_row_sum():
     den = p_bar.double().sum(dim=-1).float()
     want = ((0.875 * num) / den).bfloat16()
     for name in ("fa3_fp8_p", "fa3_fp8"):  # V exact in e4m3 after its scale: both give the same
-        o = attention(q, k, v, policy=EMULATED[name].with_(block_q=None, block_k=None), scale=scale, backend="reference")
+        o = attention(q, k, v, policy=EMULATED[name].with_(block_q=None, block_k=None), scale=scale,
+                      backend="reference")
         assert torch.equal(o, want[..., None].expand_as(o)), name
 
 

@@ -13,8 +13,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from lpfa.attention import PRESETS, attention  # noqa: E402
-from lpfa.attention.policy import BF16  # noqa: E402
 from lpfa.attention import reference as ref  # noqa: E402
+from lpfa.attention.policy import BF16  # noqa: E402
 
 
 def _compare(x, y, min_same):
@@ -136,7 +136,7 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1000, 1024])
 def test_fp32_split_on_tensor_cores_is_fp32_level(T, dtype):
-    """``fp32_split`` (gemm="bf16x6": split FP32 operands on BF16 tensor cores, issue 17) against float64 next to
+    """``fp32_split`` (gemm="bf16x6": split FP32 operands on BF16 tensor cores) against float64 next to
     ``fp32`` (IEEE FP32 GEMMs) on the same inputs: within 4× of its errors for O, lse, dq, dk, dv (max and mean),
     which also checks the tensor cores' FP32 accumulation; and against the reference at FP32 tolerance."""
     from lpfa.attention.accuracy import errors_vs_float64, run_policy

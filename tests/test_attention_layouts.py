@@ -20,7 +20,8 @@ from lpfa.attention.triton_bwd import flash_backward  # noqa: E402
 from lpfa.attention.triton_common import nonfinite_flags, shared_layout  # noqa: E402
 from lpfa.attention.triton_fwd import flash_forward  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 B, H, T, D = 2, 3, 37, 16
 

@@ -19,7 +19,8 @@ import torch
 
 from lpfa.attention import PRESETS, attention
 
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 T, D, BLOCK = 33, 16, 16
 # one position per head, two heads per preset (the interpreter's time grows with heads), rotated over the presets
@@ -117,7 +118,8 @@ def test_nonfinite_reaches_only_what_sees_it(value, name, causal):
 
     if "triton" in outs:
         for part, a, b in zip(("O", "dq", "dk", "dv"), outs["triton"], outs["reference"]):
-            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), f"{part}: backends disagree on which entries are finite"
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), \
+                f"{part}: backends disagree on which entries are finite"
             fin = torch.isfinite(b)
             m = b[fin].abs().max().item() if fin.any() else 0.0
             err = (a[fin] - b[fin]).abs().max().item() if fin.any() else 0.0

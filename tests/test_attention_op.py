@@ -65,7 +65,8 @@ def test_tie_stats_with_triton_backend():
     attention(q, k, v, policy="fa2", backend="triton", stats=st)
     attention(q, k, v, policy="fa2", backend="reference", stats=st_ref)
     for name in ("tied_rows", "rs_sum", "p_bar_ones", "sfa_rows", "attenuated_rows", "zeroed_rows"):
-        assert torch.equal(getattr(st, name), getattr(st_ref, name)), name  # the Triton path's counts are the reference's
+        # the Triton path's counts are the reference's
+        assert torch.equal(getattr(st, name), getattr(st_ref, name)), name
     assert st.rows == st_ref.rows == q.shape[2]
 
 
@@ -73,7 +74,8 @@ def test_custom_op_registration():
     q, k, v = (t.detach() for t in _qkv(T=32))
     key = policy_key(PRESETS["fa2"].with_(block_q=16, block_k=16))
     for for_backward in (False, True):
-        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward), test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward),
+                              test_utils=("test_schema", "test_faketensor"))
 
 
 def test_flags_kept_for_the_backward_are_the_ones_it_would_compute():
@@ -117,7 +119,8 @@ def test_custom_policies_under_torch_compile():
     key = register(pol2)
     assert key == policy_key(pol2) and register(pol2) == key  # idempotent
     torch._dynamo.reset()
-    g = torch.compile(lambda q, k, v: attention(q, k, v, policy=pol2, backend="triton"), backend="eager", fullgraph=True)
+    g = torch.compile(lambda q, k, v: attention(q, k, v, policy=pol2, backend="triton"), backend="eager",
+                      fullgraph=True)
     _close(g(q, k, v), attention(q, k, v, policy=pol2, backend="reference"), 0.99)
     with pytest.raises(KeyError, match="no precision policy is registered under 'nonsense'"):
         _fwd_op(q, k, v, "nonsense", 0.25, False)
@@ -143,7 +146,8 @@ def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
     torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, True), test_utils=("test_schema", "test_faketensor"))
     o, lse, flags = _fwd_op(q, k, v, key, 0.25, True)
     do = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)
-    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
@@ -153,7 +157,8 @@ def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
         assert real.stride() == f.stride() and real.dtype == f.dtype
 
 
-@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="torch.compile on CPU needs a C compiler")
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="torch.compile on CPU needs a C compiler")
 def test_model_with_mixed_backends_compiles():
     """``compile=true`` on the isolation experiment's most mixed row (BF16 policy with FP32 heads in layer 1,
     FP32 SDPA in another layer): the compiled model's loss and gradients match eager. Inductor reorders the
@@ -180,7 +185,7 @@ def test_model_with_mixed_backends_compiles():
 
 def test_inputs_are_validated_once_per_call(monkeypatch):
     """The policy and the inputs are checked once, in attention(); the op's forward and backward launches trust it
-    (issue 18: they were checked three times per call). Direct calls of the wrappers still check."""
+    (they used to be checked three times per call). Direct calls of the wrappers still check."""
     import lpfa.attention as la
     import lpfa.attention.triton_common as tc
     from lpfa.attention.triton_fwd import flash_forward

@@ -1,11 +1,12 @@
-"""lpfa.attention reference: FP32 vs float64, `paper` vs an independent BF16 implementation, SFA, tie counters, errors."""
+"""lpfa.attention reference: FP32 vs float64, `paper` vs an independent BF16 implementation, SFA, tie counters,
+errors."""
 
 import math
 
 import pytest
 import torch
 
-from lpfa.attention import PRESETS, SFA, AttentionStats, PrecisionPolicy, attention, get_policy
+from lpfa.attention import PRESETS, SFA, AttentionStats, attention, get_policy
 
 F = torch.float32
 
@@ -58,7 +59,7 @@ def paper_literal(q, k, v, do, scale, block=512):
     for i in range(nb):
         qs, qe = i * block, min((i + 1) * block, T)
         o = torch.zeros(B, H, qe - qs, D, dtype=torch.bfloat16)
-        l = torch.zeros(B, H, qe - qs, dtype=torch.bfloat16)
+        l = torch.zeros(B, H, qe - qs, dtype=torch.bfloat16)  # noqa: E741
         m = torch.full((B, H, qe - qs), neg, dtype=torch.bfloat16)
         for j in range(i + 1):
             ks, ke = j * block, min((j + 1) * block, T)

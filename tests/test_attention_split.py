@@ -1,4 +1,4 @@
-"""``gemm="bf16x6"`` (the ``fp32_split`` preset, issue 17's fast FP32 twin): the 3-way BF16 split, its GEMM, the
+"""``gemm="bf16x6"`` (the ``fp32_split`` preset, the fast FP32 twin): the 3-way BF16 split, its GEMM, the
 kernels (Triton's CPU interpreter) against the reference, and the error study against float64.
 
 The split and the GEMM are checked bit for bit where the arithmetic is exact (the split itself; GEMMs of constructed
@@ -54,9 +54,11 @@ def _is_bf16(t):
 
 def test_preset_and_validation():
     assert SPLIT == FP32_POLICY.with_(gemm="bf16x6", name="fp32_split")
-    assert FP32_POLICY.gemm == "ieee" and all(p.gemm == "ieee" for n, p in PRESETS.items() if n not in ("fp32_split", "fp32_softcap"))
+    assert FP32_POLICY.gemm == "ieee"
+    assert all(p.gemm == "ieee" for n, p in PRESETS.items() if n not in ("fp32_split", "fp32_softcap"))
     for bad in ("tf32", "BF16X6", None, 6):
-        with pytest.raises(ValueError, match=r"^PrecisionPolicy\.gemm=.*: expected 'ieee' \(exact FP32 products\) or 'bf16x6'") as e:
+        with pytest.raises(ValueError, match=r"^PrecisionPolicy\.gemm=.*: expected 'ieee' "
+                                             r"\(exact FP32 products\) or 'bf16x6'") as e:
             PrecisionPolicy(gemm=bad)
         assert "\n" not in str(e.value)
     assert gemm_mode("ieee", True, True, True) == 1 and gemm_mode("ieee", True, False, True) == 0
@@ -92,11 +94,13 @@ def _wide_values(n, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * torch.exp2(torch.randint(-100, 100, (n,), generator=g).float())
     x[:8] = torch.tensor([0.0, -0.0, 1.0, 1 + 2**-23, -(2 - 2**-23), math.inf, -math.inf, math.nan])
-    x[8:14] = torch.tensor([2.0**-110 * (1 + 2**-23), -(2.0**-110), 1.7230066734510623e-34, 2.0**-126, 1e-40, -(2.0**-149)])
+    x[8:14] = torch.tensor([2.0**-110 * (1 + 2**-23), -(2.0**-110), 1.7230066734510623e-34, 2.0**-126, 1e-40,
+                            -(2.0**-149)])
     return x
 
 
-EXACT_FROM = 2.0**-110  # x = x0 + x1 + x2 exactly from here up (GEMM_SPLIT_DOC): x's last bit is then ≥ 2⁻¹³³, BF16's least
+# x = x0 + x1 + x2 exactly from here up (GEMM_SPLIT_DOC): x's last bit is then ≥ 2⁻¹³³, BF16's least
+EXACT_FROM = 2.0**-110
 
 
 def test_split3_exact_and_kernel_bit_identical():
@@ -167,12 +171,14 @@ def test_gemm_split_kernel_matches_reference():
             scale = (x.double().abs() @ y.double().abs()).float()
             assert ((c - ref).abs() <= 2.0**-21 * scale).all(), (gemm, x_bf, y_bf, seed)
     # one-sided split (the other operand BF16) is exact: the reference's split equals its IEEE product
-    assert torch.equal(_mm(ab, b, "bf16x6"), _mm(ab, b, "ieee")) and torch.equal(_mm(a, bb, "bf16x6"), _mm(a, bb, "ieee"))
+    assert torch.equal(_mm(ab, b, "bf16x6"), _mm(ab, b, "ieee"))
+    assert torch.equal(_mm(a, bb, "bf16x6"), _mm(a, bb, "ieee"))
     # cancellation: row 0 of (a b) is x·y − fl32(x·y) exactly in the reference; the split drops a1·b2 + a2·b1 + a2·b2
     a, b = _cancelling(16, 16, 16, g)
     exact = _mm(a, b, "ieee")[0]
     split = _mm(a, b, "bf16x6")[0]
-    (x0, hx, x1, x2), (y0, hy, y1, y2) = split3(a[0, 0:1]), split3(b[0])
+    _, _, x1, x2 = split3(a[0, 0:1])  # the dropped terms take the low parts only
+    _, _, y1, y2 = split3(b[0])
     dropped = x1.double() * y2.double() + x2.double() * y1.double() + x2.double() * y2.double()
     torch.testing.assert_close(split.double(), exact.double() - dropped, rtol=0, atol=2.0**-40)
     c = torch.empty(16, 16)

@@ -216,7 +216,7 @@ def test_bad_inputs_raise():
         flash_backward(q, q, q, q, q.to("meta"), lse, "fa2", 0.25)
 
 
-# ---- causal split: sub-tiles every pair of which is visible run without masks (issue 17) -------------------------
+# ---- causal split: sub-tiles every pair of which is visible run without masks ------------------------------------
 
 
 def _bits(t):
@@ -318,6 +318,7 @@ def test_grad_dtype_bf16_is_the_fp32_gradients_rounded():
     want = flash_backward(do, q, k, v, o, lse, pol, 0.3)
     got = flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.bfloat16)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
-        assert a.dtype == torch.bfloat16 and torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (name, seed)
+        assert a.dtype == torch.bfloat16, (name, seed)
+        assert torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (name, seed)
     with pytest.raises(ValueError, match=r"grad_dtype=torch.float16: expected torch.float32 or torch.bfloat16"):
         flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.float16)

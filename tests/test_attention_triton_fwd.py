@@ -66,7 +66,8 @@ def _check(o, lse, ro, rlse, policy):
         return
     same = (o == ro).double().mean().item()
     rows_off = int((o != ro).flatten(0, -2).any(-1).sum())  # such a flip moves one whole row of O
-    assert same >= 0.99 or rows_off <= few, f"only {same:.4%} of O bit-identical to the reference ({rows_off} rows differ)"
+    assert same >= 0.99 or rows_off <= few, \
+        f"only {same:.4%} of O bit-identical to the reference ({rows_off} rows differ)"
     bad = (o - ro).abs() > 2.0**-6 * ro.abs() + 2.0**-8 * ro.abs().max()
     assert not bad.any(), f"{int(bad.sum())} elements of O beyond 2 BF16 ulps + 2**-8·max|O| from the reference"
 
@@ -185,7 +186,7 @@ def test_policy_tiles_never_exceed_the_preferred_tile(block, T, preferred, want)
     assert policy_tiles(block, T, preferred) == want
 
 
-# ---- causal split: key tiles every row sees whole run without masks (issue 17) ----------------------------------
+# ---- causal split: key tiles every row sees whole run without masks ---------------------------------------------
 
 
 def _bits(t):
@@ -284,7 +285,7 @@ def test_causal_split_nonfinite_v_in_unmasked_tile(name, tile_paths):
         raise AssertionError(f"{e} (seed={seed})") from e
 
 
-# ---- SFA's tie test from the row-max pass (issue 17): the second largest score instead of a counting pass ----------
+# ---- SFA's tie test from the row-max pass: the second largest score instead of a counting pass ---------------------
 
 
 def _sfa_tie_inputs(T, D, g):
@@ -293,7 +294,8 @@ def _sfa_tie_inputs(T, D, g):
     either side of ε: the row max at key 8 of each block and a second key in another tile (40) one or three BF16
     steps below it, i.e. 0.47·ε or 1.4·ε below in score; 3 one dominant key at the start of each block, unique there
     (rows at a block's start see only it); 4 all-equal keys (every score tied); 5 ±inf in q (visible −inf scores,
-    rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q, k (FP32, BF16-representable) and ε."""
+    rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q, k (FP32,
+    BF16-representable) and ε."""
     eps = 1e-2
     q = torch.randn(1, 7, T, D, generator=g)
     k = torch.randn(1, 7, T, D, generator=g)
@@ -325,8 +327,9 @@ def _sfa_tie_inputs(T, D, g):
 def test_sfa_top_two_matches_the_counting_pass(name, T, block):
     """The forward decides SFA's ties from the top two scores of its row-max pass (one reduction per tile); the
     reference (and ``sfa_count_pass=True``) count the scores within ε of the max in a pass of their own. Policy
-    blocks of 64 keys span four 16-key compute tiles, blocks of 16 one. The two kernels must give the same bits on exact ties inside and across tiles, near-ties either side of ε,
-    rows that see one key of a block, all-tied rows and ±inf scores, and match the reference on the finite rows."""
+    blocks of 64 keys span four 16-key compute tiles, blocks of 16 one. The two kernels must give the same bits on exact
+    ties inside and across tiles, near-ties either side of ε, rows that see one key of a block, all-tied rows and ±inf
+    scores, and match the reference on the finite rows."""
     seed = torch.seed() % 2**31
     g = torch.Generator().manual_seed(seed)
     D = 16
@@ -343,7 +346,8 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             stats = AttentionStats()
             ro, rlse = ref_forward(qb.float(), kb.float(), vb.float(), pol, 0.3, stats=stats)
             tied = stats.sfa_rows[0]
-            assert tied[4] > 0 and (block < 23 or tied[1] > 0)  # exact ties take SFA's branch (head 1: keys repeat every 23)
+            # exact ties take SFA's branch (head 1: keys repeat every 23)
+            assert tied[4] > 0 and (block < 23 or tied[1] > 0)
             assert e == 0 or T < 64 or block < 64 or 0 < tied[2] < T  # near-ties: some rows within ε, some not
             _check(o[:, :5], lse[:, :5], ro[:, :5], rlse[:, :5], pol)  # head 5: nonfinite, by the bits above
             assert torch.equal(torch.isnan(o[:, 5:].float()), torch.isnan(ro[:, 5:]))

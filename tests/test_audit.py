@@ -8,6 +8,7 @@ import torch
 
 from lpfa import audit as A
 from lpfa.mechanism import p_bar_ones
+from lpfa.pages.kernel_bias import headline
 
 
 def test_ties_family_has_tied_bf16_maxima_and_one_signed_v():
@@ -83,8 +84,9 @@ def test_chance_exclusions_counts_intervals_that_exclude_zero():
     df = pd.DataFrame([row("float64", "random", 1.0, 2.0), row("ref:paper", "ties", -3.0, -1.0),
                        row("ref:paper", "random", -1.0, 1.0), row("ref:fa2", "random", 0.5, 1.5),
                        row("sdpa:flash", "random", float("nan"), float("nan"), why="needs a GPU")])
+    # p_chance = P(X >= 2), X ~ B(3, 0.05)
     assert A.chance_exclusions(df) == {"n": 3, "excluding": 2, "expected": pytest.approx(0.15),
-                                       "p_chance": pytest.approx(3 * 0.05**2 * 0.95 + 0.05**3)}  # P(X >= 2), X ~ B(3, 0.05)
+                                       "p_chance": pytest.approx(3 * 0.05**2 * 0.95 + 0.05**3)}
     assert A.chance_exclusions(df, "random") == {"n": 2, "excluding": 1, "expected": pytest.approx(0.1),
                                                  "p_chance": pytest.approx(1 - 0.95**2)}
     with pytest.raises(ValueError, match="family"):
@@ -107,7 +109,8 @@ def test_captured_inputs_round_trip_and_bad_files(tmp_path):
     with pytest.raises(ValueError, match=r"^captured='.*junk.npz': not a readable .npz"):
         A.load_captured(tmp_path / "junk.npz")
     np.savez(tmp_path / "part.npz", q=np.zeros((1, 1, 2, 16), np.uint16))
-    with pytest.raises(ValueError, match=r"^captured='.*part.npz': expected arrays q, k, v, do and meta .*missing k, v, do, meta"):
+    with pytest.raises(ValueError,
+                       match=r"^captured='.*part.npz': expected arrays q, k, v, do and meta .*missing k, v, do, meta"):
         A.load_captured(tmp_path / "part.npz")
     bad = dict(x, v=x["v"][:, :, :5])
     A.save_captured(tmp_path / "shapes.npz", bad, {})
@@ -166,14 +169,16 @@ def test_result_helpers_pick_one_row_per_family():
 
 
 def test_headline_states_the_committed_gpu_audit():
-    """Page 16's opening finding (lpfa.audit.headline) from the committed GPU audit: paper's three tied-row errors with
-    their intervals, and the production kernels' largest δ error against paper's, with its ratio and sign."""
+    """Page 16's opening finding (lpfa.pages.kernel_bias.headline) from the committed GPU audit: paper's three
+    tied-row errors with their intervals, and the production kernels' largest δ error against paper's, with its ratio
+    and sign."""
     full, config, folder = A.load_audit()
     df = A.at_largest_T(full)
-    text = A.headline(df, "on one H200")
+    text = headline(df, "on one H200")
     ran = df[df.unavailable.isna()]
     p = {q: A.result(ran, "ref:paper", "ties", q) for q in ("o", "delta", "dq_u")}
-    assert text.startswith("**On one H200, lpfa's `paper` rounding is biased exactly where the paper says") and text.endswith("**.")
+    assert text.startswith("**On one H200, lpfa's `paper` rounding is biased exactly where the paper says")
+    assert text.endswith("**.")
     assert all(A.ci_text(row) in text for row in p.values())
     assert (", every interval excluding 0" in text) == all(A.excludes_zero(row) for row in p.values())
     assert f"({int(p['o'].n):,} rows, T = {max(config['T'])})" in text

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from lpfa.bf16 import PAPER_OPERANDS, accumulation_bias, bf16_fields, binade, explain_add, fp32_fields, operands_text
+from lpfa.bf16 import PAPER_OPERANDS, accumulation_bias, bf16_fields, binade, explain_add, fp32_fields
+from lpfa.pages.bf16_rounding import operands_text
 
 
 # ---- an independent reference: round an exact rational to BF16 by brute definition ------------

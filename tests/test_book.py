@@ -4,8 +4,8 @@ import re
 import shutil
 
 import pytest
-
 from conftest import ROOT
+
 from lpfa.book import toc_files
 
 pytestmark = pytest.mark.slow
@@ -71,7 +71,8 @@ def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True,
-                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"])
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                          "--no-first-run"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto((built_book / "book" / "intro.html").as_uri(), wait_until="load")

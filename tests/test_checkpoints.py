@@ -1,4 +1,5 @@
-"""lpfa.checkpoints: our folder format (round trip, atomic replace, clear errors), nanoGPT's ckpt.pt, Hugging Face GPT-2."""
+"""lpfa.checkpoints: our folder format (round trip, atomic replace, clear errors), nanoGPT's ckpt.pt, Hugging Face
+GPT-2."""
 
 import fractions
 import json
@@ -187,10 +188,14 @@ def nanogpt_ckpt(model, opt):
     """The dict nanoGPT's train.py saves (compiled model: keys prefixed "_orig_mod.")."""
     c = model.config
     sd = {"_orig_mod." + k: v for k, v in model.state_dict().items()}
-    sd["_orig_mod.transformer.h.0.attn.bias"] = torch.tril(torch.ones(c.block_size, c.block_size)).view(1, 1, c.block_size, c.block_size)
-    model_args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=c.bias, vocab_size=c.vocab_size, dropout=0.0)
-    config = {"out_dir": "out", "batch_size": 12, "learning_rate": 6e-4, "compile": True, "dtype": "bfloat16", "wandb_log": False}
-    return {"model": sd, "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 2, "best_val_loss": torch.tensor(3.25), "config": config}
+    causal = torch.tril(torch.ones(c.block_size, c.block_size))
+    sd["_orig_mod.transformer.h.0.attn.bias"] = causal.view(1, 1, c.block_size, c.block_size)
+    model_args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=c.bias,
+                      vocab_size=c.vocab_size, dropout=0.0)
+    config = {"out_dir": "out", "batch_size": 12, "learning_rate": 6e-4, "compile": True, "dtype": "bfloat16",
+              "wandb_log": False}
+    return {"model": sd, "optimizer": opt.state_dict(), "model_args": model_args, "iter_num": 2,
+            "best_val_loss": torch.tensor(3.25), "config": config}
 
 
 def test_nanogpt(tmp_path):
@@ -270,10 +275,13 @@ def test_hf_gpt2_unsupported_config(tmp_path):
 def test_hf_gpt2_without_transformers(tmp_path):
     """The loader only needs config.json and the weights: a hand-written folder, no transformers."""
     torch.manual_seed(0)
-    cfg = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8, "n_positions": 16, "vocab_size": 11, "activation_function": "gelu_new"}
+    cfg = {"model_type": "gpt2", "n_layer": 1, "n_head": 2, "n_embd": 8, "n_positions": 16, "vocab_size": 11,
+           "activation_function": "gelu_new"}
     sd = {
-        "wte.weight": torch.randn(11, 8), "wpe.weight": torch.randn(16, 8), "ln_f.weight": torch.randn(8), "ln_f.bias": torch.randn(8),
-        "h.0.ln_1.weight": torch.randn(8), "h.0.ln_1.bias": torch.randn(8), "h.0.ln_2.weight": torch.randn(8), "h.0.ln_2.bias": torch.randn(8),
+        "wte.weight": torch.randn(11, 8), "wpe.weight": torch.randn(16, 8),
+        "ln_f.weight": torch.randn(8), "ln_f.bias": torch.randn(8),
+        "h.0.ln_1.weight": torch.randn(8), "h.0.ln_1.bias": torch.randn(8),
+        "h.0.ln_2.weight": torch.randn(8), "h.0.ln_2.bias": torch.randn(8),
         "h.0.attn.c_attn.weight": torch.randn(8, 24), "h.0.attn.c_attn.bias": torch.randn(24),
         "h.0.attn.c_proj.weight": torch.randn(8, 8), "h.0.attn.c_proj.bias": torch.randn(8),
         "h.0.mlp.c_fc.weight": torch.randn(8, 32), "h.0.mlp.c_fc.bias": torch.randn(32),

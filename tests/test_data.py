@@ -159,7 +159,8 @@ def test_two_processes_building_one_folder_both_finish(tmp_path):
     code = ("import sys, time, pathlib; from lpfa.data import build_token_files\n"
             "while not pathlib.Path(sys.argv[3]).exists(): time.sleep(0.005)\n"
             "build_token_files(sys.argv[1], sys.argv[2], tokenizer='bytes')")
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "out"), str(go)], stderr=subprocess.PIPE)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(src), str(tmp_path / "out"), str(go)],
+                              stderr=subprocess.PIPE)
              for _ in range(2)]
     time.sleep(1.0)
     go.touch()

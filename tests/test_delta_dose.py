@@ -1,4 +1,5 @@
-"""The δ dose (issue 16): δ = δ_ref + k·s·(δ − δ_ref), forward untouched; both backends, against float64 arithmetic."""
+"""The δ dose (the dose-response experiment): δ = δ_ref + k·s·(δ − δ_ref), forward untouched; both backends, against
+float64 arithmetic."""
 
 import os
 
@@ -13,7 +14,8 @@ from lpfa.attention import PRESETS, attention
 from lpfa.attention.policy import delta_dose_active
 from lpfa.attention.reference import backward_delta, forward
 
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 B, H, T, D = 2, 2, 37, 16
 PAPER = PRESETS["paper"].with_(block_q=16, block_k=16, name="paper16")

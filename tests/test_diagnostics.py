@@ -35,7 +35,8 @@ def test_spectral_norms_match_float64_svd(shape):
     w = torch.randn(shape, generator=g, dtype=torch.float64)
     w[0] *= 3e4
     if shape[0] > 2:
-        w[1] = torch.randn(shape[1], 1, generator=g, dtype=torch.float64) @ torch.randn(1, shape[2], generator=g, dtype=torch.float64)
+        w[1] = (torch.randn(shape[1], 1, generator=g, dtype=torch.float64)
+                @ torch.randn(1, shape[2], generator=g, dtype=torch.float64))
         w[2] = 0.0
     if shape[0] > 3:
         w[3, 5, 7] = math.nan
@@ -60,7 +61,8 @@ def test_top_eigenvalue_matches_float64_eigvalsh_within_its_stated_bound(n):
     w = torch.randn(8, n, 3 * n + 5, generator=g, dtype=torch.float64)
     w[0] *= 3e4
     w[1] *= 1e-30
-    w[2] = torch.randn(n, 1, generator=g, dtype=torch.float64) @ torch.randn(1, 3 * n + 5, generator=g, dtype=torch.float64)
+    w[2] = (torch.randn(n, 1, generator=g, dtype=torch.float64)
+            @ torch.randn(1, 3 * n + 5, generator=g, dtype=torch.float64))
     w[3] = 0.0
     gram = w @ w.mT
     for i, gaps in ((4, [0.0, 1e-13]), (5, [2.0 ** -(SQUARINGS + 1)] * 3), (6, [1e-6, 1e-3]), (7, [0.5])):
@@ -112,8 +114,10 @@ def test_probe_counts_ties_and_max_logits():
     assert all(a.attn.capture is None for a in m.transformer.h)  # probe leaves no hooks behind
     rec = probe_record(m, x)
     assert set(rec) == {"wq_spectral_norm", "tie_fraction", "max_logit", "silenced_fraction", "v_sign_dominance"}
-    assert len(rec["tie_fraction"]) == 2 and rec["silenced_fraction"] == [[0.0] * m.config.n_head] * m.config.n_layer  # no SFA, no clamp
-    assert torch.equal(torch.tensor(rec["tie_fraction"], dtype=ties.dtype), ties) and torch.equal(torch.tensor(rec["max_logit"], dtype=maxes.dtype), maxes)
+    # no SFA, no clamp
+    assert len(rec["tie_fraction"]) == 2 and rec["silenced_fraction"] == [[0.0] * m.config.n_head] * m.config.n_layer
+    assert torch.equal(torch.tensor(rec["tie_fraction"], dtype=ties.dtype), ties)
+    assert torch.equal(torch.tensor(rec["max_logit"], dtype=maxes.dtype), maxes)
     v = cap["qkv"].split(m.config.n_embd, dim=2)[2].view(3, T, H, D).transpose(1, 2)
     assert torch.equal(torch.tensor(rec["v_sign_dominance"][1]), v_sign_dominance(v))  # layer 1's V, as captured above
 
@@ -163,11 +167,10 @@ def test_metrics_read_plain_or_gzip(tmp_path):
     import gzip
     import json
 
-    from lpfa.run import run_verdict
-    from lpfa.run import load_metrics, metrics_path, read_records
+    from lpfa.run import load_metrics, metrics_path, read_records, run_verdict
 
-    recs = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(20)] + [{"step": 19, "val_loss": 2.9},
-                                                                      {"step": 10, "diag": {"wq_spectral_norm": [[1.0]]}}]
+    recs = [{"step": s, "loss": 3.0 - 0.01 * s} for s in range(20)] + [
+        {"step": 19, "val_loss": 2.9}, {"step": 10, "diag": {"wq_spectral_norm": [[1.0]]}}]
     text = "\n".join(json.dumps(r) for r in recs) + "\n"
     conf = {"train": {"attn_policy": "paper", "optimizer": "adamw", "seed": 1, "init_seed": 2}}
     plain, packed = tmp_path / "plain", tmp_path / "packed"
@@ -189,10 +192,12 @@ def _fake_run(d, steps, logit, tie, wq, losses, vals):
     import json
 
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"train": {"attn_policy": "paper", "optimizer": "adamw", "seed": 1, "init_seed": 1}}))
-    recs = [{"step": s, "loss": l} for s, l in enumerate(losses)] + [{"step": s, "val_loss": v} for s, v in vals]
+    (d / "config.json").write_text(json.dumps({"train": {"attn_policy": "paper", "optimizer": "adamw", "seed": 1,
+                                                         "init_seed": 1}}))
+    recs = [{"step": s, "loss": loss} for s, loss in enumerate(losses)] + [{"step": s, "val_loss": v} for s, v in vals]
     for i, s in enumerate(steps):  # 2 layers x 3 heads; layer 1 head 2 carries the values, the rest are smaller
-        rec = {m: [[0.1, 0.2, 0.3], [0.0, 0.0, x[i]]] for m, x in (("max_logit", logit), ("tie_fraction", tie), ("wq_spectral_norm", wq))}
+        rec = {m: [[0.1, 0.2, 0.3], [0.0, 0.0, x[i]]] for m, x in (("max_logit", logit), ("tie_fraction", tie),
+                                                                   ("wq_spectral_norm", wq))}
         recs.append({"step": s, "diag": rec})
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in recs))
 
@@ -205,7 +210,8 @@ def test_precursor_table_and_divergence(tmp_path):
 
     rng = np.random.default_rng()
     base = rng.uniform(1, 2, size=6)
-    _fake_run(tmp_path / "a", [0, 100, 200, 300, 400, 500], base * [1, 1, 3, 5, 8, 9], [0.1] * 6, base, [3.0] * 600, [(500, 2.5)])
+    _fake_run(tmp_path / "a", [0, 100, 200, 300, 400, 500], base * [1, 1, 3, 5, 8, 9], [0.1] * 6, base, [3.0] * 600,
+              [(500, 2.5)])
     _fake_run(tmp_path / "b", [0, 100, 200, 300], base[:4], [0.01] * 4, base[:4] * 2, [3.0] * 400, [(300, 2.6)])
     runs = {"bf16": tmp_path / "a", "fp32": tmp_path / "b"}
     table, step = precursor_table(runs, layer=1)
@@ -231,7 +237,7 @@ def test_precursor_table_and_divergence(tmp_path):
     from lpfa.compare import plot_logit_runaway
 
     ax = plot_logit_runaway({"bf16_s2": runs["bf16"], "x": runs["fp32"]}, 1).axes[0]
-    assert [l.get_label() for l in ax.get_lines()] == ["bf16_s2", "x", "runaway threshold 1000"]
+    assert [line.get_label() for line in ax.get_lines()] == ["bf16_s2", "x", "runaway threshold 1000"]
 
 
 def test_experiment_table_and_seeds_summary(tmp_path):
@@ -252,7 +258,8 @@ def test_experiment_table_and_seeds_summary(tmp_path):
         if start is not None:
             logit[start // 100:] = 5000
         _fake_run(exp / label, steps, logit, [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
-        conf = {"train": {"attn_policy": "paper_untiled", "attn_backend": "lpfa" if label.startswith("bf16") else "sdpa_fp32",
+        conf = {"train": {"attn_policy": "paper_untiled",
+                          "attn_backend": "lpfa" if label.startswith("bf16") else "sdpa_fp32",
                           "optimizer": "adamw", "seed": int(label[-1]), "init_seed": int(label[-1])}}
         (exp / label / "config.json").write_text(json.dumps(conf))
     (exp / "not_a_run").mkdir()
@@ -263,7 +270,8 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert table.loc["bf16_s1", "runaway step"] == 300 and table.loc["fp32_s1", "runaway step"] is None
     assert table.loc["bf16_s1", "outcome"] == "ran away" and table.loc["fp32_s1", "outcome"] == "stable"
     s = seeds_summary(table)
-    assert s.loc["bf16", "ran away"] == 2 and s.loc["bf16", "first runaway"] == 300 and s.loc["bf16", "last runaway"] == 600
+    assert s.loc["bf16", "ran away"] == 2 and s.loc["bf16", "first runaway"] == 300
+    assert s.loc["bf16", "last runaway"] == 600
     assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2
     with pytest.raises(FileNotFoundError, match="no run folders"):
         experiment_table(tmp_path / "nothing")
@@ -272,24 +280,29 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     pre = rng.uniform(10, 20, size=12)
     pre[7:] *= 40
     _fake_run(tmp_path / "pre", steps, pre, [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
-    _fake_run(tmp_path / "ref", steps, rng.uniform(10, 20, size=12), [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
+    _fake_run(tmp_path / "ref", steps, rng.uniform(10, 20, size=12), [0.1] * 12, [2.0] * 12, [3.0] * 1200,
+              [(1100, 2.5)])
     (tmp_path / "ref" / "config.json").write_text((exp / "fp32_s1" / "config.json").read_text())
-    attn = {"attn_policy": "paper_untiled", "attn_backend": "lpfa", "layer_policies": {"1": "sdpa_fp32"}, "fp32_heads": {"0": [5, 2]}}
+    attn = {"attn_policy": "paper_untiled", "attn_backend": "lpfa", "layer_policies": {"1": "sdpa_fp32"},
+            "fp32_heads": {"0": [5, 2]}}
     (tmp_path / "pre" / "config.json").write_text(json.dumps({
         "train": {**attn, "optimizer": "adamw", "seed": 1, "init_seed": 1, "compile": True},
         "model": {"n_layer": 2, "n_head": 8, "n_embd": 64, **attn}}))
     t2, _ = experiment_table({"pre": tmp_path / "pre", "ref": tmp_path / "ref", "bf16_s2": exp / "bf16_s2"},
-                             reference=lambda label: tmp_path / "ref" if label in ("pre", "ref") else exp / f"fp32_s{label[-1]}")
+                             reference=lambda label: (tmp_path / "ref" if label in ("pre", "ref")
+                                                      else exp / f"fp32_s{label[-1]}"))
     assert t2.loc["pre", "outcome"] == "precursor" and t2.loc["pre", "precursor from"] == 700
-    assert t2.loc["ref", "outcome"] == "clean" and t2.loc["ref", "precursor from"] is None
+    assert t2.loc["ref", "outcome"] == "neither" and t2.loc["ref", "precursor from"] is None
     assert t2.loc["bf16_s2", "outcome"] == "ran away"  # the stronger verdict wins
     assert t2.loc["pre", "attention"] == "paper_untiled; layer 1: sdpa_fp32; FP32 heads 2, 5 of layer 0"
     assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
-    assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None  # no model config: unknown
+    # no model config: unknown
+    assert t2.loc["pre", "layer 1 scores"] == "fp32" and t2.loc["ref", "layer 1 scores"] is None
     assert t2.loc["pre", "layer 1 δ from"] == "fp32 O"  # layer 1 runs sdpa_fp32
     from lpfa.pages.sfa import outcome_text
 
-    assert outcome_text(t2, "pre") == "showed the precursor from step 700" and outcome_text(t2, "ref") == "stayed clean"
+    assert outcome_text(t2, "pre") == "showed the precursor from step 700"
+    assert outcome_text(t2, "ref") == "neither exploded nor had its logits run away"
     assert outcome_text(t2, "bf16_s2") == "did not explode, but its layer-1 logits ran away from step 600"
     assert outcome_text(table, "fp32_s1") == "stayed stable"  # no reference: no precursor verdict
     t0, _ = experiment_table({"pre": tmp_path / "pre"}, layer=0)
@@ -297,7 +310,8 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t0.loc["pre", "layer 0 δ from"] == "bf16 O; fp32 O in heads 2, 5"
     s2 = seeds_summary(t2, mode=lambda label: "x")
     assert s2.loc["x", "precursor or worse"] == 2 and s2.loc["x", "ran away"] == 1
-    assert s2.loc["x", "first precursor"] == 600 and s2.loc["x", "last precursor"] == 700  # bf16_s2 leaves ref behind as it runs away
+    # bf16_s2 leaves ref behind as it runs away
+    assert s2.loc["x", "first precursor"] == 600 and s2.loc["x", "last precursor"] == 700
     assert "precursor or worse" not in seeds_summary(table).columns  # no reference, no precursor columns
 
 
@@ -311,27 +325,31 @@ def test_precursor_events_on_committed_pair():
     d = ROOT / "results/repro_pair/h200x2-2026-11-29"
     ev = precursor_events({"bf16": d / "bf16", "fp32": d / "fp32"}, layer=1, reference="fp32")
     b, f = ev.loc["bf16"], ev.loc["fp32"]
-    assert b["worst-head ties rise"] < b["mean ties rise"] < b["logit > 10× fp32"] < b["W_Q > 1.25× fp32"] < b["logit runaway"] == 6400
-    assert b["explosion"] is None and b["W_Q first > 1.25× fp32"] < b["worst-head ties rise"]  # an early lead that closed again
+    assert (b["worst-head ties rise"] < b["mean ties rise"] < b["logit > 10× fp32"] < b["W_Q > 1.25× fp32"]
+            < b["logit runaway"] == 6400)
+    # an early lead that closed again
+    assert b["explosion"] is None and b["W_Q first > 1.25× fp32"] < b["worst-head ties rise"]
     assert f[["worst-head ties rise", "mean ties rise", "logit runaway", "explosion", "logit > 10× fp32"]].isna().all()
 
 
 def test_delta_source_of_every_isolation_row():
     """What each isolation row's layer-1 δ is computed from, from its overrides alone (the column the
     isolation page tests its pattern with)."""
+    from lpfa.compare import delta_source, score_precision
     from lpfa.experiments import ISOLATION
     from lpfa.model import GPTConfig
-    from lpfa.compare import delta_source, score_precision
     from lpfa.train import parse_overrides
 
-    want = {"bf16": "bf16 O", "fp32": "fp32 O", "bf16_tiled": "bf16 O", "bf16_only_layer1": "bf16 O", "fp32_only_layer1": "fp32 O",
-            "delta_dp": "dP∘P", "delta_o_fp32": "fp32 O", "delta_o_exact": "exact O", "o_fp32": "fp32 O", "pv_fp32": "bf16 O",
-            "scores_fp32": "bf16 O", "fp32_outlier_heads": "bf16 O; fp32 O in heads 2, 5", "fp32_worst_head": "bf16 O; fp32 O in head 5"}
+    want = {"bf16": "bf16 O", "fp32": "fp32 O", "bf16_tiled": "bf16 O", "bf16_only_layer1": "bf16 O",
+            "fp32_only_layer1": "fp32 O", "delta_dp": "dP∘P", "delta_o_fp32": "fp32 O", "delta_o_exact": "exact O",
+            "o_fp32": "fp32 O", "pv_fp32": "bf16 O", "scores_fp32": "bf16 O",
+            "fp32_outlier_heads": "bf16 O; fp32 O in heads 2, 5", "fp32_worst_head": "bf16 O; fp32 O in head 5"}
     assert set(want) == set(ISOLATION)
     for label, overrides in ISOLATION.items():
         o = parse_overrides(overrides)
-        conf = GPTConfig(n_layer=2, n_head=8, n_embd=64, **{k: o[k] for k in ("attn_policy", "attn_backend", "layer_policies",
-                                                                               "fp32_heads") if k in o}).to_dict()
+        conf = GPTConfig(n_layer=2, n_head=8, n_embd=64,
+                         **{k: o[k] for k in ("attn_policy", "attn_backend", "layer_policies", "fp32_heads")
+                            if k in o}).to_dict()
         assert delta_source(conf, 1) == want[label], label
         assert delta_source(conf, 0) in ("bf16 O", "fp32 O", "dP∘P", "exact O"), label
     assert score_precision(GPTConfig(attn_policy="scores_fp32").to_dict(), 1) == "fp32"
@@ -341,12 +359,13 @@ def test_delta_source_of_every_isolation_row():
 
 def test_seed_table_and_sfa_findings(tmp_path):
     """Fig. 2 over seeds and the Fig. 7 check, on runs whose verdicts are known by construction: a BF16 run whose loss
-    jumps by 3 (exploded), its clean FP32 twin, a clean BF16 seed without a twin, and an SFA run whose logits run away."""
+    jumps by 3 (exploded), its clean FP32 twin, a clean BF16 seed without a twin, and an SFA run whose logits run
+    away."""
     import numpy as np
 
-    from lpfa.run import run_verdict
     from lpfa.pages.loss_explosion import seed_table, seeds_text
     from lpfa.pages.sfa import sfa_findings, sfa_text
+    from lpfa.run import run_verdict
 
     rng = np.random.default_rng()
     steps = [0, 100, 200, 300, 400, 500]
@@ -356,7 +375,8 @@ def test_seed_table_and_sfa_findings(tmp_path):
     _fake_run(tmp_path / "fp32_a", steps, low, [0.01] * 6, low, [3.0] * 600, [(500, 2.9)])
     _fake_run(tmp_path / "bf16_b", steps[:4], low[:4], [0.1] * 4, low[:4], [3.0] * 400, [(300, 3.0)])
     sfa_loss = list(rng.uniform(3.4, 3.6, size=700))
-    _fake_run(tmp_path / "sfa_a", steps + [600], [5, 2000, 2000, 2000, 2000, 2000, 2000], [0.1] * 7, low + [2.0], sfa_loss, [])
+    _fake_run(tmp_path / "sfa_a", steps + [600], [5, 2000, 2000, 2000, 2000, 2000, 2000], [0.1] * 7, low + [2.0],
+              sfa_loss, [])
     rows = {p.name: p for p in sorted(tmp_path.iterdir())}
     b = run_verdict(rows["bf16_a"])["explosion_step"]
     assert b is not None and 300 <= b < 400
@@ -366,8 +386,8 @@ def test_seed_table_and_sfa_findings(tmp_path):
     assert t.loc["bf16_a", "explosion step"] == b and t.loc["bf16_a", "fp32 steps"] == 600
     assert t.loc["bf16_a", "fp32 exploded"] is False  # a twin that ran; None (not run) for bf16_b
     assert t.loc["bf16_b", "fp32 exploded"] is None and np.isnan(t.loc["bf16_b", "explosion step"])
-    assert seeds_text(t) == (f"The BF16 run exploded in 1 of 2 seeds (at step {b:,}); 1 FP32 twin ran (600 steps) and 0 "
-                             "exploded; still to run: `fp32_b`.")
+    assert seeds_text(t) == (f"The BF16 run exploded in 1 of 2 seeds (at step {b:,}); 1 FP32 twin ran (600 steps) "
+                             "and 0 exploded; still to run: `fp32_b`.")
     assert seeds_text(t.iloc[:0]) == "No BF16 run at this recipe is committed."
 
     f = sfa_findings({"bf16": rows["bf16_a"], "fp32": rows["fp32_a"], "sfa": rows["sfa_a"]})
@@ -378,21 +398,23 @@ def test_seed_table_and_sfa_findings(tmp_path):
     assert f["runaway layers"] == {"bf16": [1], "fp32": [], "sfa": [1]}
     assert f["runaway"] == {"bf16": None, "fp32": None, "sfa": (100, 1)}  # 5 records above 1000 in a row: SFA only
     text = sfa_text(f, n_layers=2)
-    assert text.startswith(f"**With SFA the loss did not explode in 700 steps**, {700 / b:.1f}× the step at which its BF16")
+    assert text.startswith(f"**With SFA the loss did not explode in 700 steps**, {700 / b:.1f}× the step at which "
+                           "its BF16")
     assert f"{f['loss']['sfa'] - 3.0:.2f} above the FP32 twin's 3.00" in text and "1 of its 2 layers" in text
     assert "ran away from step 100 (layer 1)." in text
 
 
 def test_seed_spread_text_counts_and_spans():
-    """lpfa.pages.seeds.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread paragraph
-    only where every BF16 run shows the precursor and no FP32 run does."""
+    """lpfa.pages.seeds.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread
+    paragraph only where every BF16 run shows the precursor and no FP32 run does."""
     import pandas as pd
 
     from lpfa.pages.seeds import seed_spread_text
 
     index = ["bf16_s1337", "bf16_s1337_compiled", "fp32_s1337", "fp32_s1"]
-    table = pd.DataFrame({"runaway step": pd.Series([6400, None, None, None], index=index, dtype=object),  # as
-                          "precursor from": pd.Series([5000, 5800, None, None], index=index, dtype=object),  # experiment_table
+    # the step columns as experiment_table gives them (objects, None where there is none)
+    table = pd.DataFrame({"runaway step": pd.Series([6400, None, None, None], index=index, dtype=object),
+                          "precursor from": pd.Series([5000, 5800, None, None], index=index, dtype=object),
                           "compiled": [False, True, True, True]}, index=index)
     summary = pd.DataFrame({
         "bf16": {"runs": 2, "exploded": 0, "ran away": 1, "first runaway": 6400, "last runaway": 6400,
@@ -400,11 +422,12 @@ def test_seed_spread_text_counts_and_spans():
         "fp32": {"runs": 2, "exploded": 0, "ran away": 0, "first runaway": None, "last runaway": None,
                  "precursor or worse": 0, "first precursor": None, "last precursor": None, "fewest steps run": 6900}}).T
     text = seed_spread_text(summary, table)
-    assert "* **bf16**: of 2 runs, 0 exploded and 1 ran away (steps 6,400 to 6,400); 2 showed the precursor or worse, the " \
-           "precursor starting between steps 5,000 and 5,800. Every run trained at least 7,000 steps." in text
+    assert ("* **bf16**: of 2 runs, 0 exploded and 1 ran away (steps 6,400 to 6,400); 2 showed the precursor or "
+            "worse, the precursor starting between steps 5,000 and 5,800. Every run trained at least 7,000 steps."
+            in text)
     assert "* **fp32**: of 2 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse. Every run" in text
     assert "Within the first 7,000 steps, 1 of the 2 BF16 runs ran away" in text
     assert "a span of 800 steps across these runs (seed 1337: step 5,000 eager, step 5,800 compiled)" in text
-    summary.loc["fp32", ["precursor or worse", "first precursor", "last precursor"]] = [1, 6000, 6000]  # an FP32 precursor:
-    # no claim of robustness
+    # an FP32 precursor: no claim of robustness
+    summary.loc["fp32", ["precursor or worse", "first precursor", "last precursor"]] = [1, 6000, 6000]
     assert "Within the first" not in seed_spread_text(summary, table)

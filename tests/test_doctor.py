@@ -15,7 +15,8 @@ from lpfa.diagnostics import capture_qkv, wq_spectral_norms
 from lpfa.mechanism import layer_tensors, rank1_similarity
 from lpfa.model import GPT, GPTConfig
 
-pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"), pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+              pytest.mark.filterwarnings("ignore::PendingDeprecationWarning")]
 
 VOCAB, BLOCK = 97, 64
 PROBE = dict(batches=2, seq_len=32, seed=3, progress=False)
@@ -23,7 +24,8 @@ PROBE = dict(batches=2, seq_len=32, seed=3, progress=False)
 
 def tiny_gpt(seed=0, **overrides):
     torch.manual_seed(seed)
-    return GPT(GPTConfig.from_size("debug", vocab_size=VOCAB, block_size=BLOCK, **{"attn_backend": "math", **overrides}))
+    return GPT(GPTConfig.from_size("debug", vocab_size=VOCAB, block_size=BLOCK,
+                                   **{"attn_backend": "math", **overrides}))
 
 
 def save_nanogpt(model, path):
@@ -31,7 +33,8 @@ def save_nanogpt(model, path):
     c = model.config
     args = dict(n_layer=c.n_layer, n_head=c.n_head, n_embd=c.n_embd, block_size=c.block_size, bias=c.bias,
                 vocab_size=c.vocab_size, dropout=0.0)
-    torch.save({"model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}, "model_args": args, "iter_num": 1}, path)
+    torch.save({"model": {"_orig_mod." + k: v for k, v in model.state_dict().items()}, "model_args": args,
+                "iter_num": 1}, path)
     return path
 
 
@@ -47,9 +50,9 @@ def save_hf(model, folder):
             v = v.t()
         sd[k.removeprefix("transformer.")] = v.contiguous()
     safetensors.torch.save_file(sd, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head, "n_embd": c.n_embd,
-                                                    "n_positions": c.block_size, "vocab_size": c.vocab_size,
-                                                    "activation_function": "gelu_new"}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": c.n_layer, "n_head": c.n_head,
+                                                    "n_embd": c.n_embd, "n_positions": c.block_size,
+                                                    "vocab_size": c.vocab_size, "activation_function": "gelu_new"}))
     return folder
 
 
@@ -84,7 +87,8 @@ def test_each_format_gives_the_table(fmt, tmp_path, data):
     r = doctor.doctor(path, data, **PROBE)
     t = r["table"]
     c = model.config
-    assert len(t) == c.n_layer * c.n_head and sorted(zip(t["layer"], t["head"])) == [(i, h) for i in range(c.n_layer) for h in range(c.n_head)]
+    assert len(t) == c.n_layer * c.n_head
+    assert sorted(zip(t["layer"], t["head"])) == [(i, h) for i in range(c.n_layer) for h in range(c.n_head)]
     own = {m[0] for m in doctor.MEASURES if m[0].endswith("_trained")}  # only for a checkpoint of another BF16 policy
     assert {"layer", "head", "verdict"} | {m[0] for m in doctor.MEASURES} - own == set(t.columns)
     assert r["info"]["format"] == fmt and r["info"]["probe"]["shape"] == [2, 32]
@@ -119,9 +123,9 @@ def test_measures_equal_independent_computations(lpfa_ckpt, data):
 
 
 @pytest.mark.parametrize("backend, policy, expected", [
-    ("lpfa", "paper_sr", "paper_sr"), ("lpfa", "paper_sfa", "paper_sfa"), ("lpfa", "paper", None), ("lpfa", "fa2", None),
-    ("lpfa", "fp32_split", None), ("lpfa", "fp32_softcap", None), ("lpfa", "paper_softcap", "paper_softcap"),
-    ("math", "paper_sr", None)])
+    ("lpfa", "paper_sr", "paper_sr"), ("lpfa", "paper_sfa", "paper_sfa"), ("lpfa", "paper", None),
+    ("lpfa", "fa2", None), ("lpfa", "fp32_split", None), ("lpfa", "fp32_softcap", None),
+    ("lpfa", "paper_softcap", "paper_softcap"), ("math", "paper_sr", None)])
 def test_trained_policy_is_the_runs_own_bf16_policy(tmp_path, backend, policy, expected):
     path = save_checkpoint(tmp_path / "ck", tiny_gpt(attn_backend=backend, attn_policy=policy), step=1)
     assert doctor.trained_policy(path) == expected
@@ -163,7 +167,8 @@ def test_softcapped_checkpoint_keeps_its_cap(tmp_path, data):
     for h in range(model.config.n_head):
         assert t.loc[(1, h), "delta_err_paper"] == pytest.approx(float(err[:, h].mean()), rel=1e-9, abs=1e-15)
     assert doctor.probe_overrides(None) == doctor.PROBE_OVERRIDES
-    with pytest.raises(doctor.DoctorError, match=r"soft-cap 7: expected a cap that an FP32-level preset has \(\[50.0\]\)"):
+    with pytest.raises(doctor.DoctorError,
+                       match=r"soft-cap 7: expected a cap that an FP32-level preset has \(\[50.0\]\)"):
         doctor.probe_overrides(7.0)
 
 
@@ -204,10 +209,12 @@ def test_exploded_checkpoint_is_a_runaway_not_a_crash(tmp_path, data):
     model = tiny_gpt()
     with torch.no_grad():
         model.transformer.h[0].attn.c_attn.weight[0, 0] = math.nan  # W_Q of layer 0, head 0
+    # fixed thresholds: the learnt ones move with results/
     r = doctor.doctor(save_checkpoint(tmp_path / "nan", model, step=9), data, out=tmp_path / "report",
-                      thresholds=doctor._default_thresholds(), **PROBE)  # fixed levels: the learnt ones move with results/
+                      thresholds=doctor._default_thresholds(), **PROBE)
     t = r["table"].set_index(["layer", "head"])
-    rep = json.loads((tmp_path / "report" / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
+    rep = json.loads((tmp_path / "report" / "report.json").read_text(),
+                     parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert rep["verdicts"]["runaway"] == 3 and any(row["max_logit"] is None for row in rep["table"])
     assert t.loc[(0, 0)].verdict == "runaway" and math.isnan(t.loc[(0, 0)].wq_spectral_norm)
     assert (t.loc[1].verdict == "runaway").all()
@@ -233,7 +240,8 @@ def test_cli_writes_report_that_round_trips(lpfa_ckpt, data, tmp_path, capsys):
     for name in [ln.split("](")[1].rstrip(")") for ln in md.splitlines() if ln.startswith("![")]:
         assert (out / name).stat().st_size > 1000, name
     rep = json.loads((out / "report.json").read_text())
-    # every measure the table has (no *_trained for this checkpoint of the math backend), the verdicts, the worst layer's bars
+    # every measure the table has (no *_trained for this checkpoint of the math backend), the verdicts, the worst
+    # layer's bars
     assert md.count("![") == len([m for m in doctor.MEASURES if m[0] in rep["table"][0]]) + 2
     assert rep["trained_policy"] is None
     assert rep["format"] == "lpfa" and rep["probe"]["shape"] == [2, 32] and rep["probe"]["seed"] == 3
@@ -271,7 +279,8 @@ def test_report_table_gives_back_the_doctors_table(tmp_path, data):
     assert back.drop(columns="verdict").equals(want.drop(columns="verdict").astype(back.drop(columns="verdict").dtypes))
     thr = {"max_logit": {"runaway": float(want.max_logit.max(skipna=True))}}
     again = doctor.report_table(rep, thr)
-    assert (again["verdict"].to_numpy() == doctor.diagnose(want.drop(columns="verdict"), thr)["verdict"].to_numpy()).all()
+    diagnosed = doctor.diagnose(want.drop(columns="verdict"), thr)
+    assert (again["verdict"].to_numpy() == diagnosed["verdict"].to_numpy()).all()
 
 
 def test_help():
@@ -297,16 +306,21 @@ def _bad_cases(tmp_path, lpfa_ckpt, data):
         "no thresholds file": ([str(lpfa_ckpt), *d, "--thresholds", str(tmp_path / "t.json")],
                                r"--thresholds='.*t\.json': expected a JSON file of thresholds"),
         "bad thresholds": ([str(lpfa_ckpt), *d, "--thresholds", str(bad_thr)],
-                           r"--thresholds='.*bad_thr\.json': thresholds\['max_logit'\]\['precursor'\] must be a number"),
-        "thresholds not JSON": ([str(lpfa_ckpt), *d, "--thresholds", str(not_json)], r"not_json\.json is not valid JSON"),
-        "missing path": ([str(tmp_path / "nope"), *d], r"checkpoint .*nope does not exist; expected an lpfa checkpoint folder"),
+                           r"--thresholds='.*bad_thr\.json': "
+                           r"thresholds\['max_logit'\]\['precursor'\] must be a number"),
+        "thresholds not JSON": ([str(lpfa_ckpt), *d, "--thresholds", str(not_json)],
+                                r"not_json\.json is not valid JSON"),
+        "missing path": ([str(tmp_path / "nope"), *d],
+                         r"checkpoint .*nope does not exist; expected an lpfa checkpoint folder"),
         "unknown format": ([str(unknown), *d], r"cannot tell the format of checkpoint .*unknown"),
         "missing keys": ([str(broken), *d], r"1 missing keys, e\.g\. transformer\.h\.1\.attn\.c_attn\.weight"),
-        "vocabulary": ([str(lpfa_ckpt), "--data", str(wide)], r"token id 29\d, outside the model's vocabulary \(vocab_size 97\)"),
+        "vocabulary": ([str(lpfa_ckpt), "--data", str(wide)],
+                       r"token id 29\d, outside the model's vocabulary \(vocab_size 97\)"),
         "too few tokens": ([str(lpfa_ckpt), "--data", str(short), "--batches", "4", "--seq-len", "32"],
                            r"has 50 tokens, too few for --batches 4 × --seq-len 32 \(needs at least 129\)"),
         "seq-len": ([str(lpfa_ckpt), *d, "--seq-len", "65"], r"--seq-len 65: expected 2 to the model's block_size 64"),
-        "no data folder": ([str(lpfa_ckpt), "--data", str(tmp_path / "none")], r"--data .*none has neither val.bin nor train.bin"),
+        "no data folder": ([str(lpfa_ckpt), "--data", str(tmp_path / "none")],
+                           r"--data .*none has neither val.bin nor train.bin"),
         "no data, small vocab": ([str(lpfa_ckpt)], r"vocab_size is 97, smaller than the embedded corpus.*pass --data"),
         "bad option": ([str(lpfa_ckpt), "--batches", "two"], r"argument --batches: invalid int value: 'two'"),
         "bad device": ([str(lpfa_ckpt), "--device", "tpu"], r"argument --device: invalid choice: 'tpu'"),

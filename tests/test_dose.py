@@ -1,4 +1,4 @@
-"""lpfa.dose on synthetic run folders and tables with known answers (issue 16, the dose-response experiment)."""
+"""lpfa.dose on synthetic run folders and tables with known answers (the dose-response experiment)."""
 
 import json
 import math
@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lpfa.dose import (CENSORED_LABEL, DODGE, dose_summary, dose_table, extrapolation_text, fit_dose_response,
-                       plot_dose_response, predict, t_quantile)
+from lpfa.dose import dose_table, fit_dose_response, predict, t_quantile
+from lpfa.pages.loss_explosion import CENSORED_LABEL, DODGE, dose_summary, extrapolation_text, plot_dose_response
 
 matplotlib.use("Agg")
 
@@ -267,7 +267,8 @@ def test_plot_without_a_fit(runs):
 def test_committed_dose_experiment():
     """The committed runs (results/dose, with the isolation table's bf16 and fp32 rows as k = 1 and the FP32
     reference) read as the pages state them."""
-    from lpfa.dose import committed_runs, dose_findings, dose_text
+    from lpfa.dose import committed_runs, dose_findings
+    from lpfa.pages.loss_explosion import dose_text
 
     runs = committed_runs()
     if not runs:

@@ -44,7 +44,8 @@ def test_start_wait_collect(tokens, tmp_path, monkeypatch):
     launch.start("tb", {"a": ["attn_policy=fa2"]}, None, common, tmp_path, resume=True)
     st = launch.wait("tb", max_s=240, root=tmp_path, poll_s=1)
     assert st[0]["status"] == "completed" and st[0]["step"] == 7
-    steps = [json.loads(l)["step"] for l in (tmp_path / "tb" / "a" / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+    lines = (tmp_path / "tb" / "a" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line)["step"] for line in lines if '"loss"' in line]
     assert steps == list(range(8))
 
 
@@ -70,23 +71,26 @@ def test_every_experiment_is_a_valid_repro_config():
             assert backends <= {"lpfa", "sdpa_fp32"}, (exp, label, backends)
     iso = EXPERIMENTS["isolation"]
     only = GPTConfig.from_size("repro", **{k: v for k, v in parse_overrides(iso["bf16_only_layer1"]).items()})
-    assert [only.layer_backend(i) for i in range(8)] == ["sdpa_fp32"] + ["lpfa"] + ["sdpa_fp32"] * 6 and only.policy(0) is None
+    assert [only.layer_backend(i) for i in range(8)] == ["sdpa_fp32"] + ["lpfa"] + ["sdpa_fp32"] * 6
+    assert only.policy(0) is None
     assert only.policy(1).name == "paper_untiled"
     fp32_l1 = GPTConfig.from_size("repro", **parse_overrides(iso["fp32_only_layer1"]))
-    assert fp32_l1.layer_backend(1) == "sdpa_fp32" and fp32_l1.policy(1) is None and fp32_l1.policy(0).name == "paper_untiled"
+    assert fp32_l1.layer_backend(1) == "sdpa_fp32" and fp32_l1.policy(1) is None
+    assert fp32_l1.policy(0).name == "paper_untiled"
     heads = GPTConfig.from_size("repro", **parse_overrides(iso["fp32_outlier_heads"]))
     assert heads.policy(1).fp32_heads == frozenset({5, 2}) and not heads.policy(0).fp32_heads
 
 
 def test_every_fp32_twin_is_fp32_split_and_fp32_in_every_layer():
-    """Issue 17: the experiments' FP32 twin is the fp32_split policy (FP32-level, deterministic, on tensor cores), and
+    """The experiments' FP32 twin is the fp32_split policy (FP32-level, deterministic, on tensor cores), and
     the early-warning classes read its every layer as FP32."""
-    from lpfa.run import layer_precision
     from lpfa.experiments import EXPERIMENT_PRESETS, EXPERIMENTS, FP32_TWIN
     from lpfa.model import GPTConfig
+    from lpfa.run import layer_precision
     from lpfa.train import make_config, parse_overrides
 
-    twins = {(exp, label) for exp, runs in EXPERIMENTS.items() for label, o in runs.items() if label == "fp32" or FP32_TWIN in o}
+    twins = {(exp, label) for exp, runs in EXPERIMENTS.items() for label, o in runs.items()
+             if label == "fp32" or FP32_TWIN in o}
     assert {("twins", "fp32"), ("isolation", "fp32"), ("dose", "fp32")} <= twins
     for exp, label in twins:
         cfg = make_config(EXPERIMENT_PRESETS.get(exp, "repro"), None, parse_overrides(EXPERIMENTS[exp][label]))
@@ -144,26 +148,32 @@ def test_gpu_script_end_to_end_on_cpu(tokens, tmp_path):
     SFA β sweep and the structure statistics are computed on its checkpoints, and everything lands in the archive."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PY": sys.executable, "ROOT": str(tmp_path / "runs"),
            "OUT": str(tmp_path / "out"), "DATA": str(tokens), "NAME": "t", "POLL": "1", "GPU_TESTS": "0"}
-    extra = "model=debug block_size=32 batch_size=4 max_steps=8 ckpt_interval=4 diag_interval=2 eval_interval=0 eval_batches=1"
-    run = lambda **kw: subprocess.run(["bash", str(ROOT / "scripts/gpu/twins.sh")], env={**env, **kw}, cwd=ROOT,
-                                      capture_output=True, text=True, timeout=600)
+    extra = ("model=debug block_size=32 batch_size=4 max_steps=8 ckpt_interval=4 diag_interval=2 eval_interval=0 "
+             "eval_batches=1")
+
+    def run(**kw):
+        return subprocess.run(["bash", str(ROOT / "scripts/gpu/twins.sh")], env={**env, **kw}, cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+
     r = run(PHASE="start", EXPERIMENT="twins", ONLY="bf16 fp32", EXTRA=extra, BUDGET="300", WAIT="300")
     assert r.returncode == 0, r.stdout + r.stderr
     r = run(PHASE="finish", WAIT="60", REPLAY_STEPS="2")
     assert r.returncode == 0, r.stdout + r.stderr
     with tarfile.open(tmp_path / "out" / "t.tar.gz") as tar:
         names = set(tar.getnames())
-    for f in ("t/launch.json", "t/bf16/summary.json", "t/bf16/sfa_sweep.json", "t/bf16/structure.json", "t/fp32/structure.json",
-              "t/bf16_replay/replay.json", "t/bf16_replay/replay.npz"):
+    for f in ("t/launch.json", "t/bf16/summary.json", "t/bf16/sfa_sweep.json", "t/bf16/structure.json",
+              "t/fp32/structure.json", "t/bf16_replay/replay.json", "t/bf16_replay/replay.npz"):
         assert f in names, (f, sorted(names))
     s = json.loads((tmp_path / "runs" / "t" / "fp32" / "structure.json").read_text())
-    assert s["step"] == 8 and s["attn_backend"] == "lpfa" and len(s["ties"]["bf16"]) == 2  # the debug model's 2 layers; the FP32 twin runs fp32_split
+    # the debug model's 2 layers; the FP32 twin runs fp32_split
+    assert s["step"] == 8 and s["attn_backend"] == "lpfa" and len(s["ties"]["bf16"]) == 2
 
 
 def test_run_experiment_refuses_unknown_labels_before_starting(tmp_path):
     from lpfa.launch import run_experiment
 
-    with pytest.raises(ValueError, match=r"only=\['bf16_paper_recipe', 'nope'\]: expected labels of experiment 'paper_recipe'"):
+    with pytest.raises(ValueError,
+                       match=r"only=\['bf16_paper_recipe', 'nope'\]: expected labels of experiment 'paper_recipe'"):
         run_experiment("x", "paper_recipe", "data", 10, root=tmp_path, only=["bf16_paper_recipe", "nope"])
     with pytest.raises(ValueError, match="unknown experiment 'nope'"):
         run_experiment("x", "nope", "data", 10, root=tmp_path)
@@ -181,7 +191,8 @@ def test_experiment_presets_and_paper_recipe_twins():
         assert all(x.startswith(("seed=", "init_seed=", "fp32_heads=")) for x in o[1:]), label
         if "_s" in label:
             assert o[0] == PAPER_RECIPE[label.split("_s")[0]][0] and f"seed={label.split('_s')[1]}" in o
-    assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e if not label.startswith(("bias_", "control_")))
+    assert all(label in DESCRIPTIONS for e in EXPERIMENTS.values() for label in e
+               if not label.startswith(("bias_", "control_")))
 
 
 def test_experiments_table_one_row_per_run_with_its_reference():
@@ -209,17 +220,20 @@ def test_experiments_table_one_row_per_run_with_its_reference():
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/gpu/paper_recipe.sh needs bash")
 def test_paper_recipe_finish_runs_the_doctor_on_the_kept_checkpoint(tokens, tmp_path):
-    """Issue 19: with DOCTOR_STEP, paper_recipe.sh's finish runs `lpfa doctor` on each run's checkpoint of that step and
+    """With DOCTOR_STEP, paper_recipe.sh's finish runs `lpfa doctor` on each run's checkpoint of that step and
     brings its report back in the archive (the checkpoint itself never leaves the GPU machine); a run without that
     checkpoint is skipped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "LPFA_RUNS": str(tmp_path / "runs")}
     common = [f"data={tokens}", "model=debug", "block_size=32", "batch_size=4", "max_steps=8", "eval_interval=0",
               "eval_batches=1", "warmup_steps=2", "device=cpu", "diag_interval=0"]
     launch.start("pr", {"bf16_paper_recipe": ["attn_policy=paper", "ckpt_interval=4", "ckpt_history=true"],
-                        "fp32_paper_recipe": ["attn_policy=fp32_split", "ckpt_interval=0"]}, None, common, tmp_path / "runs")
-    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/paper_recipe.sh")], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        "fp32_paper_recipe": ["attn_policy=fp32_split", "ckpt_interval=0"]},
+                 None, common, tmp_path / "runs")
+    r = subprocess.run(["bash", str(ROOT / "scripts/gpu/paper_recipe.sh")], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600,
                        env={**env, "PHASE": "finish", "NAME": "pr", "ROOT": str(tmp_path / "runs"), "DATA": str(tokens),
-                            "WAIT": "300", "POLL": "1", "OUT": str(tmp_path / "out"), "PY": sys.executable, "DOCTOR_STEP": "4"})
+                            "WAIT": "300", "POLL": "1", "OUT": str(tmp_path / "out"), "PY": sys.executable,
+                            "DOCTOR_STEP": "4"})
     assert r.returncode == 0, r.stdout + r.stderr
     with tarfile.open(tmp_path / "out" / "pr.tar.gz") as tar:
         names = set(tar.getnames())

@@ -28,7 +28,8 @@ def test_delta_error_vanishes_in_fp32_and_is_consistent():
 def test_rank1_similarity_equals_flattened_cosine():
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
     T, D, C = 12, 4, 6
-    p = torch.softmax(torch.randn(T, T, generator=g).masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -math.inf), -1)
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    p = torch.softmax(torch.randn(T, T, generator=g).masked_fill(future, -math.inf), -1)
     k, x = torch.randn(T, D, generator=g), torch.randn(T, C, generator=g)
     sim = rank1_similarity(p, k, x)
     pk = p.double() @ k.double()
@@ -41,7 +42,8 @@ def test_subspace_overlap():
     u = torch.randn(8, 1, dtype=torch.float64)
     a = u @ torch.randn(1, 5, dtype=torch.float64)
     assert abs(subspace_overlap(a, 3 * a) - 1) < 1e-12
-    b = torch.linalg.qr(torch.cat([u, torch.randn(8, 1, dtype=torch.float64)], 1))[0][:, 1:] @ torch.randn(1, 5, dtype=torch.float64)
+    b = (torch.linalg.qr(torch.cat([u, torch.randn(8, 1, dtype=torch.float64)], 1))[0][:, 1:]
+         @ torch.randn(1, 5, dtype=torch.float64))
     assert subspace_overlap(a, b) < 1e-12  # orthogonal column spaces
 
 

@@ -5,10 +5,9 @@ import struct
 
 import nbformat
 import pytest
+from conftest import ROOT
 
 from lpfa.book import execute_notebook, profile_parameters, toc_notebooks
-
-from conftest import ROOT
 
 NOTEBOOKS = toc_notebooks(ROOT)
 SMALL = profile_parameters(ROOT, "small")
@@ -31,14 +30,16 @@ def _png_size(b64: str) -> tuple[int, int]:
 
 
 def test_papermill_reads_every_parameter():
-    """papermill parses each line of the parameters cell (else it warns 'Passed unknown parameter' on the build's console)."""
+    """papermill parses each line of the parameters cell (else it warns 'Passed unknown parameter' on the build's
+    console)."""
     import ast
 
     from papermill.translators import PythonTranslator
 
     for nb in NOTEBOOKS:
         cell = next(c for c in nbformat.read(nb, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
-        names = {t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in ast.walk(node.targets[0])
+        names = {t.id for node in ast.parse(cell.source).body
+                 if isinstance(node, ast.Assign) for t in ast.walk(node.targets[0])
                  if isinstance(t, ast.Name)}
         assert {p.name for p in PythonTranslator.inspect(cell)} == names, nb.name
 
@@ -80,17 +81,20 @@ def test_notebook_page_shows_no_log_and_no_repr(nb, tmp_path_factory):
     done = nbformat.read(_executed(nb, tmp_path_factory), as_version=4)
     for i, cell in enumerate(done.cells):
         for o in cell.get("outputs", []):
-            assert not (o.output_type == "stream" and o.name == "stderr"), f"{nb.name} (executed) cell {i} writes to stderr: {o.text[:200]!r}"
+            assert not (o.output_type == "stream" and o.name == "stderr"), \
+                f"{nb.name} (executed) cell {i} writes to stderr: {o.text[:200]!r}"
             data = o.get("data", {})
             if "text/plain" in data and "image/png" not in data:  # a figure's own text/plain sits beside its image
-                assert not any(r in data["text/plain"] for r in REPRS), f"{nb.name} (executed) cell {i} shows {data['text/plain'][:100]!r}"
+                assert not any(r in data["text/plain"] for r in REPRS), \
+                    f"{nb.name} (executed) cell {i} shows {data['text/plain'][:100]!r}"
 
 
 def test_bf16_notebook_reproduces_the_paper_example(tmp_path):
     nb = ROOT / "notebooks" / "01_bf16_rounding.ipynb"
     out = execute_notebook(nb, tmp_path / nb.name, SMALL["01_bf16_rounding"])
     text = _text(out) + "\n".join(str(o.get("data", {}).get("text/html", ""))  # the glued text too (its Markdown)
-                                   for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
+                                   for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"
+                                   for o in c.outputs)
     assert "-4.703990459442139" in text and "-4.71875" in text and "-0.014759540557861328" in text
     assert "guard 1 | round 0 | sticky 1" in text
     assert "The significand overflowed (|a| and |b| both lie in [2, 4), and both are negative)" in text
@@ -110,9 +114,11 @@ def test_papermill_parameters_override(tmp_path):
 
 
 def _text(nb_path) -> str:
-    """The text a page's code cells put out, values glued for its Markdown (myst-nb glue: papermill.record mimes) included."""
+    """The text a page's code cells put out, values glued for its Markdown (myst-nb glue: papermill.record mimes)
+    included."""
     return "\n".join(
-        str(o.get("text", "")) + "".join(str(v) for k, v in o.get("data", {}).items() if k.endswith(("text/plain", "text/markdown")))
+        str(o.get("text", ""))
+        + "".join(str(v) for k, v in o.get("data", {}).items() if k.endswith(("text/plain", "text/markdown")))
         for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
 
 
@@ -122,16 +128,21 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     iso = _text(execute_notebook(ROOT / "notebooks" / "10_isolation.ipynb", tmp_path / "10.ipynb"))
     assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
     assert "* **ran away**: `scores_fp32` (step 7,600)" in iso
-    assert "* **clean**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, `fp32_worst_head`" in iso
+    assert ("* **neither**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, "
+            "`fp32_worst_head`" in iso)
     assert "it reports `delta_dp`, `pv_fp32` stable, and here they are not" in iso
-    assert ("in every head' predicts a precursor or worse**: it fits 9 of 12 rows; not `delta_o_fp32` (layer 1 scores bf16, clean)" in iso
+    assert ("in every head' predicts a precursor or worse**: it fits 9 of 12 rows; not `delta_o_fp32` (layer 1 scores "
+            "bf16, neither)" in iso
             and "fits 10 of 12 rows; not `delta_dp` (layer 1 δ from dP∘P, precursor), `delta_o_exact`" in iso)
-    assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso  # a second launch
+    # a second launch
+    assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso
     assert "**Failing without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
-    assert "the row is clean, as the paper reports" in iso  # glued; the page's Markdown adds the full stop
+    # glued; the page's Markdown adds the full stop
+    assert "the row neither exploded nor had its logits run away, as the paper reports" in iso
     assert "**Not run yet**: `bf16_tiled`." in iso
     seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11.ipynb"))
-    assert "* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or worse" in seeds
+    assert ("* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or "
+            "worse" in seeds)
     assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
     assert "Not run yet" not in seeds
 
@@ -144,23 +155,29 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
         (res / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
     iso = _text(execute_notebook(ROOT / "notebooks" / "10_isolation.ipynb", tmp_path / "10b.ipynb"))
-    assert "**Not run yet**: `bf16`, `fp32`, `bf16_tiled`, `bf16_only_layer1`" in iso and "Measured" not in iso.split("delta_formulas")[0]
+    assert "**Not run yet**: `bf16`, `fp32`, `bf16_tiled`, `bf16_only_layer1`" in iso
+    assert "Measured" not in iso.split("delta_formulas")[0]
     seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11b.ipynb"))
-    assert "**Not run yet**: only seed 1337 is in the table" in seeds and "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
+    assert "**Not run yet**: only seed 1337 is in the table" in seeds
+    assert "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
 
 
 def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
     """Page 09's Muon and second-size sections on the committed results (verdicts computed there), and their
     'not run yet' branch with its cost on a results tree without them."""
     sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09.ipynb"))
-    assert ("the BF16 run did not explode, but its layer-1 logits ran away from step 1,600; the FP32 run stayed clean; "
-            "the SFA run stayed clean") in sfa
+    assert ("the BF16 run did not explode, but its layer-1 logits ran away from step 1,600; the FP32 run neither "
+            "exploded nor had its logits run away; "
+            "the SFA run neither exploded nor had its logits run away") in sfa
     assert "from step 1,400 with Muon against 7,300 with AdamW" in sfa
     assert "At β = 2 it silenced between 21.5% and 24.9% of layer 1's rows" in sfa
-    assert "the BF16 run exploded at step 1,296 (its logits ran away in layer 6 from step 800); the FP32 run exploded at step 1,609" in sfa
+    assert ("the BF16 run exploded at step 1,296 (its logits ran away in layer 6 from step 800); the FP32 run exploded "
+            "at step 1,609" in sfa)
     assert "Both precisions explode" in sfa and "Not run yet" not in sfa
-    assert "At Muon lr 0.05 (3,003–3,119 steps), the BF16 run exploded at step 932; the FP32 run exploded at step 1,314" in sfa
-    assert "a second realisation of the same twins" in sfa  # results/muon_long trained fewer steps than results/sfa_muon
+    assert ("At Muon lr 0.05 (3,003–3,119 steps), the BF16 run exploded at step 932; the FP32 run exploded at step "
+            "1,314" in sfa)
+    # results/muon_long trained fewer steps than results/sfa_muon
+    assert "a second realisation of the same twins" in sfa
     root = tmp_path / "root"
     (root / "notebooks").mkdir(parents=True)
     (root / "_toc.yml").write_text("format: jb-book\n")
@@ -169,7 +186,8 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
         (root / "results" / exp).symlink_to(ROOT / "results" / exp)
     monkeypatch.setenv("LPFA_ROOT", str(root))
     sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09b.ipynb"))
-    assert "**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)" in sfa and "**Not run yet** (`sizes`" in sfa
+    assert "**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)" in sfa
+    assert "**Not run yet** (`sizes`" in sfa
     assert "With Muon** (" not in sfa
     assert "The Muon twins at lr 0.05 (`lpfa.experiments.MUON_LONG`) are not run yet." in sfa
 
@@ -179,22 +197,28 @@ def test_structure_page_on_committed_gpu_results(tmp_path):
     statistics of the GPU-trained checkpoints (results/structure, results/repro_runaway), computed on the page."""
     nb = ROOT / "notebooks" / "05_structure.ipynb"
     text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["05_structure"]))
-    assert "`bf16` at step 30,100: 7.2% of rows tied on average over layers and heads, 83.4% in its most tied head (layer 1, head 6)" in text
-    assert "head 5: median 0.99 to 0.99 within a step, 0.98 across 6000→6499" in text  # the replay from before the runaway
-    assert "`structure/fp32` (`sdpa_fp32`) at step 4,179" in text and "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
+    assert ("`bf16` at step 30,100: 7.2% of rows tied on average over layers and heads, 83.4% in its most tied head "
+            "(layer 1, head 6)" in text)
+    # the replay from before the runaway
+    assert "head 5: median 0.99 to 0.99 within a step, 0.98 across 6000→6499" in text
+    assert "`structure/fp32` (`sdpa_fp32`) at step 4,179" in text
+    assert "the median cosine similarity between tokens' rank-1 matrices is **0.29**" in text
     assert "`structure/fp32` at step 4,179: 18-fold (0.12% → 2.3% on average" in text and "Not run yet" not in text
     # the eager twins at step 6,500 (results/repro_runaway): the BF16-trained model against its FP32 twin
     assert "`repro_runaway/fp32` at step 6,500: 15-fold" in text
     assert "with BF16 scores 76% of the rows of its most tied head (layer 1, head 5) are tied" in text
-    assert "the FP32 twin at the same step: 7.1% in its most tied head and 0.40. Training with BF16 attention built both" in text
+    assert ("the FP32 twin at the same step: 7.1% in its most tied head and 0.40. Training with BF16 attention built "
+            "both" in text)
 
 
 def test_tie_frequency_page_shows_v_sign_dominance(tmp_path):
     """Page 08's V section on the committed eager twins (results/repro_runaway), which log it with their diagnostics."""
     nb = ROOT / "notebooks" / "08_tie_frequency.ipynb"
     text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["08_tie_frequency"]))
-    assert "**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer 1" in text
+    assert ("**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer "
+            "1" in text)
     assert "5.9% over the run's second half" in text and "4.2% over the run's second half" in text
     assert "**fp32** at step 6,500: 1.6% of V's columns one-signed" in text
-    assert "over the second half of the runs, the BF16 run has 1.4 times the FP32 twin's share of one-signed V columns: about the same" in text
+    assert ("over the second half of the runs, the BF16 run has 1.4 times the FP32 twin's share of one-signed V "
+            "columns: about the same" in text)
     assert "Not logged" not in text

@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+import re
 
 import numpy as np
 import pandas as pd
@@ -51,14 +52,16 @@ def test_load_takes_each_file_from_the_latest_run_that_has_it(tmp_path):
     assert results.load("attention_benchmark", "bench.json", root=tmp_path) == {"run": "h200-2026-02-01"}
     assert results.load("attention_benchmark", "memory.json", root=tmp_path) == {"run": "h200-2026-01-01"}
     assert results.file_run("attention_benchmark", "memory.json", root=tmp_path).name == "h200-2026-01-01"
-    with pytest.raises(FileNotFoundError, match=r"memory.json does not exist; the run has \['bench.json', 'provenance.json'\]"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"memory.json does not exist; the run has \['bench.json', 'provenance.json'\]"):
         results.load("attention_benchmark", "memory.json", "h200-2026-02-01", root=tmp_path)
 
 
 def test_runs_are_ordered_by_their_provenance_date(tmp_path):
     """The latest run is the one made last, not the last name: "h200x2-…" sorts before "h200x4-…" of the same day."""
     exp = tmp_path / "replays"
-    for name, date in (("h200x4-2026-03-01", "2026-03-01T18:54:03+00:00"), ("h200x2-2026-03-01", "2026-03-01T23:10:20+00:00")):
+    for name, date in (("h200x4-2026-03-01", "2026-03-01T18:54:03+00:00"),
+                       ("h200x2-2026-03-01", "2026-03-01T23:10:20+00:00")):
         _row(exp / name, "bf16")
         (exp / name / "provenance.json").write_text(json.dumps({"date_utc": date}))
     assert [r.name for r in results.runs("replays", root=tmp_path)] == ["h200x4-2026-03-01", "h200x2-2026-03-01"]
@@ -86,8 +89,8 @@ def test_committed_eager_bf16_runs_are_bit_identical():
 def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
     """The default replay of the mechanism pages (04-06): from the last checkpoint before layer 1's largest logit
     first passed the runaway threshold, through that step, with δ_lp − δ_hp positive on average in both heads."""
-    from lpfa.run import runaway_onset
     from lpfa.replay import bias_test, load_replay
+    from lpfa.run import runaway_onset
 
     run = results.run_dir("repro_runaway", root=ROOT / "results")
     result, _ = load_replay(run / "bf16_runaway_replay")
@@ -99,14 +102,15 @@ def test_committed_replay_starts_before_the_runaway_and_finds_the_papers_sign():
 
 
 def test_committed_explosions_name_every_exploded_run():
-    """The loss-explosion page's first paragraph: which committed runs exploded, and whether a BF16 row's FP32 twin did."""
+    """The loss-explosion page's first paragraph: which committed runs exploded, and whether a BF16 row's FP32 twin
+    did."""
     from lpfa.pages.loss_explosion import bf16_only_explosions, committed_explosions, explosions_text
 
     t = committed_explosions()
     boom = t[t["exploded"]]
     assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_muon_lr2", "bf16_paper_recipe",
-                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2", "delta_o_exact",
-                                                         "fp32_gpt2s", "fp32_muon_lr2"]
+                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2",
+                                                         "delta_o_exact", "fp32_gpt2s", "fp32_muon_lr2"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
     assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337, 1, 2
@@ -121,17 +125,18 @@ def test_committed_explosions_name_every_exploded_run():
 
 
 def test_twins_text_states_the_bf16_only_explosion():
-    """Page 06's Fig. 2 sentence, from the committed paper-recipe twins (results/paper_recipe): numbers as in their files."""
+    """Page 06's Fig. 2 sentence, from the committed paper-recipe twins (results/paper_recipe): numbers as in their
+    files."""
+    from lpfa.pages.loss_explosion import fig2_twins, twins_text
     from lpfa.results import run_dir
     from lpfa.run import run_verdict
-    from lpfa.pages.loss_explosion import twins_text
-    from lpfa.pages.intro import fig2_twins
 
     runs = fig2_twins()["bf16_paper_recipe"]  # the twins ran in different GPU runs than later seeds
     v = {k: run_verdict(p) for k, p in runs.items()}
     text = twins_text(runs, layer=1)
     assert v["bf16"]["exploded"] and not v["fp32"]["exploded"]
-    assert f"exploded at step {v['bf16']['explosion_step']:,}" in text and f"trained {v['fp32']['steps']:,} steps" in text
+    assert f"exploded at step {v['bf16']['explosion_step']:,}" in text
+    assert f"trained {v['fp32']['steps']:,} steps" in text
     assert f"ran away at step {v['bf16']['runaway_step']:,}" in text and "FP32 twin's never did" in text
     repro = run_dir("repro_pair", None)
     text = twins_text({"bf16": repro / "bf16", "fp32": repro / "fp32"}, layer=1)
@@ -143,10 +148,9 @@ def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypa
     Fig. 3 step are the same, and no run is judged again."""
     import lpfa.compare
     import lpfa.pages.loss_explosion
-    from lpfa.run import run_verdict
     from lpfa.compare import head_metric_frame, step_before_failure
-    from lpfa.pages.loss_explosion import twins_text
-    from lpfa.pages.intro import fig2_twins
+    from lpfa.pages.loss_explosion import fig2_twins, twins_text
+    from lpfa.run import run_verdict
 
     runs = fig2_twins()["bf16_paper_recipe"]
     text, at = twins_text(runs, layer=1), step_before_failure(runs)
@@ -164,8 +168,9 @@ def test_twins_text_and_fig3_step_take_verdicts_and_frames_already_read(monkeypa
 
 def test_scorecard_is_computed_from_the_committed_runs():
     """The intro's scorecard: one row per claim, valid verdicts, and the Fig. 2 row's numbers are the runs' own."""
+    from lpfa.pages.intro import COLUMNS, VERDICTS, scorecard, summary_text
+    from lpfa.pages.loss_explosion import fig2_twins
     from lpfa.run import run_verdict
-    from lpfa.pages.intro import COLUMNS, VERDICTS, fig2_twins, scorecard, summary_text
 
     card = scorecard()
     assert list(card.columns) == COLUMNS and len(card) >= 8 and card["verdict"].isin(VERDICTS).all()
@@ -173,16 +178,20 @@ def test_scorecard_is_computed_from_the_committed_runs():
     pair = fig2_twins()["bf16_paper_recipe"]
     b, f = run_verdict(pair["bf16"]), run_verdict(pair["fp32"])
     fig2 = card.iloc[0]
-    assert fig2["paper"] == "Fig. 2" and fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
+    assert fig2["paper"] == "Fig. 2"
+    assert fig2["verdict"] == ("reproduced" if b["exploded"] and not f["exploded"] else fig2["verdict"])
     assert f"{b['explosion_step']:,}" in fig2["our result"] and f"{f['steps']:,}" in fig2["our result"]
     iso = card[card["paper"] == "Sec. 3.2"].iloc[0]  # the isolation claim, at the repro preset and at the recipe
     from lpfa.pages.isolation import recipe_isolation_table
 
     recipe = recipe_isolation_table()
-    for label in recipe.index[recipe.verdict.isin(["exploded", "clean"])].drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
-        assert f"`{label.removesuffix('_paper_recipe')}` {recipe.loc[label, 'verdict']} in {int(recipe.loc[label, 'steps']):,} steps" in iso["our result"]
+    decided = recipe.index[recipe.verdict.isin(["exploded", "no explosion"])]
+    for label in decided.drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
+        assert (f"`{label.removesuffix('_paper_recipe')}` {recipe.loc[label, 'verdict']} in "
+                f"{int(recipe.loc[label, 'steps']):,} steps" in iso["our result"])
     counts = card["verdict"].value_counts()
-    assert summary_text(card).startswith(f"Of the {len(card)} claims") and all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
+    assert summary_text(card).startswith(f"Of the {len(card)} claims")
+    assert all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
 
 
 def test_fig3_head_bars_before_the_explosion():
@@ -190,10 +199,10 @@ def test_fig3_head_bars_before_the_explosion():
     import matplotlib
 
     matplotlib.use("Agg")
-    from lpfa.run import run_verdict
     from lpfa.compare import head_metric_frame, step_before_failure
+    from lpfa.pages.loss_explosion import fig2_twins
     from lpfa.pages.spectral_norms import plot_head_bars
-    from lpfa.pages.intro import fig2_twins
+    from lpfa.run import run_verdict
 
     runs = fig2_twins()["bf16_paper_recipe"]
     step = step_before_failure(runs)
@@ -212,11 +221,11 @@ def test_fig3_head_bars_before_the_explosion():
 
 def test_recipe_isolation_table_judges_rows_by_the_loss():
     """Page 10's rows at the paper's recipe: every defined row is listed; committed ones get the explosion verdict
-    of their files, the rest "not run yet"; a row is "clean" only past the step where the BF16 twin exploded."""
+    of their files, the rest "not run yet"; a row has "no explosion" only past the step where the BF16 twin exploded."""
     from lpfa.experiments import RECIPE_ISOLATION
+    from lpfa.pages.isolation import recipe_isolation_table
     from lpfa.results import experiment_rows
     from lpfa.run import run_verdict
-    from lpfa.pages.isolation import recipe_isolation_table
 
     t = recipe_isolation_table()
     labels = ["bf16_paper_recipe", "fp32_paper_recipe", *(f"{r}_paper_recipe" for r in RECIPE_ISOLATION)]
@@ -228,15 +237,18 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
             assert t.loc[label, "verdict"] == "not run yet"
             continue
         v = run_verdict(found[label])
-        want = "exploded" if v["exploded"] else "clean" if v["steps"] > boom else "too short"
+        want = "exploded" if v["exploded"] else "no explosion" if v["steps"] > boom else "too short"
         assert t.loc[label, "verdict"] == want and t.loc[label, "steps"] == v["steps"]
-        assert t.loc[label, "runaway step"] == v["runaway_step"] or (v["runaway_step"] is None and pd.isna(t.loc[label, "runaway step"]))
+        assert (t.loc[label, "runaway step"] == v["runaway_step"]
+                or (v["runaway_step"] is None and pd.isna(t.loc[label, "runaway step"])))
     # pv_fp32 at the recipe (results/paper_recipe/h200-2026-12-01-s3): clean by the loss, but layer 1's logits ran away
-    assert t.loc["pv_fp32_paper_recipe", "verdict"] == "clean" and t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
-    assert t.loc["delta_dp_paper_recipe", "verdict"] == "clean" and pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
+    assert t.loc["pv_fp32_paper_recipe", "verdict"] == "no explosion"
+    assert t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
+    assert t.loc["delta_dp_paper_recipe", "verdict"] == "no explosion"
+    assert pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
     assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
-    # FP32 outlier heads (results/paper_recipe/h200-2026-12-02): the runaway moves to other heads of layer 1; each listed
-    # head's own logged logits stay above the threshold for the criterion's patience, the FP32 heads' never do
+    # FP32 outlier heads (results/paper_recipe/h200-2026-12-02): the runaway moves to other heads of layer 1; each
+    # listed head's own logged logits stay above the threshold for the criterion's patience, the FP32 heads' never do
     from lpfa.explosion import RunawayCriterion
     from lpfa.run import Run, read_records
 
@@ -250,25 +262,26 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     streak = lambda col: max((sum(1 for _ in g) for k, g in itertools.groupby(col) if k), default=0)  # noqa: E731
     assert {h for h in range(above.shape[1]) if streak(above[:, h]) >= crit.patience} == set(heads)
     assert t.loc["delta_dp_paper_recipe", "runaway heads"] == ()
-    # page 10's sentence from the same table: every clean row with a runaway, in the heads the table names
+    # page 10's sentence from the same table: every row without an explosion but with a runaway, in the heads the
+    # table names
     from lpfa.pages.isolation import recipe_runaway_text
 
     text = recipe_runaway_text(t)
-    assert ("`fp32_outlier_heads_paper_recipe` stayed clean by the loss for 6,000 steps, yet its layer-1 logits ran away "
-            f"from step {t.loc[label, 'runaway step']:,.0f} in heads {', '.join(map(str, sorted(heads)))}, while its FP32 heads "
-            f"{', '.join(map(str, sorted(fp32)))} stayed below the runaway threshold") in text
+    assert ("`fp32_outlier_heads_paper_recipe`'s loss did not explode in 6,000 steps, yet its layer-1 logits ran away "
+            f"from step {t.loc[label, 'runaway step']:,.0f} in heads {', '.join(map(str, sorted(heads)))}, "
+            f"while its FP32 heads {', '.join(map(str, sorted(fp32)))} stayed below the runaway threshold") in text
     assert "`pv_fp32_paper_recipe`" in text and "in all 12 heads" in text and "`delta_dp_paper_recipe`" not in text
     quiet = t.assign(**{"runaway step": None, "runaway layer": None})
-    assert recipe_runaway_text(quiet) == "No row that stayed clean by the loss showed a logit runaway either."
+    assert recipe_runaway_text(quiet) == "No row whose loss did not explode had logits that ran away either."
 
 
 def test_muon_text_gives_each_learning_rate_its_verdicts():
     """Page 09's Muon sentences from results/muon_long: the verdicts as in the runs' files, and the lr-0.05 pair called
     generic because both precisions exploded."""
     from lpfa.experiments import MUON_LONG, MUON_LR2
+    from lpfa.pages.sfa import muon_text
     from lpfa.results import experiment_rows
     from lpfa.run import run_verdict
-    from lpfa.pages.sfa import muon_text
 
     runs = experiment_rows("muon_long", list(MUON_LONG))
     v = {label: run_verdict(d) for label, d in runs.items()}
@@ -276,21 +289,22 @@ def test_muon_text_gives_each_learning_rate_its_verdicts():
     assert text.count("At Muon lr") == 2 and f"At Muon lr {MUON_LR2:g}" in text
     for label in ("bf16_muon_lr2", "fp32_muon_lr2"):
         assert v[label]["exploded"] and f"exploded at step {v[label]['explosion_step']:,}" in text
-    assert "Both precisions exploded" in text and "the SFA run stayed clean" in text
+    assert "Both precisions exploded" in text and "the SFA run neither exploded nor had its logits run away" in text
     assert f"ran away from step {v['bf16_muon']['runaway_step']:,}" in text
 
 
 def test_tuning_best_picks_each_pass_best_launch():
     """Page 12's sweep table from results/attention_tuning: the best row per (implementation, pass), its ratio to the
     SDPA-flash row of the same sweep."""
-    from lpfa.attention.report import tuning_best
+    from lpfa.pages.kernels import tuning_best
 
     for d in results.runs("attention_tuning"):
         tune = json.loads((d / "tune.json").read_text())
         best = tuning_best(tune)
         sdpa = next(r for r in tune["rows"] if r["impl"] == "sdpa_flash")
         for (impl, pss), row in best.iterrows():
-            mine = [r["tflops"] for r in tune["rows"] if r.get("impl") == impl and r.get("pass") == pss and "tflops" in r]
+            mine = [r["tflops"] for r in tune["rows"]
+                    if r.get("impl") == impl and r.get("pass") == pss and "tflops" in r]
             assert row["TFLOP/s"] == max(mine) and row["ratio to SDPA-flash"] == max(mine) / sdpa[f"{pss}_tflops"]
         every = {(i, p) for i in ("fa2", "paper") for p in ("fwd", "bwd")}
         if tune.get("complete", True):
@@ -300,9 +314,9 @@ def test_tuning_best_picks_each_pass_best_launch():
 
 
 def test_overhead_table_says_which_side_sets_the_pace():
-    """lpfa.attention.report.overhead_table on the committed overhead.json: one row per (implementation, pass), bound
+    """lpfa.pages.kernels.overhead_table on the committed overhead.json: one row per (implementation, pass), bound
     by the host exactly where its issue time exceeds the GPU's busy time, and the GPU-time ratio to SDPA-flash."""
-    from lpfa.attention.report import overhead_table
+    from lpfa.pages.kernels import overhead_table
 
     data = results.load("attention_benchmark", "overhead.json")
     t = overhead_table(data)
@@ -316,12 +330,13 @@ def test_overhead_table_says_which_side_sets_the_pace():
 
 
 def test_sfa_overhead_table_reads_the_benchmark_rows():
-    """lpfa.attention.report.sfa_overhead_table: per shape, the base presets' TFLOP/s and each SFA variant's time over
+    """lpfa.pages.kernels.sfa_overhead_table: per shape, the base presets' TFLOP/s and each SFA variant's time over
     its base, from the rows of benchmarks/sfa_overhead.py; the spread is the largest of the shape's rows."""
-    from lpfa.attention.report import sfa_overhead_table
+    from lpfa.pages.kernels import sfa_overhead_table
 
     def row(variant, over, spread, tflops=50.0, T=1024):
-        return {"B": 2, "H": 3, "T": T, "D": 64, "variant": variant, "over_base": over, "spread": spread, "tflops": tflops}
+        return {"B": 2, "H": 3, "T": T, "D": 64, "variant": variant, "over_base": over, "spread": spread,
+                "tflops": tflops}
 
     t = sfa_overhead_table({"rows": [row("paper", None, 0.01, 80.0), row("paper_sfa", 0.2, 0.03),
                                      row("paper_sfa count pass", 0.25, 0.0), row("paper", None, 0.0, 90.0, T=4096)]})
@@ -344,8 +359,9 @@ def test_committed_sfa_overhead_has_both_tie_tests_for_every_shape():
 
 
 def test_committed_gpu_audit_has_every_kernel_and_the_captured_family():
-    """results/kernel_bias (issue 19 §2): every kernel of its config ran on the GPU, on the random and tied families at
-    each T and on the captured layer, whose qkv.npz is committed beside it; the page's T pick is one row each."""
+    """results/kernel_bias (the kernel-bias audit): every kernel of its config ran on the GPU, on the random and tied
+    families at each T and on the captured layer, whose qkv.npz is committed beside it; the page's T pick is one row
+    each."""
     from lpfa import audit as A
 
     df, config, folder = A.load_audit()
@@ -361,17 +377,17 @@ def test_committed_gpu_audit_has_every_kernel_and_the_captured_family():
 
 
 def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosion():
-    """Page 17 (issue 19 §1): the BF16, SFA and FP32 runs at the recipe, the committed isolation cuts and stabiliser rows,
-    compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16 run's."""
-    from lpfa.experiments import STABILISERS
-    from lpfa.run import Run, run_verdict
+    """Page 17 (the stabilisers): the BF16, SFA and FP32 runs at the recipe, the committed isolation cuts and stabiliser
+    rows, compared at the last diagnostics step before the BF16 loss explodes; the ratios are the links over the BF16
+    run's."""
     from lpfa.compare import layer_max
+    from lpfa.experiments import STABILISERS
     from lpfa.pages.stabilisers import STABILISER_LINKS, stabiliser_table
-    from lpfa.run import read_records
+    from lpfa.run import Run, read_records, run_verdict
 
     t, step, pending = stabiliser_table()
     assert {"bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe"} <= set(t.index)
-    assert set(pending) | {l for l in STABILISERS if l in t.index} == set(STABILISERS)
+    assert set(pending) | {label for label in STABILISERS if label in t.index} == set(STABILISERS)
     bf16 = results.experiment_rows("paper_recipe", ["bf16_paper_recipe"])["bf16_paper_recipe"]
     boom = run_verdict(bf16)["explosion_step"]
     assert step < boom and step + 200 >= boom  # diagnostics every 200 steps
@@ -385,10 +401,11 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
         assert t.loc[label, "doctor step"] == step_
         assert t.loc[label, "δ |t| paper"] == max(abs(r["delta_t_paper"]) for r in layer1)
     want = layer_max(bf16, "max_logit", 1)
-    assert t.loc["bf16_paper_recipe", f"{STABILISER_LINKS['logit']} @ {step}"] == pytest.approx(float(want[want.index <= step].iloc[-1]))
+    assert t.loc["bf16_paper_recipe", f"{STABILISER_LINKS['logit']} @ {step}"] == \
+        pytest.approx(float(want[want.index <= step].iloc[-1]))
     assert (t.loc["bf16_paper_recipe", [f"{k} ÷ bf16" for k in STABILISER_LINKS]] == 1).all()
     fp32 = t.loc["fp32_paper_recipe"]
-    assert fp32["logit ÷ bf16"] < 0.01 and fp32["outcome"] == "clean"
+    assert fp32["logit ÷ bf16"] < 0.01 and fp32["outcome"] == "neither"
     assert t.loc["delta_dp_paper_recipe", "stabiliser"] == "isolation: delta_dp"
     # the cost in loss: each row's eval loss minus its twin's at the last eval step both logged, from the records
     evals = {label: {r["step"]: r["val_loss"] for r in read_records(d) if "val_loss" in r}
@@ -401,9 +418,9 @@ def test_stabiliser_table_holds_each_row_against_the_bf16_run_before_its_explosi
 
 
 def test_speed_table_adds_the_gpu_only_columns_where_the_run_timed_them():
-    """lpfa.attention.report.speed_table: the committed op table as measured (ratios to SDPA-flash of the same run), and
+    """lpfa.pages.kernels.speed_table: the committed op table as measured (ratios to SDPA-flash of the same run), and
     the CUDA-graph columns only for a run that has them, each ratio to SDPA-flash's own."""
-    from lpfa.attention.report import speed_table
+    from lpfa.pages.kernels import speed_table
 
     bench = results.load("attention_benchmark", "bench.json")
     t = speed_table(bench)
@@ -423,7 +440,7 @@ def test_speed_table_adds_the_gpu_only_columns_where_the_run_timed_them():
 
 def test_shapes_and_overhead_text_read_the_committed_benchmark():
     """Page 12's clauses on the longer shapes and the host overhead, computed from the committed files."""
-    from lpfa.attention.report import overhead_table, overhead_text, shapes_table, shapes_text
+    from lpfa.pages.kernels import overhead_table, overhead_text, shapes_table, shapes_text
 
     shapes = results.load("attention_benchmark", "shapes.json")
     t = shapes_table(shapes)
@@ -433,7 +450,8 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
     assert f"at T = 4,096 `fa2` runs at {r[(4096, 64, 'fa2')]['ratio_to_sdpa_flash']:.2f}× SDPA-flash" in text["ratios"]
     long_sfa = [x["sfa_overhead"]["fwd_bwd"] for x in shapes["rows"] if x["sfa_overhead"] and x["T"] >= 4096]
     assert text["sfa"].startswith(f"{min(long_sfa):+.1%} to {max(long_sfa):+.1%}, ")
-    assert ("within" in text["sfa"]) == (max(long_sfa) <= 0.05) and ("within" in shapes_text(shapes, -1.0)["sfa"]) is False
+    assert ("within" in text["sfa"]) == (max(long_sfa) <= 0.05)
+    assert ("within" in shapes_text(shapes, -1.0)["sfa"]) is False
     data = results.load("attention_benchmark", "overhead.json")
     o = overhead_text(overhead_table(data))
     fa2 = data["rows"]["fa2/fwd_bwd"]
@@ -441,8 +459,10 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
     assert o["host"].endswith("host-bound" if fa2["host_us"] > fa2["gpu_us"] else "GPU-bound")
     ratio = data["rows"]["sdpa_flash/fwd_bwd"]["gpu_us"] / fa2["gpu_us"]
     assert o["gpu_ratio"].startswith(f"{ratio:.2f}× for `fa2`")
-    host = [n for n in ("fa2", "paper") if data["rows"][f"{n}/fwd_bwd"]["host_us"] > data["rows"][f"{n}/fwd_bwd"]["gpu_us"]]
-    assert o["bound"].startswith("the host bounds " + " and ".join(f"`{n}`" for n in host) if host else "the GPU work bounds")
+    host = [n for n in ("fa2", "paper")
+            if data["rows"][f"{n}/fwd_bwd"]["host_us"] > data["rows"][f"{n}/fwd_bwd"]["gpu_us"]]
+    assert o["bound"].startswith("the host bounds " + " and ".join(f"`{n}`" for n in host) if host
+                                 else "the GPU work bounds")
     best = {n: max(x["ratio_to_sdpa_flash"] for x in shapes["rows"] if x["impl"] == n) for n in ("fa2", "paper")}
     goals = shapes_text(shapes, 0.05, {"fa2": 1.0, "paper": 0.8})["goals"]
     assert goals.startswith(f"`fa2` reaches {best['fa2']:.2f}× at best, `paper` reaches {best['paper']:.2f}× at best: ")
@@ -452,12 +472,11 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
 
 
 def test_fig2_headline_states_the_verdict_of_the_committed_twins():
-    """Page 06's opening sentence (lpfa.pages.intro.fig2_headline): reproduced from the committed recipe twins, with their
-    explosion step, the FP32 twin's steps, the seed count and the SFA twin; "not reproduced" when the FP32 twin explodes
-    too or the BF16 one does not."""
+    """Page 06's opening sentence (lpfa.pages.loss_explosion.fig2_headline): reproduced from the committed recipe twins,
+    with their explosion step, the FP32 twin's steps, the seed count and the SFA twin; "not reproduced" when the FP32
+    twin explodes too or the BF16 one does not."""
+    from lpfa.pages.loss_explosion import fig2_headline, fig2_twins, recipe_rows, seed_table
     from lpfa.run import Run, run_verdict
-    from lpfa.pages.loss_explosion import seed_table
-    from lpfa.pages.intro import fig2_headline, fig2_twins, recipe_rows
 
     rows = recipe_rows()
     pair = fig2_twins()["bf16_paper_recipe"]
@@ -478,12 +497,14 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
     both = fig2_headline({"bf16": v["bf16"], "fp32": {**v["fp32"], "exploded": True}}, conf, n)
     assert both.startswith("**Fig. 2 is not reproduced.**") and both.endswith("exploded and so did its FP32 twin. ")
     none = fig2_headline({"bf16": {**v["bf16"], "exploded": False}, "fp32": v["fp32"]}, conf, n)
-    assert f"the BF16 twin trained {v['bf16']['steps']:,} steps without exploding; its FP32 twin did not explode" in none
+    assert (f"the BF16 twin trained {v['bf16']['steps']:,} steps without exploding; its FP32 twin did not "
+            "explode" in none)
 
 
 def test_stabiliser_summary_from_the_committed_table():
     """Page 17's rows in words (lpfa.pages.stabilisers.stabiliser_summary) from stabiliser_table: the count of committed
-    stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without exploding."""
+    stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without
+    exploding."""
     from lpfa.experiments import BASES, STABILISERS
     from lpfa.pages.stabilisers import stabiliser_summary, stabiliser_table
 
@@ -501,17 +522,18 @@ def test_stabiliser_summary_from_the_committed_table():
             f"{r['W_Q ÷ bf16']:.2f}, no loss explosion in 6,000 steps, its eval loss "
             f"{r['eval loss − twin']:+.2f} against `fp32_paper_recipe`'s at step {r['gap step']:,}, its layer-1 logits "
             f"running away from step {r['runaway step']:,}") in text
-    cuts = [l for l in table.index if str(table.loc[l, "stabiliser"]).startswith("isolation")]
-    keepers = [l for l in ["sfa_paper_recipe", *cuts, *done] if table.loc[l, "ties ÷ bf16"] > 0.5 and not table.loc[l, "exploded"]]
+    cuts = [label for label in table.index if str(table.loc[label, "stabiliser"]).startswith("isolation")]
+    keepers = [label for label in ["sfa_paper_recipe", *cuts, *done]
+               if table.loc[label, "ties ÷ bf16"] > 0.5 and not table.loc[label, "exploded"]]
     assert keepers  # the committed cuts keep the ties (results/paper_recipe)
-    assert all(f"`{l}`" in text.split("**Ties are not what must go:**")[1] for l in keepers)
+    assert all(f"`{label}`" in text.split("**Ties need not go, in one seed:**")[1] for label in keepers)
     assert stabiliser_summary(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
 
 
 def test_host_layers_read_the_committed_host_overhead_runs():
     """Page 12's host-time table: one row per committed benchmarks/host_overhead.py run, oldest first, each layer's µs
     as the run measured it, and the sentence's first and last numbers from those rows."""
-    from lpfa.attention.report import HOST_LAYERS, host_layers_table, host_layers_text
+    from lpfa.pages.kernels import HOST_LAYERS, host_layers_table, host_layers_text
 
     folders = results.runs("host_overhead")
     data = {f.name: results.load("host_overhead", "host_overhead.json", f.name) for f in folders}
@@ -522,22 +544,24 @@ def test_host_layers_read_the_committed_host_overhead_runs():
     assert t.iloc[-1]["fwd+bwd × SDPA-flash"] == last["attention/fwd_bwd"] / last["sdpa_flash/fwd_bwd"]
     text = host_layers_text(t)
     first = data[folders[0].name]["host_us"]["attention/fwd_bwd"]
-    assert text.startswith(f"the host's time to issue one forward and backward through `attention()` went from {first:,.0f} µs")
+    assert text.startswith("the host's time to issue one forward and backward through `attention()` went from "
+                           f"{first:,.0f} µs")
     assert f"to {last['attention/fwd_bwd']:,.0f} µs" in text
 
 
 def test_host_layers_table_leaves_a_missing_layer_empty():
     import pandas as pd
 
-    from lpfa.attention.report import host_layers_table
+    from lpfa.pages.kernels import host_layers_table
 
     t = host_layers_table({"a": {"host_us": {"attention/fwd_bwd": 300.0, "sdpa_flash/fwd_bwd": 150.0}}})
     assert t.loc["a", "fwd+bwd × SDPA-flash"] == 2.0 and pd.isna(t.loc["a", "flash_forward"])
 
 
 def test_throughput_text_reads_the_committed_training_run():
-    """Page 13's sentence: each compiled lpfa row's ratio to SDPA compiled, against issue 17's goals."""
-    from lpfa.attention.report import TRAIN_GOALS, throughput_table, throughput_text
+    """Page 13's sentence: each compiled lpfa row's ratio to SDPA compiled, against the speed goals (fa2 ≥ 0.95×, paper
+    ≥ 0.9×)."""
+    from lpfa.pages.training import TRAIN_GOALS, throughput_table, throughput_text
 
     tput = results.load("train_throughput", "throughput.json")
     t = throughput_table(tput)
@@ -552,7 +576,7 @@ def test_throughput_text_reads_the_committed_training_run():
 
 
 def _recipe_twins():
-    from lpfa.pages.intro import recipe_rows
+    from lpfa.pages.loss_explosion import recipe_rows
 
     rows = recipe_rows("paper_recipe", None)
     return {"bf16": rows["bf16_paper_recipe"], "fp32": rows["fp32_paper_recipe"]}
@@ -641,15 +665,16 @@ def test_tie_grids_read_the_logged_ties_of_the_twins():
 def test_rank1_and_structure_texts_read_the_committed_replay_and_checkpoints():
     import json
 
-    from lpfa.replay import load_replay, rank1_stats, rank1_text
-    from lpfa.structure import compare_text
+    from lpfa.pages.structure import compare_text, rank1_text
+    from lpfa.replay import load_replay, rank1_stats
 
     folder = results.run_dir("repro_runaway") / "bf16_runaway_replay"
     res, arr = load_replay(folder)
     text, within = rank1_text(res, arr, "x/y")
     h = res["heads"][0]
     med = rank1_stats(arr, h)["medians"]
-    assert text.startswith(f"Rank-1 similarity in the GPU-trained BF16 run (layer {res['layer']}, the replay in `x/y`): head {h}: ")
+    assert text.startswith(f"Rank-1 similarity in the GPU-trained BF16 run (layer {res['layer']}, the replay in "
+                           f"`x/y`): head {h}: ")
     assert f"against {med['random vectors']:.2f} for random vectors" in text
     assert len(within) == len(res["heads"]) * sum(k.startswith("within") for k in med)
     found = [(f"{e}/{p.parent.name}", json.loads(p.read_text()))
@@ -693,7 +718,7 @@ def test_isolation_ties_reads_the_layer_maxima_of_the_committed_rows():
 def test_twin_text_reads_the_committed_throughput_and_error_runs():
     """Page 13's FP32-twin sentence: fp32_split's tokens/s over sdpa_fp32's in the same run, and the worst error of
     each against float64, recomputed from the committed files."""
-    from lpfa.attention.report import throughput_table, twin_text
+    from lpfa.pages.training import throughput_table, twin_text
 
     tput = results.load("train_throughput", "throughput.json")
     error = results.load("attention_benchmark", "error.json")
@@ -707,8 +732,8 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
 
 
 def test_stabiliser_groups_put_the_cuts_and_the_stabilisers_in_two_columns():
-    """Page 17's figure columns (lpfa.pages.stabilisers.stabiliser_groups): the recipe's BF16 and FP32 runs head both, the paper's
-    cuts (*_paper_recipe) and the reruns go left, every other row right, each in the order given."""
+    """Page 17's figure columns (lpfa.pages.stabilisers.stabiliser_groups): the recipe's BF16 and FP32 runs head both,
+    the paper's cuts (*_paper_recipe) and the reruns go left, every other row right, each in the order given."""
     from lpfa.pages.stabilisers import stabiliser_groups
 
     labels = ["bf16_qknorm", "sfa_paper_recipe", "fp32_paper_recipe", "bf16_rerun", "delta_dp_paper_recipe",
@@ -754,12 +779,13 @@ def test_page_6_and_page_17_figures_share_their_precursor_panels():
 
 
 def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
-    """Page 17's next step (lpfa.pages.stabilisers.stabiliser_plan) on the committed runs: each pending row timed at the speed that
-    a committed run of its precision reached sharing the H200, and the first call naming as many rows as shared it."""
+    """Page 17's next step (lpfa.pages.stabilisers.stabiliser_plan) on the committed runs: each pending row timed at the
+    speed that a committed run of its precision reached sharing the H200, and the first call naming as many rows as
+    shared it."""
     import re
 
-    from lpfa.run import Run
     from lpfa.pages.stabilisers import STABILISER_STEPS, stabiliser_plan, stabiliser_speeds, stabiliser_table
+    from lpfa.run import Run
 
     _, _, pending = stabiliser_table()
     assert stabiliser_plan([]) == "Every stabiliser row is committed."
@@ -778,7 +804,7 @@ def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
 
 
 def test_muon_clip_rows_are_held_against_their_twins_and_the_muon_base():
-    """Issue 19's QK-clip with Muon (Kimi K2's MuonClip): the BF16 rows' references are their FP32 twins, the only
+    """QK-clip with Muon (Kimi K2's MuonClip), a stabiliser: the BF16 rows' references are their FP32 twins, the only
     change from the Muon base is the clip, and the Muon base is no stabiliser row (BASES)."""
     from lpfa.experiments import BASES, MUON_BASE, QK_CLIP_TAU, rows
 
@@ -798,7 +824,8 @@ def _stabiliser_root(tmp, walls: dict[str, float]):
     import shutil
 
     src = {**results.experiment_rows("paper_recipe", ["bf16_paper_recipe"]), **results.experiment_rows("stabilisers")}
-    for exp, launch, labels in (("paper_recipe", "h200-2026-01-01", ["bf16_paper_recipe"]), ("stabilisers", "h200-2026-01-02", walls)):
+    for exp, launch, labels in (("paper_recipe", "h200-2026-01-01", ["bf16_paper_recipe"]),
+                                ("stabilisers", "h200-2026-01-02", walls)):
         (tmp / exp / launch).mkdir(parents=True)
         (tmp / exp / launch / "provenance.json").write_text(json.dumps({"date_utc": launch[5:] + "T00:00:00+00:00"}))
         for label in labels:
@@ -823,13 +850,13 @@ def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_p
     assert "`sr_reseed` speed not measured" in text and "`bf16_qkclip_muon` speed not measured" in text  # eager; Muon
     assert 'ONLY="fp32_qknorm bf16_qkclip"' in text
     assert f"(`fp32_qknorm` would stop before step 6,000 at {STABILISER_BUDGET_S:,} s)" in text
-    assert text.endswith("after it, `sr_reseed` then `fp32_softcap` then `bf16_qkclip_muon`.")
+    assert text.endswith("the others in the same way: `sr_reseed` then `fp32_softcap` then `bf16_qkclip_muon`.")
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 
 def test_sr_persistence_on_the_committed_capture():
-    """Page 17's stochastic-rounding check (lpfa.pages.stabilisers.sr_persistence) on the kernel-bias audit's captured batch: one row
-    per policy of SR_POLICIES, paper's worst head as the unit, the sentence built from the table."""
+    """Page 17's stochastic-rounding check (lpfa.pages.stabilisers.sr_persistence) on the kernel-bias audit's captured
+    batch: one row per policy of SR_POLICIES, paper's worst head as the unit, the sentence built from the table."""
     from lpfa.pages.stabilisers import SR_POLICIES, sr_persistence
 
     table, text, meta = sr_persistence(sequences=1, steps=3)
@@ -844,8 +871,8 @@ def test_rescue_table_reads_the_committed_rescue():
     it, and the sentence built from the table."""
     import gzip
 
-    from lpfa.experiments import RESCUE
     from lpfa.dose import rescue_headline, rescue_table
+    from lpfa.experiments import RESCUE
 
     table = rescue_table()
     found = results.experiment_rows("rescue", list(RESCUE))
@@ -871,7 +898,7 @@ def test_rescue_table_reads_the_committed_rescue():
 
 
 def test_monitor_overhead_table_reads_each_committed_benchmark():
-    from lpfa.monitor import monitor_overhead_table
+    from lpfa.pages.early_warning import monitor_overhead_table
 
     table = monitor_overhead_table()
     folders = results.runs("monitor_overhead")
@@ -882,7 +909,8 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
         assert row["overhead"] == b["overhead"] and abs(b["overhead"] - (b["monitored_ms"] / b["plain_ms"] - 1)) < 1e-12
         amortised = b["capture_extra_ms"] / (b["every"] * b["plain_median_ms"])
         assert abs(row["amortised capture"] - amortised) < 1e-12
-        assert row["goal met"] == (max(b["overhead"], amortised) <= 0.02) and row["commit"] == b["provenance"]["git_commit"][:7]
+        assert row["goal met"] == (max(b["overhead"], amortised) <= 0.02)
+        assert row["commit"] == b["provenance"]["git_commit"][:7]
         assert row["every"] == b["every"]
         if "first_capture_step_ms" in b:
             assert row["first capture ms"] == b["first_capture_step_ms"]
@@ -891,15 +919,16 @@ def test_monitor_overhead_table_reads_each_committed_benchmark():
 
 
 def test_overhead_text_states_the_latest_run_and_its_commits_spread():
-    """Page 15's sentence on the monitor's cost (lpfa.monitor.overhead_text) from the committed runs, and from edited
-    tables: one run, a first capture not timed apart, nothing committed."""
-    from lpfa.monitor import ONE_OFF, monitor_overhead_table, overhead_text
+    """Page 15's sentence on the monitor's cost (lpfa.pages.early_warning.overhead_text) from the committed runs, and
+    from edited tables: one run, a first capture not timed apart, nothing committed."""
+    from lpfa.pages.early_warning import ONE_OFF, monitor_overhead_table, overhead_text
 
     cost = monitor_overhead_table()
     last = cost.iloc[-1]
     text = overhead_text(cost)
     assert text.startswith(f"**At every {last['every']} steps one capture costs {last['capture extra ms']:,.0f} ms")
-    assert f"{last['amortised capture']:.1%} of the step time" in text and f"({last['overhead']:.1%} as the ratio" in text
+    assert f"{last['amortised capture']:.1%} of the step time" in text
+    assert f"({last['overhead']:.1%} as the ratio" in text
     assert ("within the 2% goal" if last["goal met"] else "above the 2% goal") in text
     same = cost[cost["commit"] == last["commit"]]
     assert (f"The {len(same)} runs of {last['commit']}" in text) == (len(same) > 1)
@@ -914,8 +943,8 @@ def test_overhead_text_states_the_latest_run_and_its_commits_spread():
 
 
 def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
-    """lpfa.pages.stabilisers.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last eval step
-    both logged (not at each run's own last step); no shared step, or no evals, gives (None, nan)."""
+    """lpfa.pages.stabilisers.eval_loss_gap: a stabiliser's cost in loss is its eval loss minus its twin's at the last
+    eval step both logged (not at each run's own last step); no shared step, or no evals, gives (None, nan)."""
     from lpfa.pages.stabilisers import eval_loss_gap
     from lpfa.run import load_metrics
 
@@ -924,7 +953,8 @@ def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
     va, vb = rng.uniform(2, 4, 4), rng.uniform(2, 4, 3)
     for d, steps, vals in ((a, [500, 1000, 1500, 1800], va), (b, [500, 1000, 1500], vb), (c, [700], [3.0])):
         d.mkdir()
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s_, "loss": 9.0}) + "\n" + json.dumps({"step": s_, "val_loss": v}) + "\n"
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s_, "loss": 9.0}) + "\n"
+                                                 + json.dumps({"step": s_, "val_loss": v}) + "\n"
                                                  for s_, v in zip(steps, vals)))
     val = {d: load_metrics(d)[1] for d in (a, b, c)}
     step, gap = eval_loss_gap(val[a], val[b])
@@ -935,8 +965,8 @@ def test_eval_loss_gap_at_the_last_eval_step_both_runs_logged(tmp_path):
 
 
 def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
-    """Page 17's one-sentence finding (lpfa.pages.stabilisers.stabiliser_finding): from the committed table and from edited copies,
-    a row holds only without explosion, without runaway and within LOSS_MATCH of its FP32 twin."""
+    """Page 17's one-sentence finding (lpfa.pages.stabilisers.stabiliser_finding): from the committed table and from
+    edited copies, a row holds only without explosion, without runaway and within LOSS_MATCH of its FP32 twin."""
     from lpfa.experiments import BASES, STABILISERS
     from lpfa.pages.stabilisers import LOSS_MATCH, stabiliser_finding, stabiliser_table
 
@@ -965,8 +995,9 @@ def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
 
 
 def test_paper_claims_text_measures_each_committed_claim():
-    """Page 17's test of the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): each committed BF16 row of QK-norm,
-    gated attention or QK-clip with its claimed link measured against the BF16 run, from stabiliser_table's columns."""
+    """Page 17's test of the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): each committed BF16 row of
+    QK-norm, gated attention or QK-clip with its claimed link measured against the BF16 run, from stabiliser_table's
+    columns."""
     from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims_text, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
@@ -981,22 +1012,25 @@ def test_paper_claims_text_measures_each_committed_claim():
             base = table.loc["bf16_rerun", "rank-1 similarity"]
             assert f"rank-1 similarity {r['rank-1 similarity']:.3f} against the BF16 run's {base:.3f}" in text
             healthy = table.loc["fp32_rerun"]  # results/stabilisers/h200-2026-12-03: the FP32 run's doctor report
-            assert f"the FP32 run's {healthy['rank-1 similarity']:.3f} (`fp32_rerun` at step {healthy['doctor step']:,})" in text
+            assert (f"the FP32 run's {healthy['rank-1 similarity']:.3f} (`fp32_rerun` at step "
+                    f"{healthy['doctor step']:,})" in text)
     assert "the FP32 run's" not in paper_claims_text(table.drop(index="fp32_rerun"))
     assert paper_claims_text(table.drop(index=[f"bf16_{n}" for n in done])).startswith("None of")
 
 
 def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
-    """Page 17's verdicts on the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): a claim stands only when its BF16 row
-    breaks the claimed link (similarity below the FP32 run's; ties at most TIES_KEPT of the BF16 run's) and holds (no
-    explosion, no runaway, eval loss within LOSS_MATCH of its twin's); each other case says which part fails."""
+    """Page 17's verdicts on the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): a claim stands only when
+    its BF16 row breaks the claimed link (similarity below the FP32 run's; ties at most TIES_KEPT of the BF16 run's) and
+    holds (no explosion, no runaway, eval loss within LOSS_MATCH of its twin's); each other case says which part
+    fails."""
     from lpfa.pages.stabilisers import LOSS_MATCH, PAPER_CLAIMS, TIES_KEPT, paper_claims_text, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
     healthy = table.loc["fp32_rerun", "rank-1 similarity"]
 
     def verdict(t, name):
-        item = [line for line in paper_claims_text(t).splitlines() if line.startswith("- ") and f"`bf16_{name}`" in line]
+        item = [line for line in paper_claims_text(t).splitlines()
+                if line.startswith("- ") and f"`bf16_{name}`" in line]
         assert len(item) == 1
         return item[0].split("Verdict: ")[1]
 
@@ -1015,8 +1049,9 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
         t.loc[label, column] = kept_value
         assert verdict(t, name).startswith("**against the claim**: the row holds with the link intact")
         t.loc[label, "eval loss − twin"] = 2 * LOSS_MATCH
-        assert verdict(t, name) == (f"**against the claim**: the row leaves the link intact and ends {2 * LOSS_MATCH:.2f} "
-                                    "above its FP32 twin's eval loss; the stabiliser does not work here.")
+        assert verdict(t, name) == ("**against the claim**: the row leaves the link intact and ends "
+                                    f"{2 * LOSS_MATCH:.2f} above its FP32 twin's eval loss; the stabiliser does not "
+                                    "work here.")
         t.loc[label, column] = broken_value
         t.loc[label, ["exploded", "explosion step"]] = [True, 4321]
         assert verdict(t, name) == ("**against the claim**: the row breaks the link, yet it explodes (step 4,321), so "
@@ -1025,7 +1060,8 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
             t.loc[label, column] = None
             assert verdict(t, name) == "not judged: the link is not measured on this row."
     lead = paper_claims_text(table).splitlines()[0]
-    judged = [n for n in done if PAPER_CLAIMS[n][0] == "ties" or table.loc[f"bf16_{n}", "rank-1 similarity"] is not None]
+    judged = [n for n in done if PAPER_CLAIMS[n][0] == "ties"
+              or table.loc[f"bf16_{n}", "rank-1 similarity"] is not None]
     stand = []
     for n in judged:  # the committed verdicts, recomputed from the table's columns
         r = table.loc[f"bf16_{n}"]
@@ -1038,17 +1074,18 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
 
 
 def test_stabiliser_styles_pair_twins_and_never_repeat():
-    """Page 17's figure (lpfa.pages.stabilisers.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin share a colour
-    and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs are the dashed
-    ones (every layer "fp32" in lpfa.run.layer_precision on the committed configs); one line per label and panel."""
+    """Page 17's figure (lpfa.pages.stabilisers.stabiliser_styles, plot_stabilisers): a stabiliser and its FP32 twin
+    share a colour and differ in dash, no two labels of a column share both, also past the palette; the FP32-level runs
+    are the dashed ones (every layer "fp32" in lpfa.run.layer_precision on the committed configs); one line per label
+    and panel."""
     import matplotlib.pyplot as plt
 
-    from lpfa.run import layer_precision
-    from lpfa.run import Run
     from lpfa.pages.stabilisers import STABILISER_COLORS, plot_stabilisers, stabiliser_styles
+    from lpfa.run import Run, layer_precision
 
     names = [f"s{i}" for i in range(2 * len(STABILISER_COLORS) + 1)]
-    labels = ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_rerun", *(f"{m}_{n}" for n in names for m in ("bf16", "fp32"))]
+    labels = ["bf16_paper_recipe", "fp32_paper_recipe", "bf16_rerun",
+              *(f"{m}_{n}" for n in names for m in ("bf16", "fp32"))]
     fp32 = {label for label in labels if label.startswith("fp32_")}
     st = stabiliser_styles(labels, fp32)
     assert len(set(map(repr, st.values()))) == len(labels)
@@ -1060,7 +1097,8 @@ def test_stabiliser_styles_pair_twins_and_never_repeat():
                  ("fp32_paper_recipe", "fp32_gated", "bf16_gated", "fp32_outlier_heads_paper_recipe")}
     assert precision["fp32_paper_recipe"] == precision["fp32_gated"] == {"fp32"}  # sdpa_fp32; lpfa fp32_split
     assert precision["bf16_gated"] == {"bf16"} and "fp32" not in precision["fp32_outlier_heads_paper_recipe"]
-    groups = {"a": ["bf16_paper_recipe", "fp32_outlier_heads_paper_recipe"], "b": ["bf16_paper_recipe", "bf16_gated", "fp32_gated"]}
+    groups = {"a": ["bf16_paper_recipe", "fp32_outlier_heads_paper_recipe"],
+              "b": ["bf16_paper_recipe", "bf16_gated", "fp32_gated"]}
     fig = plot_stabilisers(rows, 1, groups)
     assert fig.axes[0].get_yscale() == "log" and len(fig.axes) == 6
     for ax, col in zip(fig.axes, [0, 1] * 3):
@@ -1068,14 +1106,15 @@ def test_stabiliser_styles_pair_twins_and_never_repeat():
         assert list(lines) == list(groups["ab"[col]])
     dashed = {ln.get_label(): ln.get_linestyle() for ln in fig.axes[1].get_lines()}
     assert dashed["fp32_gated"] == "--" and dashed["bf16_gated"] == "-"
-    assert {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].get_lines()}["fp32_outlier_heads_paper_recipe"] == "-"
+    left = {ln.get_label(): ln.get_linestyle() for ln in fig.axes[0].get_lines()}
+    assert left["fp32_outlier_heads_paper_recipe"] == "-"
     plt.close(fig)
 
 
 def test_stabiliser_costs_read_the_committed_benchmark():
-    """Page 17's speed cost (lpfa.pages.stabilisers.stabiliser_costs) is the committed benchmark's summary.json: each row's ratio
-    is its tokens/s over its speed base's of the same run, every BF16 stabiliser row of STABILISERS was timed, and the
-    sentence quotes the slowest row and the row measured furthest above its base (the noise)."""
+    """Page 17's speed cost (lpfa.pages.stabilisers.stabiliser_costs) is the committed benchmark's summary.json: each
+    row's ratio is its tokens/s over its speed base's of the same run, every BF16 stabiliser row of STABILISERS was
+    timed, and the sentence quotes the slowest row and the row measured furthest above its base (the noise)."""
     import json
 
     from lpfa.experiments import BASES, STABILISERS
@@ -1135,12 +1174,12 @@ def test_stabiliser_plan_scales_a_row_by_its_speed_alone(tmp_path):
 
 
 def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
-    """The intro's two rows from issue 19: the paper's Discussion judged as page 17 judges it (the same sentence, a
-    verdict from its counts) and the production kernels' tied-row δ error from page 16's audit (shown only when one
+    """The intro's two rows from the stabilisers: the paper's Discussion judged as page 17 judges it (the same sentence,
+    a verdict from its counts) and the production kernels' tied-row δ error from page 16's audit (shown only when one
     has paper's sign with an interval excluding 0); with nothing committed both say "not run"."""
     from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
-    from lpfa.pages.stabilisers import paper_claims, paper_claims_lead, stabiliser_table
     from lpfa.pages.intro import _discussion_row, _kernel_row, scorecard, styled
+    from lpfa.pages.stabilisers import paper_claims, paper_claims_lead, stabiliser_table
 
     card = scorecard().set_index("page")
     judged = [c for c in paper_claims(stabiliser_table()[0]) if c["broken"] is not None]
@@ -1162,3 +1201,22 @@ def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
     assert _kernel_row(empty)["verdict"] == "not run" and _discussion_row(1, empty)["verdict"] == "not run"
     html = styled(scorecard()).to_html()
     assert "`" not in html and "<code>paper</code>" in html
+
+
+def test_what_drops_the_tracker_label_and_keeps_the_rest():
+    """A page shows a run's provenance "what" without the tracker label the older records begin with, for every
+    committed record, and leaves the science in it."""
+    import json
+
+    from lpfa.paths import results_dir
+    from lpfa.results import what
+
+    for f in sorted(results_dir().glob("*/*/provenance.json")):
+        w = json.loads(f.read_text()).get("what", "")
+        shown = what({"what": w})
+        assert not re.match(r"(?i)issues? \d", shown), (f, shown[:60])
+        assert w.endswith(shown) and len(shown) >= len(w) - 40, (f, shown[:60])
+    assert what({"what": "issue 16, section 2: the recipe"}) == "the recipe"
+    assert what({"what": "issue 5/6 twin runs"}) == "twin runs"
+    assert what({"what": "the issue slots stay busy"}) == "the issue slots stay busy"
+    assert what({}) == ""

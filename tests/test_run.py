@@ -14,8 +14,8 @@ from lpfa.train import TrainConfig, recorded_config, train
 def tiny(byte_tokens, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "r"
     train(TrainConfig(data=str(byte_tokens), model="debug", block_size=32, batch_size=4, max_steps=6, warmup_steps=2,
-                      eval_interval=0, eval_batches=1, ckpt_interval=3, ckpt_history=True, diag_interval=3, diag_batch=2,
-                      out_dir=str(out), progress=False, attn_policy="paper_untiled"))
+                      eval_interval=0, eval_batches=1, ckpt_interval=3, ckpt_history=True, diag_interval=3,
+                      diag_batch=2, out_dir=str(out), progress=False, attn_policy="paper_untiled"))
     return out
 
 
@@ -72,7 +72,8 @@ def test_device_and_autocast():
 
 def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
     """Run.doctor_reports: doctor_step_NNNNNN/report.json in the run folder and in a rerun_*/ subfolder (a rerun to a
-    step the run did not reach), by step, each with its source; lpfa.pages.stabilisers.doctor_links reads one layer of the last."""
+    step the run did not reach), by step, each with its source; lpfa.pages.stabilisers.doctor_links reads one layer of
+    the last."""
     from lpfa.pages.stabilisers import doctor_links
 
     run = tmp_path / "sr"
@@ -82,16 +83,21 @@ def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
     for folder, step in (("", 5000), ("rerun_to_2850/", 2800)):
         d = run / f"{folder}doctor_step_{step:06d}"
         d.mkdir(parents=True)
-        (d / "report.json").write_text(json.dumps({"table": heads if step == 2800 else heads[:1], "probe": {"shape": [4, 256]}}))
+        (d / "report.json").write_text(json.dumps({"table": heads if step == 2800 else heads[:1],
+                                                   "probe": {"shape": [4, 256]}}))
     reports = Run(run).doctor_reports
     assert list(reports) == [2800, 5000]
-    assert reports[2800]["source"] == "rerun_to_2850/doctor_step_002800" and reports[5000]["source"] == "doctor_step_005000"
-    assert doctor_links(run, layer=1) == {"doctor step": 5000, "δ |t| paper": 0.5, "δ |t| own": 1.0, "rank-1 similarity": 0.9,
-                                          "doctor source": "doctor_step_005000", "doctor probe": "4 × 256"}
+    assert reports[2800]["source"] == "rerun_to_2850/doctor_step_002800"
+    assert reports[5000]["source"] == "doctor_step_005000"
+    assert doctor_links(run, layer=1) == {"doctor step": 5000, "δ |t| paper": 0.5, "δ |t| own": 1.0,
+                                          "rank-1 similarity": 0.9, "doctor source": "doctor_step_005000",
+                                          "doctor probe": "4 × 256"}
     (run / "doctor_step_005000" / "report.json").unlink()
     (run / "doctor_step_005000").rmdir()
-    assert doctor_links(Run(run), layer=1) == {"doctor step": 2800, "δ |t| paper": 3.5, "δ |t| own": 7.0, "rank-1 similarity": 0.8,
-                                               "doctor source": "rerun_to_2850/doctor_step_002800", "doctor probe": "4 × 256"}
+    assert doctor_links(Run(run), layer=1) == {"doctor step": 2800, "δ |t| paper": 3.5, "δ |t| own": 7.0,
+                                               "rank-1 similarity": 0.8,
+                                               "doctor source": "rerun_to_2850/doctor_step_002800",
+                                               "doctor probe": "4 × 256"}
     assert doctor_links(tmp_path / "none") == {}
 
 
@@ -106,7 +112,8 @@ def test_checkpoint_before_explosion_picks_the_last_kept_state_before_it(tmp_pat
     (d / "config.json").write_text(json.dumps({"train": asdict(TrainConfig())}))
     for jump, limit, expected in ((3100, 5000, 3000), (None, 5000, 4000), (None, 2500, 2000), (400, 5000, None)):
         losses = [1.0 if jump is None or s < jump else 10.0 for s in range(4500)]  # the loss jumps for good at `jump`
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n" for s, v in enumerate(losses)))
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": v}) + "\n"
+                                                 for s, v in enumerate(losses)))
         boom = Run(d).verdict()["explosion_step"]
         assert (boom is None) == (jump is None) and (jump is None or jump <= boom < jump + 100)
         assert Run(d).checkpoint_before_explosion(limit) == expected, (jump, boom, limit)

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from lpfa.scaling import agreement_table, compare_runs, plot_compare
+from lpfa.pages.scale import agreement_table, plot_compare
+from lpfa.scaling import compare_runs
 
 matplotlib.use("Agg")
 
@@ -25,14 +26,16 @@ def tok_b(s):
 
 def write_run(d, world, records, batch_size=32):
     d.mkdir()
-    (d / "config.json").write_text(json.dumps({"train": {"batch_size": batch_size, "grad_accum": 1}, "world_size": world}))
+    (d / "config.json").write_text(json.dumps({"train": {"batch_size": batch_size, "grad_accum": 1},
+                                               "world_size": world}))
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return d
 
 
 @pytest.fixture
 def pair(tmp_path):
-    a = [{"step": s, "loss": 4.0, "lr": 1e-3, "grad_norm": 2.0, "step_s": 0.1, "tokens_per_s": tok_a(s)} for s in range(N)]
+    a = [{"step": s, "loss": 4.0, "lr": 1e-3, "grad_norm": 2.0, "step_s": 0.1, "tokens_per_s": tok_a(s)}
+         for s in range(N)]
     b = [{"step": s, "loss": 4.0 * (1 + R * s), "lr": 1e-3, "grad_norm": 2.0 * (1 - (1e-4 if s % 2 == 0 else 3e-4)),
           "step_s": 0.1, "tokens_per_s": tok_b(s)} for s in range(N + 1)]  # one step more than a: not compared
     a[50:50] = [{"step": 50, "val_loss": 3.9}]
@@ -133,10 +136,13 @@ def test_log_throughput_reads_train_logs(tmp_path):
 
     a, b = tmp_path / "a.log", tmp_path / "b.log"
     a.write_text("[00:00 + 1s] model x\n" + "".join(
-        f"[00:00 + 1s] step {s}: loss {5 - s / 1000:.4f}, lr 2.00e-03, grad norm 0.5, {1000 + s:,} tok/s\n" for s in range(0, 1000, 100)))
-    b.write_text("".join(f"[t] step {s}: loss nan, lr 1e-3, grad norm 0.1, {3000 + s:,} tok/s\n" for s in range(0, 500, 100)))
+        f"[00:00 + 1s] step {s}: loss {5 - s / 1000:.4f}, lr 2.00e-03, grad norm 0.5, {1000 + s:,} tok/s\n"
+        for s in range(0, 1000, 100)))
+    b.write_text("".join(f"[t] step {s}: loss nan, lr 1e-3, grad norm 0.1, {3000 + s:,} tok/s\n"
+                         for s in range(0, 500, 100)))
     t = log_throughput(a)
-    assert t.index.tolist() == list(range(0, 1000, 100)) and t.loc[300, "tokens_per_s"] == 1300 and t.loc[300, "loss"] == pytest.approx(4.7)
+    assert t.index.tolist() == list(range(0, 1000, 100)) and t.loc[300, "tokens_per_s"] == 1300
+    assert t.loc[300, "loss"] == pytest.approx(4.7)
     f = compare_throughput({"eager": a, "compiled": b}, skip=200)
     assert f.loc["eager", "median tokens/s"] == 1000 + 550 and f.loc["compiled", "median tokens/s"] == 3300
     assert f.loc["compiled", "ratio"] == pytest.approx(3300 / 1550) and f.loc["compiled", "last logged step"] == 400
@@ -155,13 +161,16 @@ def test_first_difference(tmp_path):
     k = int(rng.integers(1, 30))
     other = loss.copy()
     other[k:] += 1e-7  # differs from step k on
-    for name, l in (("a", loss), ("b", other), ("c", loss[:20])):
+    for name, losses in (("a", loss), ("b", other), ("c", loss[:20])):
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"train": {}, "world_size": 1}))
-        (d / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "loss": float(x)}) for s, x in enumerate(l)))
-    assert first_difference(tmp_path / "a", tmp_path / "b") == {"common_steps": 30, "identical_steps": k, "first_differing_step": k}
-    assert first_difference(tmp_path / "a", tmp_path / "c") == {"common_steps": 20, "identical_steps": 20, "first_differing_step": None}
+        (d / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "loss": float(x)})
+                                                   for s, x in enumerate(losses)))
+    assert first_difference(tmp_path / "a", tmp_path / "b") == {"common_steps": 30, "identical_steps": k,
+                                                                "first_differing_step": k}
+    assert first_difference(tmp_path / "a", tmp_path / "c") == {"common_steps": 20, "identical_steps": 20,
+                                                                "first_differing_step": None}
     with pytest.raises(ValueError, match="grad_norm"):
         first_difference(tmp_path / "a", tmp_path / "c", "grad_norm")
 
@@ -194,22 +203,25 @@ def test_batch_for_steps_bad_input(kw):
     from lpfa.scaling import batch_for_steps
 
     args = dict(tokens_per_s=250_000, seconds=1000, min_steps=8000, block_size=1024) | kw
-    with pytest.raises(ValueError, match=next(iter(kw)) if "tokens_per_s" not in kw or kw["tokens_per_s"] <= 0 else "do not fit"):
+    with pytest.raises(ValueError,
+                       match=next(iter(kw)) if "tokens_per_s" not in kw or kw["tokens_per_s"] <= 0 else "do not fit"):
         batch_for_steps(**args)
 
 
 def test_micro_batches_and_paper_scale_plan():
-    """Issue 21's launch arithmetic: tokens per step split over GPUs, micro-batches and accumulation; the plan picks the
-    paper's batch when it fits the budget, else the authors' smaller one, else none."""
+    """The paper-scale launch arithmetic: tokens per step split over GPUs, micro-batches and accumulation; the plan
+    picks the paper's batch when it fits the budget, else the authors' smaller one, else none."""
     from lpfa.scaling import AUTHORS_TOKENS_PER_STEP, PAPER_TOKENS_PER_STEP, micro_batches, paper_scale_plan
 
-    assert micro_batches(PAPER_TOKENS_PER_STEP, 8) == (16, 4) and micro_batches(AUTHORS_TOKENS_PER_STEP, 8) == (10, 4)  # 40 per GPU
+    # 40 per GPU
+    assert micro_batches(PAPER_TOKENS_PER_STEP, 8) == (16, 4) and micro_batches(AUTHORS_TOKENS_PER_STEP, 8) == (10, 4)
     assert micro_batches(PAPER_TOKENS_PER_STEP, 2, micro_max=12) == (8, 32)  # 256 sequences per GPU: 8 divides it
     for gpus in (1, 2, 4, 8):
         for tps in (PAPER_TOKENS_PER_STEP, AUTHORS_TOKENS_PER_STEP):
             m, a = micro_batches(tps, gpus)
             assert gpus * m * a * 1024 == tps and m <= 16
-    with pytest.raises(ValueError, match=r"tokens_per_step=1,000 is not a whole number of 1024-token sequences on each of 8 GPUs"):
+    with pytest.raises(ValueError,
+                       match=r"tokens_per_step=1,000 is not a whole number of 1024-token sequences on each of 8 GPUs"):
         micro_batches(1000, 8)
     with pytest.raises(ValueError, match=r"gpus=0: expected a positive integer"):
         micro_batches(PAPER_TOKENS_PER_STEP, 0)

@@ -17,7 +17,8 @@ import torch
 from lpfa.attention import PRESETS, SFA, AttentionStats, attention
 from lpfa.attention.policy import MIN_SHIFT
 
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 D = 16
 
@@ -127,7 +128,8 @@ def test_large_rm_silences_rows_and_is_counted(base, rm, silenced):
     st_tri = AttentionStats()
     o_tri = attention(q, k, v, scale=1.0, policy=pol, stats=st_tri, backend="triton")
     assert torch.equal(torch.isfinite(o_tri), torch.isfinite(o))
-    assert st_tri.attenuated_rows.item() == st.attenuated_rows.item() and st_tri.zeroed_rows.item() == st.zeroed_rows.item()
+    assert st_tri.attenuated_rows.item() == st.attenuated_rows.item()
+    assert st_tri.zeroed_rows.item() == st.zeroed_rows.item()
 
 
 def test_training_diagnostics_record_silenced_rows():

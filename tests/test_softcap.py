@@ -1,4 +1,4 @@
-"""Logit soft-capping (``PrecisionPolicy.softcap``, Gemma 2; issue 19's stabiliser): the reference against float64
+"""Logit soft-capping (``PrecisionPolicy.softcap``, Gemma 2; one of the stabilisers): the reference against float64
 autograd of c·tanh(S / c), its tanh against float64's, and the policy's checks. The Triton kernels are held against
 the reference by the preset-wide tests (``paper_softcap``, ``fp32_softcap``)."""
 

@@ -1,4 +1,4 @@
-"""Stochastic rounding at the O-path rounding points (``PrecisionPolicy.stochastic``, issue 19's stabiliser).
+"""Stochastic rounding at the O-path rounding points (``PrecisionPolicy.stochastic``, one of the stabilisers).
 
 The reference's hash against a plain-Python lowbias32, the rounding's unbiasedness against float64, its edge
 values, the kernels against the reference bit for bit (Triton's interpreter), and the policy's checks.
@@ -18,7 +18,8 @@ from lpfa.attention import PRESETS, PrecisionPolicy
 from lpfa.attention.reference import forward as ref_forward
 from lpfa.attention.reference import mix32, stochastic_round_bf16
 
-pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
 def _lowbias32(x: int) -> int:
@@ -101,9 +102,11 @@ def test_kernel_rounds_stochastically_as_the_reference(T, block, block_m, block_
 
 
 @pytest.mark.parametrize("fields,match", [
-    (dict(stochastic={"p_bar"}), r"stochastic=\{'p_bar'\}: expected a set of rounding points from 'o_block', 'accumulator', 'o_store'"),
+    (dict(stochastic={"p_bar"}),
+     r"stochastic=\{'p_bar'\}: expected a set of rounding points from 'o_block', 'accumulator', 'o_store'"),
     (dict(stochastic="o_block"), r"stochastic='o_block': expected a set of rounding points"),
-    (dict(stochastic={"o_block"}, o_block="fp32"), r"stochastic names 'o_block', but o_block='fp32': only a BF16 rounding point"),
+    (dict(stochastic={"o_block"}, o_block="fp32"),
+     r"stochastic names 'o_block', but o_block='fp32': only a BF16 rounding point"),
     (dict(sr_seed=-1), r"sr_seed=-1: expected an int in \[0, 2\*\*32\)"),
     (dict(sr_seed=1.5), r"sr_seed=1.5: expected an int"),
 ])

@@ -1,4 +1,5 @@
-"""lpfa.structure: Figs. 8, 9 statistics of a model, of a run's checkpoint (the CLI the GPU machine runs), and bad input."""
+"""lpfa.structure: Figs. 8, 9 statistics of a model, of a run's checkpoint (the CLI the GPU machine runs), and bad
+input."""
 
 import json
 
@@ -9,7 +10,8 @@ import torch
 from lpfa.diagnostics import DOMINANT_SIGN, v_sign_dominance
 from lpfa.mechanism import layer_tensors, rank1_similarity, tie_fractions
 from lpfa.model import GPT, GPTConfig
-from lpfa.structure import BINS, MATRIX_TOKENS, describe, main, plot_similarity, plot_ties, summarize, summarize_run
+from lpfa.pages.structure import plot_similarity, plot_ties
+from lpfa.structure import BINS, MATRIX_TOKENS, describe, main, summarize, summarize_run
 
 
 def _model(seed):
@@ -32,10 +34,12 @@ def test_summarize_matches_its_parts():
     sim = rank1_similarity(t["p"][0, head], t["k"][0, head], t["x"][0]).numpy()
     off = sim[~np.eye(150, dtype=bool)]
     m = s["similarity"]["model"]
-    assert m["median"] == pytest.approx(float(np.median(off)), abs=1e-12) and m["above_0.5"] == pytest.approx(float((off > 0.5).mean()))
+    assert m["median"] == pytest.approx(float(np.median(off)), abs=1e-12)
+    assert m["above_0.5"] == pytest.approx(float((off > 0.5).mean()))
     assert sum(m["hist"]) == 150 * 149 == sum(s["similarity"]["random"]["hist"]) and len(m["hist"]) == len(BINS) - 1
     mat = np.asarray(s["similarity"]["matrix"])
-    assert mat.shape == (MATRIX_TOKENS, MATRIX_TOKENS) and np.abs(mat - sim[:MATRIX_TOKENS, :MATRIX_TOKENS]).max() <= 5e-5
+    assert mat.shape == (MATRIX_TOKENS, MATRIX_TOKENS)
+    assert np.abs(mat - sim[:MATRIX_TOKENS, :MATRIX_TOKENS]).max() <= 5e-5
     assert abs(s["similarity"]["random"]["median"]) < 0.05  # random vectors: no shared direction
     json.dumps(s)  # JSON-ready
     vd = np.asarray(s["v_sign_dominance"])
@@ -70,8 +74,8 @@ def test_summarize_run_cli_and_figures(byte_tokens, tmp_path):
 
 
 def test_fp32_split_twins_count_as_fp32_trained():
-    """Issue 17 made fp32_split the FP32 twin: its summaries join the FP32-trained paragraph, as sdpa_fp32's do."""
-    from lpfa.structure import _bf16_trained
+    """fp32_split is the FP32 twin: its summaries join the FP32-trained paragraph, as sdpa_fp32's do."""
+    from lpfa.pages.structure import _bf16_trained
 
     assert _bf16_trained({"attn_backend": "lpfa", "policy": "paper_untiled"})
     assert not _bf16_trained({"attn_backend": "lpfa", "policy": "fp32_split"})

@@ -1,4 +1,5 @@
-"""lpfa.train on CPU: loss falls, exact resume, replay, non-finite stop, time budget, config errors (DDP: test_ddp.py)."""
+"""lpfa.train on CPU: loss falls, exact resume, replay, non-finite stop, time budget, config errors (DDP:
+test_ddp.py)."""
 
 import json
 from dataclasses import fields
@@ -27,7 +28,8 @@ def cfg(token_dir, out_dir, **kw):
 
 
 def losses(out_dir):
-    return {r["step"]: r["loss"] for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {r["step"]: r["loss"] for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
 
 
 def test_loss_falls_and_files_are_written(token_dir, tmp_path):
@@ -50,7 +52,8 @@ def test_exact_resume(token_dir, tmp_path):
     assert s["status"] == "completed"
     full, part = losses(tmp_path / "full"), losses(tmp_path / "part")
     assert [full[i] for i in range(12)] == [part[i] for i in range(12)]  # bit-identical losses
-    conf = json.loads((tmp_path / "part" / "config.json").read_text())  # the first start's record stays, the resume is added
+    # the first start's record stays, the resume is added
+    conf = json.loads((tmp_path / "part" / "config.json").read_text())
     assert conf["train"]["resume"] is False and conf["train"]["stop_at_step"] == 6
     (resume,) = conf["resumes"]
     assert resume["step"] == 6 and resume["changed"] == {"resume": True, "stop_at_step": 0}
@@ -139,15 +142,18 @@ def test_config_errors_and_overrides():
 
 
 def test_overrides_follow_each_fields_type():
-    # a string field takes the text as written, a bool field only true/false, a number field numbers (YAML 1.1 reads 3e-4 as text)
-    assert parse_overrides(["out_dir=123", "replay=", "tokenizer=yes", "resume=True", "progress=false", "lr=1", "max_steps=1e3",
-                            "fp32_heads={1: [5, 2]}"]) == {
-        "out_dir": "123", "replay": "", "tokenizer": "yes", "resume": True, "progress": False, "lr": 1, "max_steps": 1000.0,
-        "fp32_heads": {1: [5, 2]}}
-    assert parse_overrides(["qk_norm=yes"]) == {"qk_norm": "yes"}  # left for TrainConfig to refuse, with the field named
+    # a string field takes the text as written, a bool field only true/false, a number field numbers
+    # (YAML 1.1 reads 3e-4 as text)
+    assert parse_overrides(["out_dir=123", "replay=", "tokenizer=yes", "resume=True", "progress=false", "lr=1",
+                            "max_steps=1e3", "fp32_heads={1: [5, 2]}"]) == {
+        "out_dir": "123", "replay": "", "tokenizer": "yes", "resume": True, "progress": False, "lr": 1,
+        "max_steps": 1000.0, "fp32_heads": {1: [5, 2]}}
+    # left for TrainConfig to refuse, with the field named
+    assert parse_overrides(["qk_norm=yes"]) == {"qk_norm": "yes"}
     c = TrainConfig(lr=1, layer_policies={"1": "paper"}, fp32_heads={"0": [1]})  # config.json keeps int keys as strings
     assert c.lr == 1.0 and isinstance(c.lr, float) and c.layer_policies == {1: "paper"} and c.fp32_heads == {0: [1]}
-    assert TrainConfig(dtype="float64", log_interval=0, attn_backend="sdpa", layer_policies={1: "sdpa_fp32"}).dtype == "float64"
+    assert TrainConfig(dtype="float64", log_interval=0, attn_backend="sdpa",
+                       layer_policies={1: "sdpa_fp32"}).dtype == "float64"
     types = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict, "list": list}
     for f in fields(TrainConfig):  # every field is checked against its declared type (a bool is no number)
         wrong = [v for v in ("abc", 2.5, True, None, [1]) if type(v) is not types[f.type]]
@@ -176,7 +182,8 @@ def test_help_lists_every_preset_and_field(capsys):
         main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert set(PRESET_HELP) == set(PRESETS) and set(FIELD_CHECKS) == set(field_help()) == {f.name for f in fields(TrainConfig)}
+    assert set(PRESET_HELP) == set(PRESETS)
+    assert set(FIELD_CHECKS) == set(field_help()) == {f.name for f in fields(TrainConfig)}
     for name in PRESETS:
         assert f"  {name} " in out and PRESET_HELP[name] in out
     for f in fields(TrainConfig):
@@ -193,9 +200,11 @@ def test_resume_with_a_changed_field_names_it(token_dir, tmp_path, capsys):
     assert main([*args, "stop_at_step=2"]) == 0
     capsys.readouterr()
     assert main([*args, "resume=true", "block_size=64"]) == 2
-    assert capsys.readouterr().err == (f"error: block_size=64: expected 32, the value the checkpoint {tmp_path / 'r' / 'ckpt'} was "
-                                       "trained with (resume=true continues a run as it was; another out_dir starts a new one)\n")
-    with pytest.raises(ValueError, match="block_size=64: expected 32"):  # --debug: the exception itself, with its traceback
+    assert capsys.readouterr().err == ("error: block_size=64: expected 32, the value the checkpoint "
+                                       f"{tmp_path / 'r' / 'ckpt'} was trained with (resume=true continues a run as "
+                                       "it was; another out_dir starts a new one)\n")
+    # --debug: the exception itself, with its traceback
+    with pytest.raises(ValueError, match="block_size=64: expected 32"):
         main([*args, "resume=true", "block_size=64", "--debug"])
 
 
@@ -213,7 +222,8 @@ def test_resume_after_a_kill_that_cut_a_line_short(token_dir, tmp_path):
 
 
 def test_delta_dose_reaches_only_the_chosen_layers(token_dir, tmp_path):
-    """delta_dose* (issue 16) become PrecisionPolicy.dose in the named layers; the others keep the policy's own δ."""
+    """delta_dose* (the dose-response experiment's δ dose) become PrecisionPolicy.dose in the named layers; the others
+    keep the policy's own δ."""
     from lpfa.model import GPT
 
     c = cfg(token_dir, tmp_path / "d", attn_policy="paper_untiled", delta_dose=64.0, delta_dose_sign="control",
@@ -280,7 +290,8 @@ def test_on_warning_log_records_each_new_crossing_and_trains_on(token_dir, tmp_p
     n_layer, n_head = 2, 2  # model="debug"
     assert {r["step"] for r in w} == {4}  # every head crosses at the first record, and stays above: reported once
     assert len(w) == n_layer * n_head and {r["warning"]["action"] for r in w} == {"logged"}
-    assert {(r["warning"]["layer"], r["warning"]["head"]) for r in w} == {(a, b) for a in range(n_layer) for b in range(n_head)}
+    assert {(r["warning"]["layer"], r["warning"]["head"]) for r in w} == {(a, b) for a in range(n_layer)
+                                                                          for b in range(n_head)}
     assert "warning: step 4: layer 0 head 0 max_logit" in (tmp_path / "run" / "log.txt").read_text()
 
 
@@ -294,7 +305,8 @@ def test_on_warning_stop_ends_the_run_with_a_checkpoint(token_dir, tmp_path):
 def test_on_warning_sfa_switches_the_flagged_layer_and_resume_keeps_it(token_dir, tmp_path):
     from lpfa.checkpoints import load_checkpoint
 
-    kw = dict(diag_interval=4, on_warning="sfa", attn_policy="paper", warning_thresholds=_thresholds_file(tmp_path, -1e9))
+    kw = dict(diag_interval=4, on_warning="sfa", attn_policy="paper",
+              warning_thresholds=_thresholds_file(tmp_path, -1e9))
     s = train(cfg(token_dir, tmp_path / "part", stop_at_step=8, **kw))
     assert s["status"] == "stopped" and s["switched_layers"] == {0: "paper_sfa", 1: "paper_sfa"}
     actions = [r["warning"]["action"] for r in _warning_records(tmp_path / "part")]
@@ -328,8 +340,10 @@ def test_on_warning_config_errors(kw, message):
 
 
 def test_on_warning_thresholds_file_errors(token_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"^warning_thresholds='.*nope.json': expected a JSON file of thresholds"):
-        train(cfg(token_dir, tmp_path / "a", diag_interval=4, on_warning="log", warning_thresholds=str(tmp_path / "nope.json")))
+    with pytest.raises(FileNotFoundError,
+                       match=r"^warning_thresholds='.*nope.json': expected a JSON file of thresholds"):
+        train(cfg(token_dir, tmp_path / "a", diag_interval=4, on_warning="log",
+                  warning_thresholds=str(tmp_path / "nope.json")))
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"max_logits": {"precursor": 1}}))
     with pytest.raises(ValueError, match=r"^warning_thresholds='.*bad.json': thresholds name measure 'max_logits'"):
@@ -337,7 +351,7 @@ def test_on_warning_thresholds_file_errors(token_dir, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-# ---- QK-clip as a training switch (issue 19): Kimi K2's MuonClip, α = ½ ----------------------------------------------
+# ---- QK-clip as a training switch (a stabiliser): Kimi K2's MuonClip, α = ½ ------------------------------------------
 
 
 def test_head_max_logits_matches_float64_at_awkward_chunks():
@@ -368,9 +382,11 @@ def test_qk_clip_step_scales_only_the_heads_over_tau(token_dir, tmp_path, bias):
     from lpfa.train import build_optimizers, train_step
 
     torch.manual_seed(torch.seed() % 2**31)
-    model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_backend="math", bias=bias))
+    model = GPT(GPTConfig(vocab_size=257, block_size=32, n_layer=2, n_head=4, n_embd=64, attn_backend="math",
+                          bias=bias))
     tokens, _ = lpfa_data.load_tokens(token_dir, "train")
-    batches = [lpfa_data.get_batch(tokens, torch.randint(0, len(tokens) - 33, (4,)).tolist(), 32, "cpu") for _ in range(2)]
+    batches = [lpfa_data.get_batch(tokens, torch.randint(0, len(tokens) - 33, (4,)).tolist(), 32, "cpu")
+               for _ in range(2)]
     caps = []  # the logits an independent computation sees: each micro-batch's q, k before the update
     from lpfa.diagnostics import capture_qkv
 
@@ -412,7 +428,8 @@ def test_qk_clip_in_a_training_run_logs_the_clipped_heads(token_dir, tmp_path):
     assert s["status"] == "completed"
     recs = [json.loads(line) for line in (tmp_path / "clip" / "metrics.jsonl").read_text().splitlines()]
     counts = [r["qk_clipped"] for r in recs if "loss" in r]
-    assert len(counts) == 6 and sum(counts) > 0 and all(0 <= n <= 2 * 2 for n in counts)  # debug model: 2 layers, 2 heads
+    # debug model: 2 layers, 2 heads
+    assert len(counts) == 6 and sum(counts) > 0 and all(0 <= n <= 2 * 2 for n in counts)
     train(cfg(token_dir, tmp_path / "plain", max_steps=2, attn_backend="math"))
     assert not any("qk_clipped" in line for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines())
 
@@ -427,8 +444,8 @@ def test_qk_clip_config_errors(kw, message):
 
 
 def test_sr_reseed_draws_each_steps_rounding_afresh(token_dir, tmp_path):
-    """sr_reseed (issue 19): step s rounds with sr_seed + s in every stochastic layer (others untouched), so the first
-    step matches a run with one seed and the later steps do not."""
+    """sr_reseed (the stochastic-rounding stabiliser): step s rounds with sr_seed + s in every stochastic layer (others
+    untouched), so the first step matches a run with one seed and the later steps do not."""
     from lpfa.model import GPT, GPTConfig
     from lpfa.train import reseed_stochastic_rounding
 
@@ -443,15 +460,18 @@ def test_sr_reseed_draws_each_steps_rounding_afresh(token_dir, tmp_path):
     runs = {}
     for reseed in (False, True):
         out = tmp_path / f"r{reseed}"
-        assert train(cfg(token_dir, out, attn_policy="paper_sr", max_steps=4, sr_reseed=reseed))["status"] == "completed"
+        assert train(cfg(token_dir, out, attn_policy="paper_sr", max_steps=4,
+                         sr_reseed=reseed))["status"] == "completed"
         runs[reseed] = losses(out)
     assert runs[True][0] == runs[False][0] and any(runs[True][s] != runs[False][s] for s in (1, 2, 3))
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(attn_policy="paper_sr", sr_reseed=True, compile=True), r"^sr_reseed=true: expected compile=false"),
-    (dict(attn_policy="paper", sr_reseed=True), r"^sr_reseed=true: expected a policy with stochastic rounding .*attn_policy='paper'"),
-    (dict(attn_backend="sdpa", attn_policy="paper_sr", sr_reseed=True), r"^sr_reseed=true: expected a policy with stochastic"),
+    (dict(attn_policy="paper", sr_reseed=True),
+     r"^sr_reseed=true: expected a policy with stochastic rounding .*attn_policy='paper'"),
+    (dict(attn_backend="sdpa", attn_policy="paper_sr", sr_reseed=True),
+     r"^sr_reseed=true: expected a policy with stochastic"),
 ])
 def test_sr_reseed_config_errors(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -460,7 +480,8 @@ def test_sr_reseed_config_errors(kw, message):
 
 
 class _FP32Out(torch.nn.Module):
-    """A norm as CUDA autocast runs it: layer_norm is on autocast's FP32 list there (not on the CPU's), so it returns FP32."""
+    """A norm as CUDA autocast runs it: layer_norm is on autocast's FP32 list there (not on the CPU's), so it returns
+    FP32."""
 
     def __init__(self, norm):
         super().__init__()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 19 §2 on one GPU: "is your attention kernel biased?", with all three input families.
+# The kernel-bias audit on one GPU: "is your attention kernel biased?", with all three input families.
 #
 #   OUT=... bash scripts/gpu/kernel_bias.sh            # train, capture, audit; results in $OUT/kernel_bias/
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 17 on one idle GPU, in one device call of at most 10 minutes: the kernels' correctness on the GPU, their
+# On one idle GPU, in one device call of at most 10 minutes: the kernels' correctness on the GPU, their
 # speed through the op and alone, and GPT-2 S training throughput, each step under its own time limit so that a slow
 # one cannot starve the next.
 #

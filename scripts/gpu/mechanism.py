@@ -23,11 +23,10 @@ copies the archive there once it exists. Each device command can then be short a
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import shutil
 import subprocess
 import sys
-import os
 import tarfile
 import time
 import traceback
@@ -133,10 +132,11 @@ def _run(a, base: Path, t0: float) -> None:
     budget = max(60.0, a.deadline_s - a.replay_reserve_s)
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
               f"time_budget_s={budget:.0f}", "log_interval=100"]
-    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])] for label, o in MECHANISM.items()
-            if label == BF16 or not a.no_twin}
+    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])]
+            for label, o in MECHANISM.items() if label == BF16 or not a.no_twin}
     launch.start(a.name, runs, a.preset, common, a.root)
-    log(base, f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
+    log(base,
+        f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
     procs: dict[str, subprocess.Popen] = {}
     heads: list[int] = []  # both replays measure the same heads: the BF16 run's fastest-growing W_Q heads of the layer
     while left() > 0:
@@ -155,7 +155,8 @@ def _run(a, base: Path, t0: float) -> None:
             affordable = (left() - 40) / speed
             ck, steps, why = bf16_window(base / BF16, a.window, affordable)
             v = Run(base / BF16).verdict()
-            log(base, f"{BF16}: {v['steps']} steps, loss exploded at {v['explosion_step']}, layer {v['runaway_layer']}'s "
+            log(base,
+                f"{BF16}: {v['steps']} steps, loss exploded at {v['explosion_step']}, layer {v['runaway_layer']}'s "
                       f"logits ran away at {v['runaway_step']}; replaying {steps} steps from step {ck} ({why}; "
                       f"{speed:.3f} s/step assumed, {affordable:.0f} steps affordable)")
             heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
@@ -164,7 +165,8 @@ def _run(a, base: Path, t0: float) -> None:
         if len(procs) == 2 and not running:
             break
         log(base, "  ".join(f"{k}: step {r['step']} loss {r['loss']}" for k, r in st.items())
-            + "".join(f"  {k} replay {'running' if p is not None and p.poll() is None else 'done'}" for k, p in procs.items()))
+            + "".join(f"  {k} replay {'running' if p is not None and p.poll() is None else 'done'}"
+                      for k, p in procs.items()))
         time.sleep(a.poll_s)
     for label, p in procs.items():
         if p is not None and p.poll() is None:
@@ -206,14 +208,17 @@ def main(argv=None) -> int:
     r = sub.add_parser("run")
     r.add_argument("--data", default="data/corpus")
     r.add_argument("--preset", default="gpt2-s-paper")
-    r.add_argument("--extra", nargs="*", default=[], help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
+    r.add_argument("--extra", nargs="*", default=[],
+                   help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
     r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
     r.add_argument("--no-twin", action="store_true", help="the BF16 run and its replay only (a short GPU session)")
-    r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP, help="the FP32 twin's last step, replayed from")
+    r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP,
+                   help="the FP32 twin's last step, replayed from")
     r.add_argument("--deadline-s", type=float, default=1450.0)
     r.add_argument("--batch", type=int, default=24)
     r.add_argument("--explosion-stop", type=int, default=60)
-    r.add_argument("--replay-reserve-s", type=float, default=350.0, help="the BF16 run stops this long before the deadline")
+    r.add_argument("--replay-reserve-s", type=float, default=350.0,
+                   help="the BF16 run stops this long before the deadline")
     r.add_argument("--window", type=int, default=1000, help="replay at least this many steps before the explosion")
     r.add_argument("--twin-steps", type=int, default=1300, help="steps of the FP32 twin's replay from step 4,000")
     r.add_argument("--s-per-step", type=float, default=0.35, help="replay seconds per step, until one is measured")

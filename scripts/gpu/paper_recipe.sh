@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 §2: the paper's GPT-2 S recipe (preset gpt2-s-paper: lr 1e-3, 2,000 warmup steps, cosine to 1e-5 over
+# The paper's GPT-2 S recipe (preset gpt2-s-paper: lr 1e-3, 2,000 warmup steps, cosine to 1e-5 over
 # 600k steps, so flat through one GPU run) at the largest batch that still gives MIN_STEPS steps in one GPU run.
 #
 #   PHASE=start  BUDGET=1080 WAIT=300 bash scripts/gpu/paper_recipe.sh  # probe speed, pick the batch, start, follow
@@ -28,7 +28,7 @@ COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
 # DOCTOR_EVERY steps (default N; ckpt_history) and, in finish, run `lpfa doctor` (DOCTOR_MAX_S, 180 s each) on each run's
 # last one at or before step N and before its loss exploded (lpfa.run.Run.checkpoint_before_explosion: a run that
 # explodes early still brings one back), so that every run brings back the links that need a checkpoint (the δ bias of
-# paper, fa2 and its own policy against FP32, the rank-1 similarity, V's sign; issue 19), not the checkpoint:
+# paper, fa2 and its own policy against FP32, the rank-1 similarity, V's sign), not the checkpoint:
 # doctor_step_NNNNNN/report.json and report.md per run, in the archive. (GPT-2 S: about 1.5 GB of disk per checkpoint.)
 # DOCTOR_ARGS: more lpfa doctor options, e.g. "--batches 8 --seq-len 1024" for a probe that resolves a smaller δ bias
 # (the default 4 × 256 tokens; rows compared on page 17 should share one probe).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21: Fig. 2 at the paper's scale, one run over every GPU of the machine with DDP (torchrun, NCCL).
+# Fig. 2 at the paper's scale, one run over every GPU of the machine with DDP (torchrun, NCCL).
 #
 #   PHASE=plan   TPS=254258 GPUS=8 bash scripts/gpu/paper_scale.sh   # print the plan (no GPU needed): batch, time
 #   PHASE=start  LABEL=bf16 BUDGET=1440 WAIT=540 bash scripts/gpu/paper_scale.sh   # start detached, follow

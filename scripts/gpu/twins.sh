@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5/6 on one GPU machine, in three device calls of at most 10 minutes each (the runs outlive them):
+# The BF16 and FP32 twins on one GPU machine, in three device calls of at most 10 minutes each (the runs outlive them):
 #
 #   PHASE=start  BUDGET=1380 WAIT=560 bash scripts/gpu/twins.sh   # unpack data, start the twins, follow them
 #   PHASE=wait   WAIT=570 bash scripts/gpu/twins.sh               # follow them; a partial copy goes to $OUT
@@ -17,7 +17,7 @@
 # the committed twin exactly: results/repro_runaway) with every 1000-step checkpoint kept; finish then replays it from
 # the checkpoint before its logit runaway, or before its first logit above the runaway threshold when the run ends
 # too early for the verdict (instead of the bf16 run), for the mechanism pages. SAVE_QKV=N also writes the replayed
-# layer's q, k, v, dO of N sequences of its first step (qkv.npz: benchmarks/kernel_bias.py --captured, issue 19).
+# layer's q, k, v, dO of N sequences of its first step (qkv.npz: benchmarks/kernel_bias.py --captured).
 # The committed isolation table and seeds were one launch on a 4-GPU machine (results/isolation/*/provenance.json):
 # EXPERIMENT="isolation seeds" NAME=iso_seeds EXTRA="compile=true max_steps=8000" RUNAWAY_STEPS=6500 BUDGET=1100.
 # The device tool carries at most 64 MiB: the tracked results/ (about 40 MB) and the corpus (31 MB) are over it together,

@@ -15,13 +15,15 @@ Modules, one per concept:
 * :mod:`lpfa.diagnostics` — W_Q spectral norms, tie frequency, max logits during training.
 * :mod:`lpfa.mechanism` — δ error, rank-1 structure and P̄V rounding error on tensors (Figs. 4–6).
 * :mod:`lpfa.run` — one run folder (``Run``): config, metrics, verdict, checkpoints; :mod:`lpfa.explosion` — the
-  explosion criterion; :mod:`lpfa.compare` — tables and figures across runs (per-head diagnostics, the precursors,
+  explosion criterion; :mod:`lpfa.survival` — how often runs fail (Kaplan–Meier, exact intervals);
+  :mod:`lpfa.compare` — tables and figures across runs (per-head diagnostics, the precursors,
   the experiment tables).
 * :mod:`lpfa.doctor` — ``lpfa doctor CHECKPOINT``: every link of the failure chain measured per layer and head of one
   checkpoint (ours, nanoGPT's, Hugging Face GPT-2) on a probe batch, a verdict per head and a report;
-  :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates.
+  :mod:`lpfa.alarms` — the verdicts' thresholds, learnt from the committed runs with their error rates
+  (``python -m lpfa.alarms --write``) into the committed file the monitor and the doctor read.
 * :mod:`lpfa.monitor` — ``AttentionMonitor``: per-head max logit, BF16 ties and W_Q growth inside any training loop,
-  warning when a head crosses those thresholds; its replay over the committed runs (lead times, false alarms).
+  warning when a head crosses those thresholds.
 * :mod:`lpfa.audit` — is your attention kernel biased? Signed errors of O, δ and dQ·u against float64 per kernel.
 * :mod:`lpfa.dose` — the dose-response test: δ's error × k, biased against control, fit and extrapolation.
 * :mod:`lpfa.pages` — the book's own layer: one module per notebook (its tables, figures and sentences);

@@ -1,12 +1,19 @@
-"""Early-warning thresholds for the failure, derived from the committed runs (issue 20).
+"""Early-warning thresholds for the failure: learnt from the committed runs by a maintainer command, read from a
+committed file at run time.
 
 A head is judged by three of the chain's links that one probe batch and the weights show: its largest attention
 logit (the runaway, Fig. 2's precursor), the share of its rows with tied maxima in BF16 scores (Fig. 13) and how far
 its ‖W_Q[h]‖₂ stands out from the other heads of its layer (Fig. 3: ``wq_outlier`` = the norm over the layer's median).
 
-The thresholds are not typed in: :func:`thresholds` learns them from the diagnostics that every committed training run
-logged every 200 steps (``results/*/*/<run>/metrics.jsonl.gz``), one sample per (run, step, layer), a layer's value being
-its largest over heads (a layer is flagged when any of its heads is):
+**At run time** (:class:`lpfa.monitor.AttentionMonitor`, ``lpfa.train``'s ``on_warning``, ``lpfa doctor``) the
+thresholds are those of the committed file :data:`lpfa.monitor.THRESHOLDS_FILE` (``src/lpfa/warning_thresholds.json``,
+shipped with the package): nothing under ``results/`` is read, and the monitor and the trainer do not import this
+module, which reads run folders. ``python -m lpfa.alarms --write`` learns the thresholds again from the committed runs
+and writes that file; ``python -m lpfa.alarms`` says whether it is current, and the tests check that it is.
+
+**The learning** (:func:`thresholds`) uses the diagnostics that every committed training run logged every 200 steps
+(``results/*/*/<run>/metrics.jsonl.gz``), one sample per (run, step, layer), a layer's value being its largest over
+heads (a layer is flagged when any of its heads is):
 
 * **positives**: the layer that ran away (:class:`lpfa.explosion.RunawayCriterion`) in a run with low-precision
   attention there, at the diagnostics steps of the ``lead`` steps before the runaway (what a warning should catch);
@@ -23,21 +30,42 @@ the clean samples, and so every clean run (the early-warning page, ``notebooks/1
 
 from __future__ import annotations
 
-import functools
+import argparse
+import json
+import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from lpfa import monitor
 from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
-from lpfa.run import Run, layer_precision, run_verdict
-from lpfa.compare import head_metric_frame
+from lpfa.run import Run, layer_precision, load_metrics, run_verdict
 
 LEAD_STEPS = 1000  # how long before the runaway a sample counts as a positive
 MAX_FPR = 0.001  # the largest share of negative samples a precursor threshold may flag
 MEASURES = ("max_logit", "tie_fraction_bf16", "wq_outlier")
+
+
+def current_thresholds() -> dict:
+    """The thresholds ``lpfa doctor``, :class:`lpfa.monitor.AttentionMonitor` and ``lpfa.train`` use when none are
+    given: the committed file's (:func:`lpfa.monitor.default_thresholds`), in :func:`thresholds`' format; a missing or
+    damaged file is a one-line error."""
+    return monitor.default_thresholds()
+
+
+def fixed_thresholds() -> dict:
+    """Fixed round thresholds (for tests and for a project without committed runs): a max logit of 100 is where
+    QK-clip starts (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is the runaway criterion's; 20 % of rows tied in BF16."""
+    return {"max_logit": {"precursor": 100.0, "runaway": RunawayCriterion().logit},
+            "tie_fraction_bf16": {"precursor": 0.2}}
+
+
+# --------------------------------------------------------------------------------------------------
+# learning from the committed runs (the maintainer's path: it reads run folders)
 
 
 def training_runs(root=None) -> list[Path]:
@@ -49,15 +77,31 @@ def training_runs(root=None) -> list[Path]:
 
 def layer_samples(run_dir) -> pd.DataFrame:
     """One row per (step, layer) of a run's diagnostics: ``max_logit`` and ``tie_fraction`` (largest over heads),
-    ``wq_outlier`` (largest ‖W_Q[h]‖₂ over the layer's median) and the layer's score ``precision``."""
-    run = Run(run_dir)
-    frames = {m: head_metric_frame(run_dir, m) for m in ("max_logit", "tie_fraction", "wq_spectral_norm")}
-    wq = frames["wq_spectral_norm"]
-    wq = wq.assign(value=wq.groupby(["step", "layer"]).value.transform(lambda x: wq_outlier(x.to_numpy())))
-    frames = {m: f.groupby(["step", "layer"]).value for m, f in (*frames.items(), ("wq_outlier", wq))}
-    out = pd.DataFrame({"max_logit": frames["max_logit"].max(), "tie_fraction": frames["tie_fraction"].max(),
-                        "wq_outlier": frames["wq_outlier"].max()}).reset_index()
-    return out.assign(precision=out.layer.map(dict(enumerate(layer_precision(run)))))
+    ``wq_outlier`` (largest ‖W_Q[h]‖₂ over the layer's median, Fig. 3) and the layer's score ``precision``; a step
+    logged twice (a resumed run) is one group of both records' heads. ValueError for a run without per-head
+    diagnostics."""
+    _, _, diag = load_metrics(run_dir)
+    heads = {}
+    for m in ("max_logit", "tie_fraction", "wq_spectral_norm"):
+        if diag.empty or m not in diag:
+            raise ValueError(f"{run_dir} has no {m!r} diagnostics (was diag_interval 0?)")
+        heads[m] = np.array(diag[m].tolist(), dtype=float)  # (records, layers, heads)
+        if heads[m].ndim != 3:
+            raise ValueError(f"{run_dir}: its {m!r} diagnostics are not per head (records, layers, heads)")
+    steps = diag["step"].to_numpy()
+    order = np.argsort(steps, kind="stable")
+    uniq, first = np.unique(steps[order], return_index=True)
+    groups = np.split(order, first[1:])  # the records of each step, in record order
+    with warnings.catch_warnings():  # a layer without any value (all NaN) stays NaN, silently
+        warnings.simplefilter("ignore", RuntimeWarning)
+        cols = {m: np.stack([np.nanmax(np.concatenate(list(heads[m][g]), axis=-1), axis=-1) for g in groups])
+                for m in ("max_logit", "tie_fraction")}
+        cols["wq_outlier"] = np.stack([np.nanmax(wq_outlier(np.concatenate(list(heads["wq_spectral_norm"][g]),
+                                                                         axis=-1)), axis=-1) for g in groups])
+    n_layer = cols["max_logit"].shape[1]
+    out = pd.DataFrame({"step": np.repeat(uniq, n_layer), "layer": np.tile(np.arange(n_layer), len(uniq)),
+                        **{m: v.reshape(-1) for m, v in cols.items()}})
+    return out.assign(precision=out.layer.map(dict(enumerate(layer_precision(Run(run_dir))))))
 
 
 def labelled_samples(root=None, lead: int = LEAD_STEPS) -> pd.DataFrame:
@@ -117,34 +161,25 @@ def derive(samples: pd.DataFrame, max_fpr: float = MAX_FPR) -> dict:
     return out
 
 
-@functools.lru_cache(maxsize=4)
-def _cached(root: str | None, lead: int, max_fpr: float) -> dict:
-    return derive(labelled_samples(root, lead), max_fpr)
-
-
 def thresholds(root=None, lead: int = LEAD_STEPS, max_fpr: float = MAX_FPR) -> dict:
     """``{measure: {"precursor": {"value", "fpr", "fnr", "positives", "negatives"}}}`` for :data:`MEASURES`, plus
     ``max_logit["runaway"]``, learnt from the committed runs under ``root`` (default: the project's results)."""
-    import copy
-
-    return copy.deepcopy(_cached(None if root is None else str(root), lead, max_fpr))
+    return derive(labelled_samples(root, lead), max_fpr)
 
 
-def fixed_thresholds() -> dict:
-    """Fixed round thresholds (for tests and for a project without committed runs): a max logit of 100 is where
-    QK-clip starts (:meth:`lpfa.model.GPT.qk_clip_`), 1000 is the runaway criterion's; 20 % of rows tied in BF16."""
-    return {"max_logit": {"precursor": 100.0, "runaway": RunawayCriterion().logit}, "tie_fraction_bf16": {"precursor": 0.2}}
-
-
-def current_thresholds() -> dict:
-    """The thresholds ``lpfa doctor`` and :class:`lpfa.monitor.AttentionMonitor` use when none are given:
-    :func:`thresholds` learnt from the committed runs, or :func:`fixed_thresholds` where no committed run has the
-    diagnostics to learn from."""
-    try:
-        learnt = thresholds()
-    except (FileNotFoundError, ValueError):
-        return fixed_thresholds()
+def learnt_thresholds(root=None) -> dict:
+    """What ``python -m lpfa.alarms --write`` commits: :func:`thresholds` at the defaults, or :func:`fixed_thresholds`
+    where no run under ``root`` has the diagnostics to learn a precursor level from."""
+    learnt = thresholds(root)
     return learnt if any("precursor" in v for v in learnt.values()) else fixed_thresholds()
+
+
+def write_thresholds(path=None, root=None) -> dict:
+    """Learn :func:`learnt_thresholds` from the runs under ``root`` and write them to ``path`` (JSON; default the
+    committed file, :data:`lpfa.monitor.THRESHOLDS_FILE`); returns them."""
+    thr = learnt_thresholds(root)
+    Path(path or monitor.THRESHOLDS_FILE).write_text(json.dumps(thr, indent=1) + "\n")
+    return thr
 
 
 def lead_times(samples: pd.DataFrame, thr: dict) -> pd.DataFrame:
@@ -165,3 +200,32 @@ def lead_times(samples: pd.DataFrame, thr: dict) -> pd.DataFrame:
                 row[f"{measure} lead"] = float(ra - hit.min()) if len(hit) else np.nan
         rows[run] = row
     return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lpfa.alarms [--write]``: learn the thresholds from the committed runs; with ``--write`` write them
+    to :data:`lpfa.monitor.THRESHOLDS_FILE`, else say whether that file holds them (status 1 if not)."""
+    p = argparse.ArgumentParser(prog="python -m lpfa.alarms", description=main.__doc__)
+    p.add_argument("--write", action="store_true", help=f"write the learnt thresholds to {monitor.THRESHOLDS_FILE}")
+    p.add_argument("--results", default=None, help="the results folder to learn from (default: the project's)")
+    a = p.parse_args(argv)
+    if a.write:
+        thr = write_thresholds(root=a.results)
+        print(f"wrote {monitor.THRESHOLDS_FILE}:\n{json.dumps(thr, indent=1)}")
+        return 0
+    thr = learnt_thresholds(a.results)
+    try:
+        committed = current_thresholds()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if committed == thr:
+        print(f"{monitor.THRESHOLDS_FILE} holds the thresholds the runs give")
+        return 0
+    print(f"{monitor.THRESHOLDS_FILE} is stale: `python -m lpfa.alarms --write` writes the thresholds the runs "
+          f"give:\n{json.dumps(thr, indent=1)}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Is your attention kernel biased? (issue 19 §2): signed mean errors of attention kernels against float64.
+"""Is your attention kernel biased? Signed mean errors of attention kernels against float64.
 
 The paper's chain is tied BF16 row maxima → P̄ entries exactly 1 → a biased BF16 rounding of Ō = P̄V (V of one
 sign) → δ = rowsum(dO∘O) biased → a W_Q gradient error along a low-rank direction. This module measures the
@@ -42,8 +42,8 @@ presets through the exact PyTorch reference, CPU and GPU), ``triton:<preset>`` (
 ``sdpa:math`` (SDPA's math backend on BF16 inputs, CPU and GPU) and ``flex`` (FlexAttention, GPU).
 :func:`audit` runs a grid of them and lists a kernel that cannot run on the device with its reason.
 
-* **captured** (issue 19's family iii, :func:`audit`'s ``captured``): q, k, v and dO of a trained run's layer as its
-  attention saw them, written by ``python -m lpfa.replay ... --save-qkv N`` (:func:`save_captured`) and read back by
+* **captured** (:func:`audit`'s ``captured``): q, k, v and dO of a trained run's layer as its attention saw them,
+  written by ``python -m lpfa.replay ... --save-qkv N`` (:func:`save_captured`) and read back by
   :func:`load_captured`.
 
 * **FP8** (``ref:fa3_fp8``, ``ref:fa3_fp8_p``): FlashAttention-3's FP8 forward on FA2's rounding, P̄ and V (or P̄
@@ -55,10 +55,19 @@ presets through the exact PyTorch reference, CPU and GPU), ``triton:<preset>`` (
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lpfa import results
+from lpfa.attention import AttentionStats, attention, get_policy
+from lpfa.attention.accuracy import attention64, run_policy
+from lpfa.attention.reference import backward_delta
 
 FAMILIES = ("random", "ties")
 QUANTITIES = ("o", "o_radial", "delta", "dq_u")
@@ -106,10 +115,6 @@ def save_captured(path, tensors: dict, meta: dict) -> Path:
     """Write a captured ``{"q", "k", "v", "do"}`` (B, H, T, D each; :func:`lpfa.replay.replay`'s ``save_qkv``) as an
     npz: their bits as BF16 (uint16 arrays, half the size of FP32, exact for the BF16 activations of a BF16 run), and
     ``meta`` (run, step, layer, policy) as JSON."""
-    import json
-
-    import numpy as np
-
     path = Path(path)
     arrays = {n: tensors[n].detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
               for n in CAPTURED_NAMES}
@@ -119,12 +124,8 @@ def save_captured(path, tensors: dict, meta: dict) -> Path:
 
 def load_captured(path) -> tuple[dict, dict]:
     """``(inputs, meta)`` of a :func:`save_captured` file: BF16 q, k, v, dO on the CPU, as :func:`inputs` gives its
-    families, for :func:`audit`'s ``captured`` (issue 19's third family: activations of a trained run's failing
-    layer). A file without them, or with tensors of other shapes, is a one-line error naming what is wrong."""
-    import json
-
-    import numpy as np
-
+    families, for :func:`audit`'s ``captured`` family (activations of a trained run's failing layer). A file without
+    them, or with tensors of other shapes, is a one-line error naming what is wrong."""
     path = Path(path)
     try:
         z = np.load(path)
@@ -172,8 +173,6 @@ def _unavailable(kernel: str, device: str) -> str | None:
 
 
 def _sdpa(kernel, q, k, v, do, scale):
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     backend = {"sdpa:flash": SDPBackend.FLASH_ATTENTION, "sdpa:cudnn": SDPBackend.CUDNN_ATTENTION,
                "sdpa:efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa:math": SDPBackend.MATH}[kernel]
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
@@ -184,6 +183,7 @@ def _sdpa(kernel, q, k, v, do, scale):
 
 
 def _flex(q, k, v, do, scale):
+    # FlexAttention is missing in some PyTorch builds (:func:`_unavailable` says so): imported when it runs
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, H, T, _ = q.shape
@@ -199,21 +199,16 @@ def run_kernel(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
     _check_choice("kernel", kernel, KERNELS)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if kernel == "float64":
-        from lpfa.attention.accuracy import attention64
-
         t = attention64(q, k, v, do, scale)
         o, dq = t["o"], t["dq"]
         delta = (do.double() * o).sum(-1)
     elif kernel.startswith(("ref:", "triton:")):
-        from lpfa.attention import get_policy
-        from lpfa.attention.accuracy import run_policy
-        from lpfa.attention.reference import backward_delta
-
         backend, preset = kernel.split(":")
         pol = get_policy(preset)
         with torch.no_grad():
             got = run_policy(q, k, v, do, pol, scale, "reference" if backend == "ref" else "triton")
-            delta = backward_delta(do.float(), q.float(), k.float(), v.float(), got["o"].float(), got["lse"].float(), pol, scale)
+            delta = backward_delta(do.float(), q.float(), k.float(), v.float(), got["o"].float(), got["lse"].float(),
+                                   pol, scale)
         o, dq = got["o"], got["dq"]
     elif kernel == "flex":
         o, dq = _flex(q, k, v, do, scale)
@@ -236,8 +231,6 @@ def bias(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
     """Signed mean errors of ``kernel`` against float64 on (B, H, T, D) inputs: ``{quantity: {"mean", "ci_low",
     "ci_high", "n"}}`` for ``o`` (per row, averaged over features), ``delta`` and ``dq_u`` (module docstring);
     the CI is mean ± 1.96·sd/√n over the n = B·H·T rows."""
-    from lpfa.attention.accuracy import attention64
-
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     got = run_kernel(kernel, q, k, v, do, scale)
     dev = got["o"].device
@@ -245,8 +238,8 @@ def bias(kernel: str, q, k, v, do, scale: float | None = None) -> dict:
     t = attention64(q, k, v, do, scale)
     delta64 = (do.double() * t["o"]).sum(-1)
     u = direction(q, k, scale)
-    err = {"o": (got["o"] - t["o"]).mean(-1), "o_radial": ((got["o"] - t["o"]) * torch.sign(t["o"])).mean(-1), "delta": got["delta"] - delta64,
-           "dq_u": ((got["dq"] - t["dq"]) * u[..., None, :]).sum(-1)}
+    err = {"o": (got["o"] - t["o"]).mean(-1), "o_radial": ((got["o"] - t["o"]) * torch.sign(t["o"])).mean(-1),
+           "delta": got["delta"] - delta64, "dq_u": ((got["dq"] - t["dq"]) * u[..., None, :]).sum(-1)}
     return {name: _ci(e) for name, e in err.items()}
 
 
@@ -255,8 +248,6 @@ def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 
     """A tidy DataFrame, one row per (kernel, family, quantity): ``mean``, ``ci_low``, ``ci_high``, ``n``, ``device``
     and ``unavailable`` (the reason a kernel cannot run on ``device``, its numbers then missing). ``captured``: more
     families by name, each ``{"q", "k", "v", "do"}`` as :func:`load_captured` gives them (their own shape)."""
-    import pandas as pd
-
     families, kernels = list(families), list(kernels)
     for f in families:
         _check_choice("family", f, FAMILIES)
@@ -267,8 +258,8 @@ def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 
     captured = dict(captured or {})
     for name, x in captured.items():
         if name in FAMILIES or not (isinstance(x, dict) and set(CAPTURED_NAMES) <= set(x)):
-            raise ValueError(f"captured[{name!r}]: expected a new family name and a dict of {', '.join(CAPTURED_NAMES)} "
-                             "(lpfa.audit.load_captured)")
+            raise ValueError(f"captured[{name!r}]: expected a new family name and a dict of "
+                             f"{', '.join(CAPTURED_NAMES)} (lpfa.audit.load_captured)")
     rows = []
     for f in [*families, *captured]:
         x = captured[f] if f in captured else inputs(f, B, H, T, D, seed)
@@ -293,12 +284,11 @@ def audit(families=FAMILIES, kernels=CPU_KERNELS, device: str = "cpu", B: int = 
 
 
 def chance_exclusions(df, family: str | None = None) -> dict:
-    """How many of an :func:`audit`'s 95% intervals exclude 0, against how many would by chance alone: ``{"n": the
-    intervals of the kernels that ran (float64 itself left out), "excluding": those whose interval excludes 0,
-    "expected": 0.05·n, the count expected if no kernel were biased, "p_chance": the chance of at least that many
-    among n independent unbiased intervals (binomial tail)}``, over ``family`` only when given. Each interval
-    excludes 0 by chance with probability 5%, so among many intervals a few exclusions are no evidence of a bias;
-    rows of a correlated family (O and its radial error, say) are not independent either."""
+    """How many of an :func:`audit`'s 95% intervals exclude 0, against chance: ``{"n": the intervals of the kernels
+    that ran (float64 left out), "excluding": those excluding 0, "expected": 0.05·n, the count if no kernel were
+    biased, "p_chance": the chance of at least that many among n independent unbiased intervals (binomial tail)}``,
+    over ``family`` only when given. A few exclusions among many intervals are no evidence of a bias; correlated rows
+    (O and its radial error, say) are not independent either."""
     ran = df[df.unavailable.isna() & (df.kernel != "float64")]
     if family is not None:
         _check_choice("family", family, FAMILIES)
@@ -311,10 +301,6 @@ def chance_exclusions(df, family: str | None = None) -> dict:
 def load_audit(run: str | None = None, root=None):
     """A committed GPU audit (``results/kernel_bias/<run>/audit.json``, written by ``benchmarks/kernel_bias.py``):
     ``(df, config, folder)``, ``df`` as :func:`audit` returns it with the ``T`` column, ``run`` None the latest."""
-    import pandas as pd
-
-    from lpfa import results
-
     folder = results.run_dir("kernel_bias", run, root)
     d = results.load("kernel_bias", "audit.json", folder.name, root)
     df = pd.DataFrame(d["rows"])
@@ -353,61 +339,12 @@ def ci_text(row) -> str:
     return f"{row['mean']:+.2e} (95% CI {row.ci_low:+.2e} to {row.ci_high:+.2e})"
 
 
-def headline(df, where: str, T: int | None = None) -> str:
-    """Page 16's opening finding from an audit frame at one T per family (:func:`at_largest_T`), measured ``where``
-    ("on one H200", "on the CPU"; ``T``: the sequence length of a frame without a ``T`` column): the ``paper`` rounding's signed errors of O, δ and dQ along the low-rank direction on
-    the tied family, whether each interval excludes 0, and whether it is biased on random inputs; then how the
-    production kernels that ran compare on the tied rows (their largest δ error, how many times smaller than
-    ``paper``'s, its sign, and how many of their intervals exclude 0), or else which unbiased kernels show none."""
-    ran = df[df.unavailable.isna()]
-
-    def r(kernel, family, quantity):
-        return result(ran, kernel, family, quantity)
-
-    def ci(kernel, family, quantity):
-        return ci_text(r(kernel, family, quantity))
-
-    def biased(kernel, family, quantity):
-        return excludes_zero(r(kernel, family, quantity))
-
-    quantities = ("o", "delta", "dq_u")
-    tied = r("ref:paper", "ties", "o")
-    paper_chain = all(biased("ref:paper", "ties", q) for q in quantities)
-    production = [k for k in PRODUCTION if k in set(ran.kernel)]
-    prod_ties = [k for k in production if biased(k, "ties", "delta")]
-    clean = [k for k in ("ref:fa2", "ref:fp32", "sdpa:math") if k in set(ran.kernel)
-             and not any(biased(k, f, q) for f in FAMILIES for q in quantities)]
-    head = (f"**{where[0].upper() + where[1:]}, lpfa's `paper` rounding is biased exactly where the paper says: on rows with "
-            f"tied BF16 maxima and negative V its O error averages {ci('ref:paper', 'ties', 'o')}, δ's "
-            f"{ci('ref:paper', 'ties', 'delta')} and dQ's along the low-rank direction {ci('ref:paper', 'ties', 'dq_u')}"
-            + (", every interval excluding 0" if paper_chain else " (not every interval excludes 0)")
-            + f" ({int(tied.n):,} rows, T = {int(tied['T']) if 'T' in ran.columns else T}), while on random inputs "
-            + ("it shows no bias whose interval excludes 0" if not any(biased("ref:paper", "random", q) for q in quantities)
-               else "it is biased too"))
-    if production:
-        worst = max(production, key=lambda k: abs(r(k, "ties", "delta")["mean"]))
-        ratio = abs(r("ref:paper", "ties", "delta")["mean"]) / abs(r(worst, "ties", "delta")["mean"])
-        same_sign = r(worst, "ties", "delta")["mean"] * r("ref:paper", "ties", "delta")["mean"] > 0
-        head += (f". PyTorch's production kernels ({', '.join(f'`{k}`' for k in production)}) err far less on the tied rows: "
-                 f"their largest δ error, `{worst}`'s {ci(worst, 'ties', 'delta')}, is {ratio:.0f}× smaller than `paper`'s, "
-                 + ("of the same sign" if same_sign else "of the opposite sign")
-                 + f", and {len(prod_ties)} of their {len(production)} intervals " + ("excludes" if len(prod_ties) == 1 else "exclude")
-                 + " 0")
-    elif clean:
-        head += f"; {', '.join(f'`{k}`' for k in clean)} shows none on either family"
-    return head + "**."
-
-
 def silenced_rows(captured: dict, policies=("paper", "fa2", "paper_sfa", "fa2_sfa")):
     """What each policy's forward does to the rows of a captured layer (:func:`load_captured`), through the exact
     reference on the CPU: per policy the rows, tied rows (:class:`lpfa.attention.AttentionStats`' ``tied_rows``, in
     its score precision), rows SFA shifted, rows the row-sum clamp attenuated, rows whose row sum underflowed to 0
     (``zeroed``: with the clamp O is then 0, without it 0/0), rows of O holding a NaN, and the largest logit of the
     layer. SFA's hazard of :class:`lpfa.attention.SFA` (large |rm|), counted on real activations."""
-    import pandas as pd
-
-    from lpfa.attention import AttentionStats, attention
-
     q, k, v = (captured[n] for n in ("q", "k", "v"))
     T, D = q.shape[-2], q.shape[-1]
     s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
@@ -417,7 +354,8 @@ def silenced_rows(captured: dict, policies=("paper", "fa2", "paper_sfa", "fa2_sf
         st = AttentionStats()
         with torch.no_grad():
             o = attention(q, k, v, policy=name, backend="reference", stats=st)
-        out[name] = {"rows": int(q.shape[0] * q.shape[1] * T), "tied": int(st.tied_rows.sum()), "sfa shifted": int(st.sfa_rows.sum()),
-                     "attenuated": int(st.attenuated_rows.sum()), "zeroed": int(st.zeroed_rows.sum()),
-                     "NaN rows": int(torch.isnan(o).any(-1).sum()), "largest logit": top}
+        out[name] = {"rows": int(q.shape[0] * q.shape[1] * T), "tied": int(st.tied_rows.sum()),
+                     "sfa shifted": int(st.sfa_rows.sum()), "attenuated": int(st.attenuated_rows.sum()),
+                     "zeroed": int(st.zeroed_rows.sum()), "NaN rows": int(torch.isnan(o).any(-1).sum()),
+                     "largest logit": top}
     return pd.DataFrame.from_dict(out, orient="index")

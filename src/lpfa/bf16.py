@@ -17,17 +17,32 @@ Two tools:
   (``p_bar == 1``, the tied row maxima of Sec. 3.3.1), with values that share a sign or not,
   against the same rows with every weight below 1 (what SFA produces, Sec. 4).
 
+The rows of :func:`accumulation_bias`: scores relative to the row max, ``n`` keys tied at the max
+(``p_bar = exp(s − row_max)`` exactly 1), the others ``gap + |N(0, score_std)|`` below it (a gap of 0
+gives rows where many keys come close to the max, a large gap rows the tied keys dominate), keys in
+random order. ``weights="below_one"`` multiplies the whole row by ``c ~ U(0.3, 0.95)``, as SFA does
+(``m = β·row_max`` scales every ``p_bar`` by ``exp((1 − β)·row_max) < 1``): no weight is exactly 1.
+Values are BF16: ``−|N(0,1)|`` ("negative"), ``+|N(0,1)|`` ("positive") or ``N(0,1)`` ("mixed").
+``p_bar`` is rounded to BF16 before the product, as in FlashAttention-2 and the paper's code, so each
+product is exact in FP32. "fp32" accumulation sums the products in FP32 in key order and rounds once
+to BF16 (a tensor-core ``P̄V`` GEMM with a BF16 output); "bf16" rounds every partial sum (a BF16
+accumulator). The error unit is the BF16 ulp of ``Σ_t |p_bar[t]·v[t]|`` (the ulp of the exact sum when
+the values share a sign); unbiased rounding rounds half of the inexact results up in magnitude.
+
 BF16 has FP32's 8 exponent bits and 7 stored fraction bits: a significand of 8 bits.
 """
 
 from __future__ import annotations
 
+import html
 import math
 import struct
 from dataclasses import dataclass, field
 from fractions import Fraction
 
 import numpy as np
+import pandas as pd
+import torch
 
 __all__ = [
     "FloatFields",
@@ -41,7 +56,6 @@ __all__ = [
     "accumulation_bias",
     "PAPER_OPERANDS",
     "binade",
-    "operands_text",
 ]
 
 EXP_BITS = 8
@@ -97,7 +111,8 @@ class FloatFields:
     @property
     def hex(self) -> str:
         width = 8 if self.fmt == "FP32" else 4
-        word = (self.sign << (EXP_BITS + self.frac_width)) | (self.exponent_bits << self.frac_width) | self.fraction_bits
+        word = ((self.sign << (EXP_BITS + self.frac_width)) | (self.exponent_bits << self.frac_width)
+                | self.fraction_bits)
         return f"0x{word:0{width}X}"
 
     def describe(self) -> str:
@@ -166,12 +181,10 @@ def _strip_lead(s: str) -> str:
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, repr=False)
 class BF16Addition:
-    """Every step of ``bf16(a + b)`` for FP32 inputs ``a`` and ``b`` (see :func:`explain_add`).
-
-    ``guard``, ``round_bit`` and ``sticky`` are the first dropped bit, the second, and the OR of
-    all further dropped bits; ``rounded_up`` tells whether the magnitude was incremented.
-    ``error`` is ``result − exact`` as an exact fraction (None when the result is not finite).
-    """
+    """Every step of ``bf16(a + b)`` for FP32 inputs ``a`` and ``b`` (see :func:`explain_add`): ``guard``,
+    ``round_bit`` and ``sticky`` are the first dropped bit, the second, and the OR of all further dropped bits;
+    ``rounded_up`` tells whether the magnitude was incremented; ``error`` is ``result − exact`` as an exact fraction
+    (None when the result is not finite)."""
 
     a: FloatFields
     b: FloatFields
@@ -216,8 +229,6 @@ class BF16Addition:
         return f"BF16Addition({self.a.value!r} + {self.b.value!r} → {self.result!r}, error {err})"
 
     def _repr_html_(self) -> str:
-        import html
-
         return f"<pre style='line-height:1.25'>{html.escape(self.report())}</pre>"
 
 
@@ -239,13 +250,10 @@ def _floor_log2(x: Fraction) -> int:
 
 
 def explain_add(a: float, b: float) -> BF16Addition:
-    """Add two FP32 numbers exactly and round the sum to BF16, recording each step.
-
-    The inputs are first rounded to FP32 (a step says so if that changed them). The result is the
-    correctly rounded BF16 value of the exact sum (round to nearest, ties to even), which is what a
-    single BF16-rounded addition produces (e.g. the FP32 → BF16 store after an FP32 add whose sum is
-    exact). Handles signed zeros, subnormals, cancellation, overflow to infinity, inf and NaN.
-    """
+    """Add two FP32 numbers exactly and round the sum to BF16 (Sec. 3.3.2), recording each step. The inputs are first
+    rounded to FP32 (a step says so if that changed them); the result is the correctly rounded BF16 value of the exact
+    sum (round to nearest, ties to even), what a single BF16-rounded addition produces. Handles signed zeros,
+    subnormals, cancellation, overflow to infinity, inf and NaN."""
     steps: list[tuple[str, str]] = []
     fa, fb = fp32_fields(a), fp32_fields(b)
     note = []
@@ -335,7 +343,8 @@ def explain_add(a: float, b: float) -> BF16Addition:
         )
     elif norm_shift < 0:
         why = "cancellation" if not same else "subnormal operands"
-        norm = f"{why}: the leading 1 lies {-norm_shift} place(s) right of the point; shift left by {-norm_shift}, exponent {big.exponent} → {e}"
+        norm = (f"{why}: the leading 1 lies {-norm_shift} place(s) right of the point; shift left by {-norm_shift}, "
+                f"exponent {big.exponent} → {e}")
     else:
         norm = "the sum is already in [1, 2): no shift"
     sub = e < MIN_NORMAL_EXP
@@ -370,9 +379,11 @@ def explain_add(a: float, b: float) -> BF16Addition:
         elif rb or st:
             decision = "guard 1 and round/sticky not both 0: above halfway → round up (magnitude grows)"
         elif kept & 1:
-            decision = "exactly halfway (guard 1, round 0, sticky 0) and the kept last bit is odd → ties-to-even rounds up"
+            decision = ("exactly halfway (guard 1, round 0, sticky 0) and the kept last bit is odd → ties-to-even "
+                        "rounds up")
         else:
-            decision = "exactly halfway (guard 1, round 0, sticky 0) and the kept last bit is even → ties-to-even rounds down"
+            decision = ("exactly halfway (guard 1, round 0, sticky 0) and the kept last bit is even → ties-to-even "
+                        "rounds down")
         decision = (
             f"kept {kept_str} | guard {g} | round {rb} | sticky {st} (OR of {len(tail)} more bits: {tail or '—'})\n"
             f"{decision}"
@@ -443,26 +454,6 @@ def binade(x: float) -> str:
     return f"[2^{e}, 2^{e + 1})"
 
 
-def operands_text(a: float, b: float) -> str:
-    """The binades and signs of two FP32 operands in words, what decides how their sum normalises, e.g.
-    ``"|a| and |b| both lie in [2, 4), and both are negative"`` or ``"|a| lies in [4, 8) and |b| in [1, 2); a is
-    positive and b negative"``."""
-    fa, fb = fp32_fields(a), fp32_fields(b)
-    ba, bb = binade(a), binade(b)
-    if ba in ("zero", "infinite", "NaN") or bb in ("zero", "infinite", "NaN"):
-        where = f"a is {ba if ba in ('zero', 'infinite', 'NaN') else f'in {ba}'} and b {bb if bb in ('zero', 'infinite', 'NaN') else f'in {bb}'}"
-    elif ba == bb:
-        where = f"|a| and |b| both lie in {ba}"
-    else:
-        where = f"|a| lies in {ba} and |b| in {bb}"
-    if math.isnan(fa.value) or math.isnan(fb.value):
-        return where
-    sign = {0: "positive", 1: "negative"}
-    if fa.sign == fb.sign:
-        return f"{where}, and both are {sign[fa.sign]}"
-    return f"{where}; a is {sign[fa.sign]} and b {sign[fb.sign]}"
-
-
 def bf16_add(a: float, b: float) -> float:
     """``bf16(a + b)`` for FP32 ``a``, ``b``, rounded once from the exact sum (RNE)."""
     return explain_add(a, b).result
@@ -473,8 +464,6 @@ def bf16_add(a: float, b: float) -> float:
 # --------------------------------------------------------------------------------------------
 def _bf16(x):
     """Round an FP32 torch tensor to BF16 (RNE) and back to FP32."""
-    import torch
-
     return x.to(torch.bfloat16).to(torch.float32)
 
 
@@ -490,33 +479,12 @@ def accumulation_bias(
     trials: int = 20_000,
     seed: int = 0,
 ):
-    """Mean signed error of a BF16-rounded row sum ``o_bar = Σ_t p_bar[t]·v[t]`` (Sec. 3.3).
-
-    Each trial draws one attention row of ``n_keys`` keys:
-
-    * scores relative to the row max: ``n`` keys tied at the max (``n`` from ``n_ones``), where
-      ``p_bar = exp(s − rowmax)`` is exactly 1; the others sit ``gap + |N(0, score_std)|`` below it
-      (``gap`` from ``gaps``: 0 gives rows where many keys come close to the max, a large gap rows the
-      tied keys dominate); keys in random order;
-    * ``weights="below_one"`` multiplies the whole row by ``c ~ U(0.3, 0.95)``, which is what SFA does
-      (``m = β·rm`` scales every ``p_bar`` by ``exp((1 − β)·rm) < 1``): no weight is exactly 1;
-    * values ``v`` are BF16: ``−|N(0,1)|`` (``"negative"``), ``+|N(0,1)|`` (``"positive"``), or
-      ``N(0,1)`` (``"mixed"``);
-    * ``p_bar`` is rounded to BF16 before the product, as in FlashAttention-2 and the paper's code, so
-      each product ``bf16(p_bar)·v`` is exact in FP32.
-
-    Accumulation: ``"fp32"`` sums the products in FP32 in key order and rounds once to BF16 (a
-    tensor-core ``P̄V`` GEMM with a BF16 output); ``"bf16"`` rounds every partial sum to BF16 (a BF16
-    accumulator). The reference is the float64 sum.
-
-    Returns a pandas DataFrame, one row per condition: the mean signed error in units of the BF16 ulp
-    of ``Σ_t |p_bar[t]·v[t]|`` (the row's scale; equal to the ulp of the exact sum when the values share
-    a sign) and its standard error, and the fraction of inexact results whose magnitude exceeds the
-    exact sum's (0.5 for unbiased rounding).
-    """
-    import pandas as pd
-    import torch
-
+    """Mean signed error of a BF16-rounded row sum ``o_bar = Σ_t p_bar[t]·v[t]`` (Sec. 3.3), over ``trials`` random
+    rows of ``n_keys`` keys per condition: ``n`` of ``n_ones`` keys tied at the row max (``p_bar = 1``), the others
+    ``gap`` of ``gaps`` plus ``|N(0, score_std)|`` below it; ``weights`` "one" or SFA-like "below_one"; values of
+    ``value_signs``; ``accumulate`` "fp32" (one rounding, a GEMM) or "bf16" (every partial sum rounded), against the
+    float64 sum (the module docstring gives the model). Returns a DataFrame, one row per condition: the mean error,
+    its standard error (in BF16 ulps of ``Σ_t |p_bar[t]·v[t]|``) and the share of inexact results rounded up."""
     bad = [s for s in value_signs if s not in ("negative", "positive", "mixed")]
     bad += [w for w in weights if w not in ("one", "below_one")]
     bad += [a for a in accumulate if a not in ("fp32", "bf16")]
@@ -577,40 +545,3 @@ def accumulation_bias(
                         )
     return pd.DataFrame(rows)
 
-
-def plot_accumulation_bias(df, accumulate: tuple[str, ...] | None = None):
-    """Figure of :func:`accumulation_bias`: mean signed error (± 2 standard errors) against the number of
-    ``p_bar == 1`` terms; one column per score gap, one row per accumulation mode. Returns the figure."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import COLORS, use_style
-
-    use_style()
-    accs = list(accumulate or dict.fromkeys(df["accumulate"]))
-    gaps = list(dict.fromkeys(df["gap"]))
-    fig, axes = plt.subplots(len(accs), len(gaps), figsize=(3.4 * len(gaps), 2.9 * len(accs)), squeeze=False, sharex=True)
-    styles = {
-        ("one", "negative"): dict(color=COLORS["bf16"], ls="-", marker="o", label="p̄ = 1 terms, values < 0"),
-        ("one", "positive"): dict(color=COLORS["accent"], ls="-", marker="^", label="p̄ = 1 terms, values > 0"),
-        ("below_one", "negative"): dict(color=COLORS["sfa"], ls="-", marker="s", label="all p̄ < 1 (SFA-like), values < 0"),
-        ("below_one", "positive"): dict(color=COLORS["sky"], ls="-", marker="v", label="all p̄ < 1 (SFA-like), values > 0"),
-        ("one", "mixed"): dict(color=COLORS["neutral"], ls="--", marker=".", label="p̄ = 1 terms, mixed signs"),
-        ("below_one", "mixed"): dict(color=COLORS["neutral"], ls=":", marker=".", label="all p̄ < 1, mixed signs"),
-    }
-    titles = {"fp32": "FP32 accumulate, one BF16 rounding (GEMM)", "bf16": "BF16 accumulator (every add rounded)"}
-    for i, acc in enumerate(accs):
-        for j, gap in enumerate(gaps):
-            ax = axes[i, j]
-            sub = df[(df["accumulate"] == acc) & (df["gap"] == gap)]
-            for (w, vs), g in sub.groupby(["weights", "values"], sort=False):
-                g = g.sort_values("n_ones")
-                ax.errorbar(g["n_ones"], g["mean_err_ulp"], yerr=2 * g["sem_err_ulp"], capsize=2, ms=4, lw=1.2, **styles[(w, vs)])
-            ax.axhline(0, color="black", lw=0.6)
-            ax.set_title(f"{titles[acc]}\nother keys ≥ {gap:g} below the max", fontsize=9)
-            if j == 0:
-                ax.set_ylabel("mean signed error [BF16 ulp]")
-            if i == len(accs) - 1:
-                ax.set_xlabel("keys tied at the row max (p̄ = 1)")
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)))
-    return fig

@@ -15,6 +15,7 @@ own defaults plus any overrides there), ``small`` is the quick set CI uses. Note
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import shutil
 import subprocess
@@ -23,13 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import yaml
+from tqdm.auto import tqdm
 
 from lpfa.paths import repo_root
 
 BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
 CELL_TIMEOUT_S = 1200  # the slowest default cell (300 CPU training steps) takes about 2 minutes
-
-
 CONSOLE_LOG = "console.txt"  # what a quiet block would have printed, in the run folder
 
 
@@ -47,7 +47,7 @@ def train_quietly(cfg, quiet_log: bool = True) -> dict:
     """``lpfa.train.train(cfg)`` for a notebook: with ``quiet_log`` its console output (the log lines, which
     ``log.txt`` in the run folder keeps anyway, and any progress bar) goes to ``<out_dir>/console.txt``, not
     the page. Returns the run's summary."""
-    from lpfa.train import train
+    from lpfa.train import train  # torch and the trainer (seconds to import): only training notebooks need them
 
     if not quiet_log:
         return train(cfg)
@@ -92,7 +92,7 @@ def profile_parameters(root: Path, profile: str) -> dict[str, dict]:
 
 def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Path:
     """Run ``src`` with papermill into ``dst`` (working directory: ``src``'s folder)."""
-    import papermill as pm
+    import papermill as pm  # optional (the book extra)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     pm.execute_notebook(
@@ -117,8 +117,6 @@ def _jupyter_book() -> str:
 
 def build(profile: str = "default", out: str | Path | None = None, root: Path | None = None) -> Path:
     """Execute the notebooks at ``profile`` and build the HTML book; returns the ``index.html`` path."""
-    from tqdm.auto import tqdm
-
     root = Path(root) if root else repo_root()
     out = Path(out) if out else root
     params = profile_parameters(root, profile)
@@ -147,14 +145,14 @@ def build(profile: str = "default", out: str | Path | None = None, root: Path | 
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="lpfa book", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="lpfa book", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="default", help="parameter profile from notebooks/parameters.yml")
     p.add_argument("--out", default=None, help="folder that receives _build/html (default: the repository)")
     a = p.parse_args(argv)
     index = build(a.profile, a.out)
-    print(f"\nThe book is built: {index}\nOpen it with:  python -m http.server -d {index.parent}  (then http://localhost:8000)")
+    print(f"\nThe book is built: {index}\nOpen it with:  python -m http.server -d {index.parent}  "
+          "(then http://localhost:8000)")
     return 0
 
 

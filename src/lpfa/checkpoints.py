@@ -77,13 +77,10 @@ def read_json(path: str | Path, damaged: str = "", missing: str | None = None):
 
 @dataclass
 class Checkpoint:
-    """What :func:`load_checkpoint` returns.
-
-    ``model`` is the GPT with its weights; ``config`` the whole parsed ``config.json``; ``step`` and
-    ``train_config`` what :func:`save_checkpoint` was given; ``optimizer_state`` an optimizer
-    ``state_dict`` for ``optimizer.load_state_dict`` (``None`` if none was saved); ``extra_state``
-    the saved extra dict (``None`` if none was saved).
-    """
+    """What :func:`load_checkpoint` returns: ``model`` is the GPT with its weights; ``config`` the whole parsed
+    ``config.json``; ``step`` and ``train_config`` what :func:`save_checkpoint` was given; ``optimizer_state`` an
+    optimizer ``state_dict`` for ``optimizer.load_state_dict`` (``None`` if none was saved); ``extra_state`` the saved
+    extra dict (``None`` if none was saved)."""
 
     model: GPT
     config: dict
@@ -106,23 +103,19 @@ def save_checkpoint(
     train_config: dict | None = None,
     extra_state: dict | None = None,
 ) -> Path:
-    """Write ``model`` (and optionally ``optimizer`` and ``extra_state``) to the checkpoint folder ``folder``.
-
-    ``step``: the training step (an int). ``train_config``: any JSON-serialisable dict, stored in
-    ``config.json`` under ``"train"``. ``extra_state``: a dict of tensors and plain Python values
-    (ints, floats, strings, lists, tuples, dicts), e.g. ``torch.get_rng_state()`` and the data
-    position; it must load with ``torch.load(weights_only=True)`` (convert NumPy arrays to tensors).
-
-    The write is atomic (see the module docstring): an existing checkpoint at ``folder`` is replaced
-    only once the new one is complete on disk. Returns the checkpoint folder's path.
-    """
+    """Write ``model`` (and optionally ``optimizer`` and ``extra_state``) to the checkpoint folder ``folder``: ``step``
+    the training step (an int). ``train_config``: any JSON-serialisable dict, stored in ``config.json`` under
+    ``"train"``. ``extra_state``: a dict of tensors and plain Python values (ints, floats, strings, lists, tuples,
+    dicts), e.g. ``torch.get_rng_state()`` and the data position; it must load with ``torch.load(weights_only=True)``
+    (convert NumPy arrays to tensors). The write is atomic (module docstring). Returns the checkpoint folder's path."""
     folder = Path(folder)
     if not isinstance(model, GPT):
         raise TypeError(f"save_checkpoint expects an lpfa.model.GPT, got {type(model).__name__}")
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})")
     if folder.exists() and not folder.is_dir():
-        raise FileExistsError(f"{folder} exists and is not a folder; a checkpoint is a folder (expected a folder or no such path)")
+        raise FileExistsError(f"{folder} exists and is not a folder; a checkpoint is a folder (expected a folder or no "
+                              "such path)")
     # everything that can be checked is checked before anything is written
     config = {
         "format": FORMAT,
@@ -171,23 +164,19 @@ def save_checkpoint(
 
 
 def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = None) -> Checkpoint:
-    """Load a checkpoint folder written by :func:`save_checkpoint`.
-
-    ``map_location``: device for the model, the optimizer state and the extra state (``"cpu"``,
-    ``"cuda"``, a ``torch.device``). ``model_overrides``: GPTConfig fields to change on loading,
-    only those that do not affect the weights, e.g. ``{"attn_backend": "math"}`` or
-    ``{"attn_policy": "fp32"}``.
-
-    Raises ``FileNotFoundError`` for a missing folder or file and ``ValueError`` for a file that is
-    not what it should be (invalid JSON, corrupt safetensors, weights that do not fit the config).
-    """
+    """Load a checkpoint folder written by :func:`save_checkpoint`. ``map_location``: device for the model, the
+    optimizer state and the extra state (``"cpu"``, ``"cuda"``, a ``torch.device``). ``model_overrides``: GPTConfig
+    fields to change on loading, only those that do not affect the weights, e.g. ``{"attn_backend": "math"}`` or
+    ``{"attn_policy": "fp32"}``. Raises ``FileNotFoundError`` for a missing folder or file and ``ValueError`` for a file
+    that is not what it should be (invalid JSON, corrupt safetensors, weights that do not fit the config)."""
     folder = Path(folder)
     if not folder.exists():
         hint = ""
         aside = sorted(folder.parent.glob(f".{folder.name}.old-*")) if folder.parent.is_dir() else []
         if aside:
             hint = f"; a save was interrupted while swapping folders, the previous checkpoint is at {aside[0]}"
-        raise FileNotFoundError(f"checkpoint folder {folder} does not exist (expected a folder written by save_checkpoint){hint}")
+        raise FileNotFoundError(f"checkpoint folder {folder} does not exist (expected a folder written by "
+                                f"save_checkpoint){hint}")
     if not folder.is_dir():
         raise NotADirectoryError(
             f"{folder} is a file, but an lpfa checkpoint is a folder with {WEIGHTS_FILE} and {CONFIG_FILE} "
@@ -196,9 +185,10 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
     config_path = folder / CONFIG_FILE
     config = read_json(config_path, "; expected the config.json written by save_checkpoint",
                        missing=f"{config_path} is missing: {folder} is not a complete lpfa checkpoint folder")
-    if (not isinstance(config, dict) or not isinstance(config.get("model"), dict) or not isinstance(config.get("step"), int)
-            or isinstance(config.get("step"), bool)):
-        raise ValueError(f"{config_path} is not an lpfa checkpoint config: expected a JSON object with 'model' (a dict) and 'step' (an int)")
+    if (not isinstance(config, dict) or not isinstance(config.get("model"), dict)
+            or not isinstance(config.get("step"), int) or isinstance(config.get("step"), bool)):
+        raise ValueError(f"{config_path} is not an lpfa checkpoint config: expected a JSON object with 'model' "
+                         "(a dict) and 'step' (an int)")
     if config.get("format", FORMAT) != FORMAT or config.get("format_version", FORMAT_VERSION) > FORMAT_VERSION:
         raise ValueError(
             f"{config_path} has format {config.get('format')!r} version {config.get('format_version')!r}; "
@@ -217,7 +207,8 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
 
     for name, flag in ((OPTIMIZER_FILE, "has_optimizer"), (STATE_FILE, "has_extra_state")):
         if config.get(flag) and not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name} is missing: {config_path} says the checkpoint has one ({flag}: true)")
+            raise FileNotFoundError(f"{folder / name} is missing: {config_path} says the checkpoint has one "
+                                    f"({flag}: true)")
     optimizer_state = _torch_load_optional(folder / OPTIMIZER_FILE, map_location)
     extra_state = _torch_load_optional(folder / STATE_FILE, map_location)
     return Checkpoint(
@@ -235,17 +226,15 @@ def load_checkpoint(folder, map_location="cpu", model_overrides: dict | None = N
 
 
 def load_nanogpt(path, map_location="cpu", **config_overrides) -> GPT:
-    """Load the ``ckpt.pt`` written by nanoGPT's ``train.py`` into an lpfa GPT.
-
-    The file is read with ``torch.load(weights_only=True)``. It must be a dict with ``"model"`` (a
-    state dict; a ``"_orig_mod."`` prefix from ``torch.compile`` is removed, old ``.attn.bias``
-    mask buffers are ignored) and ``"model_args"`` (n_layer, n_head, n_embd, block_size, bias,
-    vocab_size and optionally dropout). ``config_overrides``: GPTConfig fields that do not affect
-    the weights, e.g. ``attn_backend="math"``, ``dropout=0.0``.
-    """
+    """Load the ``ckpt.pt`` written by nanoGPT's ``train.py`` into an lpfa GPT. The file is read with
+    ``torch.load(weights_only=True)``. It must be a dict with ``"model"`` (a state dict; a ``"_orig_mod."`` prefix from
+    ``torch.compile`` is removed, old ``.attn.bias`` mask buffers are ignored) and ``"model_args"`` (n_layer, n_head,
+    n_embd, block_size, bias, vocab_size and optionally dropout). ``config_overrides``: GPTConfig fields that do not
+    affect the weights, e.g. ``attn_backend="math"``, ``dropout=0.0``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"nanoGPT checkpoint {path} does not exist (expected the ckpt.pt file written by nanoGPT's train.py)")
+        raise FileNotFoundError(f"nanoGPT checkpoint {path} does not exist (expected the ckpt.pt file written by "
+                                "nanoGPT's train.py)")
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError, RuntimeError, KeyError, EOFError, ... for foreign or broken files
@@ -253,15 +242,18 @@ def load_nanogpt(path, map_location="cpu", **config_overrides) -> GPT:
             f"{path} could not be loaded with torch.load(weights_only=True) ({_why(e)}); "
             "expected nanoGPT's ckpt.pt (tensors and plain Python values only)"
         ) from e
-    if not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict) or not isinstance(ckpt.get("model_args"), dict):
+    if (not isinstance(ckpt, dict) or not isinstance(ckpt.get("model"), dict)
+            or not isinstance(ckpt.get("model_args"), dict)):
         found = sorted(map(str, ckpt)) if isinstance(ckpt, dict) else type(ckpt).__name__
         raise ValueError(
-            f"{path} is not a nanoGPT checkpoint: expected a dict with 'model' (state dict) and 'model_args' (dict), found {found}"
+            f"{path} is not a nanoGPT checkpoint: expected a dict with 'model' (state dict) and 'model_args' (dict), "
+            f"found {found}"
         )
     args = ckpt["model_args"]
     missing = [k for k in _NANOGPT_MODEL_ARGS if k not in args]
     if missing:
-        raise ValueError(f"{path}: model_args lacks {missing}; nanoGPT's model_args has {list(_NANOGPT_MODEL_ARGS) + ['dropout']}")
+        raise ValueError(f"{path}: model_args lacks {missing}; nanoGPT's model_args has "
+                         f"{list(_NANOGPT_MODEL_ARGS) + ['dropout']}")
     model_dict = {k: args[k] for k in _NANOGPT_MODEL_ARGS}
     model_dict["dropout"] = float(args.get("dropout", 0.0))
     model_config = _model_config(model_dict, config_overrides, str(path))
@@ -281,18 +273,17 @@ def load_nanogpt(path, map_location="cpu", **config_overrides) -> GPT:
 
 
 def load_hf_gpt2(folder, map_location="cpu", **config_overrides) -> GPT:
-    """Load a Hugging Face GPT-2 folder (``GPT2LMHeadModel.save_pretrained``) into an lpfa GPT.
-
-    Reads ``config.json`` and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``,
-    or ``pytorch_model.bin`` with ``torch.load(weights_only=True)``); ``transformers`` is not needed.
-    Conv1D weights are transposed to ``nn.Linear``'s layout, the attention-mask buffers are
-    ignored, and the config maps to ``bias=True``, ``dropout=0``, ``block_size=n_positions`` and
-    ``gelu_approximate="tanh"`` for ``gelu_new``. Configs lpfa cannot represent raise ``ValueError``.
-    ``config_overrides``: GPTConfig fields that do not affect the weights, e.g. ``attn_backend="math"``.
-    """
+    """Load a Hugging Face GPT-2 folder (``GPT2LMHeadModel.save_pretrained``) into an lpfa GPT. Reads ``config.json``
+    and ``model.safetensors`` (or a sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` with
+    ``torch.load(weights_only=True)``); ``transformers`` is not needed. Conv1D weights are transposed to ``nn.Linear``'s
+    layout, the attention-mask buffers are ignored, and the config maps to ``bias=True``, ``dropout=0``,
+    ``block_size=n_positions`` and ``gelu_approximate="tanh"`` for ``gelu_new``. Configs lpfa cannot represent raise
+    ``ValueError``. ``config_overrides``: GPTConfig fields that do not affect the weights, e.g.
+    ``attn_backend="math"``."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder; expected a Hugging Face save_pretrained folder with config.json and model.safetensors")
+        raise FileNotFoundError(f"{folder} is not a folder; expected a Hugging Face save_pretrained folder with "
+                                "config.json and model.safetensors")
     config_path = folder / "config.json"
     hf = read_json(config_path, missing=f"{config_path} is missing; expected a Hugging Face save_pretrained folder")
     model_config = _model_config(_hf_to_lpfa_config(hf, config_path), config_overrides, str(config_path))
@@ -314,15 +305,18 @@ def _hf_to_lpfa_config(hf: dict, config_path: Path) -> dict:
     if not isinstance(hf, dict):
         raise ValueError(f"{config_path} is not a JSON object")
     if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{config_path} has model_type {hf.get('model_type')!r}; load_hf_gpt2 reads GPT-2 ('gpt2') only")
+        raise ValueError(f"{config_path} has model_type {hf.get('model_type')!r}; load_hf_gpt2 reads GPT-2 ('gpt2') "
+                         "only")
     missing = [k for k in ("n_layer", "n_head", "n_embd", "n_positions", "vocab_size") if k not in hf]
     if missing:
-        raise ValueError(f"{config_path} lacks {missing}; expected a GPT-2 config (n_layer, n_head, n_embd, n_positions, vocab_size)")
+        raise ValueError(f"{config_path} lacks {missing}; expected a GPT-2 config (n_layer, n_head, n_embd, "
+                         "n_positions, vocab_size)")
     act = hf.get("activation_function", "gelu_new")
     problems = []
     if act not in _HF_GELU:
         problems.append(f"activation_function={act!r} (supported: {sorted(_HF_GELU)})")
-    for key, default in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+    for key, default in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                         ("add_cross_attention", False)):
         if hf.get(key, default):
             problems.append(f"{key}=true (must be false)")
     if not hf.get("scale_attn_weights", True):
@@ -332,7 +326,8 @@ def _hf_to_lpfa_config(hf: dict, config_path: Path) -> dict:
     if abs(float(hf.get("layer_norm_epsilon", 1e-5)) - 1e-5) > 1e-12:
         problems.append(f"layer_norm_epsilon={hf['layer_norm_epsilon']} (lpfa uses 1e-5)")
     if problems:
-        raise ValueError(f"{config_path}: this GPT-2 config cannot be represented by lpfa's GPT: " + "; ".join(problems))
+        raise ValueError(f"{config_path}: this GPT-2 config cannot be represented by lpfa's GPT: "
+                         + "; ".join(problems))
     return {
         "n_layer": hf["n_layer"],
         "n_head": hf["n_head"],
@@ -346,7 +341,8 @@ def _hf_to_lpfa_config(hf: dict, config_path: Path) -> dict:
 
 
 def _read_hf_weights(folder: Path) -> tuple[str, dict]:
-    single, index, bin_ = folder / "model.safetensors", folder / "model.safetensors.index.json", folder / "pytorch_model.bin"
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    bin_ = folder / "pytorch_model.bin"
     if single.is_file():
         return str(single), _read_safetensors(single)
     if index.is_file():
@@ -368,7 +364,8 @@ def _read_hf_weights(folder: Path) -> tuple[str, dict]:
         if not isinstance(state, dict):
             raise ValueError(f"{bin_} is not a state dict (found {type(state).__name__})")
         return str(bin_), state
-    raise FileNotFoundError(f"{folder} has no weights: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+    raise FileNotFoundError(f"{folder} has no weights: expected model.safetensors, model.safetensors.index.json or "
+                            "pytorch_model.bin")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -384,8 +381,8 @@ def _model_config(model_dict: dict, overrides: dict, source: str) -> GPTConfig:
     fixed = sorted(k for k in overrides if k in ARCHITECTURE_FIELDS and overrides[k] != model_dict.get(k))
     if fixed:
         raise ValueError(
-            f"cannot override {fixed} when loading {source}: they decide the weights' shapes, which the checkpoint fixes; "
-            f"overridable fields are {sorted(names - set(ARCHITECTURE_FIELDS))}"
+            f"cannot override {fixed} when loading {source}: they decide the weights' shapes, which the checkpoint "
+            f"fixes; overridable fields are {sorted(names - set(ARCHITECTURE_FIELDS))}"
         )
     return GPTConfig.from_dict({**model_dict, **overrides})
 
@@ -419,19 +416,22 @@ def _build_and_load(config: GPTConfig, state_dict: dict, source: str, map_locati
     if missing or unexpected or mismatched:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing keys, e.g. " + ", ".join(f"{k} {tuple(want[k].shape)}" for k in missing[:4]))
+            parts.append(f"{len(missing)} missing keys, e.g. "
+                         + ", ".join(f"{k} {tuple(want[k].shape)}" for k in missing[:4]))
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected keys, e.g. " + ", ".join(f"{k} {tuple(state_dict[k].shape)}" for k in unexpected[:4]))
+            parts.append(f"{len(unexpected)} unexpected keys, e.g. "
+                         + ", ".join(f"{k} {tuple(state_dict[k].shape)}" for k in unexpected[:4]))
         if mismatched:
             parts.append(
                 f"{len(mismatched)} shape mismatches, e.g. "
-                + ", ".join(f"{k}: stored {tuple(state_dict[k].shape)}, config expects {tuple(want[k].shape)}" for k in mismatched[:4])
+                + ", ".join(f"{k}: stored {tuple(state_dict[k].shape)}, config expects {tuple(want[k].shape)}"
+                            for k in mismatched[:4])
             )
         c = config
         raise ValueError(
-            f"the weights in {source} do not fit the model config (n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, "
-            f"vocab_size={c.vocab_size}, block_size={c.block_size}, bias={c.bias}, qk_norm={c.qk_norm}, "
-            f"gated_attn={c.gated_attn}): " + "; ".join(parts)
+            f"the weights in {source} do not fit the model config (n_layer={c.n_layer}, n_head={c.n_head}, "
+            f"n_embd={c.n_embd}, vocab_size={c.vocab_size}, block_size={c.block_size}, bias={c.bias}, "
+            f"qk_norm={c.qk_norm}, gated_attn={c.gated_attn}): " + "; ".join(parts)
         )
     if len(float_dtypes) == 1:
         model.to(next(iter(float_dtypes)))  # keep the stored precision (e.g. a bf16 checkpoint)
@@ -451,8 +451,8 @@ def _serialise_weights_only(obj, what: str) -> bytes:
         torch.load(io.BytesIO(data), weights_only=True)
     except Exception as e:
         raise TypeError(
-            f"{what} must hold only tensors and plain Python values (so it loads with torch.load(weights_only=True)); "
-            f"convert e.g. NumPy arrays to tensors or lists ({_why(e)})"
+            f"{what} must hold only tensors and plain Python values (so it loads with "
+            f"torch.load(weights_only=True)); convert e.g. NumPy arrays to tensors or lists ({_why(e)})"
         ) from e
     return data
 
@@ -463,7 +463,8 @@ def _torch_load_optional(path: Path, map_location):
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # UnpicklingError, RuntimeError, KeyError, EOFError, ... for foreign or broken files
-        raise ValueError(f"{path} could not be loaded with torch.load(weights_only=True), it is corrupt or truncated ({_why(e)})") from e
+        raise ValueError(f"{path} could not be loaded with torch.load(weights_only=True), it is corrupt or truncated "
+                         f"({_why(e)})") from e
 
 
 def _why(e: Exception) -> str:

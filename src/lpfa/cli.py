@@ -16,12 +16,16 @@ import sys
 VERBS: dict[str, tuple[str, str]] = {
     "book": ("lpfa.book", "execute the notebooks (a parameter profile) and build the HTML book"),
     "tokens": ("lpfa.cli", "tokenize a folder of .txt[.xz|.gz] files into nanoGPT train.bin/val.bin"),
-    "train": ("lpfa.train", "train GPT-2 with an attention precision policy (presets, a YAML config, key=value fields)"),
+    "train": ("lpfa.train",
+              "train GPT-2 with an attention precision policy (presets, a YAML config, key=value fields)"),
     "launch": ("lpfa.launch", "start twin trainings in the background, follow them and collect their small files"),
-    "replay": ("lpfa.replay", "replay a run from a checkpoint and measure low- against high-precision attention (Figs. 4-6)"),
+    "replay": ("lpfa.replay",
+               "replay a run from a checkpoint and measure low- against high-precision attention (Figs. 4-6)"),
     "structure": ("lpfa.structure", "ties and rank-1 structure of a trained run's checkpoint (Figs. 8, 9)"),
-    "sfa-sweep": ("lpfa.sfa_sweep", "what SFA's row-sum clamp does to a run's rows, for several β, at every checkpoint"),
-    "doctor": ("lpfa.doctor", "every link of the failure chain per layer and head of one checkpoint, with a verdict per head"),
+    "sfa-sweep": ("lpfa.sfa_sweep",
+                  "what SFA's row-sum clamp does to a run's rows, for several β, at every checkpoint"),
+    "doctor": ("lpfa.doctor",
+               "every link of the failure chain per layer and head of one checkpoint, with a verdict per head"),
 }
 
 
@@ -38,9 +42,11 @@ class _OneLineErrors(argparse.ArgumentParser):
 
 
 def _tokens(argv: list[str]) -> int:
+    # the verb's module, imported when the verb runs as every verb's is (NumPy, tiktoken: `lpfa --help` stays instant)
     from lpfa.data import TOKENIZERS, build_token_files
 
-    p = _OneLineErrors(prog="lpfa tokens", description="Tokenize a folder of .txt[.xz|.gz] files into nanoGPT train.bin/val.bin")
+    p = _OneLineErrors(prog="lpfa tokens",
+                       description="Tokenize a folder of .txt[.xz|.gz] files into nanoGPT train.bin/val.bin")
     p.add_argument("src", help="folder of text files")
     p.add_argument("out", help="output folder")
     p.add_argument("--tokenizer", default="auto", choices=TOKENIZERS)
@@ -61,7 +67,8 @@ def _exit_code(e: SystemExit) -> int:
 
 
 def run_verb(verb: str, argv: list[str]) -> int:
-    """Run ``verb``'s module on ``argv`` (its ``main(argv)``, else the module as ``python -m``); returns the exit status."""
+    """Run ``verb``'s module on ``argv`` (its ``main(argv)``, else the module as ``python -m``); returns the exit
+    status."""
     if verb == "tokens":
         entry = _tokens
     else:
@@ -89,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     verb = argv[0]
     if verb not in VERBS:
-        print(f"lpfa: unknown verb {verb!r}; the verbs are {', '.join(VERBS)} (lpfa --help describes them)", file=sys.stderr)
+        print(f"lpfa: unknown verb {verb!r}; the verbs are {', '.join(VERBS)} (lpfa --help describes them)",
+              file=sys.stderr)
         return 2
     return run_verb(verb, argv[1:])
 

@@ -5,19 +5,24 @@ verdicts, the loss curves. Runs are read through :mod:`lpfa.run`; nothing here k
 
 from __future__ import annotations
 
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from lpfa.run import (
-    load_metrics,
-    read_run_config,
-    run_verdict,
-)
+import numpy as np
+import pandas as pd
+
+from lpfa.experiments import DESCRIPTIONS
+from lpfa.explosion import ExplosionCriterion, RunawayCriterion, attention_label, first_sustained, heads_text
+from lpfa.model import GPTConfig
+from lpfa.paths import results_dir
+from lpfa.run import load_metrics, read_run_config, run_verdict
+from lpfa.train import TrainConfig
 
 
 def plot_losses(runs: dict, smooth: int = 20, ax=None):
     """Training loss (rolling mean over ``smooth`` steps) and evaluation loss of one or more runs
     (``{label: run_dir}``), colours from :data:`lpfa.plotting.COLORS` where a label names a mode."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
     from lpfa.plotting import COLORS, use_style
 
@@ -38,24 +43,33 @@ def plot_losses(runs: dict, smooth: int = 20, ax=None):
 
 def head_metric_frame(run_dir: str | Path, metric: str):
     """Long DataFrame (step, layer, head, value) of a per-head diagnostic of a run."""
-    import numpy as np
-    import pandas as pd
 
     _, _, diag = load_metrics(run_dir)
     if diag.empty or metric not in diag:
         raise ValueError(f"{run_dir} has no {metric!r} diagnostics (was diag_interval 0?)")
     values = np.array(diag[metric].tolist())  # (records, layers, heads)
     r, L, H = values.shape
-    return pd.DataFrame({"step": np.repeat(diag["step"].to_numpy(), L * H), "layer": np.tile(np.repeat(np.arange(L), H), r),
-                         "head": np.tile(np.arange(H), r * L), "value": values.reshape(-1)})
+    return pd.DataFrame(
+        {
+            "step": np.repeat(diag["step"].to_numpy(), L * H),
+            "layer": np.tile(np.repeat(np.arange(L), H), r),
+            "head": np.tile(np.arange(H), r * L),
+            "value": values.reshape(-1),
+        }
+    )
 
 
-def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: str = "bf16",
-                        frames: dict | None = None, verdicts: dict | None = None) -> int:
-    """The diagnostics step at which to compare heads (Fig. 3's "before the explosion"): the last step that every run
-    logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not explode).
-    ``frames`` (``{label: head_metric_frame(run, metric)}``) and ``verdicts`` (``{label: run_verdict(run)}``): what the
-    caller has already read, so that it is not read again."""
+def step_before_failure(
+    runs: dict,
+    metric: str = "wq_spectral_norm",
+    failing: str = "bf16",
+    frames: dict | None = None,
+    verdicts: dict | None = None,
+) -> int:
+    """The diagnostics step at which to compare heads (Fig. 3's "before the explosion"): the last step that every
+    run logged ``metric`` at and that lies before the ``failing`` run's loss explosion (its last step if it did not
+    explode). ``frames`` (``{label: head_metric_frame(run, metric)}``) and ``verdicts``
+    (``{label: run_verdict(run)}``): what the caller has already read, so that it is not read again."""
     frames = frames if frames is not None else {k: head_metric_frame(d, metric) for k, d in runs.items()}
     steps = [set(frames[k].step) for k in runs]
     common = sorted(set.intersection(*steps))
@@ -70,17 +84,28 @@ def step_before_failure(runs: dict, metric: str = "wq_spectral_norm", failing: s
 
 def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
     """Per run: the (layer, head) whose ``metric`` grew most between the first and last diagnostics record."""
-    import pandas as pd
 
     rows = []
     for label, d in runs.items():
         f = head_metric_frame(d, metric)
-        first, last = f[f.step == f.step.min()].set_index(["layer", "head"]).value, f[f.step == f.step.max()].set_index(["layer", "head"]).value
+        first, last = (
+            f[f.step == f.step.min()].set_index(["layer", "head"]).value,
+            f[f.step == f.step.max()].set_index(["layer", "head"]).value,
+        )
         g = (last / first).sort_values(ascending=False)
         (layer, head), ratio = g.index[0], g.iloc[0]
-        rows.append({"run": label, "steps": int(f.step.max()), "layer": int(layer), "head": int(head),
-                     f"{metric} first": float(first[(layer, head)]), f"{metric} last": float(last[(layer, head)]),
-                     "growth": float(ratio), "largest last value": float(last.max())})
+        rows.append(
+            {
+                "run": label,
+                "steps": int(f.step.max()),
+                "layer": int(layer),
+                "head": int(head),
+                f"{metric} first": float(first[(layer, head)]),
+                f"{metric} last": float(last[(layer, head)]),
+                "growth": float(ratio),
+                "largest last value": float(last.max()),
+            }
+        )
     return pd.DataFrame(rows).set_index("run")
 
 
@@ -88,7 +113,7 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
     """An ipywidgets explorer (run, layer, heads, step range) of a per-head diagnostic, for JupyterLab.
     Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well."""
     import ipywidgets as w
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
     from lpfa.plotting import use_style
 
@@ -119,8 +144,11 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
     )
 
 
-PRECURSORS = {"max_logit": "largest attention logit", "tie_fraction": "largest per-head tie fraction",
-              "wq_spectral_norm": "largest per-head ‖W_Q[h]‖₂"}
+PRECURSORS = {
+    "max_logit": "largest attention logit",
+    "tie_fraction": "largest per-head tie fraction",
+    "wq_spectral_norm": "largest per-head ‖W_Q[h]‖₂",
+}
 
 
 def layer_max(run_dir: str | Path, metric: str, layer: int):
@@ -137,9 +165,6 @@ def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=N
     (default: the last diagnostics step that every run reached; each run's last record at or before it).
     ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller has them already (else computed here).
     Returns ``(table, step)``."""
-    import pandas as pd
-
-    from lpfa.explosion import ExplosionCriterion
 
     criterion = criterion or ExplosionCriterion()
     verdicts = {label: (verdicts or {}).get(label) or run_verdict(d, criterion) for label, d in runs.items()}
@@ -149,10 +174,14 @@ def precursor_table(runs: dict, layer: int, step: int | None = None, criterion=N
     rows = {}
     for label, d in runs.items():
         _, val, _ = load_metrics(d)
-        row = {"steps": verdicts[label]["steps"], "exploded": verdicts[label]["exploded"],
-               "explosion step": verdicts[label]["explosion_step"], "runaway step": verdicts[label]["runaway_step"],
-               "runaway layer": verdicts[label]["runaway_layer"],
-               "final eval loss": float(val["val_loss"].iloc[-1]) if len(val) else float("nan")}
+        row = {
+            "steps": verdicts[label]["steps"],
+            "exploded": verdicts[label]["exploded"],
+            "explosion step": verdicts[label]["explosion_step"],
+            "runaway step": verdicts[label]["runaway_step"],
+            "runaway layer": verdicts[label]["runaway_layer"],
+            "final eval loss": float(val["val_loss"].iloc[-1]) if len(val) else float("nan"),
+        }
         for m, name in PRECURSORS.items():
             s = series[label][m]
             before = s[s.index <= step]
@@ -182,7 +211,6 @@ def divergence_step(a, b, ratio: float, patience: int = 3, permanent: bool = Tru
         below = [i for i, x in enumerate(above) if not x]
         start = below[-1] + 1 if below else 0
         return int(common[start]) if len(common) - start >= patience else None
-    from lpfa.explosion import first_sustained
 
     start = first_sustained(above, patience)
     return int(common[start]) if start is not None else None
@@ -192,8 +220,6 @@ def score_precision(model_conf: dict, layer: int) -> str:
     """How a run's attention scores S = QKᵀ·scale of ``layer`` are rounded (``model_conf``: the ``model`` part of a
     run's config.json): ``bf16`` or ``fp32``, and the heads that differ, e.g. ``bf16; fp32 in heads 2, 5``.
     SDPA's kernels and ``sdpa_fp32`` keep S in FP32; the ``math`` backend under BF16 autocast rounds it to BF16."""
-    from lpfa.explosion import heads_text
-    from lpfa.model import GPTConfig
 
     cfg = GPTConfig.from_dict(model_conf)
     backend = cfg.layer_backend(layer)
@@ -213,8 +239,6 @@ def delta_source(model_conf: dict, layer: int) -> str:
     the backward's P when the scores are BF16) or ``dP∘P`` (rowsum(dP∘P), which needs no O; also autograd's
     softmax backward, the ``math`` backend); and the heads that differ, e.g. ``bf16 O; fp32 O in head 5``.
     SDPA's flash kernels store a BF16 O under autocast and take δ from it; ``sdpa_fp32`` an FP32 O."""
-    from lpfa.explosion import heads_text
-    from lpfa.model import GPTConfig
 
     cfg = GPTConfig.from_dict(model_conf)
     backend = cfg.layer_backend(layer)
@@ -227,8 +251,9 @@ def delta_source(model_conf: dict, layer: int) -> str:
     return src
 
 
-def experiment_table(folder, labels=None, layer: int = 1, step: int | None = None, reference=None,
-                     logit_ratio: float = 10.0):
+def experiment_table(
+    folder, labels=None, layer: int = 1, step: int | None = None, reference=None, logit_ratio: float = 10.0
+):
     """:func:`precursor_table` of the runs of an experiment, with what each run changes
     (:data:`lpfa.experiments.DESCRIPTIONS`), its attention label, seed, whether it was compiled, how ``layer``'s
     scores were rounded (:func:`score_precision`), what its δ is computed from (:func:`delta_source`) and its
@@ -240,42 +265,65 @@ def experiment_table(folder, labels=None, layer: int = 1, step: int | None = Non
     ``precursor from`` is the step from which the layer's largest logit stays above ``logit_ratio`` × the
     reference's (:func:`divergence_step`). Outcome: ``exploded`` (:class:`lpfa.explosion.ExplosionCriterion`),
     else ``ran away`` (:class:`lpfa.explosion.RunawayCriterion`), else ``precursor`` (when a reference is
-    given and the logit left it behind for good), else ``clean`` (``stable`` without a reference)."""
-    import pandas as pd
-
-    from lpfa.experiments import DESCRIPTIONS
-    from lpfa.explosion import attention_label
+    given and the logit left it behind for good), else ``neither`` (``stable`` without a reference)."""
 
     if isinstance(folder, dict):
         runs = {label: Path(d) for label, d in folder.items() if labels is None or label in labels}
     else:
         folder = Path(folder)
         if labels is None:
-            labels = sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+            labels = (
+                sorted(p.name for p in folder.iterdir() if (p / "config.json").is_file()) if folder.is_dir() else []
+            )
         runs = {label: folder / label for label in labels}
     if not runs:
         raise FileNotFoundError(f"{folder} holds no run folders (subfolders with config.json)")
     table, step = precursor_table(runs, layer, step)
     full = {label: read_run_config(d) for label, d in runs.items()}
-    confs, models = {label: c["train"] for label, c in full.items()}, {label: c.get("model") for label, c in full.items()}
+    confs, models = (
+        {label: c["train"] for label, c in full.items()},
+        {label: c.get("model") for label, c in full.items()},
+    )
     table.insert(0, "change", [DESCRIPTIONS.get(label, "") for label in table.index])
     table.insert(1, "attention", [attention_label(confs[label]) for label in table.index])
     table.insert(2, "seed", [confs[label]["seed"] for label in table.index])
     table.insert(3, "compiled", [bool(confs[label].get("compile", False)) for label in table.index])
-    table.insert(4, f"layer {layer} scores", pd.Series([score_precision(models[label], layer) if models[label] else None
-                                                         for label in table.index], index=table.index, dtype=object))
-    table.insert(5, f"layer {layer} δ from", pd.Series([delta_source(models[label], layer) if models[label] else None
-                                                       for label in table.index], index=table.index, dtype=object))
+    for at, column, of in ((4, "scores", score_precision), (5, "δ from", delta_source)):
+        values = [of(models[label], layer) if models[label] else None for label in table.index]
+        table.insert(at, f"layer {layer} {column}", pd.Series(values, index=table.index, dtype=object))
     if reference is not None:
         ref_of = reference if callable(reference) else (lambda label: reference)
-        table.insert(6, "precursor from", pd.Series([
-            divergence_step(layer_max(runs[label], "max_logit", layer), layer_max(ref_of(label), "max_logit", layer), logit_ratio)
-            for label in table.index], index=table.index, dtype=object))
-    quiet = "stable" if reference is None else "clean"
-    table.insert(6, "outcome", [
-        "exploded" if r["exploded"] else "ran away" if r["runaway step"] is not None
-        else "precursor" if reference is not None and r["precursor from"] is not None else quiet
-        for _, r in table.iterrows()])
+        table.insert(
+            6,
+            "precursor from",
+            pd.Series(
+                [
+                    divergence_step(
+                        layer_max(runs[label], "max_logit", layer),
+                        layer_max(ref_of(label), "max_logit", layer),
+                        logit_ratio,
+                    )
+                    for label in table.index
+                ],
+                index=table.index,
+                dtype=object,
+            ),
+        )
+    quiet = "stable" if reference is None else "neither"
+    table.insert(
+        6,
+        "outcome",
+        [
+            "exploded"
+            if r["exploded"]
+            else "ran away"
+            if r["runaway step"] is not None
+            else "precursor"
+            if reference is not None and r["precursor from"] is not None
+            else quiet
+            for _, r in table.iterrows()
+        ],
+    )
     return table, step
 
 
@@ -283,9 +331,8 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     """The largest attention logit of ``layer`` over training for every run (``{label: run_dir}``), with the
     runaway threshold of :class:`lpfa.explosion.RunawayCriterion`. A label's colour is its mode's
     (``bf16_s2`` → ``bf16``) where :data:`lpfa.plotting.COLORS` has one, else a cycle colour."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
-    from lpfa.explosion import RunawayCriterion
     from lpfa.plotting import COLORS, use_style
 
     use_style()
@@ -302,3 +349,50 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=9, ncol=2)
     return fig
+
+
+# TrainConfig fields that change neither the data, the model, the optimizer nor the numerics' recipe of a run: what
+# is logged and kept, where it runs and when it stops. Runs equal in every other field are the same recipe and seed,
+# and differ only where compilation or the kernels round differently.
+DEFAULTS = {f.name: f.default if f.default is not MISSING else f.default_factory() for f in fields(TrainConfig)}
+BOOKKEEPING = (
+    "data",
+    "device",
+    "compile",
+    "out_dir",
+    "eval_interval",
+    "eval_batches",
+    "log_interval",
+    "ckpt_interval",
+    "ckpt_history",
+    "diag_interval",
+    "diag_batch",
+    "tie_eps",
+    "time_budget_s",
+    "stop_at_step",
+    "explosion_stop",
+    "warning_thresholds",
+    "replay",
+    "resume",
+    "progress",
+)
+
+
+def same_recipe_runs(run_dir, root=None) -> dict[str, Path]:
+    """Every committed run (``results/<experiment>/<run>/<label>/``) with the same TrainConfig as ``run_dir`` except in
+    :data:`BOOKKEEPING`: the same recipe, seed and attention, trained again (``run_dir`` itself left out), keyed by
+    ``experiment/run/label``."""
+
+    def recipe(train: dict) -> dict:  # fields added after a run was made hold their default there
+        return {k: train.get(k, default) for k, default in DEFAULTS.items() if k not in BOOKKEEPING}
+
+    want = recipe(read_run_config(run_dir)["train"])
+    base = Path(root) if root else results_dir()
+    out = {}
+    for conf in sorted(base.glob("*/*/*/config.json")):
+        d = conf.parent
+        if d.resolve() == Path(run_dir).resolve():
+            continue
+        if recipe(read_run_config(d)["train"]) == want:
+            out[f"{d.parent.parent.name}/{d.parent.name}/{d.name}"] = d
+    return out

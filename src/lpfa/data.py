@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tiktoken
+from tqdm.auto import tqdm
 
 from lpfa.paths import EMBEDDED_CORPUS_DIR, cache_dir
 
@@ -97,8 +99,6 @@ def get_tokenizer(name: str = "auto") -> Tokenizer:
         name = "gpt2" if gpt2_bpe_available() else "bytes"
     if name == "bytes":
         return Tokenizer("bytes", 257, 256)
-    import tiktoken
-
     try:
         enc = tiktoken.get_encoding("gpt2")
     except Exception as e:  # no network and no cache
@@ -171,12 +171,10 @@ class _TokenFileWriter:
 def build_token_files(
     src: str | Path, out: str | Path, tokenizer: str = "auto", val_fraction: float = 0.05
 ) -> dict:
-    """Tokenize every document of folder ``src`` into ``out/train.bin``, ``out/val.bin`` and ``out/meta.json``.
-
-    Each document is followed by the end-of-text token. The last ``val_fraction`` of each document's
-    tokens goes to ``val.bin``, the rest to ``train.bin``, so both splits see every source.
-    Files are written under temporary names and renamed, so an interrupted build leaves no half file.
-    """
+    """Tokenize every document of folder ``src`` into ``out/train.bin``, ``out/val.bin`` and ``out/meta.json``. Each
+    document is followed by the end-of-text token. The last ``val_fraction`` of each document's tokens goes to
+    ``val.bin``, the rest to ``train.bin``, so both splits see every source. Files are written under temporary names and
+    renamed, so an interrupted build leaves no half file. Returns the meta record."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must lie strictly between 0 and 1, got {val_fraction}")
     src, out = Path(src), Path(out)
@@ -199,13 +197,10 @@ def build_from_hf_dataset(
     dataset, out: str | Path, tokenizer: str = "gpt2", text_field: str = "text", split: str = "train",
     val_every: int = 2000, num_proc: int | None = None,
 ) -> dict:
-    """Tokenize a Hugging Face dataset (e.g. ``"openwebtext"``, as nanoGPT does) into nanoGPT token files.
-
-    ``dataset``: a hub name (downloaded by ``datasets.load_dataset``: needs network), a folder written by
-    ``Dataset.save_to_disk``, or a ``datasets.Dataset``. Every ``val_every``-th document goes to ``val.bin``.
-    """
-    import datasets
-    from tqdm.auto import tqdm
+    """Tokenize a Hugging Face dataset (e.g. ``"openwebtext"``, as nanoGPT does) into nanoGPT token files: ``dataset`` a
+    hub name (downloaded by ``datasets.load_dataset``: needs network), a folder written by ``Dataset.save_to_disk``, or
+    a ``datasets.Dataset``. Every ``val_every``-th document goes to ``val.bin``. Returns the meta record."""
+    import datasets  # optional (the test extra), and heavy: only this function uses it
 
     if isinstance(dataset, (str, Path)):
         name = str(dataset)
@@ -232,10 +227,8 @@ def build_from_hf_dataset(
 
 
 def load_tokens(folder: str | Path, split: str = "train") -> tuple[np.memmap, dict]:
-    """Memory-map ``folder/{split}.bin`` and return it with the folder's ``meta.json`` (or ``{}`` if absent).
-
-    A nanoGPT data folder without ``meta.json`` loads too; its tokenizer is then unknown.
-    """
+    """Memory-map ``folder/{split}.bin`` and return it with the folder's ``meta.json`` (or ``{}`` if absent). A nanoGPT
+    data folder without ``meta.json`` loads too; its tokenizer is then unknown."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     folder = Path(folder)
@@ -283,21 +276,19 @@ def data_checksum(path: str | Path) -> str:
 
 
 def batch_starts(seed: int, step: int, micro: int, batch_size: int, n_tokens: int, block_size: int) -> np.ndarray:
-    """Start offsets of the sequences of optimizer step ``step``, micro-step ``micro``.
-
-    A pure function of (seed, step, micro): independent of every model, precision or device setting,
-    so twin runs see identical batches, a resumed run continues the same stream, and any step can be
-    replayed on its own.
-    """
+    """Start offsets of the sequences of optimizer step ``step``, micro-step ``micro``, a pure function of (seed, step,
+    micro): independent of every model, precision or device setting, so twin runs see identical batches, a resumed run
+    continues the same stream, and any step can be replayed on its own."""
     if n_tokens <= block_size + 1:
-        raise ValueError(f"the token file has {n_tokens} tokens; a block of {block_size} needs at least {block_size + 2}")
+        raise ValueError(f"the token file has {n_tokens} tokens; a block of {block_size} needs at least "
+                         f"{block_size + 2}")
     rng = np.random.default_rng([seed, step, micro])
     return rng.integers(0, n_tokens - block_size - 1, size=batch_size, dtype=np.int64)
 
 
 def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, device: str = "cpu"):
     """Inputs and next-token targets ``(x, y)``, each (len(starts), block_size) int64."""
-    import torch
+    import torch  # heavy (about 1 s): tokenizing (lpfa tokens) needs NumPy alone, batches load it
 
     x = torch.from_numpy(np.stack([np.asarray(tokens[s : s + block_size], dtype=np.int64) for s in starts]))
     y = torch.from_numpy(np.stack([np.asarray(tokens[s + 1 : s + 1 + block_size], dtype=np.int64) for s in starts]))
@@ -328,14 +319,11 @@ def drop_partial_line(path: str | Path) -> int:
     return 0
 
 
-
 class ReplayLog:
-    """The batches a run used, one JSON line per optimizer step, headed by the data's checksum.
-
-    Writing: ``log = ReplayLog.create(path, data_file, header)``, then ``log.append(step, starts)``.
-    Reading: ``ReplayLog.open(path, data_file)`` refuses a log made for other data; ``starts(step)``
-    returns the recorded offsets (one array per micro-step).
-    """
+    """The batches a run used, one JSON line per optimizer step, headed by the data's checksum. Writing: ``log =
+    ReplayLog.create(path, data_file, header)``, then ``log.append(step, starts)``. Reading: ``ReplayLog.open(path,
+    data_file)`` refuses a log made for other data; ``starts(step)`` returns the recorded offsets (one array per
+    micro-step)."""
 
     def __init__(self, path: Path, header: dict, steps: dict[int, list[list[int]]]):
         self.path, self.header, self.steps = path, header, steps
@@ -343,7 +331,8 @@ class ReplayLog:
     @classmethod
     def create(cls, path: str | Path, data_file: str | Path, header: dict | None = None) -> "ReplayLog":
         path = Path(path)
-        head = {"format": "lpfa replay v1", "data_file": Path(data_file).name, "data_sha256": data_checksum(data_file), **(header or {})}
+        head = {"format": "lpfa replay v1", "data_file": Path(data_file).name, "data_sha256": data_checksum(data_file),
+                **(header or {})}
         if path.exists():  # appending to a resumed run's log: keep what is there if it matches
             drop_partial_line(path)  # a line the kill cut short: appending starts a fresh one
             return cls.open(path, data_file)
@@ -379,11 +368,11 @@ class ReplayLog:
                 steps[int(rec["step"])] = rec["starts"]
             except (ValueError, KeyError, TypeError) as e:
                 if i == last and isinstance(e, json.JSONDecodeError):
-                    warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing it?)",
-                                  stacklevel=2)
+                    warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while "
+                                  "writing it?)", stacklevel=2)
                     continue
-                raise ValueError(f"{path}: line {i + 1} is not a replay record (a JSON object with 'step' and 'starts'): "
-                                 f"{ln[:60]!r}") from e
+                raise ValueError(f"{path}: line {i + 1} is not a replay record (a JSON object with 'step' and "
+                                 f"'starts'): {ln[:60]!r}") from e
         return cls(path, head, steps)
 
     def append(self, step: int, starts: list[np.ndarray]) -> None:
@@ -394,5 +383,6 @@ class ReplayLog:
 
     def starts(self, step: int) -> list[np.ndarray]:
         if step not in self.steps:
-            raise KeyError(f"replay file {self.path} has no step {step} (it covers {min(self.steps, default=None)}..{max(self.steps, default=None)})")
+            span = f"{min(self.steps, default=None)}..{max(self.steps, default=None)}"
+            raise KeyError(f"replay file {self.path} has no step {step} (it covers {span})")
         return [np.asarray(s, dtype=np.int64) for s in self.steps[step]]

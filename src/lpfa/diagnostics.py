@@ -9,18 +9,33 @@
   (the other ingredient of a biased Ō = P̄V, Sec. 3.3).
 
 They return plain tensors; :func:`probe_record` turns them into the JSON the training log stores.
+
+**Spectral norms without an eigensolver on the GPU** (:func:`spectral_norms`, :func:`top_eigenvalue`). ‖w‖₂² is
+the largest eigenvalue of the Gram matrix w wᵀ (or wᵀw, the smaller side), formed in float64 where ``w`` lies (one
+batched matmul), so the norm's relative error is about float64's epsilon. On the CPU its eigenvalues come from one
+batched ``eigvalsh``; on a GPU the largest comes from :func:`top_eigenvalue` there, and only the norms cross to the
+CPU (a batched SVD on the GPU, ``torch.linalg.matrix_norm(ord=2)``, was once the bulk of the monitor's capture cost,
+then the CPU ``eigvalsh``; see ``results/monitor_overhead``; on a GPU ``eigvalsh`` of small matrices is a loop of
+solver calls). :func:`top_eigenvalue` squares repeatedly with the trace taken out, A ← A² / tr(A²), which gives
+A ∝ G^(2^k) = Σᵢ λᵢ^(2^k) uᵢuᵢᵀ: after k squarings every eigenvalue λᵢ = rᵢλ₁ is weighted rᵢ^(2^k) against the top
+one. The column j of A with the largest diagonal entry is then the top eigenvector u₁ up to components
+rᵢ^(2^k)·uᵢ[j]/u₁[j] (u₁[j]² ≥ 1/n), and its Rayleigh quotient vᵀGv / vᵀv misses λ₁ by Σᵢ (λ₁ − λᵢ)·(those
+components)², at most about n²/(2e·2^k)·λ₁ whatever the gap between the eigenvalues (the worst case,
+(1 − r)·r^(2^(k+1)), peaks at r = 1 − 2^-(k+1)). With k = 40 that is 2·10⁻⁹ λ₁ at n = 64: far below an FP32 ulp of
+the norm.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
+import numpy as np
 import torch
 
 from lpfa.attention import FP32_POLICY, AttentionStats
 from lpfa.attention.reference import fill_stats, fill_tie_stats
-
 
 SQUARINGS = 40  # repeated squarings of the Gram matrix in top_eigenvalue: the top eigenvalue's weight becomes r^(2^40)
 
@@ -28,15 +43,9 @@ SQUARINGS = 40  # repeated squarings of the Gram matrix in top_eigenvalue: the t
 @torch.no_grad()
 def top_eigenvalue(gram: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tensor:
     """Largest eigenvalue of each of the (..., n, n) symmetric positive semi-definite float64 ``gram`` matrices, where
-    they lie, with a few batched matmuls and no eigensolver (on a GPU, ``torch.linalg.eigvalsh`` of small matrices is a
-    loop of solver calls, and on the CPU it costs a transfer and a sync).
-
-    Repeated squaring with the trace taken out, A ← A² / tr(A²), gives A ∝ G^(2^k) = Σᵢ λᵢ^(2^k) uᵢuᵢᵀ: after k squarings
-    every eigenvalue λᵢ = rᵢλ₁ is weighted rᵢ^(2^k) against the top one. The column j of A with the largest diagonal
-    entry is then the top eigenvector u₁ up to components rᵢ^(2^k)·uᵢ[j]/u₁[j] (u₁[j]² ≥ 1/n), and its Rayleigh quotient
-    vᵀGv / vᵀv misses λ₁ by Σᵢ (λ₁ − λᵢ)·(those components)², at most about n²/(2e·2^k)·λ₁ whatever the gap between the
-    eigenvalues (the worst case, (1 − r)·r^(2^(k+1)), peaks at r = 1 − 2^-(k+1)). With k = 40 that is 2·10⁻⁹ λ₁ at
-    n = 64: far below an FP32 ulp of the norm. A zero matrix gives 0."""
+    they lie, with a few batched matmuls and no eigensolver: ``squarings`` repeated squarings, then the Rayleigh
+    quotient of the dominant column (error bound in the module docstring: 2·10⁻⁹ λ₁ at n = 64 with the default 40).
+    A zero matrix gives 0."""
     tr = gram.diagonal(dim1=-2, dim2=-1).sum(-1)
     a = gram / tr.clamp_min(torch.finfo(gram.dtype).tiny)[..., None, None]
     for _ in range(squarings):
@@ -52,13 +61,8 @@ def top_eigenvalue(gram: torch.Tensor, squarings: int = SQUARINGS) -> torch.Tens
 def spectral_norms(w: torch.Tensor) -> torch.Tensor:
     """(...) ‖w[...]‖₂ of (..., rows, cols) matrices (e.g. (H, rows, cols) or (layers, H, rows, cols)), in FP32 on the
     CPU; NaN for a matrix with a non-finite entry: the per-head norms of a checkpoint that blew up (:mod:`lpfa.doctor`,
-    :mod:`lpfa.monitor`, the training diagnostics).
-
-    ‖w‖₂² is the largest eigenvalue of the Gram matrix w wᵀ (or wᵀw, the smaller side), formed in float64 where ``w``
-    lies (one batched matmul), so the norm's relative error is about float64's epsilon. On the CPU its eigenvalues come
-    from one batched ``eigvalsh``; on a GPU the largest comes from :func:`top_eigenvalue` there, and only the norms
-    cross to the CPU. (A batched SVD on the GPU, ``torch.linalg.matrix_norm(ord=2)``, was once the bulk of the monitor's
-    capture cost, then the CPU ``eigvalsh``; see ``results/monitor_overhead``.)"""
+    :mod:`lpfa.monitor`, the training diagnostics). The largest eigenvalue of the float64 Gram matrix, with
+    ``eigvalsh`` on the CPU and :func:`top_eigenvalue` on a GPU (module docstring)."""
     w = w.detach().double()
     ok = torch.isfinite(w).flatten(-2).all(-1)
     w = torch.where(ok[..., None, None], w, torch.zeros_like(w))
@@ -80,10 +84,6 @@ def wq_spectral_norms(model) -> torch.Tensor:
 def wq_outlier(norms):
     """‖W_Q[h]‖₂ over the median of its layer's heads (Fig. 3: a few heads' norms stand out), NaN-aware: ``norms``
     (..., n_head), one layer per last-axis row. The one definition the doctor, the monitor and the alarms use."""
-    import warnings
-
-    import numpy as np
-
     norms = np.asarray(norms, dtype=float)
     with warnings.catch_warnings():  # a layer without norms (a model whose W_Q is out of reach) stays NaN, silently
         warnings.simplefilter("ignore", RuntimeWarning)
@@ -95,7 +95,8 @@ DOMINANT_SIGN = 0.9  # a V column has a dominant sign when at least this share o
 
 @torch.no_grad()
 def capture_qkv(model, x: torch.Tensor, autocast: contextlib.AbstractContextManager | None = None) -> list[dict]:
-    """Run ``model`` on token ids ``x``; returns, per layer, ``{"q", "k", "v"}`` (B, H, T, D) as its attention saw them."""
+    """Run ``model`` on token ids ``x``; returns, per layer, ``{"q", "k", "v"}`` (B, H, T, D) as its attention saw
+    them."""
     attns = [b.attn for b in model.transformer.h]
     for a in attns:
         a.capture = {}
@@ -172,7 +173,8 @@ def _scores_probe(model, caps: list[dict], eps: float):
 
 
 @torch.no_grad()
-def attention_probe(model, x: torch.Tensor, eps: float = 1e-3, autocast: contextlib.AbstractContextManager | None = None):
+def attention_probe(model, x: torch.Tensor, eps: float = 1e-3,
+                    autocast: contextlib.AbstractContextManager | None = None):
     """Run ``model`` on ``x`` and measure each layer's scores: returns ``(tie_fraction, max_logit)``, each
     (n_layer, n_head), averaged over the batch. Scores are rounded as the layer's policy rounds them
     (BF16 S for ``paper``), FP32 for SDPA/math layers; ties are counted over whole causal rows."""

@@ -22,18 +22,20 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
   the gradient of the batch's mean next-token loss reaching each attention output, as :mod:`lpfa.replay` captures
   it in a training step, so the units of ``delta_err_*`` are those of that loss's gradient (the t-statistic has none);
   ``delta_err_trained``, ``delta_t_trained`` — the same for the BF16 policy an lpfa checkpoint trained with, when it
-  is neither of those two (``paper_sr``, ``paper_sfa``, an isolation row's: issue 19's question whether the run's own
-  kernel still carries the bias; :func:`trained_policy`, named in the report's ``trained_policy``);
+  is neither of those two (``paper_sr``, ``paper_sfa``, an isolation row's: does the run's own kernel still carry the
+  bias? :func:`trained_policy`, named in the report's ``trained_policy``);
 * ``rank1_median`` — the median cosine similarity between the rank-1 matrices (PK)[T]ᵀ X[T] of different tokens T
   (:func:`lpfa.mechanism.rank1_similarity`, P the exact softmax), over ``rank1_tokens`` evenly spaced tokens of the
   first sequence (Fig. 9: near 0 for random vectors, large when the errors add up);
-* ``v_sign_dominance`` — V's feature columns with one sign on nearly all keys (:func:`lpfa.diagnostics.v_sign_dominance`).
+* ``v_sign_dominance`` — V's feature columns with one sign on nearly all keys
+  (:func:`lpfa.diagnostics.v_sign_dominance`).
 
 :func:`diagnose` adds a ``verdict`` per head: ``runaway`` when ``max_logit`` ≥ the runaway threshold, else
 ``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
-:func:`lpfa.alarms.current_thresholds`: :func:`lpfa.alarms.thresholds`, learnt from the committed runs' diagnostics with their
-measured false-positive and false-negative rates (on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks (``wq_growth`` needs two
-checkpoints) is reported and not used.
+:func:`lpfa.alarms.current_thresholds`: the committed ``warning_thresholds.json``, which ``python -m lpfa.alarms
+--write`` learns from the committed runs' diagnostics, with their measured false-positive and false-negative rates
+(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks
+(``wq_growth`` needs two checkpoints) is reported and not used.
 
 **Input** (:func:`detect_format`, from the path alone): a folder whose ``config.json`` holds ``"format":
 "lpfa-checkpoint"`` (or ``"model"`` and ``"step"``) is an lpfa checkpoint (:func:`lpfa.checkpoints.load_checkpoint`);
@@ -43,9 +45,9 @@ a folder whose ``config.json`` holds ``"model_type"`` or ``"n_positions"`` is a 
 folder (with ``ckpt/``) means its last checkpoint. The model runs in FP32 (PyTorch SDPA attention, whatever backend
 or policy it trained with), so q, k, v, X and dO are the high-precision values each BF16 policy is then applied to.
 
-A checkpoint trained with logit soft-capping (``paper_softcap``; issue 19's stabiliser) keeps its cap in the probe
-(FP32-level lpfa attention with the same cap, :func:`probe_overrides`) and in every measure but ``max_logit``, which stays
-the raw q·k/√D: the growth of W_Q that the cap hides from the softmax.
+A checkpoint trained with logit soft-capping (``paper_softcap``, one of the stabilisers) keeps its cap in the probe
+(FP32-level lpfa attention with the same cap, :func:`probe_overrides`) and in every measure but ``max_logit``, which
+stays the raw q·k/√D: the growth of W_Q that the cap hides from the softmax.
 
 **Probe batch** (:func:`probe_batch`): ``batches`` non-overlapping sequences of ``seq_len`` tokens (default the
 model's block size, at most 256) drawn with ``seed`` from a nanoGPT token folder (``val.bin``, else ``train.bin``),
@@ -72,11 +74,22 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
+from lpfa import data as lpfa_data
 from lpfa.alarms import current_thresholds, fixed_thresholds
-from lpfa.diagnostics import spectral_norms, wq_outlier, wq_spectral_norms
+from lpfa.attention import FP32_POLICY, get_policy
+from lpfa.attention.policy import PRESETS, is_fp32_level
+from lpfa.checkpoints import load_checkpoint, load_hf_gpt2, load_nanogpt
+from lpfa.cli import _OneLineErrors
+from lpfa.diagnostics import spectral_norms, tie_fraction, v_sign_dominance, wq_outlier, wq_spectral_norms
+from lpfa.mechanism import delta_error, p_bar_ones
 from lpfa.monitor import read_thresholds
+from lpfa.plotting import use_style
+from lpfa.provenance import provenance, write_json
+from lpfa.run import resolve_device
 
 FORMATS = ("lpfa", "nanogpt", "hf")
 # GPTConfig fields set on loading: the probe runs every layer in FP32 with PyTorch's SDPA, no dropout
@@ -121,9 +134,6 @@ def trained_policy(path) -> str | None:
     δ is worth measuring besides :data:`DELTA_POLICIES`: a policy of the ``lpfa`` backend with BF16 rounding
     (not FP32-level) that is not one of them; else None. A per-layer policy (``layer_policies``) or FP32 heads do not
     count: the doctor measures every layer alike."""
-    from lpfa.attention import get_policy
-    from lpfa.attention.policy import is_fp32_level
-
     backend, name = _trained(path)
     if backend != "lpfa":
         return None
@@ -133,8 +143,6 @@ def trained_policy(path) -> str | None:
 def trained_softcap(path) -> float | None:
     """The logit soft-cap an lpfa checkpoint at ``path`` trained with (its policy's ``softcap``), else None. The cap is
     part of the model: the probe keeps it (:func:`probe_overrides`) and every measure applies it."""
-    from lpfa.attention import get_policy
-
     backend, name = _trained(path)
     return get_policy(name).softcap if backend == "lpfa" else None
 
@@ -142,15 +150,14 @@ def trained_softcap(path) -> float | None:
 def probe_overrides(softcap: float | None = None) -> dict:
     """The GPTConfig changes for the probe: :data:`PROBE_OVERRIDES`, or with a soft-cap the FP32-level preset with
     the same cap on the lpfa backend (PyTorch SDPA has no cap). Raises :class:`DoctorError` when no preset has it."""
-    from lpfa.attention.policy import PRESETS, is_fp32_level
-
     if softcap is None:
         return dict(PROBE_OVERRIDES)
-    capped = {n: p.softcap for n, p in sorted(PRESETS.items()) if p.softcap is not None and is_fp32_level(p.with_(softcap=None))}
+    capped = {n: p.softcap for n, p in sorted(PRESETS.items())
+              if p.softcap is not None and is_fp32_level(p.with_(softcap=None))}
     same = [n for n, cap in capped.items() if cap == softcap]
     if not same:
-        raise DoctorError(f"soft-cap {softcap:g}: expected a cap that an FP32-level preset has ({sorted(set(capped.values()))}) "
-                          "for the probe")
+        raise DoctorError(f"soft-cap {softcap:g}: expected a cap that an FP32-level preset has "
+                          f"({sorted(set(capped.values()))}) for the probe")
     return {**PROBE_OVERRIDES, "attn_backend": "lpfa", "attn_policy": same[0]}
 
 
@@ -172,8 +179,9 @@ def _level(thr: dict, measure: str, level: str) -> float | None:
 
 def diagnose(table, thresholds: dict | None = None):
     """``table`` (from :func:`measure_heads`) with a ``verdict`` column: ``runaway`` where ``max_logit`` ≥
-    ``thresholds["max_logit"]["runaway"]`` or is not finite (an exploded checkpoint), ``precursor`` where any measure of the table reaches its ``"precursor"``
-    threshold, else ``healthy``; sorted worst first (verdict, then max logit)."""
+    ``thresholds["max_logit"]["runaway"]`` or is not finite (an exploded checkpoint), ``precursor`` where any measure
+    of the table reaches its ``"precursor"`` threshold, else ``healthy``; sorted worst first (verdict, then max
+    logit)."""
     thr = current_thresholds() if thresholds is None else thresholds
     precursor = np.zeros(len(table), dtype=bool)
     for measure in thr:
@@ -232,8 +240,6 @@ def load_model(path, device: str = "cpu"):
     """``(model, format, path loaded)``: the checkpoint at ``path`` as an FP32 :class:`lpfa.model.GPT` in eval mode
     on ``device``, every layer's attention on PyTorch SDPA (:data:`PROBE_OVERRIDES`), or FP32-level lpfa attention
     with the checkpoint's logit soft-cap (:func:`probe_overrides`)."""
-    from lpfa.checkpoints import load_checkpoint, load_hf_gpt2, load_nanogpt
-
     fmt, p = detect_format(path)
     try:
         if fmt == "lpfa":
@@ -252,8 +258,6 @@ def load_model(path, device: str = "cpu"):
 
 
 def _embedded_data(vocab_size: int) -> Path:
-    from lpfa import data as lpfa_data
-
     if vocab_size < 257:
         raise DoctorError(f"the model's vocab_size is {vocab_size}, smaller than the embedded corpus's smallest "
                           "vocabulary (bytes: 257 ids); pass --data with a token folder made for this model")
@@ -267,8 +271,6 @@ def probe_batch(data, vocab_size: int, block_size: int, batches: int = 4, seq_le
     embedded corpus). The sequences are distinct non-overlapping windows of the file, chosen with ``seed``.
     ``info``: the data folder, split, token count, starts, shape and seed. Raises :class:`DoctorError` for a
     missing folder, too few tokens or token ids outside the model's vocabulary."""
-    from lpfa import data as lpfa_data
-
     seq_len = min(block_size, MAX_DEFAULT_SEQ_LEN) if seq_len is None else int(seq_len)
     if batches < 1:
         raise DoctorError(f"--batches {batches}: expected at least 1 sequence")
@@ -284,19 +286,21 @@ def probe_batch(data, vocab_size: int, block_size: int, batches: int = 4, seq_le
         raise DoctorError(f"--data {folder}: {e}") from e
     file = folder / f"{split}.bin"
     if meta.get("vocab_size", 0) > vocab_size:
-        raise DoctorError(f"--data {folder} was tokenized with {meta.get('tokenizer', '?')} (vocab_size {meta['vocab_size']}), "
-                          f"more ids than the model's vocab_size {vocab_size}; expected data tokenized for this model")
+        raise DoctorError(f"--data {folder} was tokenized with {meta.get('tokenizer', '?')} "
+                          f"(vocab_size {meta['vocab_size']}), more ids than the model's vocab_size {vocab_size}; "
+                          "expected data tokenized for this model")
     windows = (len(tokens) - 1) // seq_len
     if windows < batches:
-        raise DoctorError(f"--data {file} has {len(tokens):,} tokens, too few for --batches {batches} × --seq-len {seq_len} "
-                          f"(needs at least {batches * seq_len + 1:,}); lower --batches or --seq-len")
+        raise DoctorError(f"--data {file} has {len(tokens):,} tokens, too few for --batches {batches} × "
+                          f"--seq-len {seq_len} (needs at least {batches * seq_len + 1:,}); lower --batches or "
+                          "--seq-len")
     rng = np.random.default_rng(seed)
     starts = np.sort(rng.choice(windows, size=batches, replace=False)) * seq_len
     x, y = lpfa_data.get_batch(tokens, starts, seq_len, "cpu")
     top = int(torch.maximum(x.max(), y.max()))
     if top >= vocab_size:
-        raise DoctorError(f"--data {file} holds token id {top}, outside the model's vocabulary (vocab_size {vocab_size}); "
-                          "expected data tokenized for this model")
+        raise DoctorError(f"--data {file} holds token id {top}, outside the model's vocabulary "
+                          f"(vocab_size {vocab_size}); expected data tokenized for this model")
     info = {"data": str(folder), "split": split, "tokens": int(len(tokens)), "tokenizer": meta.get("tokenizer"),
             "shape": [batches, seq_len], "seed": seed, "starts": starts.tolist()}
     return x.to(device), y.to(device), info
@@ -351,10 +355,6 @@ def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKEN
     (a policy name, :func:`trained_policy`) also its δ error as ``delta_err_trained``, ``delta_t_trained``. With
     ``softcap`` (:func:`trained_softcap`) every policy caps the logits as the model does, and so does the exact P of the
     rank-1 similarity; ``max_logit`` stays the raw q·k/√D, the measure of W_Q's growth that the cap hides."""
-    from lpfa.attention import FP32_POLICY, get_policy
-    from lpfa.diagnostics import tie_fraction, v_sign_dominance
-    from lpfa.mechanism import delta_error, p_bar_ones
-
     def capped(name):
         pol = get_policy(name)
         return pol if softcap is None or pol.softcap == softcap else pol.with_(softcap=softcap, name=f"{pol.name}+cap")
@@ -380,7 +380,8 @@ def layer_measures(cap: dict, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKEN
     p = torch.softmax(s[0][:, tok], dim=-1)  # (H, n, T): the exact P of the chosen tokens
     sim = _cos(p @ k[0].double()) * _cos(cap["x"][0, tok].double())  # (H, n, n)
     off = ~torch.eye(len(tok), dtype=torch.bool, device=q.device)
-    out["rank1_median"] = torch.stack([sim[h][off].quantile(0.5) for h in range(H)]) if len(tok) > 1 else torch.full((H,), math.nan)
+    out["rank1_median"] = (torch.stack([sim[h][off].quantile(0.5) for h in range(H)]) if len(tok) > 1
+                           else torch.full((H,), math.nan))
     return {name: val.double().cpu().numpy() for name, val in out.items()}
 
 
@@ -389,9 +390,6 @@ def measure_heads(model, x: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, ra
     """The table of the module docstring for ``model`` on token ids ``x`` with targets ``y`` (B, T): a DataFrame
     with columns ``layer``, ``head`` and one per measure, one row per (layer, head) in layer-major order
     (``trained``, ``softcap``: see :func:`layer_measures`)."""
-    import pandas as pd
-    from tqdm.auto import tqdm
-
     caps = capture_all(model, x, y)
     wq, wk = head_weight_norms(model)
     rows = []
@@ -432,9 +430,10 @@ def _thresholds_text(thr: dict, table) -> str:
     return "; ".join(parts)
 
 
-SHOWN = {"layer": "layer", "head": "head", "verdict": "verdict", "max_logit": "max S", "tie_fraction_bf16": "ties bf16",
-         "tie_fraction_fp32": "ties fp32", "p_bar_ones": "P̄=1/row", "delta_t_paper": "δ t paper", "delta_t_fa2": "δ t fa2",
-         "rank1_median": "rank-1 med", "v_sign_dominance": "V sign", "wq_spectral_norm": "‖W_Q‖₂"}
+SHOWN = {"layer": "layer", "head": "head", "verdict": "verdict", "max_logit": "max S",
+         "tie_fraction_bf16": "ties bf16", "tie_fraction_fp32": "ties fp32", "p_bar_ones": "P̄=1/row",
+         "delta_t_paper": "δ t paper", "delta_t_fa2": "δ t fa2", "rank1_median": "rank-1 med",
+         "v_sign_dominance": "V sign", "wq_spectral_norm": "‖W_Q‖₂"}
 
 
 def summary_text(table, thr: dict, top: int = 10) -> str:
@@ -442,8 +441,8 @@ def summary_text(table, thr: dict, top: int = 10) -> str:
     shown = table[list(SHOWN)].head(top).rename(columns=SHOWN)
     text = shown.to_string(index=False, float_format=lambda v: f"{v:.3g}")
     c = verdict_counts(table)
-    line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} heads "
-            f"(thresholds: {_thresholds_text(thr, table)})")
+    line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} "
+            f"heads (thresholds: {_thresholds_text(thr, table)})")
     return f"worst {min(top, len(table))} heads of {len(table)}:\n{text}\n{line}"
 
 
@@ -456,19 +455,27 @@ def _md_table(df) -> str:
     return "\n".join(lines)
 
 
-def _grid_figure(n_layer: int, n_head: int):
-    import matplotlib.pyplot as plt
+def _plt():
+    """``matplotlib.pyplot``, imported with the first figure."""
+    import matplotlib.pyplot as plt  # heavy (about 0.4 s): the doctor's table and summary need no figure
 
-    return plt.subplots(figsize=(min(max(5.0, 2.5 + 0.4 * n_head), 9.0), min(max(3.2, 1.8 + 0.3 * n_layer), 9.0)))
+    return plt
+
+
+def _sns():
+    """``seaborn``, imported with the first heatmap."""
+    import seaborn as sns  # heavy (about 0.7 s, matplotlib included): only the report's heatmaps use it
+
+    return sns
+
+
+def _grid_figure(n_layer: int, n_head: int):
+    return _plt().subplots(figsize=(min(max(5.0, 2.5 + 0.4 * n_head), 9.0), min(max(3.2, 1.8 + 0.3 * n_layer), 9.0)))
 
 
 def plot_heatmap(table, column: str, title: str, label: str = "", cmap: str = "viridis", centered: bool = False):
     """One measure as a layer × head heatmap with a colourbar (seaborn; viridis, or ColorBrewer's RdBu centred
     at 0 for signed measures: both colour-blind-safe)."""
-    import seaborn as sns
-
-    from lpfa.plotting import use_style
-
     use_style()
     grid = table.pivot(index="layer", columns="head", values=column).sort_index()
     fig, ax = _grid_figure(*grid.shape)
@@ -476,7 +483,7 @@ def plot_heatmap(table, column: str, title: str, label: str = "", cmap: str = "v
     finite = vals[np.isfinite(vals)]
     lim = float(np.abs(finite).max()) if finite.size else 1.0
     kw = dict(center=0.0, vmin=-lim or -1.0, vmax=lim or 1.0) if centered else {}
-    sns.heatmap(grid, ax=ax, cmap=cmap, cbar_kws={"label": label or column}, linewidths=0.3, linecolor="white", **kw)
+    _sns().heatmap(grid, ax=ax, cmap=cmap, cbar_kws={"label": label or column}, linewidths=0.3, linecolor="white", **kw)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
     ax.tick_params(labelsize=9)
@@ -486,18 +493,14 @@ def plot_heatmap(table, column: str, title: str, label: str = "", cmap: str = "v
 
 def plot_verdicts(table):
     """The verdict of every head, layer × head, three colours with a labelled colourbar."""
-    import seaborn as sns
-    from matplotlib.colors import ListedColormap
-
-    from lpfa.plotting import use_style
-
     use_style()
     order = ("healthy", "precursor", "runaway")
     grid = table.assign(code=table["verdict"].map({v: i for i, v in enumerate(order)})).pivot(
         index="layer", columns="head", values="code").sort_index()
     fig, ax = _grid_figure(*grid.shape)
-    sns.heatmap(grid, ax=ax, cmap=ListedColormap([VERDICT_COLORS[v] for v in order]), vmin=-0.5, vmax=2.5,
-                linewidths=0.3, linecolor="white", cbar_kws={"ticks": [0, 1, 2], "label": "verdict"})
+    # a list of colours: seaborn makes it a ListedColormap
+    _sns().heatmap(grid, ax=ax, cmap=[VERDICT_COLORS[v] for v in order], vmin=-0.5, vmax=2.5,
+                   linewidths=0.3, linecolor="white", cbar_kws={"ticks": [0, 1, 2], "label": "verdict"})
     ax.collections[0].colorbar.set_ticklabels(list(order))
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -508,15 +511,11 @@ def plot_verdicts(table):
 
 def plot_layer_bars(table, layer: int, thr: dict):
     """Per-head bars of one layer for the chain's key measures, coloured by verdict, thresholds as dashed lines."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import use_style
-
     use_style()
     t = table[table["layer"] == layer].sort_values("head")
     panels = [("max_logit", "largest logit max S"), ("tie_fraction_bf16", "rows tied, BF16 S"),
               ("delta_t_paper", "t of δ_lp − δ_hp (paper)"), ("wq_spectral_norm", "‖W_Q‖₂")]
-    fig, axes = plt.subplots(2, 2, figsize=(8, 5))
+    fig, axes = _plt().subplots(2, 2, figsize=(8, 5))
     colors = [VERDICT_COLORS[v] for v in t["verdict"]]
     for ax, (col, label) in zip(axes.flat, panels):
         ax.bar(t["head"], t[col].fillna(0.0), color=colors)
@@ -530,7 +529,8 @@ def plot_layer_bars(table, layer: int, thr: dict):
         ax.tick_params(labelsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=9)
-    fig.suptitle(f"layer {layer}: bars coloured by verdict (blue healthy, orange precursor, vermillion runaway)", fontsize=10)
+    fig.suptitle(f"layer {layer}: bars coloured by verdict (blue healthy, orange precursor, vermillion runaway)",
+                 fontsize=10)
     return fig
 
 
@@ -543,8 +543,6 @@ def report_table(report: dict, thresholds: dict | None = None):
     """The per-head table of a ``report.json`` (as :func:`write_report` writes it; null measures back to NaN) with
     its verdicts given again by ``thresholds`` (default: the report's own), worst first: how the book shows a report
     whose checkpoint stayed on the GPU machine."""
-    import pandas as pd
-
     table = pd.DataFrame(report["table"]).drop(columns="verdict", errors="ignore")
     num = [c for c in table.columns if c not in ("layer", "head")]
     table[num] = table[num].apply(pd.to_numeric, errors="coerce").astype(float)
@@ -554,10 +552,6 @@ def report_table(report: dict, thresholds: dict | None = None):
 def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
     """Write ``out/report.md`` (verdicts, the worst heads, a heatmap per measure, bars for the worst layer) and
     ``out/report.json`` (``info`` plus the table and thresholds). Returns both paths."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.provenance import write_json
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     figs = [("verdict.png", "verdict per head", plot_verdicts(table))]
@@ -568,20 +562,22 @@ def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
                  plot_layer_bars(table, worst_layer, thr)))
     for name, _, fig in figs:
         fig.savefig(out / name)
-        plt.close(fig)
+        _plt().close(fig)
     c = verdict_counts(table)
     probe = info["probe"]
     md = [f"# lpfa doctor: {info['checkpoint']}", "",
           f"Format **{info['format']}**; probe: {probe['shape'][0]} × {probe['shape'][1]} tokens of {probe['data']} "
           f"({probe['split']}.bin, seed {probe['seed']}); {info['runtime_s']:.1f} s on {info['device']}.", "",
-          f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} heads.",
+          f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of "
+          f"{len(table)} heads.",
           f"Thresholds ({info['thresholds_source']}): {_thresholds_text(thr, table)}.", "",
           "## The worst heads", "", _md_table(table[list(SHOWN)].head(10).rename(columns=SHOWN)), "",
           "## Per measure, layer × head", ""]
     md += [f"### {label}\n\n![{label}]({name})\n" for name, label, _ in figs]
     (out / "report.md").write_text("\n".join(md) + "\n")
     js = write_json(out / "report.json", {**info, "thresholds": thr, "verdicts": c,
-                                          "unused_thresholds": unused_thresholds(table, thr), "table": _json_table(table)})
+                                          "unused_thresholds": unused_thresholds(table, thr),
+                                          "table": _json_table(table)})
     return out / "report.md", js
 
 
@@ -590,12 +586,11 @@ def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
 
 
 def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, seed: int = 0, device: str = "auto",
-           out=None, thresholds: dict | None = None, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS, progress: bool = True,
-           command: str | None = None) -> dict:
+           out=None, thresholds: dict | None = None, eps: float = 1e-3, rank1_tokens: int = RANK1_TOKENS,
+           progress: bool = True, command: str | None = None) -> dict:
     """Load ``checkpoint``, draw the probe batch, measure every head, give verdicts (``thresholds``, default
-    :func:`lpfa.alarms.current_thresholds`) and, with ``out``, write the report. Returns ``{"table": DataFrame, "thresholds", "info"}``."""
-    from lpfa.run import resolve_device
-
+    :func:`lpfa.alarms.current_thresholds`) and, with ``out``, write the report. Returns ``{"table": DataFrame,
+    "thresholds", "info"}``."""
     t0 = time.time()
     if device not in ("auto", "cpu") and not device.startswith("cuda"):
         raise DoctorError(f"--device {device!r}: expected auto, cpu or cuda")
@@ -609,38 +604,34 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
     cfg = model.config
     x, y, probe = probe_batch(data, cfg.vocab_size, cfg.block_size, batches, seq_len, seed, device)
     table = diagnose(measure_heads(model, x, y, eps, rank1_tokens, progress, trained, softcap), thr)
-    info = {"checkpoint": str(checkpoint), "loaded": str(path), "format": fmt, "device": device, "trained_policy": trained,
-            "softcap": softcap,
+    info = {"checkpoint": str(checkpoint), "loaded": str(path), "format": fmt, "device": device,
+            "trained_policy": trained, "softcap": softcap,
             "model": {k: getattr(cfg, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "block_size")},
             "probe": probe, "eps": eps, "rank1_tokens": rank1_tokens, "thresholds_source": source,
             "runtime_s": time.time() - t0}
-    try:
-        from lpfa.provenance import provenance
-
-        info["provenance"] = provenance(command=command)
-    except ImportError:
-        pass
+    info["provenance"] = provenance(command=command)
     if out is not None:
         write_report(out, table, thr, info)
     return {"table": table, "thresholds": thr, "info": info}
 
 
 def main(argv: list[str] | None = None) -> int:
-    from lpfa.cli import _OneLineErrors
-
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _OneLineErrors(prog="lpfa doctor", description=__doc__.split("\n\n")[0] + " (see lpfa.doctor's docstring)")
     p.add_argument("checkpoint", help="an lpfa checkpoint folder (or run folder), a nanoGPT ckpt.pt (or its folder), "
                                       "or a Hugging Face GPT-2 folder")
-    p.add_argument("--data", default=None, help="a nanoGPT token folder (val.bin, else train.bin); default: the embedded corpus")
+    p.add_argument("--data", default=None,
+                   help="a nanoGPT token folder (val.bin, else train.bin); default: the embedded corpus")
     p.add_argument("--batches", type=int, default=4, help="sequences in the probe batch (default 4)")
-    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default: block size, at most {MAX_DEFAULT_SEQ_LEN})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per sequence (default: block size, at most {MAX_DEFAULT_SEQ_LEN})")
     p.add_argument("--seed", type=int, default=0, help="seed of the sequences' choice (default 0)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.add_argument("--out", default=None, help="a folder for report.md, report.json and the figures")
     p.add_argument("--top", type=int, default=10, help="worst heads shown in the terminal (default 10)")
-    p.add_argument("--thresholds", default=None, help="a JSON file of thresholds as lpfa.alarms.thresholds() returns them "
-                                                      "(default: learnt from the committed runs, else fixed ones)")
+    p.add_argument("--thresholds", default=None,
+                   help="a JSON file of thresholds as lpfa.alarms.thresholds() returns them "
+                        "(default: the committed thresholds, learnt from the committed runs)")
     a = p.parse_args(argv)
     try:
         thr = read_thresholds(a.thresholds, "--thresholds") if a.thresholds else None
@@ -654,7 +645,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lpfa doctor: error: {e}", file=sys.stderr)
         return 2
     info = r["info"]
-    print(f"{info['checkpoint']} ({info['format']}), probe {info['probe']['shape'][0]} × {info['probe']['shape'][1]} tokens, "
+    shape = info["probe"]["shape"]
+    print(f"{info['checkpoint']} ({info['format']}), probe {shape[0]} × {shape[1]} tokens, "
           f"{info['runtime_s']:.1f} s on {info['device']}")
     print(summary_text(r["table"], r["thresholds"], a.top))
     if a.out:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# The FP32 twin of every experiment (issue 17): the fp32 policy with its GEMMs on BF16 tensor cores over split FP32
-# operands (lpfa.attention.policy.GEMM_SPLIT_DOC): FP32-level error against float64 (results/attention_benchmark, error.json),
+import pandas as pd
+
+# The FP32 twin of every experiment: the fp32 policy with its GEMMs on BF16 tensor cores over split FP32 operands
+# (lpfa.attention.policy.GEMM_SPLIT_DOC): FP32-level error against float64 (results/attention_benchmark, error.json),
 # bit-deterministic (no atomics), and faster in GPT-2 S training than SDPA on FP32 inputs (results/train_throughput).
 # Runs committed before this choice used "attn_backend=sdpa_fp32"; their config.json says so. Single FP32 layers
 # (layer_policies) still name sdpa_fp32.
 FP32_TWIN = "attn_policy=fp32_split"
 
-# The book's experiments (issue 5): each a set of runs on the same seeded batches, differing as named.
+# The book's experiments: each a set of runs on the same seeded batches, differing as named.
 TWINS: dict[str, list[str]] = {  # Figs. 2, 3, 7, 13: only the attention differs
     "bf16": ["attn_policy=paper_untiled", "ckpt_history=true"],  # the authors' BF16 flash attention
     "fp32": [FP32_TWIN],  # FP32 attention
@@ -49,9 +51,11 @@ ISOLATION: dict[str, list[str]] = {
 PAPER_ISOLATION: dict[str, str] = {
     "bf16": "fails", "fp32": "stable", "bf16_tiled": "fails", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
     "delta_dp": "stable", "delta_o_fp32": "stable", "delta_o_exact": "not reported", "o_fp32": "stable",
-    "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable", "fp32_worst_head": "not reported",
+    "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable",
+    "fp32_worst_head": "not reported",
 }
-SEEDS: dict[str, list[str]] = {  # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
+# failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
+SEEDS: dict[str, list[str]] = {
     f"{mode}_s{s}": [ISOLATION[mode][0], f"seed={s}", f"init_seed={s}"] for mode in ("bf16", "fp32") for s in (1, 2, 3)
 }
 SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon; the FP32 twin is the precursor verdict's reference
@@ -59,10 +63,11 @@ SFA_MUON: dict[str, list[str]] = {  # Fig. 7 with Muon; the FP32 twin is the pre
     "fp32_muon": [*TWINS["fp32"], "optimizer=muon"],
     "sfa_muon": [*TWINS["sfa"], "optimizer=muon"],
 }
-SIZES: dict[str, list[str]] = {  # Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
+# Fig. 7 at a second model size: GPT-2 S's 12 layers, 12 heads, d = 768; all else `repro`
+SIZES: dict[str, list[str]] = {
     f"{mode}_gpt2s": [TWINS[mode][0], "model=gpt2-s"] for mode in ("bf16", "fp32", "sfa")
 }
-# Dose-response (issue 16): the δ error of layer 1 (the failing layer) multiplied by k in the backward, the forward
+# Dose-response: the δ error of layer 1 (the failing layer) multiplied by k in the backward, the forward
 # untouched (PrecisionPolicy.dose): "bias" keeps its sign, "control" gives each row a random sign (same magnitude,
 # no bias). bias_x1 is the bf16 twin itself. The FP32 twin has no δ error to dose; SFA as the base at the largest dose;
 # seeds 1 and 2 at two doses for the spread (1337 is every other run's).
@@ -81,10 +86,11 @@ DOSE: dict[str, list[str]] = {
     "fp32": [FP32_TWIN],
     **{f"bias_x{k}_s{s}": [*_dosed(k), f"seed={s}", f"init_seed={s}"] for k in (64, 128) for s in (1, 2)},
 }
-# The paper's own recipe at GPT-2 S size (issue 16 §2), run with preset gpt2-s-paper and batch_size/grad_accum set by
+# The paper's own recipe at GPT-2 S size, run with preset gpt2-s-paper and batch_size/grad_accum set by
 # scripts/gpu/paper_recipe.sh to the largest batch that gives >= 8k steps in one GPU run (lpfa.scaling.batch_for_steps).
 # fa2 and SFA join only if the BF16 twin explodes and the FP32 twin does not.
-PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]] for mode in ("bf16", "fp32", "fa2", "sfa")}
+PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]]
+                                      for mode in ("bf16", "fp32", "fa2", "sfa")}
 PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper's tiled BF16 kernel, not one block
 PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
 PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_recipe"], f"seed={s}", f"init_seed={s}"]
@@ -94,33 +100,35 @@ PAPER_RECIPE.update({f"{mode}_paper_recipe_s{s}": [*PAPER_RECIPE[f"{mode}_paper_
 # tiling stays the BF16 twin's. The outlier heads are layer 1's heads 7 and 9: the two whose W_Q norm had grown most
 # against the FP32 twin's, and whose logits were largest, when the BF16 twin's layer 1 ran away (step 2,800,
 # results/paper_recipe/h200x2-2026-11-30).
-# scores_fp32 (only S in FP32) joined after page 17 found the worst head's δ error on a captured batch to come from
-# rounding S to BF16 (lpfa.pages.stabilisers.sr_persistence): does the recipe's BF16 run stay clean with FP32 scores alone?
+# scores_fp32 (only S in FP32): the worst head's δ error on a captured batch comes from rounding S to BF16
+# (lpfa.pages.stabilisers.sr_persistence): does the recipe's BF16 run stay clean with FP32 scores alone?
 RECIPE_ISOLATION = ("delta_o_fp32", "pv_fp32", "delta_dp", "o_fp32", "scores_fp32", "fp32_outlier_heads")
 PAPER_RECIPE.update({f"{row}_paper_recipe": [f"attn_policy={row}"] for row in RECIPE_ISOLATION[:-1]})
 PAPER_RECIPE["fp32_outlier_heads_paper_recipe"] = ["attn_policy=paper", "fp32_heads={1: [7, 9]}"]
-# Muon, longer (issue 16 §3): the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
+# Muon, longer: the Fig. 7 Muon twins, and the BF16/FP32 twins again at 2.5x Muon's default lr.
 MUON_LR2 = 0.05
 MUON_LONG: dict[str, list[str]] = {
     **SFA_MUON,
     **{f"{mode}_muon_lr2": [*TWINS[mode], "optimizer=muon", f"muon_lr={MUON_LR2}"] for mode in ("bf16", "fp32")},
 }
-# The rescue (issue 20): the dose that derails the BF16 run (layer 1's δ error × 128, results/dose) with lpfa.train's
+# The rescue: the dose that derails the BF16 run (layer 1's δ error × 128, results/dose) with lpfa.train's
 # on_warning: at the first early warning (lpfa.monitor.Alarm on the run's diagnostics, thresholds of
 # lpfa.alarms.current_thresholds) the flagged layer switches to SFA or to FP32 attention for the rest of the run.
 # Held against the dose table's bias_x128 (same seed and data order), which exploded.
 RESCUE_DOSE = 128
-RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_DOSE), f"on_warning={to}"] for to in ("sfa", "fp32")}
-# Stabilisers (issue 19): each a change of the paper-recipe BF16 run (bf16_paper_recipe, same preset, seed 1337,
+RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_DOSE), f"on_warning={to}"]
+                                 for to in ("sfa", "fp32")}
+# Stabilisers: each a change of the paper-recipe BF16 run (bf16_paper_recipe, same preset, seed 1337,
 # batch and data order), where the BF16 loss explodes and FP32 attention's does not (results/paper_recipe). Stochastic
 # rounding changes only the attention's rounding, so it is judged against paper_recipe's fp32_paper_recipe; QK-norm, the
 # output gate and the logit soft-cap change the model, so each has its own FP32 twin (the soft-cap's: the FP32 policy on
 # split-BF16 tensor cores, fp32_softcap, since SDPA has no cap). QK-clip changes the training (it rescales W_Q and
 # W_K), so it has an FP32 twin too; its tau is Kimi K2's (100), above the FP32 twins' layer-1 logits at the recipe
 # (at most 84 in 9,920 steps, results/paper_recipe). SFA's row is paper_recipe's sfa_paper_recipe.
-# bf16_rerun is bf16_paper_recipe again (same switches, seed and data order): that run kept no checkpoint, so the links
-# that need one (lpfa doctor's δ bias and rank-1 similarity, scripts/gpu/paper_recipe.sh DOCTOR_STEP) come from this run's
-# step-5,000 checkpoint, the base of every row's ratio; its logged links and explosion step measure a rerun's spread.
+# bf16_rerun is bf16_paper_recipe again (same switches, seed and data order): that run kept no checkpoint, so the
+# links that need one (lpfa doctor's δ bias and rank-1 similarity, scripts/gpu/paper_recipe.sh DOCTOR_STEP) come from
+# this run's step-5,000 checkpoint, the base of every row's ratio; its logged links and explosion step measure a
+# rerun's spread.
 # fp32_rerun is fp32_paper_recipe again to step 5,000, for the same reason: its checkpoint gives the FP32 twin's
 # doctor links at the BF16 rerun's step (and lpfa doctor's page its healthy example); it is bf16_rerun's reference.
 QK_CLIP_TAU = 100.0
@@ -134,16 +142,19 @@ STABILISERS: dict[str, list[str]] = {
     FP32_RERUN: [*PAPER_RECIPE["fp32_paper_recipe"], f"stop_at_step={RERUN_STOP}"],
     "sr": ["attn_policy=paper_sr"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
-       for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"), ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
+       for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"),
+                            ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
        for mode in ("bf16", "fp32")},
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
     # QK-clip is Kimi K2's MuonClip: the clip with Muon as well, held against the recipe with Muon and no clip
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], *switch, "optimizer=muon"]
-       for name, switch in (("muon_recipe", []), ("qkclip_muon", [f"qk_clip={QK_CLIP_TAU:g}"])) for mode in ("bf16", "fp32")},
-    # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and value
-    # under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn afresh each
-    # step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave differently?
+       for name, switch in (("muon_recipe", []), ("qkclip_muon", [f"qk_clip={QK_CLIP_TAU:g}"]))
+       for mode in ("bf16", "fp32")},
+    # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and
+    # value under one seed, so a stable value at a stable position rounds the same way every step: does SR drawn
+    # afresh each step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave
+    # differently?
     "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
 }
 # The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again, eager, since the
@@ -182,7 +193,8 @@ DESCRIPTIONS: dict[str, str] = {
     "bf16_gpt2s": "BF16 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
     "fp32_gpt2s": "FP32 attention, at GPT-2 S size (12 layers, 12 heads, d = 768)",
     "sfa_gpt2s": "BF16 attention with SFA (β = 2), at GPT-2 S size (12 layers, 12 heads, d = 768)",
-    **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)" for k in SEEDS},
+    **{k: f"{'BF16' if k.startswith('bf16') else 'FP32'} attention, seed {k.split('_s')[1]} (data order and init)"
+       for k in SEEDS},
     **{k: (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {k.split('_x')[1].split('_')[0]} "
            + ("with its sign (biased dose)" if k.startswith("bias") else "with a random sign per row (control)")
            + (f", seed {k.split('_s')[-1]}" if "_s" in k.split("_x")[1] else ""))
@@ -201,32 +213,39 @@ DESCRIPTIONS: dict[str, str] = {
         ("o_fp32", "O in FP32: Ō, the running output and the stored O (P̄ still BF16)"),
         ("scores_fp32", "only the scores S in FP32, every later rounding as the BF16 run"),
         ("fp32_outlier_heads", "FP32 O for only the outlier heads 7 and 9 of layer 1"))},
-    **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its sign; at the first "
-                                       f"early warning the flagged layer switches to {'SFA' if to == 'sfa' else 'FP32 attention'}")
+    **{f"rescue_{to}_x{RESCUE_DOSE}": (f"BF16 attention, layer {DOSE_LAYER}'s δ error × {RESCUE_DOSE} with its "
+                                       "sign; at the first early warning the flagged layer switches to "
+                                       f"{'SFA' if to == 'sfa' else 'FP32 attention'}")
        for to in ("sfa", "fp32")},
-    STABILISER_RERUN: "bf16_paper_recipe run again, keeping its step-5,000 checkpoint for lpfa doctor (the base of the δ-bias and similarity links)",
-    FP32_RERUN: f"fp32_paper_recipe run again to step {RERUN_STOP:,}, keeping that checkpoint for lpfa doctor (the FP32 twin's δ-bias and similarity links)",
-    "sr": "BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe",
+    STABILISER_RERUN: ("bf16_paper_recipe run again, keeping its step-5,000 checkpoint for lpfa doctor (the base of "
+                       "the δ-bias and similarity links)"),
+    FP32_RERUN: (f"fp32_paper_recipe run again to step {RERUN_STOP:,}, keeping that checkpoint for lpfa doctor "
+                 "(the FP32 twin's δ-bias and similarity links)"),
+    "sr": ("BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of "
+           "position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe"),
     "sr_reseed": "as sr, with the stochastic rounding drawn afresh each step (sr_seed + step; eager, not compiled)",
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),
                           ("softcap", "logits soft-capped at 50 (Gemma 2)"),
-                          ("qkclip", f"QK-clip at τ = {QK_CLIP_TAU:g} (Kimi K2's MuonClip: W_Q, W_K of a head scaled by "
-                                     "√(τ / its largest logit) after each step it exceeds τ)")) for m in ("bf16", "fp32")},
-    **{f"{m}_muon_recipe": f"{'BF16' if m == 'bf16' else 'FP32'} attention, Muon optimizer, the paper's GPT-2 S recipe (the base of the Muon QK-clip rows)"
+                          ("qkclip", f"QK-clip at τ = {QK_CLIP_TAU:g} (Kimi K2's MuonClip: W_Q, W_K of a head scaled "
+                                     "by √(τ / its largest logit) after each step it exceeds τ)"))
        for m in ("bf16", "fp32")},
-    **{f"{m}_qkclip_muon": f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe"
+    **{f"{m}_muon_recipe": (f"{'BF16' if m == 'bf16' else 'FP32'} attention, Muon optimizer, the paper's GPT-2 S "
+                            "recipe (the base of the Muon QK-clip rows)")
+       for m in ("bf16", "fp32")},
+    **{f"{m}_qkclip_muon": (f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and "
+                            "the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe")
        for m in ("bf16", "fp32")},
     "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
-EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS, "sfa_muon": SFA_MUON,
-                                                 "sizes": SIZES, "dose": DOSE, "paper_recipe": PAPER_RECIPE,
-                                                 "muon_long": MUON_LONG, "rescue": RESCUE, "stabilisers": STABILISERS,
-                                                 "mechanism": MECHANISM}
+EXPERIMENTS: dict[str, dict[str, list[str]]] = {"twins": TWINS, "isolation": ISOLATION, "seeds": SEEDS,
+                                                 "sfa_muon": SFA_MUON, "sizes": SIZES, "dose": DOSE,
+                                                 "paper_recipe": PAPER_RECIPE, "muon_long": MUON_LONG, "rescue": RESCUE,
+                                                 "stabilisers": STABILISERS, "mechanism": MECHANISM}
 EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper", "stabilisers": "gpt2-s-paper",
                                       "mechanism": "gpt2-s-paper"}  # the rest: "repro"
 
@@ -280,8 +299,6 @@ def rows(experiment: str) -> dict[str, Row]:
 
 def table(experiments=None):
     """Every row of ``experiments`` (default: all) as one DataFrame indexed by (experiment, label), with the preset."""
-    import pandas as pd
-
     out = []
     for exp in experiments or EXPERIMENTS:
         for r in rows(exp).values():

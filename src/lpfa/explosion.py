@@ -5,10 +5,10 @@ than ``margin`` above the lowest smoothed loss seen so far for ``patience`` cons
 where the loss is not finite. The explosion step is the first step of that excursion.
 
 Runs of the book's smaller ``repro`` config did not explode within 30k steps (the paper-recipe GPT-2 S run did:
-``results/paper_recipe``), but one layer's attention logits ran away in BF16 only. :class:`RunawayCriterion` states that precursor as a verdict too, so
-shorter runs (the isolation table, the seeds) can be compared by it: the first diagnostics record
-from which some layer's largest attention logit stays above ``logit`` for ``patience`` records. With
-the default 1000 it separates the committed runs (``tests/test_explosion.py`` checks this): the BF16
+``results/paper_recipe``), but one layer's attention logits ran away in BF16 only. :class:`RunawayCriterion` states
+that precursor as a verdict too, so shorter runs (the isolation table, the seeds) can be compared by it: the first
+diagnostics record from which some layer's largest attention logit stays above ``logit`` for ``patience`` records.
+With the default 1000 it separates the committed runs (``tests/test_explosion.py`` checks this): the BF16
 runs' layer 1 stays above it from step 6,400, while no layer of the FP32, SFA or FA2 runs ever exceeded 400.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
+
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,6 @@ class ExplosionCriterion:
 def first_sustained(above, patience: int) -> int | None:
     """Position where the first run of at least ``patience`` consecutive True values in ``above`` starts, or
     None: the "for N records in a row" rule shared by every verdict here. NumPy only."""
-    import numpy as np
-
     streak = 0
     for i, a in enumerate(np.asarray(above, dtype=bool)):
         streak = streak + 1 if a else 0
@@ -52,8 +52,6 @@ def first_sustained(above, patience: int) -> int | None:
 def explosion_step(loss, criterion: ExplosionCriterion = ExplosionCriterion(), steps=None) -> int | None:
     """The step at which ``loss`` explodes, or None. ``loss``: a pandas Series indexed by step, or an
     array of losses with their ``steps`` (NumPy only, so a GPU machine without pandas can call it)."""
-    import numpy as np
-
     if steps is None:
         vals, steps = loss.to_numpy(dtype=float), loss.index.to_numpy()
     else:
@@ -91,8 +89,6 @@ class RunawayCriterion:
 def logit_runaway(max_logit, steps, criterion: RunawayCriterion = RunawayCriterion()) -> tuple[int, int] | None:
     """``(step, layer)`` of the first logit runaway, or None. ``max_logit``: (records, layers, heads) or
     (records, layers) largest attention logits, one record per entry of ``steps``. NumPy only."""
-    import numpy as np
-
     m = np.asarray(max_logit, dtype=float)
     if m.ndim == 3:
         m = m.max(axis=2)
@@ -113,8 +109,6 @@ def runaway_heads(max_logit, steps, layer: int, criterion: RunawayCriterion = Ru
     """``{head: step}``: the heads of ``layer`` whose own largest logit ran away (above ``criterion.logit`` for
     ``criterion.patience`` consecutive records), with the step each one's runaway starts, earliest first.
     ``max_logit``: (records, layers, heads), one record per entry of ``steps``. NumPy only."""
-    import numpy as np
-
     m = np.asarray(max_logit, dtype=float)
     if m.ndim != 3 or len(m) != len(steps):
         raise ValueError(f"max_logit must be (records, layers, heads) with one record per step, got shape {m.shape} "
@@ -122,7 +116,8 @@ def runaway_heads(max_logit, steps, layer: int, criterion: RunawayCriterion = Ru
     if not 0 <= layer < m.shape[1]:
         raise ValueError(f"layer {layer} is not one of the run's {m.shape[1]} layers")
     starts = {h: first_sustained(m[:, layer, h] > criterion.logit, criterion.patience) for h in range(m.shape[2])}
-    return dict(sorted(((h, int(steps[s])) for h, s in starts.items() if s is not None), key=lambda kv: (kv[1], kv[0])))
+    ran = ((h, int(steps[s])) for h, s in starts.items() if s is not None)
+    return dict(sorted(ran, key=lambda kv: (kv[1], kv[0])))
 
 
 def heads_text(heads) -> str:
@@ -137,9 +132,10 @@ def attention_label(train_conf: dict) -> str:
     ``paper_untiled; FP32 heads 2, 5 of layer 1``."""
     backend = train_conf.get("attn_backend", "lpfa")
     parts = [train_conf["attn_policy"] if backend == "lpfa" else backend]
-    parts += [f"layer {layer}: {pol}" for layer, pol in sorted((train_conf.get("layer_policies") or {}).items(), key=lambda kv: int(kv[0]))]
-    parts += [f"FP32 {heads_text(heads)} of layer {layer}"
-              for layer, heads in sorted((train_conf.get("fp32_heads") or {}).items(), key=lambda kv: int(kv[0])) if heads]
+    layer_policies = sorted((train_conf.get("layer_policies") or {}).items(), key=lambda kv: int(kv[0]))
+    fp32_heads = sorted((train_conf.get("fp32_heads") or {}).items(), key=lambda kv: int(kv[0]))
+    parts += [f"layer {layer}: {pol}" for layer, pol in layer_policies]
+    parts += [f"FP32 {heads_text(heads)} of layer {layer}" for layer, heads in fp32_heads if heads]
     return "; ".join(parts)
 
 

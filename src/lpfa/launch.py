@@ -15,6 +15,7 @@ with ``start --resume``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -42,7 +43,6 @@ from lpfa.experiments import (  # noqa: F401  (re-exported: the tables live in l
 )
 
 SMALL_FILES = ("config.json", "metrics.jsonl", "log.txt", "summary.json", "stdout.txt")
-
 
 
 def _root(root: str | Path | None) -> Path:
@@ -76,7 +76,6 @@ def run_experiment(name: str, experiment: str, data: str, budget_s: float, prese
 def start(name: str, runs: dict[str, list[str]], preset: str | None = None, common: list[str] | None = None,
           root: str | Path | None = None, resume: bool = False, gpus: list[str] | None = None) -> dict:
     """Launch one detached ``python -m lpfa.train`` per run; ``runs`` maps a label to its key=value overrides.
-
     ``gpus`` places the runs round-robin on those devices (``CUDA_VISIBLE_DEVICES`` per run), so on a
     machine with two GPUs two runs each get a whole GPU; without it every run sees every GPU and uses the first."""
     if gpus is not None and not gpus:
@@ -149,9 +148,9 @@ def wait(name: str, max_s: float, root: str | Path | None = None, poll_s: float 
     t_end = time.time() + max_s
     while True:
         st = status(name, root)
-        print(time.strftime("%H:%M:%S"), "  ".join(
-            f"{r['label']}: step {r['step']} loss {r['loss']:.4f}" if r["loss"] is not None else f"{r['label']}: starting"
-            for r in st) + ("" if any(r["alive"] for r in st) else "  (all ended)"), flush=True)
+        runs = "  ".join(f"{r['label']}: step {r['step']} loss {r['loss']:.4f}" if r["loss"] is not None
+                         else f"{r['label']}: starting" for r in st)
+        print(time.strftime("%H:%M:%S"), runs + ("" if any(r["alive"] for r in st) else "  (all ended)"), flush=True)
         if not any(r["alive"] for r in st) or time.time() >= t_end:
             return st
         time.sleep(min(poll_s, max(0.0, t_end - time.time())))
@@ -173,9 +172,8 @@ def collect(name: str, out: str | Path, root: str | Path | None = None, extra: t
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m lpfa.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lpfa.launch", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for c in ("start", "status", "wait", "collect"):
         s = sub.add_parser(c)
@@ -188,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="a run: its label, then its own key=value overrides")
             s.add_argument("--experiment", action="append", default=[], choices=sorted(EXPERIMENTS),
                            help="add the runs of one of the book's experiments (lpfa.experiments.EXPERIMENTS)")
-            s.add_argument("--only", nargs="+", default=None, metavar="LABEL", help="start only these runs of the experiments")
+            s.add_argument("--only", nargs="+", default=None, metavar="LABEL",
+                           help="start only these runs of the experiments")
             s.add_argument("--gpus", nargs="+", default=None, metavar="INDEX",
                            help="place the runs round-robin on these GPUs (CUDA_VISIBLE_DEVICES per run)")
             s.add_argument("--resume", action="store_true")

@@ -30,13 +30,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lpfa.attention import attention, get_policy
 from lpfa.diagnostics import head_max_logits
 
 SIZES = {
     # name: (n_layer, n_head, n_embd)
     "gpt2-s": (12, 12, 768),
     "gpt2-m": (24, 16, 1024),
-    "repro": (8, 8, 512),  # the feasibility study's failing configuration (issue 5)
+    "repro": (8, 8, 512),  # the feasibility study's failing configuration
     "tiny": (4, 4, 128),
     "debug": (2, 2, 64),
 }
@@ -66,7 +67,7 @@ class GPTConfig:
     attn_policy: str = "fa2"
     layer_policies: dict[int, str] = field(default_factory=dict)  # layer -> preset, overrides attn_policy
     fp32_heads: dict[int, list[int]] = field(default_factory=dict)  # layer -> heads computed in FP32
-    delta_dose: float = 1.0  # PrecisionPolicy.dose of the dosed layers (issue 16's dose-response); 1 = off
+    delta_dose: float = 1.0  # PrecisionPolicy.dose of the dosed layers (the dose-response experiment); 1 = off
     delta_dose_sign: str = "bias"  # PrecisionPolicy.dose_sign: bias or control
     delta_dose_layers: list[int] = field(default_factory=list)  # the dosed layers; [] = every lpfa layer
     qk_norm: bool = False
@@ -81,8 +82,6 @@ class GPTConfig:
         # JSON turns int keys into strings: accept both
         self.layer_policies = {int(k): v for k, v in self.layer_policies.items()}
         self.fp32_heads = {int(k): [int(h) for h in v] for k, v in self.fp32_heads.items()}
-        from lpfa.attention import get_policy
-
         for layer, name in [(None, self.attn_policy), *self.layer_policies.items()]:
             if layer is None or name not in ATTN_BACKENDS:
                 get_policy(name)  # clear error for unknown presets
@@ -90,7 +89,8 @@ class GPTConfig:
                 raise ValueError(f"layer_policies names layer {layer}; the model has layers 0..{self.n_layer - 1}")
         for layer, heads in self.fp32_heads.items():
             if not 0 <= layer < self.n_layer or any(not 0 <= h < self.n_head for h in heads):
-                raise ValueError(f"fp32_heads {{{layer}: {heads}}} is outside {self.n_layer} layers × {self.n_head} heads")
+                raise ValueError(f"fp32_heads {{{layer}: {heads}}} is outside {self.n_layer} layers × "
+                                 f"{self.n_head} heads")
 
     @classmethod
     def from_size(cls, size: str, **overrides) -> "GPTConfig":
@@ -120,8 +120,6 @@ class GPTConfig:
 
     def policy(self, layer: int):
         """The precision policy of ``layer`` (with its FP32 heads) when its backend is ``lpfa``, else None."""
-        from lpfa.attention import get_policy
-
         if self.layer_backend(layer) != "lpfa":
             return None
         pol = get_policy(self.layer_policies.get(layer, self.attn_policy))
@@ -130,9 +128,19 @@ class GPTConfig:
             pol = pol.with_(fp32_heads=frozenset(heads), name=pol.name)
         dosed = self.delta_dose != 1.0 or self.delta_dose_sign != "bias"
         if dosed and (not self.delta_dose_layers or layer in self.delta_dose_layers):
+            sign = "c" if self.delta_dose_sign == "control" else ""
             pol = pol.with_(dose=self.delta_dose, dose_sign=self.delta_dose_sign,
-                            name=f"{pol.name}:dose{self.delta_dose:g}{'c' if self.delta_dose_sign == 'control' else ''}")
+                            name=f"{pol.name}:dose{self.delta_dose:g}{sign}")
         return pol
+
+
+def _register(policy) -> None:
+    """Give ``policy`` a key for the Triton op before ``torch.compile`` traces it
+    (:func:`lpfa.attention.kernels.register`)."""
+    # lpfa.attention.kernels imports torch._dynamo (about 1 s): loaded by the first model that needs it
+    from lpfa.attention.kernels import register
+
+    register(policy)
 
 
 class LayerNorm(nn.Module):
@@ -159,9 +167,7 @@ class CausalSelfAttention(nn.Module):
         self.backend = config.layer_backend(layer)
         self.policy = config.policy(layer)
         if self.policy is not None:  # a key for the Triton op before torch.compile traces it
-            from lpfa.attention.kernels import register
-
-            register(self.policy)
+            _register(self.policy)
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.k_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
         self.gate = nn.Linear(config.n_embd, config.n_embd, bias=config.bias) if config.gated_attn else None
@@ -185,11 +191,10 @@ class CausalSelfAttention(nn.Module):
             if cap.get("all"):  # lpfa.replay: the layer input, the output O and (after backward) dO
                 cap["x"] = x.detach()
         if self.backend == "lpfa":
-            from lpfa.attention import attention
-
             y = attention(q, k, v, is_causal=True, policy=self.policy)
         elif self.backend == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
         elif self.backend == "sdpa_fp32":
             with torch.autocast(device_type=x.device.type, enabled=False):
                 y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
@@ -294,9 +299,7 @@ class GPT(nn.Module):
         attn = self.transformer.h[layer].attn
         attn.backend, attn.policy = changed.layer_backend(layer), changed.policy(layer)
         if attn.policy is not None:
-            from lpfa.attention.kernels import register
-
-            register(attn.policy)
+            _register(attn.policy)
 
     def w_q(self, layer: int) -> torch.Tensor:
         """W_Q of ``layer`` as (n_head, head_dim, n_embd): q_h = W_Q[h] x (paper Figs. 3, 11)."""

@@ -1,9 +1,9 @@
-"""An early warning of the failure inside any PyTorch training loop (issue 20): :class:`AttentionMonitor`.
+"""An early warning of the failure inside any PyTorch training loop: :class:`AttentionMonitor`.
 
 Every ``every`` steps the monitor looks at that step's forward pass, measures the links of the paper's chain that
 one batch and the weights show, per layer and head, and warns when one crosses its threshold::
 
-    monitor = AttentionMonitor(model, every=100)           # thresholds learnt from the committed runs
+    monitor = AttentionMonitor(model, every=100)           # the committed thresholds (THRESHOLDS_FILE)
     for step, (x, y) in enumerate(loader):
         with monitor.step(step):                           # captures q, k on steps 0, 100, 200, ... only
             _, loss = model(x, y)
@@ -34,23 +34,16 @@ saying so. On a GPU it runs in ``benchmarks/monitor_overhead.py`` (GPT-2 S, eage
   (n_head·head_dim, n_embd) split by the captured head count; for Hugging Face GPT-2:
   ``lambda i: m.transformer.h[i].attn.c_attn.weight[:, :768].T``).
 
-**Decision** (:func:`crossings`, shared with the replay of logged runs): a (layer, head) crosses a measure's level
-(``"precursor"``, ``"runaway"``) where its value is at or above it (a NaN or infinite ``max_logit``: the top level);
-the monitor reports a head's measure when it crosses upwards (not again while it stays above), through
-``on_warning(event)`` (an :class:`AttentionEvent`) or else :func:`warnings.warn` with an :class:`AttentionWarning`.
-Thresholds default to :func:`lpfa.alarms.current_thresholds` (those of :func:`lpfa.alarms.thresholds`, learnt from
-the committed runs with their error rates); a dict in the same format replaces them, or a JSON file of one
+**Decision** (:func:`crossings`, shared with replays of logged diagnostics, e.g. of the committed runs): a (layer,
+head) crosses a measure's level (``"precursor"``, ``"runaway"``) where its value is at or above it (a NaN or infinite
+``max_logit``: the top level); the monitor reports a head's measure when it crosses upwards (not again while it stays
+above), through ``on_warning(event)`` (an :class:`AttentionEvent`) or else :func:`warnings.warn` with an
+:class:`AttentionWarning`.
+
+**Thresholds** default to the committed file :data:`THRESHOLDS_FILE` (:func:`default_thresholds`), which
+``python -m lpfa.alarms --write`` learns from the committed runs (:func:`lpfa.alarms.thresholds`, with their error
+rates); this module reads no run folder. A dict in the same format replaces them, or a JSON file of one
 (:func:`read_thresholds`, which ``lpfa.train``'s ``warning_thresholds`` and ``lpfa doctor --thresholds`` use).
-
-**Replay** (:func:`replay_logged`, :func:`warning_table`): the committed runs' logged diagnostics through the same
-decision, giving each run's first warning and its lead over the runaway or the explosion, and the false alarms of the
-runs that stayed clean. The logged tie fraction is of the scores as the run computed them: it stands for
-``tie_fraction_bf16`` only in layers whose scores are BF16 (:func:`lpfa.run.layer_precision`).
-
-**What the replay finds** is computed on the early-warning page (``notebooks/15_early_warning.ipynb``) from
-:func:`warning_table` and :func:`warning_summary`. Runs that neither ran away nor exploded are of two kinds there:
-FP32-attention runs (true negatives: a warning is a false alarm) and low-precision runs that did not fail within their
-steps (many show the precursor on the isolation page, so a warning there may be right).
 """
 
 from __future__ import annotations
@@ -62,19 +55,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 import torch.nn.functional as F
 
+from lpfa.attention import get_policy
+from lpfa.attention.reference import IEEE, _r, _scores, near_max_counts
 from lpfa.checkpoints import read_json
+from lpfa.diagnostics import spectral_norms, wq_outlier
 from lpfa.model import unwrap
 
 MEASURE_COLUMNS = ("max_logit", "tie_fraction_bf16", "wq_spectral_norm", "wq_outlier", "wq_growth")
 LEVELS = ("precursor", "runaway")  # a measure's thresholds, lowest first
 GROWTH_STEPS = 1000  # wq_growth is the relative growth of ‖W_Q[h]‖₂ per this many steps
 SEQUENCES = 4  # sequences of the batch measured (the training runs' diag_batch)
-# issue 20: the monitor may add at most 2 % to the step time at every=100 (benchmarks/monitor_overhead.py)
-OVERHEAD_GOAL = 0.02
+OVERHEAD_GOAL = 0.02  # the monitor's cost goal: at most 2 % of the step time at every=100 (monitor_overhead.py)
 EPS = 1e-3  # scores within EPS of their row's max count as tied (lpfa.train's tie_eps)
+# the thresholds used when none are given: written by `python -m lpfa.alarms --write`, shipped with the package
+THRESHOLDS_FILE = Path(__file__).with_name("warning_thresholds.json")
 
 
 class MonitorError(ValueError):
@@ -103,37 +101,40 @@ class AttentionEvent:
 
 
 # --------------------------------------------------------------------------------------------------
-# thresholds and the decision (shared by the live monitor and the replay of logged runs)
+# thresholds and the decision (shared by the live monitor and replays of logged diagnostics)
 
 
 def normalise_thresholds(thresholds: dict) -> dict[str, dict[str, float]]:
     """``{measure: {level: value}}`` from :func:`lpfa.alarms.thresholds`' format (a level a number, or a dict with
     ``"value"``); a one-line error for a measure the monitor does not compute, an unknown level or a missing value."""
     if not isinstance(thresholds, dict):
-        raise MonitorError(f"thresholds must be a dict like lpfa.alarms.thresholds() returns, got {type(thresholds).__name__}")
+        raise MonitorError(f"thresholds must be a dict like lpfa.alarms.thresholds() returns, "
+                           f"got {type(thresholds).__name__}")
     out = {}
     for measure, levels in thresholds.items():
         if measure not in MEASURE_COLUMNS:
-            raise MonitorError(f"thresholds name measure {measure!r}; the monitor computes {', '.join(MEASURE_COLUMNS)}")
+            raise MonitorError(f"thresholds name measure {measure!r}; the monitor computes "
+                               f"{', '.join(MEASURE_COLUMNS)}")
         if not isinstance(levels, dict):
-            raise MonitorError(f"thresholds[{measure!r}] must be a dict of levels ({', '.join(LEVELS)}), got {levels!r}")
+            raise MonitorError(f"thresholds[{measure!r}] must be a dict of levels ({', '.join(LEVELS)}), "
+                               f"got {levels!r}")
         out[measure] = {}
         for level, x in levels.items():
             if level not in LEVELS:
                 raise MonitorError(f"thresholds[{measure!r}] has level {level!r}; expected {' and/or '.join(LEVELS)}")
             v = x.get("value") if isinstance(x, dict) else x
             if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
-                raise MonitorError(f"thresholds[{measure!r}][{level!r}] must be a number or a dict with a numeric 'value', got {x!r}")
+                raise MonitorError(f"thresholds[{measure!r}][{level!r}] must be a number or a dict with a numeric "
+                                   f"'value', got {x!r}")
             out[measure][level] = float(v)
     return out
 
 
 def read_thresholds(path, what: str = "thresholds") -> dict:
-    """Thresholds from a JSON file as :func:`lpfa.alarms.thresholds` returns them (write one with
-    ``json.dump(lpfa.alarms.current_thresholds(), f)`` to fix them for a run or a doctor call, e.g. on a machine
-    without the committed runs): ``lpfa.train``'s ``warning_thresholds``, ``lpfa doctor --thresholds``. Each measure
-    must be one the monitor computes, with numeric levels; a one-line error that names ``what`` (the option that gave
-    the path) otherwise."""
+    """Thresholds from a JSON file as :func:`lpfa.alarms.thresholds` returns them (:data:`THRESHOLDS_FILE` is one;
+    a copy fixes them for a run or a doctor call): ``lpfa.train``'s ``warning_thresholds``, ``lpfa doctor
+    --thresholds``. Each measure must be one the monitor computes, with numeric levels; a one-line error that names
+    ``what`` (the option that gave the path) otherwise."""
     expected = "a JSON file of thresholds as lpfa.alarms.thresholds() returns them"
     thr = read_json(path, f" ({what}: expected {expected})",
                     missing=f"{what}={str(path)!r}: expected {expected}, but there is no such file")
@@ -145,10 +146,13 @@ def read_thresholds(path, what: str = "thresholds") -> dict:
 
 
 def default_thresholds() -> dict:
-    """:func:`lpfa.alarms.current_thresholds`: learnt from the committed runs, else round defaults (the doctor's too)."""
-    from lpfa.alarms import current_thresholds
-
-    return current_thresholds()
+    """The committed thresholds, :data:`THRESHOLDS_FILE` read by :func:`read_thresholds` (the doctor's and
+    ``lpfa.train``'s too): learnt from the committed runs by ``python -m lpfa.alarms --write``. A missing or damaged
+    file is a one-line error saying that command writes it."""
+    try:
+        return read_thresholds(THRESHOLDS_FILE, "lpfa.monitor.THRESHOLDS_FILE")
+    except (FileNotFoundError, ValueError) as e:
+        raise type(e)(f"{e}; `python -m lpfa.alarms --write` writes it from the committed runs") from e
 
 
 def wq_growth(norm, before, steps):
@@ -161,8 +165,6 @@ def add_derived(frame, previous=None):
     over its layer's median at that step, :func:`lpfa.diagnostics.wq_outlier`) and ``wq_growth`` (:func:`wq_growth`
     since the same head's previous step, in ``frame`` or else in ``previous``, an earlier frame; NaN for a head's first
     step). In NumPy: the monitor calls it at every capture, where pandas' grouping cost milliseconds."""
-    from lpfa.diagnostics import wq_outlier
-
     step, layer, head = (frame[c].to_numpy() for c in ("step", "layer", "head"))
     wq = frame["wq_spectral_norm"].to_numpy(dtype=float)
     # wq_outlier per (step, layer): one call on a (groups, heads) array when every group has the same heads' count
@@ -199,9 +201,7 @@ def crossings(frame, thresholds: dict):
     a DataFrame (step, layer, head, measure, level, value, threshold) sorted by step, then the worst level first.
     A NaN or infinite ``max_logit`` (a model that blew up) reaches its top level; other NaN measures reach none
     (not measured). ``thresholds`` as :func:`normalise_thresholds` accepts. The one decision rule of the monitor
-    and of :func:`replay_logged`."""
-    import pandas as pd
-
+    and of replays of logged diagnostics."""
     thr = normalise_thresholds(thresholds)
     parts = []
     for measure, levels in thr.items():
@@ -262,8 +262,6 @@ def record_frame(step: int, record: dict, precision):
     """One diagnostics record of ``lpfa.train`` (:func:`lpfa.diagnostics.probe_record`: per layer, per head) as the
     frame :meth:`Alarm.feed` takes; ``tie_fraction_bf16`` is NaN in layers whose scores are not BF16 (``precision``:
     per layer, as :func:`lpfa.run.layer_precision` gives it), where the logged ties are not BF16 ties."""
-    import pandas as pd
-
     logit = np.asarray(record["max_logit"], dtype=float)
     L, H = logit.shape
     ties = np.asarray(record["tie_fraction"], dtype=float).copy()
@@ -306,9 +304,6 @@ CHUNK_BYTES = 1 << 28  # the float64 logits of at most this many bytes at a time
 def _call_measures(q, k, causal, mask, scale, eps) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`call_measures` as two (H,) float64 tensors on q's device, without a synchronisation (the monitor
     gathers all layers' before one transfer). Sequences go in chunks whose float64 logits fit :data:`CHUNK_BYTES`."""
-    from lpfa.attention import get_policy
-    from lpfa.attention.reference import IEEE, _r, _scores, near_max_counts
-
     q, k = _normalise_qk(q, k)
     B, H, L, D = q.shape
     S = k.shape[2]
@@ -364,7 +359,8 @@ class _SDPARecorder(torch.overrides.TorchFunctionMode):
             a = dict(zip(_SDPA_ARGS, args), **kwargs)
             if self.layers is None or self.count in self.layers:
                 mask = a.get("attn_mask")
-                self.calls[self.count] = {"q": a["query"].detach()[: self.sequences], "k": a["key"].detach()[: self.sequences],
+                self.calls[self.count] = {"q": a["query"].detach()[: self.sequences],
+                                          "k": a["key"].detach()[: self.sequences],
                                           "mask": mask.detach() if isinstance(mask, torch.Tensor) else None,
                                           "causal": bool(a.get("is_causal", False)), "scale": a.get("scale")}
             self.count += 1
@@ -418,14 +414,13 @@ class _Capture:
 
 class AttentionMonitor:
     """Per-head early warning of attention-logit runaway for any PyTorch model (see the module docstring).
-
     ``model``: :class:`lpfa.model.GPT` (through its capture hook; W_Q reachable) or any module whose attention calls
     ``torch.nn.functional.scaled_dot_product_attention``. ``every``: capture on steps divisible by it. ``layers``:
     the layer indices (SDPA call indices) to measure, None for all. ``thresholds``: as :func:`lpfa.alarms.thresholds`
-    returns (default :func:`default_thresholds`). ``on_warning``: called with each :class:`AttentionEvent`, instead of
-    :func:`warnings.warn`. ``tensorboard``: a ``SummaryWriter`` (anything with ``add_scalar``) or a log folder (a
-    ``torch.utils.tensorboard.SummaryWriter`` is made, needing the ``tensorboard`` package). ``w_q``: ``layer ->
-    tensor`` for models other than ours. ``sequences``: how many sequences of the batch to measure."""
+    returns (default: the committed ones, :func:`default_thresholds`). ``on_warning``: called with each
+    :class:`AttentionEvent`, instead of :func:`warnings.warn`. ``tensorboard``: a ``SummaryWriter`` (anything with
+    ``add_scalar``) or a log folder (needs the ``tensorboard`` package). ``w_q``: ``layer -> tensor`` for models other
+    than ours. ``sequences``: how many sequences of the batch to measure."""
 
     def __init__(self, model, every: int = 100, layers=None, thresholds: dict | None = None, on_warning=None,
                  tensorboard=None, w_q=None, sequences: int = SEQUENCES, eps: float = EPS):
@@ -434,7 +429,8 @@ class AttentionMonitor:
         if not isinstance(model, torch.nn.Module):
             raise MonitorError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(sequences, bool) or not isinstance(sequences, int) or sequences < 1:
-            raise MonitorError(f"sequences must be an integer >= 1 (sequences of the batch measured), got {sequences!r}")
+            raise MonitorError(f"sequences must be an integer >= 1 (sequences of the batch measured), "
+                               f"got {sequences!r}")
         if on_warning is not None and not callable(on_warning):
             raise MonitorError(f"on_warning must be callable with an AttentionEvent, got {on_warning!r}")
         if w_q is not None and not callable(w_q):
@@ -458,7 +454,8 @@ class AttentionMonitor:
 
             tensorboard = SummaryWriter(str(tensorboard))
         if tensorboard is not None and not callable(getattr(tensorboard, "add_scalar", None)):
-            raise MonitorError(f"tensorboard must be a SummaryWriter (with add_scalar) or a log folder, got {tensorboard!r}")
+            raise MonitorError(f"tensorboard must be a SummaryWriter (with add_scalar) or a log folder, "
+                               f"got {tensorboard!r}")
         self.writer = tensorboard
         if w_q is None and self._attns is not None:
             inner = unwrap(model)
@@ -486,8 +483,6 @@ class AttentionMonitor:
     @property
     def history(self):
         """Every measure of every capture: a DataFrame (step, layer, head, then :data:`MEASURE_COLUMNS`)."""
-        import pandas as pd
-
         if not self._frames:
             return pd.DataFrame(columns=["step", "layer", "head", *MEASURE_COLUMNS])
         return pd.concat(self._frames, ignore_index=True)
@@ -499,11 +494,13 @@ class AttentionMonitor:
             return None
         w = self.w_q(layer)
         if not isinstance(w, torch.Tensor) or w.ndim not in (2, 3):
-            raise MonitorError(f"w_q({layer}) must return a tensor (n_head, head_dim, n_embd) or (n_head*head_dim, n_embd), "
-                               f"got {type(w).__name__}{tuple(w.shape) if isinstance(w, torch.Tensor) else ''}")
+            shape = tuple(w.shape) if isinstance(w, torch.Tensor) else ""
+            raise MonitorError(f"w_q({layer}) must return a tensor (n_head, head_dim, n_embd) or "
+                               f"(n_head*head_dim, n_embd), got {type(w).__name__}{shape}")
         if w.ndim == 2:
             if w.shape[0] % heads:
-                raise MonitorError(f"w_q({layer}) has {w.shape[0]} rows, not a multiple of the {heads} heads its attention call had")
+                raise MonitorError(f"w_q({layer}) has {w.shape[0]} rows, not a multiple of the {heads} heads its "
+                                   "attention call had")
             w = w.reshape(heads, w.shape[0] // heads, w.shape[1])
         if w.shape[0] != heads:
             raise MonitorError(f"w_q({layer}) has {w.shape[0]} heads; its attention call had {heads}")
@@ -512,8 +509,6 @@ class AttentionMonitor:
     def _weight_norms(self, layers, heads) -> list[np.ndarray]:
         """‖W_Q[h]‖₂ per layer (NaN where W_Q is out of reach): one batched :func:`spectral_norms` where the layers'
         W_Q share a shape (one transfer for the model), else one call per layer."""
-        from lpfa.diagnostics import spectral_norms
-
         if self.w_q is None:
             return [np.full(h, np.nan) for h in heads]
         ws = [self._w_q(layer, h) for layer, h in zip(layers, heads)]
@@ -523,25 +518,27 @@ class AttentionMonitor:
 
     @torch.no_grad()
     def _measure(self, step: int, calls: dict, n_calls: int):
-        import pandas as pd
-
         if not n_calls:
-            raise MonitorError(f"step {step}: the forward run inside monitor.step() made no scaled_dot_product_attention "
-                               "call; expected an lpfa.model.GPT or a model whose attention calls "
-                               "torch.nn.functional.scaled_dot_product_attention (not compiled with torch.compile)")
+            raise MonitorError(f"step {step}: the forward run inside monitor.step() made no "
+                               "scaled_dot_product_attention call; expected an lpfa.model.GPT or a model whose "
+                               "attention calls torch.nn.functional.scaled_dot_product_attention (not compiled with "
+                               "torch.compile)")
         if self.layers is not None and self.layers[-1] >= n_calls:
-            raise MonitorError(f"layers {[x for x in self.layers if x >= n_calls]} are not layers of the model: its forward "
-                               f"made {n_calls} attention calls (layers 0..{n_calls - 1})")
+            raise MonitorError(f"layers {[x for x in self.layers if x >= n_calls]} are not layers of the model: its "
+                               f"forward made {n_calls} attention calls (layers 0..{n_calls - 1})")
         layers = sorted(calls)
-        measured = [_call_measures(calls[x]["q"], calls[x]["k"], calls[x]["causal"], calls[x]["mask"], calls[x]["scale"],
-                                   self.eps) for x in layers]  # queued on the device; no synchronisation yet
+        # queued on the device; no synchronisation yet
+        measured = [_call_measures(calls[x]["q"], calls[x]["k"], calls[x]["causal"], calls[x]["mask"],
+                                   calls[x]["scale"], self.eps) for x in layers]
         heads = [len(mx) for mx, _ in measured]
         norms = self._weight_norms(layers, heads)
-        flat = torch.cat([torch.cat([mx, tie]) for mx, tie in measured]).cpu().numpy()  # the one transfer of the measures
+        # the one transfer of the measures
+        flat = torch.cat([torch.cat([mx, tie]) for mx, tie in measured]).cpu().numpy()
         rows, at = [], 0
         for layer, H, wq in zip(layers, heads, norms):
-            rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H), "max_logit": flat[at : at + H],
-                                      "tie_fraction_bf16": flat[at + H : at + 2 * H], "wq_spectral_norm": wq}))
+            rows.append(pd.DataFrame({"step": step, "layer": layer, "head": np.arange(H),
+                                      "max_logit": flat[at : at + H], "tie_fraction_bf16": flat[at + H : at + 2 * H],
+                                      "wq_spectral_norm": wq}))
             at += 2 * H
         frame, events = self._alarm.feed(pd.concat(rows, ignore_index=True))
         self._frames.append(frame)
@@ -560,102 +557,7 @@ class AttentionMonitor:
 
 
 # --------------------------------------------------------------------------------------------------
-# replay of logged runs
-
-
-def logged_frame(run_dir):
-    """A run's logged diagnostics (:func:`lpfa.compare.head_metric_frame`) as the monitor's measures: a DataFrame
-    (step, layer, head, :data:`MEASURE_COLUMNS`); ``tie_fraction_bf16`` is the logged tie fraction in layers whose
-    scores are BF16 (:func:`lpfa.run.layer_precision`), NaN elsewhere (the run logged ties of FP32 scores)."""
-    import pandas as pd
-
-    from lpfa.run import layer_precision
-    from lpfa.run import Run
-    from lpfa.compare import head_metric_frame
-
-    key = ["step", "layer", "head"]
-    cols = {}
-    for name, metric in (("max_logit", "max_logit"), ("tie_fraction_bf16", "tie_fraction"), ("wq_spectral_norm", "wq_spectral_norm")):
-        cols[name] = head_metric_frame(run_dir, metric).drop_duplicates(key, keep="last").set_index(key)["value"]
-    frame = pd.DataFrame(cols).reset_index()
-    precision = dict(enumerate(layer_precision(Run(run_dir))))
-    frame.loc[frame["layer"].map(precision) != "bf16", "tie_fraction_bf16"] = np.nan
-    return add_derived(frame)
-
-
-def first_warning(run_dir, thresholds: dict | None = None):
-    """The first crossing of a run's logged diagnostics (a row of :func:`crossings` as a dict: step, layer, head,
-    measure, level, value, threshold), or None."""
-    hits = crossings(logged_frame(run_dir), default_thresholds() if thresholds is None else thresholds)
-    if hits.empty:
-        return None
-    r = hits.iloc[0]
-    return {"step": int(r["step"]), "layer": int(r["layer"]), "head": int(r["head"]), "measure": r["measure"],
-            "level": r["level"], "value": float(r["value"]), "threshold": float(r["threshold"])}
-
-
-def replay_logged(run_dir, thresholds: dict | None = None) -> int | None:
-    """The step at which :class:`AttentionMonitor` would first have warned on a run, its logged diagnostics fed
-    through the monitor's decision (:func:`crossings`); None if it never would."""
-    hit = first_warning(run_dir, thresholds)
-    return None if hit is None else int(hit["step"])
-
-
-def warning_table(root=None, thresholds: dict | None = None):
-    """One row per committed training run with diagnostics (:func:`lpfa.alarms.training_runs` under ``root``):
-    its ``runaway step`` and ``explosion step`` (:func:`lpfa.run.run_verdict`), the ``first warning step`` and what
-    warned (layer, head, measure, level), ``lead`` (steps from the first warning to the runaway, or to the explosion
-    where there is none; negative: after it), ``warned before`` (lead > 0) and ``false alarm`` (a run that neither ran
-    away nor exploded, but warned), and ``attention``: "fp32" where every layer's attention is FP32
-    (:func:`lpfa.run.layer_precision`), else "low precision". Indexed by run (experiment/run/label)."""
-    import pandas as pd
-
-    from lpfa.alarms import training_runs
-    from lpfa.run import layer_precision
-    from lpfa.run import Run
-    from lpfa.run import run_verdict
-
-    thr = default_thresholds() if thresholds is None else thresholds
-    rows = {}
-    for d in training_runs(root):
-        try:
-            hit = first_warning(d, thr)
-        except (ValueError, KeyError, FileNotFoundError):  # a run without per-head diagnostics
-            continue
-        v = run_verdict(d)
-        ra, ex = v["runaway_step"], v["explosion_step"]
-        fail = ra if ra is not None else ex
-        warn = None if hit is None else int(hit["step"])
-        lead = fail - warn if fail is not None and warn is not None else None
-        fp32 = all(p == "fp32" for p in layer_precision(Run(d)))
-        rows["/".join(Path(d).parts[-3:])] = {
-            "policy": v["policy"], "attention": "fp32" if fp32 else "low precision", "runaway step": ra, "explosion step": ex, "first warning step": warn,
-            "warning": None if hit is None else f"layer {hit['layer']} head {hit['head']} {hit['measure']} ({hit['level']})",
-            "lead": lead, "warned before": lead is not None and lead > 0,
-            "false alarm": fail is None and warn is not None}
-    out = pd.DataFrame.from_dict(rows, orient="index")
-    for c in ("runaway step", "explosion step", "first warning step", "lead"):
-        if c in out:
-            out[c] = out[c].astype("Int64")
-    return out
-
-
-def warning_summary(table) -> dict:
-    """The headline of :func:`warning_table`: failed runs (ran away or exploded), how many were warned before,
-    the median lead; the clean runs and their warnings, split into FP32-attention runs (``fp32 false alarms`` of
-    ``fp32 clean``) and low-precision runs that did not fail in their steps (``low-precision clean warned``)."""
-    failed = table["runaway step"].notna() | table["explosion step"].notna()
-    warned = table["warned before"] & failed
-    lead = table.loc[warned, "lead"].astype(float)
-    clean_fp32 = ~failed & (table["attention"] == "fp32")
-    clean_lp = ~failed & (table["attention"] != "fp32")
-    return {"runs": int(len(table)), "failed": int(failed.sum()), "ran away": int(table["runaway step"].notna().sum()),
-            "exploded": int(table["explosion step"].notna().sum()), "warned before": int(warned.sum()),
-            "median lead": float(lead.median()) if len(lead) else None, "clean": int((~failed).sum()),
-            "false alarms": int(table["false alarm"].sum()),
-            "fp32 clean": int(clean_fp32.sum()), "fp32 false alarms": int((table["false alarm"] & clean_fp32).sum()),
-            "low-precision clean": int(clean_lp.sum()),
-            "low-precision clean warned": int((table["false alarm"] & clean_lp).sum())}
+# the cost
 
 
 def amortised_overhead(b: dict) -> float:
@@ -665,60 +567,3 @@ def amortised_overhead(b: dict) -> float:
     is the GPU clock drifting between the benchmark's segments, which moves the ratio of means either way;
     this estimate leaves that drift out."""
     return b["capture_extra_ms"] / (b["every"] * b["plain_median_ms"])
-
-
-def monitor_overhead_table(root=None):
-    """One row per committed ``benchmarks/monitor_overhead.py`` run (``results/monitor_overhead``), oldest first:
-    the commit, the model and batch, the mean step time without and with :class:`AttentionMonitor`, the overhead
-    at ``every`` steps (the ratio of means), the same as an amortised capture (:func:`amortised_overhead`), whether both
-    meet :data:`OVERHEAD_GOAL`, what one capture step costs over a plain one, and the process's first capture step's time
-    where it was timed apart (NaN where its one-off costs, lazy imports and kernel loading, are in that mean). Empty without committed runs."""
-    import pandas as pd
-
-    from lpfa.results import runs as launches
-
-    try:
-        folders = launches("monitor_overhead", root)
-    except FileNotFoundError:
-        return pd.DataFrame()
-    rows = {}
-    for d in folders:
-        b = read_json(d / "monitor_overhead.json", ": expected what benchmarks/monitor_overhead.py writes")
-        amortised = amortised_overhead(b)
-        rows[d.name] = {"commit": b["provenance"]["git_commit"][:7], "device": b["device"],
-                        "setting": f"{b['model']}, B = {b['batch']}, T = {b['seq']}", "every": b["every"],
-                        "plain ms": b["plain_ms"], "monitored ms": b["monitored_ms"], "overhead": b["overhead"],
-                        "amortised capture": amortised, "capture extra ms": b["capture_extra_ms"],
-                        "goal met": max(b["overhead"], amortised) <= OVERHEAD_GOAL,
-                        "first capture ms": b.get("first_capture_step_ms", float("nan"))}
-    return pd.DataFrame(rows).T
-
-
-ONE_OFF = "one-off costs (lazy imports, loading the measures' CUDA kernels) that a training run pays once"
-
-
-def overhead_text(cost) -> str:
-    """Page 15's finding on the monitor's cost, from :func:`monitor_overhead_table` (``cost``): the latest run's
-    capture cost, amortised and as the ratio of means, against :data:`OVERHEAD_GOAL`; the spread over the runs of the
-    same commit where there are several; the process's first capture; the first run's cost for comparison."""
-    if cost.empty:
-        return "No run of `benchmarks/monitor_overhead.py` is committed yet."
-    first, last = cost.iloc[0], cost.iloc[-1]
-    same = cost[cost["commit"] == last["commit"]]
-    text = (f"**At every {last['every']} steps one capture costs {last['capture extra ms']:,.0f} ms over a plain "
-            f"{last['plain ms']:.1f} ms step on {last['device']} ({last['setting']}): {last['amortised capture']:.1%} of the "
-            f"step time spread over {last['every']} steps ({last['overhead']:.1%} as the ratio of the segments' means), "
-            f"{'within' if last['goal met'] else 'above'} the {OVERHEAD_GOAL:.0%} goal.**")
-    if len(same) > 1:
-        text += (f" The {len(same)} runs of {last['commit']} measured the amortised capture between "
-                 f"{same['amortised capture'].min():.2%} and {same['amortised capture'].max():.2%}, and the ratio of means "
-                 f"between {same['overhead'].min():.2%} and {same['overhead'].max():.2%}: the ratio carries the drift "
-                 f"between segments; {int(same['goal met'].sum())} of the {len(same)} "
-                 f"{'meets' if int(same['goal met'].sum()) == 1 else 'meet'} the goal on both.")
-    ms = last["first capture ms"]
-    text += (f" The process's first capture step, timed apart, took {ms:,.0f} ms: {ONE_OFF}." if ms == ms else
-             f" That mean includes the process's first capture, with its {ONE_OFF}; later versions of the benchmark "
-             "time it apart.")
-    if len(cost) > 1:
-        text += f" At {first['commit']} a capture cost {first['capture extra ms']:,.0f} ms ({first['amortised capture']:.1%})."
-    return text

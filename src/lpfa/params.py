@@ -41,7 +41,8 @@ def check_params(spec: dict[str, Param], namespace: dict) -> None:
     ``globals()``): the first wrong one raises ValueError ``"<name>=<value!r>: expected <what>"``."""
     for name, param in spec.items():
         if name not in namespace:
-            raise ValueError(f"{name}: not defined by the parameters cell (the check names a parameter that does not exist)")
+            raise ValueError(f"{name}: not defined by the parameters cell (the check names a parameter that does not "
+                             "exist)")
         param.check(name, namespace[name])
 
 
@@ -108,7 +109,8 @@ def dict_of(key: Param, value: Param, nonempty: bool = False, required: tuple = 
     """A dict whose every key ``key`` accepts and every value ``value`` accepts; with the keys ``required``
     (e.g. the labels a notebook reads), and not empty when ``nonempty``."""
     with_keys = f" with the keys {', '.join(map(repr, required))}" if required else ""
-    what = f"a {'non-empty ' if nonempty else ''}dict{with_keys}, each key {key.expected} and each value {value.expected}"
+    what = (f"a {'non-empty ' if nonempty else ''}dict{with_keys}, each key {key.expected} and each value "
+            f"{value.expected}")
     return Param(what,
                  lambda v: (isinstance(v, dict) and (len(v) > 0 or not nonempty) and all(k in v for k in required)
                             and all(key.accepts(k) and value.accepts(x) for k, x in v.items())),

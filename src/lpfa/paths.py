@@ -10,10 +10,8 @@ EMBEDDED_CORPUS_DIR = PACKAGE_DIR / "embedded_corpus"
 
 
 def repo_root() -> Path:
-    """The lpfa checkout (the folder with ``_toc.yml``), from ``$LPFA_ROOT`` or by walking up.
-
-    Raises a clear error for an installed (non-editable) package used outside a checkout.
-    """
+    """The lpfa checkout (the folder with ``_toc.yml``), from ``$LPFA_ROOT`` or by walking up. Raises a clear error
+    for an installed (non-editable) package used outside a checkout."""
     env = os.environ.get("LPFA_ROOT")
     candidates = [Path(env)] if env else []
     candidates += [Path.cwd(), *Path.cwd().parents, *PACKAGE_DIR.parents]

@@ -6,6 +6,9 @@ the same colour in every figure.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 
 # One colour per concept, shared by all figures (colour-blind-safe Okabe–Ito palette).
 COLORS = {
@@ -39,12 +42,12 @@ STYLE = {
 def use_style() -> None:
     """Apply the book's figure style: seaborn's theme (white grid, colour-blind palette) with the book's sizes, so that
     text stays at least 9 pt at page width (:data:`STYLE`)."""
-    import seaborn as sns
+    import seaborn as sns  # heavy (matplotlib, about 0.7 s): loaded by the first figure
 
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind", rc=STYLE)
 
 
-DASHES = {"bf16": "-", "fp32": "--", "sfa": "-.", "fa2": ":"}  # a second cue besides colour (issue 18)
+DASHES = {"bf16": "-", "fp32": "--", "sfa": "-.", "fa2": ":"}  # a second cue besides colour
 
 
 def dash_of(label: str) -> str:
@@ -63,15 +66,12 @@ def color_of(label: str) -> str:
 def _number(x, digits: int) -> str:
     """One table cell: integers with thousands separators, other numbers to ``digits`` significant digits, missing
     values as an en dash, booleans as yes/no."""
-    import math
-
-    import numpy as np
-
     if x is None or (isinstance(x, (float, np.floating)) and math.isnan(x)):
         return "–"
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
-    if isinstance(x, (int, np.integer)) or (isinstance(x, (float, np.floating)) and float(x).is_integer() and abs(x) >= 1000):
+    if isinstance(x, (int, np.integer)) or (isinstance(x, (float, np.floating)) and float(x).is_integer()
+                                            and abs(x) >= 1000):
         return f"{int(x):,}"
     if isinstance(x, (float, np.floating)):
         if not math.isfinite(x):
@@ -83,7 +83,7 @@ def _number(x, digits: int) -> str:
 
 def format_table(df, units: dict | None = None, percent=(), digits: int = 3, max_columns: int = 8, index: bool = True,
                  raw=("seed", "init_seed")):
-    """A DataFrame as a page shows it (issue 18): numbers to ``digits`` significant digits (integers with thousands
+    """A DataFrame as a page shows it: numbers to ``digits`` significant digits (integers with thousands
     separators), the ``percent`` columns as percentages, missing values as "–", booleans as yes/no, ``units``
     (``{column: unit}``) in the column names, and a table with more than ``max_columns`` columns transposed when that
     makes it fit the page column (at most ``max_columns`` rows). ``raw`` columns (seeds) are shown as they are.

@@ -10,24 +10,28 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 
 def git_commit() -> str | None:
     """``$LPFA_GIT_COMMIT`` (set when the code travels without .git, e.g. to a GPU machine) or ``git rev-parse``."""
     if os.environ.get("LPFA_GIT_COMMIT"):
         return os.environ["LPFA_GIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=Path(__file__).parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=Path(__file__).parent)
+        here = Path(__file__).parent
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True, cwd=here)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True,
+                               cwd=here)
         return out.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
 def device_info() -> dict:
-    import torch
-
+    """Python, torch, triton (None when absent) and platform versions, and the GPU's name, count, CUDA version and
+    capability (``device``: ``"cpu"`` without one)."""
     info = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
-    try:
+    try:  # triton is optional: its version, or None
         import triton
 
         info["triton"] = triton.__version__

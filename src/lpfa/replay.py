@@ -17,20 +17,40 @@ its attention output are captured, and for each chosen head (on the first ``n_se
 
     python -m lpfa.replay --run runs/twins/bf16 --layer auto --steps 100 --out results/replay
 
-writes ``replay.json`` (numbers, provenance) and ``replay.npz`` (arrays for the figures).
+writes ``replay.json`` (numbers, provenance) and ``replay.npz`` (arrays for the figures). ``max_s`` > 0
+ends the replay early (its last step measured in detail) once that many seconds passed. ``measure_policy``
+measures that policy's δ error instead of the layer's own (the FP32 twin measured with the BF16 run's
+``paper``: what BF16 attention would have done on the twin's trajectory); ``detail_every`` > 0 measures in
+detail (Figs. 4–6) every that many steps as well as the first and last; ``save_qkv`` > 0 also writes
+``out/qkv.npz``: the layer's q, k, v and dO (every head) of the first replayed step's first micro-batch, its
+first ``save_qkv`` sequences, as the run's attention saw them (the kernel-bias audit's captured family,
+:func:`lpfa.audit.load_captured`).
+
+Reading a replay (:func:`load_replay`) and its statistics: :func:`delta_bias_frame` and :func:`bias_test`
+(Fig. 5a: is δ_lp − δ_hp biased, and do the tied rows carry it?), :func:`rank1_stats` (Fig. 4).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
 
-from lpfa.run import checkpoints_of, runaway_onset
+from lpfa import data as lpfa_data
+from lpfa.audit import save_captured
+from lpfa.mechanism import delta_accounting, p_bar, pv_running_error
+from lpfa.provenance import provenance, write_json
+from lpfa.run import Run, checkpoints_of, read_records, resolve_device, runaway_onset
+from lpfa.train import build_optimizers, recorded_config, train_step
 
 
 def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | None = None) -> int:
@@ -44,12 +64,13 @@ def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | N
     return max(before) if before else min(cks)
 
 
-def choose_layer_heads(run_dir, n_heads: int = 2, layer: int | None = None) -> tuple[int, list[int]]:
+def choose_layer_heads(run_dir, n_heads: int = 2, layer: int | None = None,
+                       until: int | None = None) -> tuple[int, list[int]]:
     """The layer whose largest per-head W_Q spectral norm grew the most (ratio, last record / first), or
-    ``layer`` if given, and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11)."""
-    from lpfa.run import read_records
-
-    w = np.array([r["diag"]["wq_spectral_norm"] for r in read_records(run_dir) if "diag" in r])
+    ``layer`` if given, and its ``n_heads`` fastest-growing heads: where the paper finds the failure (Figs. 3, 11).
+    ``until``: only the diagnostics records up to that step (what the run had logged then)."""
+    w = np.array([r["diag"]["wq_spectral_norm"] for r in read_records(run_dir)
+                  if "diag" in r and (until is None or r["step"] <= until)])
     if not len(w):
         raise ValueError(f"{run_dir} has no diagnostics records: pass --layer and --heads")
     # w: (records, layers, heads)
@@ -72,8 +93,6 @@ def _top_direction(g):
 
 @torch.no_grad()
 def _head_measures(cap: dict, head: int, n_seq: int, policy: str, detail: bool, n_top: int = 64) -> tuple[dict, dict]:
-    from lpfa.mechanism import delta_accounting, p_bar, pv_running_error
-
     # dO as the attention kernel receives it: in v's dtype (a no-op for a BF16 run; the FP32 twin's FP32 dO rounded to
     # BF16, as a BF16 kernel would see it when the twin is measured with a BF16 policy)
     cap = {**cap, "do": cap["do"].to(cap["v"].dtype)}
@@ -154,30 +173,15 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
            max_s: float = 0.0, delta_err_every: int = 10, save_qkv: int = 0, measure_policy: str | None = None,
            detail_every: int = 0) -> dict:
-    """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last
-    before its explosion, else before its logit runaway, else before the first record above the runaway
-    threshold, else the latest; ``choice`` in the result says which) and measure ``layer``/``heads``;
-    writes ``out/replay.{json,npz}``.
-    ``max_s`` > 0 ends the replay early (with its last step measured in detail) once that many seconds passed.
-    ``replay.npz`` keeps the per-token δ errors of every ``delta_err_every``-th step (:func:`thin_delta_err`).
-    ``measure_policy`` measures that policy's δ error instead of the layer's own (the FP32 twin measured with the BF16
-    run's ``paper``: what BF16 attention would have done on the twin's trajectory); ``detail_every`` > 0 measures in
-    detail (Figs. 4–6) every that many steps as well as the first and last. ``agreement`` in the result compares
-    the replayed losses with the run's logged ones, step by step (:func:`loss_agreement`).
-    ``save_qkv`` > 0 also writes ``out/qkv.npz``: the layer's q, k, v and dO (every head) of the first replayed step's
-    first micro-batch, its first ``save_qkv`` sequences, as the run's attention saw them (the kernel-bias audit's
-    captured family, :func:`lpfa.audit.load_captured`)."""
-    import time
-
+    """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last before its
+    explosion, else before its logit runaway, else before the first record above the runaway threshold, else the
+    latest; ``choice`` in the result says which), measure ``layer``/``heads`` on ``n_seq`` sequences, and write
+    ``out/replay.{json,npz}``; returns the result. ``max_s`` > 0 ends it early; ``delta_err_every`` thins the
+    per-token δ errors kept (:func:`thin_delta_err`); ``measure_policy``, ``detail_every`` and ``save_qkv`` are
+    described in the module docstring. ``agreement`` in the result compares the replayed losses with the run's
+    (:func:`loss_agreement`)."""
     t_start = time.time()
     given_step = step is not None
-    from tqdm.auto import tqdm
-
-    from lpfa import data as lpfa_data
-    from lpfa.provenance import provenance, write_json
-    from lpfa.run import Run, resolve_device
-    from lpfa.train import build_optimizers, recorded_config, train_step
-
     run_dir, out = Path(run_dir), Path(out)
     run = Run(run_dir)
     cfg = recorded_config(run)
@@ -186,11 +190,13 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     # without an explosion or a confirmed runaway: the first record above the runaway threshold, if any
     quiet = verdict["explosion_step"] is None and verdict.get("runaway_step") is None
     onset = runaway_onset(run_dir) if quiet else None
-    event = ("explosion" if verdict["explosion_step"] is not None else "runaway" if verdict.get("runaway_step") is not None
-             else "onset" if onset else "latest")
+    event = ("explosion" if verdict["explosion_step"] is not None
+             else "runaway" if verdict.get("runaway_step") is not None else "onset" if onset else "latest")
     if step is None:
-        step = choose_checkpoint(run_dir, verdict["explosion_step"], verdict.get("runaway_step") or (onset[0] if onset else None))
-    ra_layer = verdict.get("runaway_layer") if verdict.get("runaway_layer") is not None else (onset[1] if onset else None)
+        step = choose_checkpoint(run_dir, verdict["explosion_step"],
+                                 verdict.get("runaway_step") or (onset[0] if onset else None))
+    ra_layer = (verdict.get("runaway_layer") if verdict.get("runaway_layer") is not None
+                else (onset[1] if onset else None))
     choice = {"layer": "given" if layer != "auto" else ("runaway" if ra_layer is not None else "wq_growth"),
               "heads": "given" if heads is not None else "wq_growth",
               "checkpoint": "given" if given_step else event, "onset": list(onset) if onset else None}
@@ -216,11 +222,13 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     log = lpfa_data.ReplayLog.open(run_dir / "replay.jsonl", data_dir / "train.bin")
     if measure_policy is None and model.config.layer_backend(layer) != "lpfa":
         raise ValueError(f"layer {layer} of {run_dir} used attention backend {model.config.layer_backend(layer)!r}; "
-                         "the replay measures a layer that ran an lpfa precision policy, or the one measure_policy names")
+                         "the replay measures a layer that ran an lpfa precision policy, or the one measure_policy "
+                         "names")
     own_policy = model.config.layer_policies.get(layer, model.config.attn_policy)
     policy = measure_policy or own_policy
     if detail_every < 0:
-        raise ValueError(f"detail_every={detail_every!r}: expected 0 (first and last step only) or a positive step count")
+        raise ValueError(f"detail_every={detail_every!r}: expected 0 (first and last step only) or a positive step "
+                         "count")
     attn = model.transformer.h[layer].attn
 
     per_step, series, details = [], {h: {"delta_err": [], "g_u": [], "g_v": []} for h in heads}, {}
@@ -230,7 +238,8 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
             last = s  # out of time: measure this step in detail and stop
         # the recorded batches; past the end of the record, the run's seeded order (the same function made them)
         starts = log.starts(s) if s in log.steps else [
-            lpfa_data.batch_starts(cfg.seed, s, m, cfg.batch_size, len(tokens), cfg.block_size) for m in range(cfg.grad_accum)]
+            lpfa_data.batch_starts(cfg.seed, s, m, cfg.batch_size, len(tokens), cfg.block_size)
+            for m in range(cfg.grad_accum)]
         batches = [lpfa_data.get_batch(tokens, st, cfg.block_size, device) for st in starts]
         captured = {}
 
@@ -245,8 +254,6 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
             break  # training stops here too (lpfa.train): nothing after a non-finite step is the run's trajectory
         if save_qkv and s == step:
-            from lpfa.audit import save_captured
-
             out.mkdir(parents=True, exist_ok=True)
             save_captured(out / "qkv.npz", {n: cap[n][:save_qkv] for n in ("q", "k", "v", "do")},
                           {"run": str(run_dir), "step": s, "layer": layer, "policy": policy, "micro_batch": 0})
@@ -283,17 +290,20 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         arrays[f"h{h}_delta_err"] = d.astype(np.float32)
         arrays[f"h{h}_overlap_first"] = first
         arrays[f"h{h}_overlap_prev"] = prev
-        arrays[f"h{h}_g_u"], arrays[f"h{h}_g_v"] = U.astype(np.float32), V.astype(np.float32)  # G's top direction per step
+        # G's top direction per step
+        arrays[f"h{h}_g_u"], arrays[f"h{h}_g_v"] = U.astype(np.float32), V.astype(np.float32)
         sums = np.array([r["heads"][str(h)]["sum_all"] for r in per_step])
         tied = np.array([r["heads"][str(h)]["sum_tied"] for r in per_step])
         summary_heads[str(h)] = {
             "cum_delta_err": float(sums.sum()), "cum_delta_err_tied_rows": float(tied.sum()),
             "share_tied": float(tied.sum() / sums.sum()) if sums.sum() != 0 else None,
             "steps_with_positive_sum": int((sums > 0).sum()), "steps": len(sums),
-            "tied_row_fraction": float(np.mean([r["heads"][str(h)]["tied_rows"] / r["heads"][str(h)]["rows"] for r in per_step])),
+            "tied_row_fraction": float(np.mean([r["heads"][str(h)]["tied_rows"] / r["heads"][str(h)]["rows"]
+                                                for r in per_step])),
             "same_sign_fraction": float(np.nanmean([r["heads"][str(h)]["same_sign"] for r in per_step])),
             "g_top_energy_median": float(np.median([r["heads"][str(h)]["g_top_energy"] for r in per_step])),
-            "overlap_prev_median": float(np.nanmedian(prev)), "overlap_first_median": float(np.median(first[1:])) if len(first) > 1 else None,
+            "overlap_prev_median": float(np.nanmedian(prev)),
+            "overlap_first_median": float(np.median(first[1:])) if len(first) > 1 else None,
             "overlap_chance": chance,
         }
     for (h, s), arr in details.items():
@@ -310,29 +320,36 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    p = argparse.ArgumentParser(prog="python -m lpfa.replay", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m lpfa.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True, help="a training run folder (with config.json, replay.jsonl, checkpoints)")
     p.add_argument("--out", required=True, help="folder for replay.json and replay.npz")
-    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: last before the explosion, else before the logit runaway, else latest)")
-    p.add_argument("--layer", default="auto", help="layer index, or auto (the layer that ran away, else fastest W_Q norm growth)")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step (default: last before the explosion, else before the logit runaway, "
+                        "else latest)")
+    p.add_argument("--layer", default="auto",
+                   help="layer index, or auto (the layer that ran away, else fastest W_Q norm growth)")
     p.add_argument("--heads", type=int, nargs="*", default=None, help="heads (default: the layer's 2 fastest-growing)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--n-seq", type=int, default=8, help="sequences of each batch to measure")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-s", type=float, default=0.0, help="stop early after this many seconds (0 = never)")
-    p.add_argument("--delta-err-every", type=int, default=10, help="keep per-token δ errors of every N-th step in replay.npz")
-    p.add_argument("--measure-policy", default=None, help="measure this policy's δ error (e.g. paper) instead of the layer's own")
-    p.add_argument("--detail-every", type=int, default=0, help="also measure in detail (Figs. 4-6) every N steps (0: first and last only)")
+    p.add_argument("--delta-err-every", type=int, default=10,
+                   help="keep per-token δ errors of every N-th step in replay.npz")
+    p.add_argument("--measure-policy", default=None,
+                   help="measure this policy's δ error (e.g. paper) instead of the layer's own")
+    p.add_argument("--detail-every", type=int, default=0,
+                   help="also measure in detail (Figs. 4-6) every N steps (0: first and last only)")
     p.add_argument("--save-qkv", type=int, default=0, metavar="N",
-                   help="also write qkv.npz: the layer's q, k, v, dO of N sequences of the first step (the kernel-bias audit's captured family)")
+                   help="also write qkv.npz: the layer's q, k, v, dO of N sequences of the first step "
+                        "(the kernel-bias audit's captured family)")
     a = p.parse_args(argv)
-    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=" ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)]), max_s=a.max_s,
+    command = " ".join(["python -m lpfa.replay", *(sys.argv[1:] if argv is None else argv)])
+    r = replay(a.run, a.out, a.step, a.layer, a.heads, a.steps, a.n_seq, a.device, command=command, max_s=a.max_s,
                delta_err_every=a.delta_err_every, save_qkv=a.save_qkv, measure_policy=a.measure_policy,
                detail_every=a.detail_every)
-    print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"], "summary": r["summary"]}, indent=1))
+    print(json.dumps({"layer": r["layer"], "heads": r["heads"], "checkpoint_step": r["checkpoint_step"],
+                      "summary": r["summary"]}, indent=1))
     return 0
 
 
@@ -341,69 +358,31 @@ if __name__ == "__main__":
 
 
 # --------------------------------------------------------------------------------------------
-# Reading a replay and drawing its figures (Figs. 4, 5, 6)
+# Reading a replay: the statistics of Figs. 4, 5
 # --------------------------------------------------------------------------------------------
 def load_replay(folder) -> tuple[dict, dict]:
     """``(result, arrays)``: ``replay.json`` and the arrays of ``replay.npz`` in ``folder``."""
     folder = Path(folder)
     for f in ("replay.json", "replay.npz"):
         if not (folder / f).is_file():
-            raise FileNotFoundError(f"{folder / f} does not exist: not a replay folder (python -m lpfa.replay writes one)")
+            raise FileNotFoundError(f"{folder / f} does not exist: not a replay folder (python -m lpfa.replay writes "
+                                    "one)")
     with np.load(folder / "replay.npz") as z:
         arrays = {k: z[k] for k in z.files}
     return json.loads((folder / "replay.json").read_text()), arrays
 
 
-def describe(result: dict, replay_folder=None) -> str:
-    """One paragraph (Markdown) saying what a replay measured: which run, from which checkpoint relative to the
-    run's explosion or logit runaway (or, for a run that stopped before the runaway verdict, relative to the
-    first record above its threshold: from the replay, or for replays made before it was recorded from the
-    replayed run's metrics when they sit beside ``replay_folder``), which layer and heads and why, with its
-    commit and date."""
-    from lpfa.explosion import RunawayCriterion
-
-    v, ck = result["verdict"], result["checkpoint_step"]
-    ra = v.get("runaway_step")
-    choice = result.get("choice", {"layer": "wq_growth", "heads": "wq_growth"})  # replays before the field: automatic
-    onset = choice.get("onset")
-    if onset is None and ra is None and not v["exploded"] and replay_folder is not None:
-        run_dir = Path(replay_folder).parent / Path(result["run"]).name
-        onset = runaway_onset(run_dir) if (run_dir / "config.json").is_file() else None
-    if v["exploded"]:
-        where = (f"before its explosion at step {v['explosion_step']:,}" if ck < v["explosion_step"]
-                 else f"after its explosion at step {v['explosion_step']:,}")
-    else:
-        where = ("" if ra is None else (f"before its logit runaway at step {ra:,}; " if ck < ra else
-                                        f"{ck - ra:,} steps after its logit runaway at step {ra:,}; "))
-        if ra is None and onset:
-            logit = RunawayCriterion().logit
-            where += (f"{'before' if ck < onset[0] else f'{ck - onset[0]:,} steps after'} layer {onset[1]}'s largest logit first "
-                      f"passed {logit:g} at step {onset[0]:,}, too late in the run for the runaway verdict; ")
-        where += f"the run did not explode in its {v['steps']:,} steps"
-    why_layer = {"runaway": "the layer whose logits ran away (or began to)", "wq_growth": "the layer whose W_Q norm grew most",
-                 "given": "chosen by hand"}[choice["layer"]]
-    why_heads = "its fastest-growing W_Q heads" if choice["heads"] == "wq_growth" else "heads chosen by hand"
-    prov = result["provenance"]
-    return (f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}): {result['steps']} training steps from its "
-            f"checkpoint at step {ck:,} ({where}), measuring layer {result['layer']} ({why_layer}) and heads "
-            f"{', '.join(map(str, result['heads']))} ({why_heads}) on {result['n_seq']} sequences of each batch. "
-            f"Commit `{prov['git_commit']}`, {prov['date_utc']}. Regenerate with `python -m lpfa.replay --run <run folder> --out "
-            f"<folder>` on the GPU that trained the run (about 30 s for 500 steps of the `repro` model on an H200; `scripts/gpu/twins.sh` runs it "
-            f"after the twins).")
-
-
 def detail_steps(arrays: dict, head: int) -> list[int]:
-    """The steps measured in detail for ``head`` (the replay's first and last)."""
+    """The steps measured in detail for ``head``: the replay's first and last (and every ``detail_every``-th)."""
     return sorted({int(k.split("_")[1][1:]) for k in arrays if k.startswith(f"h{head}_s") and k.endswith("_top_pk")})
 
 
 def delta_bias_frame(result: dict):
     """Per step and head: Σ δ error over all rows, over rows with ≥ 2 P̄ = 1 entries and over the rest,
     with their running sums over steps (Fig. 5a)."""
-    import pandas as pd
-
-    rows = [{"step": r["step"], "head": int(h), "all": v["sum_all"], "tied rows": v["sum_tied"], "other rows": v["sum_untied"],
-             "tied row fraction": v["tied_rows"] / v["rows"], "same sign": v["same_sign"], "g_top_energy": v["g_top_energy"]}
+    rows = [{"step": r["step"], "head": int(h), "all": v["sum_all"], "tied rows": v["sum_tied"],
+             "other rows": v["sum_untied"], "tied row fraction": v["tied_rows"] / v["rows"],
+             "same sign": v["same_sign"], "g_top_energy": v["g_top_energy"]}
             for r in result["per_step"] for h, v in r["heads"].items()]
     f = pd.DataFrame(rows).sort_values(["head", "step"])
     for c in ("all", "tied rows", "other rows"):
@@ -411,63 +390,26 @@ def delta_bias_frame(result: dict):
     return f
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5th percentile
+
+
 def bias_test(result: dict) -> dict:
-    """Per head: mean and standard error of the per-step Σ δ error, its t statistic, the fraction of positive
-    steps, and the share of the cumulative error from tied rows: is δ_lp − δ_hp biased, and where from?"""
+    """Per head: mean and standard error of the per-step Σ δ error, its t statistic and 95% interval (mean ± 1.96
+    standard errors: the steps are many), the fraction of positive steps, and the share of the cumulative error from
+    tied rows: is δ_lp − δ_hp biased (Fig. 5), and where from?"""
     f = delta_bias_frame(result)
     out = {}
     for h, g in f.groupby("head"):
         x = g["all"].to_numpy()
         se = x.std(ddof=1) / np.sqrt(len(x)) if len(x) > 1 else float("nan")
-        out[int(h)] = {"steps": len(x), "mean": float(x.mean()), "stderr": float(se), "t": float(x.mean() / se) if se else float("nan"),
+        out[int(h)] = {"steps": len(x), "mean": float(x.mean()), "stderr": float(se),
+                       "t": float(x.mean() / se) if se else float("nan"),
+                       "ci_low": float(x.mean() - Z95 * se), "ci_high": float(x.mean() + Z95 * se),
                        "positive_fraction": float((x > 0).mean()), "cumulative": float(x.sum()),
                        "share_tied": float(g["tied rows"].sum() / x.sum()) if x.sum() else float("nan"),
-                       "tied_row_fraction": float(g["tied row fraction"].mean()), "same_sign": float(g["same sign"].mean())}
+                       "tied_row_fraction": float(g["tied row fraction"].mean()),
+                       "same_sign": float(g["same sign"].mean())}
     return out
-
-
-def plot_delta_bias(result: dict):
-    """Fig. 5a: the running sum over replayed steps of Σ_T (δ_lp − δ_hp)[T], split by row kind, per head."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import COLORS, use_style
-
-    use_style()
-    f = delta_bias_frame(result)
-    heads = sorted(f["head"].unique())
-    fig, axes = plt.subplots(1, len(heads), figsize=(4.4 * len(heads), 3.2), squeeze=False, sharey=True)
-    for ax, h in zip(axes[0], heads):
-        g = f[f["head"] == h]
-        ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="all rows")
-        ax.plot(g.step, g["cumulative tied rows"], color=COLORS["bf16"], ls="--", label="rows with ≥ 2 P̄ = 1")
-        ax.plot(g.step, g["cumulative other rows"], color=COLORS["neutral"], ls=":", label="other rows")
-        ax.axhline(0, color="black", lw=0.5)
-        ax.set_title(f"layer {result['layer']}, head {h}", fontsize=9)
-        ax.set_xlabel("replayed step")
-    axes[0, 0].set_ylabel("cumulative Σ_T (δ_lp − δ_hp)[T]")
-    axes[0, 0].legend(fontsize=9)
-    return fig
-
-
-def plot_worst_token(arrays: dict, head: int, step: int):
-    """Figs. 5b, c: dO[T, :] and O_lp[T, :] − O_hp[T, :] per feature for the token with the largest |δ error|."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import COLORS, use_style
-
-    use_style()
-    do, err = arrays[f"h{head}_s{step}_worst_do"], arrays[f"h{head}_s{step}_worst_o_err"]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
-    axes[0].bar(range(len(do)), do, color=COLORS["neutral"])
-    axes[0].set_title("dO[T, i]", fontsize=9)
-    axes[1].bar(range(len(err)), err, color=COLORS["bf16"])
-    axes[1].set_title("O_lp[T, i] − O_hp[T, i]", fontsize=9)
-    axes[2].bar(range(len(err)), do * err, color=COLORS["sfa"])
-    axes[2].set_title("dO ∘ (O_lp − O_hp): sums to δ_lp − δ_hp", fontsize=9)
-    for ax in axes:
-        ax.set_xlabel("feature i")
-        ax.axhline(0, color="black", lw=0.5)
-    return fig
 
 
 def _cos_matrix(a: np.ndarray) -> np.ndarray:
@@ -478,17 +420,20 @@ def _cos_matrix(a: np.ndarray) -> np.ndarray:
 
 def rank1_stats(arrays: dict, head: int, seed: int = 0) -> dict:
     """Cosine similarity of the rank-1 matrices (PK)[T]ᵀ X[T] among the tokens with the largest |δ error|
-    (cos(PK_T, PK_T')·cos(X_T, X_T')), within each detail step and across the two, against random vectors
-    of the same shapes. Returns the similarity arrays and their medians."""
+    (cos(PK_T, PK_T')·cos(X_T, X_T')), within each detail step and across the first and last, against random
+    vectors of the same shapes (Fig. 4). Returns the similarity arrays and their medians."""
     steps = detail_steps(arrays, head)
+    if not steps:
+        heads = sorted({int(k.split("_")[0][1:]) for k in arrays if k.endswith("_top_pk")})
+        raise ValueError(f"head={head!r}: expected a head this replay measured in detail, one of {heads}")
     pk = {s: arrays[f"h{head}_s{s}_top_pk"].astype(np.float64) for s in steps}
     x = {s: arrays[f"h{head}_s{s}_top_x"].astype(np.float64) for s in steps}
     out = {"steps": steps}
     for s in steps:
         c = _cos_matrix(pk[s]) * _cos_matrix(x[s])
         out[f"within {s}"] = c[np.triu_indices(len(c), 1)]
-    if len(steps) == 2:
-        a, b = steps
+    if len(steps) >= 2:
+        a, b = steps[0], steps[-1]
 
         def n(m):
             return m / np.linalg.norm(m, axis=1, keepdims=True)
@@ -500,73 +445,3 @@ def rank1_stats(arrays: dict, head: int, seed: int = 0) -> dict:
     out["random vectors"] = r[np.triu_indices(len(r), 1)]
     out["medians"] = {k: float(np.median(v)) for k, v in out.items() if isinstance(v, np.ndarray)}
     return out
-
-
-def plot_rank1(arrays: dict, head: int, n_show: int = 16):
-    """Fig. 4: PK and X of the tokens with the largest |δ error| at the first detail step (rows = tokens),
-    and the distributions of the rank-1 similarities (:func:`rank1_stats`)."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import use_style
-
-    use_style()
-    st = rank1_stats(arrays, head)
-    s0 = st["steps"][0]
-    # two heatmaps on top, the similarity distributions below: legible at page width
-    fig = plt.figure(figsize=(7.5, 6.4))
-    grid = fig.add_gridspec(2, 2, width_ratios=[1, 2])
-    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
-    for ax, name, title in ((axes[0], "top_pk", "(PK)[T]"), (axes[1], "top_x", "X[T]")):
-        m = arrays[f"h{head}_s{s0}_{name}"][:n_show]
-        # colour limit at the 99th percentile of |m|: a few outlier features would otherwise wash out the rest
-        v = float(np.quantile(np.abs(m), 0.99)) or float(np.abs(m).max()) or 1.0
-        im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
-        ax.grid(False)
-        fig.colorbar(im, ax=ax, shrink=0.9, label="value (clipped at the 99th pct of |·|)" if name == "top_x" else None)
-        ax.set_title(f"{title} (rows: tokens)", fontsize=10)
-        ax.set_xlabel("feature")
-    axes[0].set_ylabel(f"token (top {n_show} by |δ error|)")
-    for k, v in st.items():
-        if isinstance(v, np.ndarray):
-            axes[2].hist(v, bins=40, range=(-1, 1), histtype="step", density=True, label=f"{k} (median {np.median(v):.2f})")
-    axes[2].set_xlabel("cosine similarity of (PK)[T]ᵀX[T]")
-    axes[2].legend(fontsize=9)
-    return fig
-
-
-def plot_pv_error(arrays: dict, head: int, step: int):
-    """Fig. 6: for the worst token and feature, the running error of Ō = Σ_t P̄[T, t]·V[t, i] accumulated key
-    by key in BF16, with the P̄ = 1 positions marked, and V[:, i] coloured by sign."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import COLORS, use_style
-
-    use_style()
-    p_bar, v, err = (arrays[f"h{head}_s{step}_pv_{n}"] for n in ("p_bar", "v", "error"))
-    ones = np.flatnonzero(p_bar == 1)
-    fig, axes = plt.subplots(2, 1, figsize=(8, 4), sharex=True)
-    axes[0].plot(err, color=COLORS["bf16"], lw=1)
-    for t in ones:
-        axes[0].axvline(t, color=COLORS["sfa"], lw=0.8, ls="--")
-    axes[0].set_ylabel("running Ō error")
-    axes[0].set_title(f"{len(ones)} key(s) with P̄ = 1 (dashed)", fontsize=9)
-    axes[1].bar(range(len(v)), v, color=[COLORS["bf16"] if x < 0 else COLORS["fp32"] for x in v], width=1.0)
-    axes[1].set_ylabel("V[t, i]")
-    axes[1].set_xlabel("key t")
-    return fig
-
-
-def rank1_text(result: dict, arrays: dict, folder_name: str) -> tuple[str, list[float]]:
-    """Page 05's sentence on a replay (:func:`load_replay`; ``folder_name`` names it): per replayed head, its rank-1
-    similarity medians within a step (their range) and across steps, against random vectors (:func:`rank1_stats`);
-    and every head's within-step medians, for :func:`lpfa.structure.compare_text`."""
-    parts, within_all = [], []
-    for h in result["heads"]:
-        st = rank1_stats(arrays, h)
-        within = [v for k, v in st["medians"].items() if k.startswith("within")]
-        within_all += within
-        parts.append(f"head {h}: median {min(within):.2f} to {max(within):.2f} within a step"
-                     + "".join(f", {v:.2f} {k}" for k, v in st["medians"].items() if k.startswith("across"))
-                     + f", against {st['medians']['random vectors']:.2f} for random vectors")
-    return (f"Rank-1 similarity in the GPU-trained BF16 run (layer {result['layer']}, the replay in `{folder_name}`): "
-            + "; ".join(parts) + "."), within_all

@@ -7,6 +7,7 @@ Notebooks read them through :func:`load`, so a figure always names the run it pl
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from lpfa.paths import results_dir
@@ -78,3 +79,14 @@ def experiment_rows(experiment: str, labels=None, root: str | Path | None = None
             found[d.name] = d
     order = sorted(found) if labels is None else [label for label in labels if label in found]
     return {label: found[label] for label in order}
+
+
+# a leading label of the project's tracker in a provenance's "what": "issue NN, section N: ", "issues N/N: "
+_TRACKER_LABEL = re.compile(r"^issues? \d+(?:/\d+)?(?: §\d+)?(?:, sections? \d+(?: and 'page \d+')?|, 'page \d+')?"
+                            r"(?: and issue \d+ §\d+)?(?::\s+|,\s+|\s+)")
+
+
+def what(prov: dict) -> str:
+    """A run's ``provenance.json`` "what", as a page shows it: without the label of the project's issue tracker that
+    the older runs' records begin with, which names no science. The record itself is left as it was written."""
+    return _TRACKER_LABEL.sub("", str(prov.get("what", "")), count=1)

@@ -24,14 +24,21 @@ import re
 import warnings
 from pathlib import Path
 
+import pandas as pd
 import torch
 
 from lpfa import data as lpfa_data
 from lpfa.attention.policy import BF16, is_fp32_level
 from lpfa.checkpoints import load_checkpoint, read_json
 from lpfa.data import drop_partial_line  # noqa: F401  (re-exported with the other readers of a run folder)
-from lpfa.explosion import (ExplosionCriterion, RunawayCriterion, attention_label, explosion_step, logit_runaway,
-                            runaway_heads)
+from lpfa.explosion import (
+    ExplosionCriterion,
+    RunawayCriterion,
+    attention_label,
+    explosion_step,
+    logit_runaway,
+    runaway_heads,
+)
 from lpfa.model import GPTConfig
 
 
@@ -52,7 +59,8 @@ def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) 
     when it is missing or damaged, or lacks one of the objects ``require`` names."""
     path = Path(run_dir) / "config.json"
     conf = read_json(path, ": the run folder is damaged",
-                     missing=f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its config.json)")
+                     missing=f"{path} does not exist: {run_dir} is not an lpfa.train run folder (or it lost its "
+                             "config.json)")
     if not isinstance(conf, dict) or any(not isinstance(conf.get(k), dict) for k in require):
         raise ValueError(f"{path} is not an lpfa.train config: expected a JSON object"
                          + "".join(f" with a {k!r} object" for k in require))
@@ -60,12 +68,11 @@ def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) 
 
 
 def read_records(run_dir: str | Path) -> list[dict]:
-    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library.
-    A file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the
-    records are shared, so treat them as read-only.
-
-    A last line cut short (a run killed while writing it, or a run still writing) is skipped with a warning, so a
-    killed run keeps its logs; any other line that is not a JSON record is an error naming its line number."""
+    """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library. A
+    file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the records are
+    shared, so treat them as read-only. A last line cut short (a run killed while writing it, or a run still writing) is
+    skipped with a warning, so a killed run keeps its logs; any other line that is not a JSON record is an error naming
+    its line number."""
     path = metrics_path(run_dir)
     st = path.stat()
     return list(_parse_records(str(path.resolve()), st.st_mtime_ns, st.st_size))
@@ -88,12 +95,13 @@ def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
             rec = json.loads(line)
         except json.JSONDecodeError as e:
             if i == last:
-                warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing it?)",
-                              stacklevel=2)
+                warnings.warn(f"{path}: skipped line {i + 1}, which is cut short (the run was killed while writing "
+                              "it?)", stacklevel=2)
                 continue
             raise ValueError(f"{path}: line {i + 1} is not valid JSON ({e.msg}): {line[:60]!r}") from e
         if not isinstance(rec, dict) or "step" not in rec:
-            raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object with a 'step'): {line[:60]!r}")
+            raise ValueError(f"{path}: line {i + 1} is not a metrics record (a JSON object with a 'step'): "
+                             f"{line[:60]!r}")
         records.append(rec)
     return tuple(records)
 
@@ -101,8 +109,6 @@ def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
 def load_metrics(run_dir: str | Path):
     """``(train, val, diag)``: DataFrames of the per-step records and the evaluations, and a DataFrame with
     one row per diagnostics record (columns step, wq_spectral_norm, tie_fraction, max_logit as lists)."""
-    import pandas as pd
-
     recs = read_records(run_dir)
     if not any("loss" in r for r in recs):
         raise ValueError(f"{metrics_path(run_dir)} has no training records (the run ended before its first step)")
@@ -115,7 +121,8 @@ def load_metrics(run_dir: str | Path):
 def _logged_max_logits(run_dir) -> tuple[list[int], list]:
     """The steps of a run folder's diagnostics records that logged ``max_logit``, and those logits (per layer, or per
     layer and head), in record order."""
-    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir) if "diag" in r and "max_logit" in r["diag"]]
+    recs = [(int(r["step"]), r["diag"]["max_logit"]) for r in read_records(run_dir)
+            if "diag" in r and "max_logit" in r["diag"]]
     return [s for s, _ in recs], [m for _, m in recs]
 
 
@@ -152,7 +159,8 @@ def run_verdict(run_dir, criterion: ExplosionCriterion = ExplosionCriterion(),
     step = explosion_step([recs[s] for s in steps], criterion, steps=steps)
     d_steps = sorted(diag)
     ra = logit_runaway([diag[s] for s in d_steps], d_steps, runaway) if d_steps else None
-    return {"policy": attention_label(conf), "attn_backend": conf.get("attn_backend", "lpfa"), "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
+    return {"policy": attention_label(conf), "attn_backend": conf.get("attn_backend", "lpfa"),
+            "layer_policies": conf.get("layer_policies", {}), "optimizer": conf["optimizer"],
             "seed": conf["seed"], "init_seed": conf["init_seed"], "steps": (steps[-1] + 1) if steps else 0,
             "exploded": step is not None, "explosion_step": step, "criterion": criterion.to_dict(),
             "runaway_step": ra[0] if ra else None, "runaway_layer": ra[1] if ra else None,
@@ -171,7 +179,8 @@ def checkpoints_of(run_dir) -> dict[int, Path]:
         try:
             step = json.loads(path.read_text())["step"]
         except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError, UnicodeDecodeError, no "step"
-            raise ValueError(f"{path} is damaged: expected a checkpoint's config.json with its 'step' ({type(e).__name__}: {e})") from e
+            raise ValueError(f"{path} is damaged: expected a checkpoint's config.json with its 'step' "
+                             f"({type(e).__name__}: {e})") from e
         out.setdefault(int(step), run_dir / "ckpt")
     return dict(sorted(out.items()))
 
@@ -233,7 +242,8 @@ class Run:
     def model_config(self):
         """The :class:`lpfa.model.GPTConfig` the run trained."""
         if not isinstance(self.config.get("model"), dict):
-            raise ValueError(f"{self.path / 'config.json'} has no 'model' object: expected the config.json lpfa.train writes")
+            raise ValueError(f"{self.path / 'config.json'} has no 'model' object: expected the config.json lpfa.train "
+                             "writes")
         return GPTConfig.from_dict(self.config["model"])
 
     @property
@@ -287,15 +297,16 @@ class Run:
         checkpoint (e.g. it exploded first). Each report gets ``"source"``, the folder it came from, relative to the
         run's."""
         out = {}
-        for f in sorted(self.path.glob("doctor_step_*/report.json")) + sorted(self.path.glob("rerun_*/doctor_step_*/report.json")):
+        reports = sorted(self.path.glob("doctor_step_*/report.json"))
+        for f in reports + sorted(self.path.glob("rerun_*/doctor_step_*/report.json")):
             step = int(f.parent.name.removeprefix("doctor_step_"))
             out.setdefault(step, {**read_json(f, ": expected the report.json lpfa doctor writes"),
                                   "source": str(f.parent.relative_to(self.path))})
         return dict(sorted(out.items()))
 
     def checkpoint_before_explosion(self, limit: int) -> int | None:
-        """The step of the last kept checkpoint at or before ``limit`` and before the loss exploded (the run's
-        verdict), or None: what ``lpfa doctor`` examines for the links that need a checkpoint (scripts/gpu/paper_recipe.sh's
+        """The step of the last kept checkpoint at or before ``limit`` and before the loss exploded (the run's verdict),
+        or None: what ``lpfa doctor`` examines for the links that need a checkpoint (scripts/gpu/paper_recipe.sh's
         DOCTOR_STEP), so that a run that exploded early still brings back a state from before it."""
         boom = self.verdict()["explosion_step"]
         ok = [s for s in self.checkpoints if s <= limit and (boom is None or s < boom)]
@@ -316,7 +327,8 @@ class Run:
         (default: the run's ``diag_batch``)."""
         t = self.train
         tokens, _ = lpfa_data.load_tokens(self.data_dir, "val")
-        starts = lpfa_data.batch_starts(t["seed"] + 2, step, 0, n or t.get("diag_batch", 4), len(tokens), t["block_size"])
+        starts = lpfa_data.batch_starts(t["seed"] + 2, step, 0, n or t.get("diag_batch", 4), len(tokens),
+                                        t["block_size"])
         return lpfa_data.get_batch(tokens, starts, t["block_size"], device)[0]
 
     def autocast(self, device: str):

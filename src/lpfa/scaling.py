@@ -1,18 +1,37 @@
-"""Running at scale: does a DDP run train the same model as one GPU, and how much faster is it?
+"""Running at scale: does a DDP run train the same model as one GPU, how much faster is it, and what does a run cost?
 
-:func:`compare_runs` lines up two training runs of the same configuration and seed (typically one GPU
-against ``torchrun`` over several) step by step: how closely their losses and gradient norms agree,
-from which step they drift apart, and their throughput, speedup and scaling efficiency.
-:func:`plot_compare` draws the comparison. Both read only a run folder's ``metrics.jsonl`` (through
-:func:`lpfa.run.load_metrics`) and ``config.json``.
+:func:`compare_runs` lines up two training runs of the same configuration and seed (typically one GPU against
+``torchrun`` over several) step by step, reading only each run folder's ``metrics.jsonl`` (through
+:func:`lpfa.run.load_metrics`) and ``config.json``. Relative differences are ``|b - a| / |a|`` at every step both runs
+logged. It returns a dict:
+
+* ``steps``: DataFrame indexed by step, columns loss_a, loss_b, rel_loss_diff, grad_norm_a, grad_norm_b,
+  rel_grad_diff;
+* ``agreement``: ``n_steps``; ``loss`` and ``grad_norm``, each ``{"first N": {"max", "median"}, ..., "all": {...}}``
+  for N in ``windows`` (the first N common steps); ``threshold``; ``first_step_above``, the first step whose relative
+  loss difference exceeds it (None if none does), and ``first_grad_step_above``, the same for the gradient norm;
+* ``throughput``: ``skip``; tokens_per_s_a / _b, the median tokens/s of each run over steps >= ``skip`` (the first
+  steps include start-up and warm-up); world_a / _b from each config.json's ``world_size``; batch_a / _b (sequences
+  per optimizer step, all processes together) and per_gpu_batch_a / _b where the config records them, else None;
+  ``speedup`` = b / a and ``efficiency`` = speedup / (world_b / world_a);
+* ``val_loss``: ``{"step", "a", "b"}`` at the last evaluation both runs made, or None;
+* ``run_a``, ``run_b``: the two folders.
+
+The rest prices runs: tokens per step, wall-clock minutes at a measured speed, the batch that fits a number of steps
+in a time budget, and the plan of the paper-scale run (Fig. 2 at the paper's batch, :func:`paper_scale_plan`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
-from lpfa.run import read_run_config
+import pandas as pd
+
+from lpfa.results import run_dir
+from lpfa.run import load_metrics, read_run_config
+from lpfa.train import PRESETS
 
 
 def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
@@ -22,13 +41,15 @@ def _run_folder(run_dir: str | Path) -> tuple[Path, dict]:
         raise FileNotFoundError(f"run folder {d} does not exist")
     conf = d / "config.json"
     if not conf.is_file():
-        raise FileNotFoundError(f"{conf} does not exist: {d} is not a training run folder (has {sorted(p.name for p in d.iterdir())})")
+        raise FileNotFoundError(f"{conf} does not exist: {d} is not a training run folder "
+                                f"(has {sorted(p.name for p in d.iterdir())})")
     return d, read_run_config(d, require=())
 
 
 def _world_size(conf: dict, d: Path) -> int:
     if "world_size" not in conf:
-        raise ValueError(f"{d / 'config.json'} has no 'world_size' (written by lpfa.train): cannot compute a scaling efficiency")
+        raise ValueError(f"{d / 'config.json'} has no 'world_size' (written by lpfa.train): "
+                         "cannot compute a scaling efficiency")
     return int(conf["world_size"])
 
 
@@ -42,28 +63,12 @@ def _window_stats(rel, windows) -> dict:
     return out
 
 
-def compare_runs(run_a: str | Path, run_b: str | Path, skip: int = 50, windows=(10, 50), threshold: float = 1e-3) -> dict:
-    """Step-by-step agreement and throughput of two runs of one configuration (``run_b`` against ``run_a``).
-
-    Relative differences are ``|b - a| / |a|`` at every step both runs logged. Returns a dict:
-
-    * ``steps``: DataFrame indexed by step, columns loss_a, loss_b, rel_loss_diff, grad_norm_a,
-      grad_norm_b, rel_grad_diff;
-    * ``agreement``: ``n_steps``; ``loss`` and ``grad_norm``, each ``{"first N": {"max", "median"}, ...,
-      "all": {...}}`` for N in ``windows`` (the first N common steps); ``threshold`` and
-      ``first_step_above``, the first step whose relative loss difference exceeds it (None if none does),
-      and ``first_grad_step_above``, the same for the gradient norm;
-    * ``throughput``: ``skip``; tokens_per_s_a / _b, the median tokens/s of each run over steps >= ``skip``
-      (the first steps include start-up and warm-up); world_a / _b from each config.json's ``world_size``;
-      batch_a / _b (sequences per optimizer step, all processes together) and per_gpu_batch_a / _b where
-      the config records them, else None; ``speedup`` = b / a and ``efficiency`` = speedup / (world_b / world_a);
-    * ``val_loss``: ``{"step", "a", "b"}`` at the last evaluation both runs made, or None;
-    * ``run_a``, ``run_b``: the two folders.
-    """
-    import pandas as pd
-
-    from lpfa.run import load_metrics
-
+def compare_runs(run_a: str | Path, run_b: str | Path, skip: int = 50, windows=(10, 50),
+                 threshold: float = 1e-3) -> dict:
+    """Step-by-step agreement and throughput of two runs of one configuration (``run_b`` against ``run_a``): the
+    dict ``steps``, ``agreement``, ``throughput``, ``val_loss``, ``run_a``, ``run_b`` of the module docstring, with
+    ``windows`` the step windows of the agreement, ``threshold`` its relative loss difference and ``skip`` the first
+    step of the throughput. Raises FileNotFoundError or ValueError naming the folder or value that is wrong."""
     (da, ca), (db, cb) = _run_folder(run_a), _run_folder(run_b)
     (ta, va, _), (tb, vb, _) = load_metrics(da), load_metrics(db)
     for d, t in ((da, ta), (db, tb)):
@@ -113,51 +118,8 @@ def compare_runs(run_a: str | Path, run_b: str | Path, skip: int = 50, windows=(
         if len(both):
             s = both.max()
             val_loss = {"step": int(s), "a": float(va.loc[s, "val_loss"]), "b": float(vb.loc[s, "val_loss"])}
-    return {"steps": steps, "agreement": agreement, "throughput": throughput, "val_loss": val_loss, "run_a": da, "run_b": db}
-
-
-def agreement_table(cmp: dict):
-    """The agreement of :func:`compare_runs` as a DataFrame: one row per window of steps, the max and median
-    relative difference of the loss and of the gradient norm."""
-    import pandas as pd
-
-    ag = cmp["agreement"]
-    rows = {}
-    for window in ag["loss"]:
-        label = f"{window} steps" if window != "all" else f"all {ag['n_steps']} steps"
-        rows[label] = {"loss: max": ag["loss"][window]["max"], "loss: median": ag["loss"][window]["median"],
-                       "grad norm: max": ag["grad_norm"][window]["max"], "grad norm: median": ag["grad_norm"][window]["median"]}
-    return pd.DataFrame(rows).T.rename_axis("relative difference over")
-
-
-def plot_compare(cmp: dict, labels=("1 GPU", "2 GPUs"), threshold: float | None = None):
-    """Two panels of a :func:`compare_runs` result: the training loss of both runs (``labels``), and the
-    relative difference |b - a| / |a| of loss and gradient norm per step on a log axis (steps where the two
-    agree exactly have no point there). ``threshold`` (default: the comparison's) is drawn as a dotted line.
-    Both runs have one precision, so they take neutral colours, not the precision colours of :data:`COLORS`."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from lpfa.plotting import COLORS, use_style
-
-    use_style()
-    s = cmp["steps"]
-    threshold = cmp["agreement"]["threshold"] if threshold is None else threshold
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.0, 3.6))
-    ax1.plot(s.index, s.loss_a, color=COLORS["neutral"], lw=1.8, label=labels[0])
-    ax1.plot(s.index, s.loss_b, color=COLORS["other"], lw=1.0, ls="--", label=labels[1])
-    ax1.set_xlabel("step")
-    ax1.set_ylabel("training loss")
-    ax1.legend()
-    for col, color, name in (("rel_loss_diff", COLORS["other"], "loss"), ("rel_grad_diff", COLORS["sky"], "grad norm")):
-        v = s[col].to_numpy(dtype=float)
-        ax2.plot(s.index, np.where(v > 0, v, np.nan), color=color, lw=1, label=name)
-    ax2.axhline(threshold, color=COLORS["neutral"], ls=":", lw=1, label=f"threshold {threshold:g}")
-    ax2.set_yscale("log")
-    ax2.set_xlabel("step")
-    ax2.set_ylabel(f"|{labels[1]} − {labels[0]}| / |{labels[0]}|")
-    ax2.legend()
-    return fig
+    return {"steps": steps, "agreement": agreement, "throughput": throughput, "val_loss": val_loss,
+            "run_a": da, "run_b": db}
 
 
 _LOG_STEP = r"step (\d+): loss ([-+\d.eEnaif]+), lr [^,]+, grad norm [^,]+, ([\d,]+) tok/s"
@@ -165,32 +127,28 @@ _LOG_STEP = r"step (\d+): loss ([-+\d.eEnaif]+), lr [^,]+, grad norm [^,]+, ([\d
 
 def log_throughput(log: str | Path):
     """Per logged step of an ``lpfa.train`` log (``log.txt``): DataFrame indexed by step with the loss and the
-    tokens/s of that step, for runs whose ``metrics.jsonl`` did not come back (e.g. short speed trials)."""
-    import re
-
-    import pandas as pd
-
+    tokens/s of that step, for runs whose ``metrics.jsonl`` holds no per-step tokens/s (e.g. short speed trials)."""
     path = Path(log)
     if not path.is_file():
         raise FileNotFoundError(f"log file {path} does not exist")
     rows = [(int(m[1]), float(m[2]), float(m[3].replace(",", ""))) for m in re.finditer(_LOG_STEP, path.read_text())]
     if not rows:
         raise ValueError(f"{path} has no 'step N: loss ..., N tok/s' lines: not an lpfa.train log")
-    return pd.DataFrame(rows, columns=["step", "loss", "tokens_per_s"]).drop_duplicates("step", keep="last").set_index("step")
+    frame = pd.DataFrame(rows, columns=["step", "loss", "tokens_per_s"])
+    return frame.drop_duplicates("step", keep="last").set_index("step")
 
 
 def compare_throughput(logs: dict, skip: int = 200):
     """One row per named log: steps logged, median tokens/s over logged steps >= ``skip`` (after compilation
     and warm-up) and the ratio to the first log's median."""
-    import pandas as pd
-
     rows = []
     for name, log in logs.items():
         t = log_throughput(log)
         late = t[t.index >= skip]
         if not len(late):
             raise ValueError(f"{log} logs no step >= skip={skip}")
-        rows.append({"run": name, "last logged step": int(t.index.max()), "median tokens/s": float(late.tokens_per_s.median())})
+        rows.append({"run": name, "last logged step": int(t.index.max()),
+                     "median tokens/s": float(late.tokens_per_s.median())})
     f = pd.DataFrame(rows).set_index("run")
     f["ratio"] = f["median tokens/s"] / f["median tokens/s"].iloc[0]
     return f
@@ -200,8 +158,6 @@ def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss")
     """Are two runs of one configuration and seed bit-identical? ``common_steps`` (steps both logged),
     ``identical_steps`` (how many of them have exactly equal ``column``) and ``first_differing_step``
     (None when every common step agrees): run-to-run determinism, e.g. the same run on another GPU."""
-    from lpfa.run import load_metrics
-
     (da, _), (db, _) = _run_folder(run_a), _run_folder(run_b)
     ta, tb = load_metrics(da)[0], load_metrics(db)[0]
     for d, t in ((da, ta), (db, tb)):
@@ -215,20 +171,17 @@ def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss")
 
 def committed_speed(experiment: str = "compile_throughput", run: str | None = None):
     """:func:`compare_throughput` of the committed eager and compiled logs of ``results/<experiment>/<run>``."""
-    from lpfa.results import run_dir
-
     d = run_dir(experiment, run)
     return compare_throughput({"eager": d / "compile_false.log", "compiled": d / "compile_true.log"})
 
 
 PAPER_EXPLOSION_STEP = 6_600
-"""About where the paper's BF16 GPT-2 S run explodes (Fig. 2), at the recipe of ``lpfa.train.PRESETS["gpt2-s-paper"]``."""
+"""About where the paper's BF16 GPT-2 S run explodes (Fig. 2), at the recipe of
+``lpfa.train.PRESETS["gpt2-s-paper"]``."""
 
 
 def paper_explosion_tokens() -> int:
     """Tokens the paper's BF16 run trains before it explodes: :data:`PAPER_EXPLOSION_STEP` steps of its recipe."""
-    from lpfa.train import PRESETS
-
     return PAPER_EXPLOSION_STEP * tokens_per_step(PRESETS["gpt2-s-paper"])
 
 
@@ -239,9 +192,9 @@ def tokens_per_step(train_conf: dict) -> int:
 
 def batch_for_steps(tokens_per_s: float, seconds: float, min_steps: int, block_size: int, multiple: int = 8,
                     overhead: float = 0.1) -> int:
-    """The largest batch (a multiple of ``multiple`` sequences of ``block_size`` tokens) whose ``min_steps`` steps fit in
-    ``seconds`` at ``tokens_per_s``, leaving the fraction ``overhead`` for evaluations and diagnostics (issue 16 §2:
-    "the largest tokens per step that still gives at least 8k steps in one run")."""
+    """The largest batch (a multiple of ``multiple`` sequences of ``block_size`` tokens) whose ``min_steps`` steps fit
+    in ``seconds`` at ``tokens_per_s``, leaving the fraction ``overhead`` for evaluations and diagnostics: the
+    paper-recipe runs' rule, the largest tokens per step that still gives at least 8k steps in one run."""
     for name, v in (("tokens_per_s", tokens_per_s), ("seconds", seconds), ("min_steps", min_steps),
                     ("block_size", block_size), ("multiple", multiple)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
@@ -286,13 +239,11 @@ def micro_batches(tokens_per_step: int, gpus: int, block_size: int = 1024, micro
 def paper_scale_plan(tokens_per_s_per_gpu: float, gpus: int = 8, efficiency: float = 1.0,
                      steps: int = PAPER_EXPLOSION_STEP, budget_s: float = 25 * 60, overhead_s: float = 120.0,
                      block_size: int = 1024, micro_max: int = 16):
-    """Issue 21's run on ``gpus`` GPUs: for the paper's and the authors' tokens per step, the micro-batch and
-    accumulation per GPU (:func:`micro_batches`), the predicted seconds per step at ``tokens_per_s_per_gpu`` (one
-    GPU's measured speed) × ``gpus`` × ``efficiency`` (DDP scaling, 1 = perfect), the minutes to reach ``steps``
-    (plus ``overhead_s`` for start-up and compilation) and whether that fits ``budget_s``. One row per batch, a
-    ``chosen`` column marking the largest batch that fits (none if neither does)."""
-    import pandas as pd
-
+    """The paper-scale run (Fig. 2 at the paper's batch) on ``gpus`` GPUs, for the paper's and the authors' tokens per
+    step: the micro-batch and accumulation per GPU (:func:`micro_batches`), the seconds per step at
+    ``tokens_per_s_per_gpu`` (one GPU's measured speed) × ``gpus`` × ``efficiency`` (DDP scaling, 1 = perfect), the
+    minutes to reach ``steps`` (plus ``overhead_s`` for start-up and compilation) and whether that fits ``budget_s``.
+    One row per batch; ``chosen`` marks the largest batch that fits (none if neither does)."""
     for name, v in (("tokens_per_s_per_gpu", tokens_per_s_per_gpu), ("budget_s", budget_s)):
         if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
             raise ValueError(f"{name}={v!r}: expected a finite number > 0")

@@ -1,4 +1,4 @@
-"""What SFA does to a model's rows, for several β (paper Sec. 4, Eq. 6; issue 5's β sweep).
+"""What SFA does to a model's rows, for several β (paper Sec. 4, Eq. 6): the β sweep over a run's checkpoints.
 
 SFA replaces a tied row's max ``rm > 0`` by ``β·rm``, so every P̄ = exp(S − β·rm) < 1. The authors' code
 then clamps each row sum at ``l ≥ 1e-10``: once (β − 1)·rm exceeds about 23, the row's output is divided
@@ -12,10 +12,19 @@ that the clamp attenuates, that it silences (factor < 1e-3) and whose P̄ all un
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
+import pandas as pd
 import torch
+from tqdm.auto import tqdm
+
+from lpfa.diagnostics import capture_qkv
+from lpfa.mechanism import sfa_attenuation
+from lpfa.provenance import provenance, write_json
+from lpfa.run import Run, autocast, resolve_device
 
 BETAS = (1.5, 2.0, 4.0, 8.0)
 
@@ -23,19 +32,11 @@ BETAS = (1.5, 2.0, 4.0, 8.0)
 @torch.no_grad()
 def sweep_model(model, x: torch.Tensor, betas=BETAS, eps: float = 1e-3, autocast=None) -> list[dict]:
     """Per layer, :func:`lpfa.mechanism.sfa_attenuation` of the model's BF16 scores on token ids ``x``."""
-    from lpfa.diagnostics import capture_qkv
-    from lpfa.mechanism import sfa_attenuation
-
     return [sfa_attenuation(c["q"].float(), c["k"].float(), betas, eps) for c in capture_qkv(model, x, autocast)]
 
 
 def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", command: str | None = None) -> dict:
     """:func:`sweep_model` at every checkpoint of ``run_dir`` (``ckpt_history/`` and ``ckpt/``)."""
-    from tqdm.auto import tqdm
-
-    from lpfa.provenance import provenance
-    from lpfa.run import Run, autocast, resolve_device
-
     run = Run(run_dir)
     device = resolve_device(device)
     x = run.probe_batch(0, n_seq, device)
@@ -49,59 +50,37 @@ def sweep_run(run_dir, betas=BETAS, n_seq: int = 8, device: str = "auto", comman
             "scores": "bf16", "steps": result, "provenance": provenance(command=command)}
 
 
+def sweep_frame(sweep: dict | str | Path) -> pd.DataFrame:
+    """Long DataFrame (step, layer, beta, sfa, attenuated, silenced, zeroed) of a sweep of :func:`sweep_run` (the dict
+    or its JSON file)."""
+    if not isinstance(sweep, dict):
+        sweep = json.loads(Path(sweep).read_text())
+    rows = [{"step": int(step), "layer": layer, "beta": float(beta), **{k: v for k, v in r.items() if k != "rows"}}
+            for step, layers in sweep["steps"].items() for layer, per_beta in enumerate(layers)
+            for beta, r in per_beta.items()]
+    return pd.DataFrame(rows).sort_values(["step", "layer", "beta"]).reset_index(drop=True)
+
+
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from lpfa.provenance import write_json
-
-    p = argparse.ArgumentParser(prog="python -m lpfa.sfa_sweep", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """``python -m lpfa.sfa_sweep``: :func:`sweep_run` of ``--run`` written to ``--out`` (JSON, with provenance), and
+    the last checkpoint's attenuated and silenced shares per layer and β printed."""
+    p = argparse.ArgumentParser(prog="python -m lpfa.sfa_sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", required=True)
     p.add_argument("--out", required=True, help="a .json file")
     p.add_argument("--betas", type=float, nargs="*", default=list(BETAS))
     p.add_argument("--n-seq", type=int, default=8)
     p.add_argument("--device", default="auto")
     a = p.parse_args(argv)
-    res = sweep_run(a.run, tuple(a.betas), a.n_seq, a.device, command=" ".join(["python -m lpfa.sfa_sweep", *(sys.argv[1:] if argv is None else argv)]))
+    command = " ".join(["python -m lpfa.sfa_sweep", *(sys.argv[1:] if argv is None else argv)])
+    res = sweep_run(a.run, tuple(a.betas), a.n_seq, a.device, command=command)
     write_json(a.out, res)
     last = list(res["steps"])[-1]
     for layer, per_beta in enumerate(res["steps"][last]):
-        print(f"step {last} layer {layer}: " + "  ".join(f"β={b}: att {v['attenuated']:.3f} sil {v['silenced']:.3f}" for b, v in per_beta.items()))
+        print(f"step {last} layer {layer}: "
+              + "  ".join(f"β={b}: att {v['attenuated']:.3f} sil {v['silenced']:.3f}" for b, v in per_beta.items()))
     return 0
 
 
 if __name__ == "__main__":
     raise SystemExit(main())
-
-
-def sweep_frame(sweep: dict | str | Path):
-    """Long DataFrame (step, layer, beta, sfa, attenuated, silenced, zeroed) of a sweep (dict or JSON file)."""
-    import pandas as pd
-
-    if not isinstance(sweep, dict):
-        sweep = json.loads(Path(sweep).read_text())
-    rows = [{"step": int(step), "layer": layer, "beta": float(beta), **{k: v for k, v in r.items() if k != "rows"}}
-            for step, layers in sweep["steps"].items() for layer, per_beta in enumerate(layers) for beta, r in per_beta.items()]
-    return pd.DataFrame(rows).sort_values(["step", "layer", "beta"]).reset_index(drop=True)
-
-
-def plot_sweep(sweeps: dict, layer: int, what: str = "silenced"):
-    """``what`` (sfa, attenuated, silenced or zeroed) of ``layer`` over checkpoints, one line per β, one
-    panel per run (``{label: sweep dict or file}``)."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import use_style
-
-    use_style()
-    # at least 7.5 in wide: a single panel still fills the page width (legible, issue 18)
-    fig, axes = plt.subplots(1, len(sweeps), figsize=(max(4.2 * len(sweeps), 7.5), 3.0), squeeze=False, sharey=True)
-    for ax, (label, sw) in zip(axes[0], sweeps.items()):
-        f = sweep_frame(sw)
-        f = f[f.layer == layer]
-        for beta, g in f.groupby("beta"):
-            ax.plot(g.step, g[what], marker="o", ms=3, label=f"β = {beta:g}")
-        ax.set_title(f"{label}: layer {layer}", fontsize=9)
-        ax.set_xlabel("checkpoint step")
-    axes[0, 0].set_ylabel(f"fraction of rows {what}")
-    axes[0, -1].legend(fontsize=9)
-    return fig

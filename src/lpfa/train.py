@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import MISSING, asdict, dataclass, field, fields
@@ -38,23 +39,31 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import yaml
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm.auto import tqdm
 
 from lpfa import data as lpfa_data
-from lpfa.data import drop_partial_line
 from lpfa.attention import PRESETS as ATTN_PRESETS
 from lpfa.attention.policy import reseeded
+from lpfa.checkpoints import ARCHITECTURE_FIELDS, load_checkpoint, save_checkpoint
+from lpfa.data import drop_partial_line
+from lpfa.diagnostics import probe_record
 from lpfa.explosion import explosion_step
 from lpfa.model import ATTN_BACKENDS, GPT, SIZES, GPTConfig, unwrap
+from lpfa.monitor import Alarm, read_thresholds, record_frame
 from lpfa.params import Param, boolean, dict_of, integer, list_of, real, text
+from lpfa.provenance import provenance, write_json
 from lpfa.run import autocast as amp_context
-from lpfa.run import run_verdict
+from lpfa.run import layer_precision, read_run_config, run_verdict
 
 
 @dataclass
 class TrainConfig:
-    """Every setting of a run. The comment after each field is its one-line meaning, which ``--help`` shows;
-    :data:`FIELD_CHECKS` says what each field accepts, and ``__post_init__`` checks every field against it."""
+    """Every setting of a run. The comment after each field (continued on lines of ``#`` and two spaces) is its
+    meaning, which ``--help`` shows; :data:`FIELD_CHECKS` says what each field accepts, and ``__post_init__`` checks
+    every field against it."""
 
     # data
     data: str = "embedded"  # "embedded" (the corpus shipped with lpfa) or a folder with train.bin/val.bin
@@ -62,16 +71,19 @@ class TrainConfig:
     # model
     model: str = "tiny"  # a size from lpfa.model.SIZES
     block_size: int = 128  # tokens per sequence (T)
-    attn_backend: str = "lpfa"  # lpfa (attn_policy decides; the FP32 twin is attn_policy=fp32_split), sdpa, sdpa_fp32 or math
+    attn_backend: str = "lpfa"  # lpfa (attn_policy decides; the FP32 twin is attn_policy=fp32_split), sdpa,
+    #  sdpa_fp32 or math
     attn_policy: str = "fa2"  # a preset of lpfa.attention.PRESETS
     layer_policies: dict = field(default_factory=dict)  # {layer: preset or backend} for single layers, e.g. {1: paper}
     fp32_heads: dict = field(default_factory=dict)  # {layer: [heads]} computed entirely in FP32
-    delta_dose: float = 1.0  # dose k of δ's error in the backward: δ_ref + k·s·(δ − δ_ref) (issue 16); 1 = off
+    delta_dose: float = 1.0  # dose k of δ's error in the backward: δ_ref + k·s·(δ − δ_ref) (the dose-response
+    #  experiments); 1 = off
     delta_dose_sign: str = "bias"  # s: bias (+1, the policy's own error) or control (a random ±1 per row)
     delta_dose_layers: list = field(default_factory=list)  # layers whose δ is dosed; [] = every lpfa layer
     qk_norm: bool = False  # LayerNorm on q and k per head
     gated_attn: bool = False  # a sigmoid output gate per head and channel
-    qk_clip: float = 0.0  # QK-clip's tau (Kimi K2's MuonClip): after each step, heads whose largest logit in it exceeded tau get W_Q and W_K scaled by sqrt(tau / logit); 0 = off
+    qk_clip: float = 0.0  # QK-clip's tau (Kimi K2's MuonClip): after each step, heads whose largest logit in it
+    #  exceeded tau get W_Q and W_K scaled by sqrt(tau / logit); 0 = off
     bias: bool = False  # biases in the Linear and LayerNorm layers (the paper has none)
     dropout: float = 0.0  # dropout probability; 0 = off
     # optimisation
@@ -91,9 +103,12 @@ class TrainConfig:
     max_steps: int = 300  # optimizer steps to train
     # precision and device
     device: str = "auto"  # auto, cpu, cuda, cuda:N
-    dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64: weights too
+    dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64:
+    #  weights too
     compile: bool = False  # torch.compile the model
-    sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its seed + step) mod 2**32 (issue 19; else one seed for the run, so a stable value at a stable position rounds the same way every step); eager only (compile=false)
+    sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
+    #  seed + step) mod 2**32 (the stabiliser experiments; else one seed for the run, so a stable value at a stable
+    #  position rounds the same way every step); eager only (compile=false)
     # bookkeeping
     out_dir: str = "runs/default"  # the run folder; one that holds a run is refused unless resume=true
     seed: int = 1337  # seed of the data order
@@ -109,8 +124,11 @@ class TrainConfig:
     time_budget_s: float = 0.0  # wall-clock budget; 0 = none
     stop_at_step: int = 0  # stop cleanly (with a checkpoint) after this many steps, as if killed; 0 = off
     explosion_stop: int = 0  # stop this many steps after the loss explodes (lpfa.explosion's criterion); 0 = never
-    on_warning: str = "off"  # when a diagnostics record crosses the early-warning thresholds (lpfa.monitor.Alarm): off, log, stop, sfa (the flagged layer's policy with SFA from then on) or fp32 (the flagged layer in FP32, sdpa_fp32); needs diag_interval
-    warning_thresholds: str = ""  # a JSON file of thresholds as lpfa.alarms.thresholds() returns them; "" = lpfa.alarms.current_thresholds()
+    on_warning: str = "off"  # when a diagnostics record crosses the early-warning thresholds (lpfa.monitor.Alarm):
+    #  off, log, stop, sfa (the flagged layer's policy with SFA from then on) or fp32 (the flagged layer in FP32,
+    #  sdpa_fp32); needs diag_interval
+    warning_thresholds: str = ""  # a JSON file of thresholds as lpfa.alarms.thresholds() returns them; "" = the
+    #  committed ones (lpfa.monitor.THRESHOLDS_FILE, which python -m lpfa.alarms --write learns)
     replay: str = ""  # a replay.jsonl to follow instead of the seeded batch order
     resume: bool = False  # continue the run in out_dir from its checkpoint (ckpt/)
     progress: bool = True  # show a progress bar
@@ -149,24 +167,25 @@ class TrainConfig:
                 lpfa_layer = name not in ATTN_BACKENDS if name is not None else self.attn_backend == "lpfa"
                 name = name if name is not None else self.attn_policy
                 if lpfa_layer and sfa_switch(name, self.block_size) is None:
-                    raise ValueError(f"on_warning='sfa': layer {layer}'s policy {name!r} has no SFA preset to switch to "
-                                     f"(expected one of {', '.join(repr(b) for b in SFA_SWITCH)}; paper_untiled at block_size <= 512)")
+                    raise ValueError(f"on_warning='sfa': layer {layer}'s policy {name!r} has no SFA preset to switch "
+                                     f"to (expected one of {', '.join(repr(b) for b in SFA_SWITCH)}; paper_untiled at "
+                                     "block_size <= 512)")
         if self.qk_clip and self.qk_norm:
-            raise ValueError(f"qk_clip={self.qk_clip!r}: expected 0 with qk_norm=true (QK-norm's LayerNorm undoes a rescale "
-                             "of W_Q and W_K, so QK-clip would do nothing)")
+            raise ValueError(f"qk_clip={self.qk_clip!r}: expected 0 with qk_norm=true (QK-norm's LayerNorm undoes a "
+                             "rescale of W_Q and W_K, so QK-clip would do nothing)")
         if self.sr_reseed:
             if self.compile:
-                raise ValueError("sr_reseed=true: expected compile=false (a new seed is a new policy, which torch.compile "
-                                 "would recompile every step)")
-            lpfa_pols = [n for n in (self.attn_policy if self.attn_backend == "lpfa" else None, *self.layer_policies.values())
-                         if n is not None and n not in ATTN_BACKENDS]
+                raise ValueError("sr_reseed=true: expected compile=false (a new seed is a new policy, which "
+                                 "torch.compile would recompile every step)")
+            named = (self.attn_policy if self.attn_backend == "lpfa" else None, *self.layer_policies.values())
+            lpfa_pols = [n for n in named if n is not None and n not in ATTN_BACKENDS]
             if not any(getattr(ATTN_PRESETS.get(n), "stochastic", None) for n in lpfa_pols):
-                raise ValueError(f"sr_reseed=true: expected a policy with stochastic rounding (e.g. attn_policy=paper_sr), "
-                                 f"got attn_backend={self.attn_backend!r}, attn_policy={self.attn_policy!r}, "
-                                 f"layer_policies={self.layer_policies!r}")
+                raise ValueError("sr_reseed=true: expected a policy with stochastic rounding (e.g. "
+                                 f"attn_policy=paper_sr), got attn_backend={self.attn_backend!r}, "
+                                 f"attn_policy={self.attn_policy!r}, layer_policies={self.layer_policies!r}")
         if self.lr_schedule == "cosine" and self.min_lr > self.lr:
-            raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule decays "
-                             "from lr to min_lr")
+            raise ValueError(f"min_lr={self.min_lr!r}: expected a number <= lr ({self.lr!r}): the cosine schedule "
+                             "decays from lr to min_lr")
 
 
 ON_WARNING = ("off", "log", "stop", "sfa", "fp32")
@@ -261,8 +280,9 @@ FIELD_CHECKS: dict[str, Param] = {
 
 PRESET_HELP = {
     "cpu-smoke": "the book's CPU default: a tiny model on the embedded corpus, a few minutes on 2 cores",
-    "repro": "the feasibility study's failing configuration (issue 5): 8 layers, d = 512, T = 512, 16k tokens/step, "
-             "flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics untiled",
+    "repro": "the feasibility study's failing configuration: 8 layers, d = 512, T = 512, 16k tokens/step, "
+             "flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics "
+             "untiled",
     "gpt2-s": "GPT-2 small at the paper's sequence length",
     "gpt2-s-paper": "the paper's own recipe (Sec. 3.1): GPT-2 small, T = 1024, 524,288 tokens/step, AdamW (0.9, 0.95), "
                     "no weight decay, clip 1.0, peak lr 1e-3 after 2,000 warmup steps, cosine to 1e-5 over 600k steps",
@@ -278,25 +298,38 @@ PRESETS: dict[str, dict] = {  # what each one is: PRESET_HELP
                    ckpt_interval=2000, log_interval=50),
     "gpt2-s-paper": dict(model="gpt2-s", block_size=1024, batch_size=16, grad_accum=32, lr=1e-3, min_lr=1e-5,
                          lr_schedule="cosine", warmup_steps=2000, max_steps=600_000, weight_decay=0.0, grad_clip=1.0,
-                         attn_policy="paper", eval_interval=500, diag_interval=200, ckpt_interval=2000, log_interval=50),
+                         attn_policy="paper", eval_interval=500, diag_interval=200, ckpt_interval=2000,
+                         log_interval=50),
 }
 # nanoGPT's names for TrainConfig fields, for the hint after an unknown one
 NANOGPT_NAMES = {"learning_rate": "lr", "max_iters": "max_steps", "lr_decay_iters": "max_steps",
-                 "warmup_iters": "warmup_steps", "gradient_accumulation_steps": "grad_accum", "eval_iters": "eval_batches",
-                 "dataset": "data", "decay_lr": "lr_schedule", "init_from": "resume", "n_layer": "model", "n_head": "model",
-                 "n_embd": "model"}
+                 "warmup_iters": "warmup_steps", "gradient_accumulation_steps": "grad_accum",
+                 "eval_iters": "eval_batches", "dataset": "data", "decay_lr": "lr_schedule", "init_from": "resume",
+                 "n_layer": "model", "n_head": "model", "n_embd": "model"}
 
 
 # --------------------------------------------------------------------------------------------
 # Configuration from presets, files and key=value overrides
 # --------------------------------------------------------------------------------------------
 def field_help() -> dict[str, str]:
-    """``{field: meaning}``: the comment after each field in TrainConfig's source (what ``--help`` shows)."""
+    """``{field: meaning}``: the comment after each field in TrainConfig's source (what ``--help`` shows), with the
+    comment lines under it that begin with ``#`` and two spaces (its continuation) joined to it."""
     try:
         src = inspect.getsource(TrainConfig)
     except (OSError, TypeError):  # no source (a frozen install): no meanings
         return {}
-    return dict(re.findall(r"^\s+(\w+): [\w\[\], ]+ = .*?  # (.*)$", src, re.M))
+    out, last = {}, None
+    for line in src.splitlines():
+        m = re.match(r"^\s+(\w+): [\w\[\], ]+ = .*?  # (.*)$", line)
+        more = re.match(r"^\s+#  +(.*)$", line)
+        if m:
+            last = m[1]
+            out[last] = m[2]
+        elif more and last is not None:
+            out[last] += " " + more[1]
+        else:
+            last = None
+    return out
 
 
 def _number(v):
@@ -342,7 +375,8 @@ def _check_preset(name, where: str = "") -> dict:
     return PRESETS[name]
 
 
-def make_config(preset: str | None = None, config_file: str | None = None, overrides: dict | None = None) -> TrainConfig:
+def make_config(preset: str | None = None, config_file: str | None = None,
+                overrides: dict | None = None) -> TrainConfig:
     """TrainConfig from a preset, then a YAML/JSON file, then overrides (later ones win). Every mistake is a
     ValueError or FileNotFoundError of one line naming the field, the value and what is expected."""
     d: dict = {}
@@ -450,8 +484,6 @@ def _device(name: str, local_rank: int) -> str:
 def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device: str):
     """The checkpoint that ``resume=true`` continues from, once it is known to fit this config: otherwise a
     one-line error naming the field whose change would not fit its weights or optimizer state."""
-    from lpfa.checkpoints import ARCHITECTURE_FIELDS, load_checkpoint
-
     try:
         ck = load_checkpoint(ckpt_dir, map_location=device)
     except (OSError, ValueError) as e:
@@ -459,33 +491,31 @@ def _resume_checkpoint(cfg: TrainConfig, mcfg: GPTConfig, ckpt_dir: Path, device
     saved = ck.train_config
     for name in ("model", "block_size", "optimizer", "bias", "qk_norm", "gated_attn"):
         if name in saved and saved[name] != getattr(cfg, name):
-            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected {saved[name]!r}, the value the checkpoint {ckpt_dir} "
-                             "was trained with (resume=true continues a run as it was; another out_dir starts a new one)")
+            raise ValueError(f"{name}={getattr(cfg, name)!r}: expected {saved[name]!r}, the value the checkpoint "
+                             f"{ckpt_dir} was trained with (resume=true continues a run as it was; another out_dir "
+                             "starts a new one)")
     for name in ARCHITECTURE_FIELDS:  # what the fields above do not cover: the vocabulary, which comes with the data
         if ck.config["model"].get(name) != getattr(mcfg, name):
             field_name = "data" if name == "vocab_size" else "model"
-            raise ValueError(f"{field_name}={getattr(cfg, field_name)!r}: gives {name} {getattr(mcfg, name)!r}, but the "
-                             f"checkpoint {ckpt_dir} has {ck.config['model'].get(name)!r} (resume with the data and "
-                             "tokenizer the run started with)")
+            raise ValueError(f"{field_name}={getattr(cfg, field_name)!r}: gives {name} {getattr(mcfg, name)!r}, "
+                             f"but the checkpoint {ckpt_dir} has {ck.config['model'].get(name)!r} (resume with the "
+                             "data and tokenizer the run started with)")
     n_opt = 2 if cfg.optimizer == "muon" else 1
     if not isinstance(ck.extra_state, dict) or len(ck.extra_state.get("optimizers") or []) != n_opt:
-        raise ValueError(f"resume=true: the checkpoint {ckpt_dir} holds no optimizer state for optimizer={cfg.optimizer!r} "
-                         "(state.pt, written by lpfa.train): it cannot be resumed")
+        raise ValueError(f"resume=true: the checkpoint {ckpt_dir} holds no optimizer state for "
+                         f"optimizer={cfg.optimizer!r} (state.pt, written by lpfa.train): it cannot be resumed")
     return ck
 
 
 def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: list, autocast, world: int = 1,
                before_micro=None, info: dict | None = None) -> tuple[float, float, float]:
-    """One optimizer step, the only place it is written (:mod:`lpfa.replay` replays runs with it, bit for bit).
-
-    Sets the learning rate of ``step`` (:func:`lr_at`; Muon's scaled by muon_lr / lr), runs forward and backward on
-    every micro-batch of ``batches`` (``(x, y)`` pairs, this process's share) with the loss divided by their number
-    (under DDP the gradients are all-reduced on the last one only), averages the loss over processes, clips the
-    gradient norm, and steps and zeroes the optimizers unless the loss or the gradient norm is non-finite. ``model``
-    may be the DDP or compiled wrapper; the clipping acts on its parameters. ``before_micro(i)`` is called before
-    micro-batch i (the replay captures a layer's activations there). With ``cfg.qk_clip`` (τ), every head whose largest
-    logit in this step's forwards exceeded τ has its W_Q and W_K scaled by √(τ / logit) after the update
-    (:meth:`lpfa.model.GPT.qk_clip_`), and ``info["qk_clipped"]`` says how many. Returns ``(loss, grad_norm, lr)``."""
+    """One optimizer step, the only one written (:mod:`lpfa.replay` replays runs with it, bit for bit): the learning
+    rate of ``step`` (:func:`lr_at`; Muon's scaled by muon_lr / lr), forward and backward on each micro-batch of
+    ``batches`` (this process's ``(x, y)`` pairs; loss divided by their number; DDP all-reduces on the last), the loss
+    averaged over processes, the gradient norm clipped, the optimizers stepped and zeroed unless either is non-finite.
+    ``before_micro(i)`` runs before micro-batch i. With ``cfg.qk_clip`` τ, heads whose largest logit exceeded τ get W_Q,
+    W_K scaled by √(τ / logit) after the update (:meth:`lpfa.model.GPT.qk_clip_`; ``info["qk_clipped"]`` counts
+    them). Returns ``(loss, grad_norm, lr)``."""
     lr = lr_at(cfg, step)
     gpt = unwrap(model)
     if cfg.qk_clip:
@@ -506,8 +536,6 @@ def train_step(model, optimizers: list, cfg: TrainConfig, step: int, batches: li
         loss_sum = loss.detach().double() if loss_sum is None else loss_sum + loss.detach().double()
     loss_mean = loss_sum / len(batches)
     if world > 1:
-        import torch.distributed as dist
-
         dist.all_reduce(loss_mean, op=dist.ReduceOp.AVG)
     gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
     loss_v, gnorm_v = float(loss_mean), float(gnorm)
@@ -530,7 +558,7 @@ class RunWriter:
         self.tb = None
         if rank == 0:
             out_dir.mkdir(parents=True, exist_ok=True)
-            try:  # TensorBoard when installed, next to metrics.jsonl
+            try:  # TensorBoard when installed (an optional dependency: imported here), next to metrics.jsonl
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(out_dir / "tensorboard"))
@@ -552,14 +580,10 @@ class RunWriter:
             line = f"[{time.strftime('%H:%M:%S')} +{time.time() - self.t0:7.1f}s] {msg}"
             with open(self.out_dir / "log.txt", "a") as f:
                 f.write(line + "\n")
-            from tqdm.auto import tqdm
-
             tqdm.write(line, file=sys.stderr)
 
     def summary(self, rec: dict) -> None:
         if self.rank == 0:
-            from lpfa.provenance import write_json
-
             write_json(self.out_dir / "summary.json", rec)
 
 
@@ -568,8 +592,6 @@ def _dist_setup():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1, 0
-    import torch.distributed as dist
-
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend=backend)
@@ -580,8 +602,6 @@ def _stop_requested(out_dir: Path, world: int, device: str) -> bool:
     """Whether ``out_dir/STOP`` exists; under DDP every rank gets the same answer (one tiny all-reduce)."""
     stop = (out_dir / "STOP").exists()
     if world > 1:
-        import torch.distributed as dist
-
         t = torch.tensor(float(stop), device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         stop = bool(t.item())
@@ -592,11 +612,10 @@ def _stop_requested(out_dir: Path, world: int, device: str) -> bool:
 # The loop
 # --------------------------------------------------------------------------------------------
 def _alarm(cfg: TrainConfig):
-    """The :class:`lpfa.monitor.Alarm` of ``on_warning`` (None when it is off), with ``warning_thresholds``' thresholds."""
+    """The :class:`lpfa.monitor.Alarm` of ``on_warning`` (None when it is off), with ``warning_thresholds``'
+    thresholds, else the committed ones."""
     if cfg.on_warning == "off":
         return None
-    from lpfa.monitor import Alarm, read_thresholds
-
     thresholds = read_thresholds(cfg.warning_thresholds, "warning_thresholds") if cfg.warning_thresholds else None
     return Alarm(thresholds)
 
@@ -606,9 +625,6 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
     log and to metrics.jsonl as ``{"step", "warning": {event, "action"}}``), and with ``stop`` return True; with ``sfa``
     or ``fp32`` switch the flagged layer (once; ``switched`` records it for the checkpoints) to
     :func:`sfa_switch`'s preset or to ``sdpa_fp32``."""
-    from lpfa.run import layer_precision
-    from lpfa.monitor import record_frame
-
     _, events = alarm.feed(record_frame(step, record, layer_precision(model.config)))
     stop = False
     for ev in events:
@@ -635,17 +651,13 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
 
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
-    from lpfa.checkpoints import save_checkpoint
-    from lpfa.diagnostics import probe_record
-    from lpfa.run import read_run_config
-
     rank, world, local_rank = _dist_setup()
     if world > 1 and cfg.qk_clip:
         raise ValueError(f"qk_clip={cfg.qk_clip!r}: expected 0 with {world} processes (each process records its own "
                          "batches' logits, and DDP would overwrite them with rank 0's: not supported yet)")
     if world > 1 and cfg.on_warning in ("stop", "sfa", "fp32"):
-        raise ValueError(f"on_warning={cfg.on_warning!r}: expected 'off' or 'log' with {world} processes (the diagnostics "
-                         "run on rank 0 only, so the other ranks would not follow its stop or switch)")
+        raise ValueError(f"on_warning={cfg.on_warning!r}: expected 'off' or 'log' with {world} processes (the "
+                         "diagnostics run on rank 0 only, so the other ranks would not follow its stop or switch)")
     alarm = _alarm(cfg) if rank == 0 else None  # a bad thresholds file fails here, before anything is written
     out_dir = Path(cfg.out_dir)
     ckpt_dir = out_dir / "ckpt"
@@ -702,7 +714,8 @@ def train(cfg: TrainConfig) -> dict:
     if ck is not None and rank == 0:
         dropped = drop_partial_line(out_dir / "metrics.jsonl")
         if dropped:
-            run.log(f"metrics.jsonl ended in a line cut short ({dropped} bytes, when the last start was killed): dropped it")
+            run.log(f"metrics.jsonl ended in a line cut short ({dropped} bytes, when the last start was killed): "
+                    "dropped it")
     torch.manual_seed(cfg.init_seed)
     model = GPT(mcfg).to(device, dtype=torch.float64 if dtype == "float64" else torch.float32)
     optimizers = build_optimizers(model, cfg)
@@ -716,25 +729,23 @@ def train(cfg: TrainConfig) -> dict:
             torch.set_rng_state(ck.extra_state["torch_rng"].cpu())
         run.log(f"resumed from {ckpt_dir} at step {start_step}")
     # layers switched by on_warning before the checkpoint (sfa / fp32) keep their switch
-    switched: dict[int, str] = {int(k): v for k, v in ((ck.extra_state or {}).get("switched_layers") or {}).items()} if ck else {}
+    kept = ((ck.extra_state or {}).get("switched_layers") or {}) if ck else {}
+    switched: dict[int, str] = {int(k): v for k, v in kept.items()}
     for layer, name in switched.items():
         model.set_layer_policy(layer, name)
     raw_model = model
     if cfg.compile:
         model = torch.compile(model)
     if world > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         model = DDP(model, device_ids=[local_rank] if device.startswith("cuda") else None)
 
     replay_out = None
     if rank == 0:
         replay_out = lpfa_data.ReplayLog.create(
             out_dir / "replay.jsonl", data_dir / "train.bin",
-            {"seed": cfg.seed, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum, "block_size": cfg.block_size},
+            {"seed": cfg.seed, "batch_size": cfg.batch_size, "grad_accum": cfg.grad_accum,
+             "block_size": cfg.block_size},
         )
-        from lpfa.provenance import provenance, write_json
-
         conf = {"train": asdict(cfg), "model": mcfg.to_dict(), "data_dir": str(data_dir), "data_meta": meta,
                 "world_size": world, "device": device, "dtype": dtype, "provenance": provenance()}
         if first_conf is not None:  # keep the run's first start; add this one to its resumes
@@ -745,7 +756,8 @@ def train(cfg: TrainConfig) -> dict:
             conf = first_conf
         write_json(out_dir / "config.json", conf)
         run.log(f"model {cfg.model}: {raw_model.num_params() / 1e6:.2f}M parameters, attention {cfg.attn_backend}/"
-                f"{cfg.attn_policy}, device {device} × {world}, autocast {dtype}, data {data_dir} ({meta.get('tokenizer', '?')})")
+                f"{cfg.attn_policy}, device {device} × {world}, autocast {dtype}, data {data_dir} "
+                f"({meta.get('tokenizer', '?')})")
 
     def starts_for(step: int) -> list[np.ndarray]:
         if replay_in is not None:
@@ -765,9 +777,7 @@ def train(cfg: TrainConfig) -> dict:
             losses.append(loss.float())
         val = torch.stack(losses).mean()
         if world > 1:
-            import torch.distributed as dist
-
-            dist.all_reduce(val, op=dist.ReduceOp.AVG)
+                dist.all_reduce(val, op=dist.ReduceOp.AVG)
         model.train()
         return float(val)
 
@@ -778,25 +788,22 @@ def train(cfg: TrainConfig) -> dict:
                                          "optimizers": [o.state_dict() for o in optimizers],
                                          "switched_layers": dict(switched)})
         if world > 1:
-            import torch.distributed as dist
-
-            dist.barrier()
+                dist.barrier()
 
     status, step, last = "completed", start_step, {}
     seen: list[tuple[int, float]] = []  # (step, loss) of this start, for explosion_stop
     tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.block_size
     t_start = time.time()
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress), unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, disable=(rank != 0 or not cfg.progress), unit="step",
+               dynamic_ncols=True)
     try:
         for step in range(start_step, cfg.max_steps):
             t0 = time.time()
             starts = starts_for(step)
             if replay_out is not None:
                 replay_out.append(step, starts)
-            batches = [lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size, device)
-                       for st in starts]
+            batches = [lpfa_data.get_batch(train_tokens, st[rank * per_rank : (rank + 1) * per_rank], cfg.block_size,
+                                           device) for st in starts]
             info: dict = {}
             if cfg.sr_reseed:
                 reseed_stochastic_rounding(raw_model, step)
@@ -814,7 +821,8 @@ def train(cfg: TrainConfig) -> dict:
             bar.update(1)
             bar.set_postfix(loss=f"{loss_v:.3f}")
             if cfg.log_interval and step % cfg.log_interval == 0:
-                run.log(f"step {step}: loss {loss_v:.4f}, lr {lr:.2e}, grad norm {gnorm_v:.3f}, {tokens_per_step / dt:,.0f} tok/s")
+                run.log(f"step {step}: loss {loss_v:.4f}, lr {lr:.2e}, grad norm {gnorm_v:.3f}, "
+                        f"{tokens_per_step / dt:,.0f} tok/s")
             done = step + 1
             if cfg.diag_interval and done % cfg.diag_interval == 0 and rank == 0:
                 st = lpfa_data.batch_starts(cfg.seed + 2, done, 0, cfg.diag_batch, len(val_tokens), cfg.block_size)
@@ -834,8 +842,6 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.ckpt_interval and done % cfg.ckpt_interval == 0 and done < cfg.max_steps:
                 checkpoint(done)
                 if cfg.ckpt_history and rank == 0:
-                    import shutil
-
                     shutil.copytree(ckpt_dir, out_dir / "ckpt_history" / f"step_{done:06d}", dirs_exist_ok=True)
             if cfg.time_budget_s and time.time() - t_start > cfg.time_budget_s:
                 status = "time_budget"
@@ -880,8 +886,6 @@ def train(cfg: TrainConfig) -> dict:
     run.summary(summary)
     run.log(f"{status} at step {step}; final val loss {final_val}")
     if world > 1:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return summary
 
@@ -912,7 +916,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", help="start from a preset (listed below)")
     p.add_argument("--config", help="a YAML file of TrainConfig fields (it may name a preset)")
     p.add_argument("--debug", action="store_true", help="on an error, show its traceback instead of one line")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="TrainConfig fields (listed below); later ones win")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="TrainConfig fields (listed below); later ones win")
     a, unknown = p.parse_known_args(argv)
     if unknown:
         key = unknown[0].lstrip("-").split("=")[0]

@@ -15,6 +15,13 @@ backward kernels with the same rounding points (causal, head dims 16–128), reg
 ``torch.library`` op ``lpfa::flash_attention_fwd`` so it works inside ``torch.compile``; ``"auto"``
 (default) — Triton for CUDA tensors when Triton is installed, else the reference (always the reference for
 the FP8 policies of :data:`EMULATED`, which only it emulates).
+
+:func:`attention` takes everything after v by keyword: ``is_causal`` (default True, unlike SDPA: GPT attention is
+causal, and the Triton kernels are causal only), ``scale`` (default 1/√D). SDPA's ``attn_mask``, ``dropout_p`` and
+``enable_gqa`` are accepted by name only to be refused clearly unless they are None, 0 and False. ``stats``: an
+:class:`AttentionStats` to fill (tie counts of Fig. 13, P̄ = 1 entries, SFA-shifted, attenuated and zeroed rows); it
+costs an extra pass of the reference forward, so leave it None in training unless you want the numbers.
+Non-finite inputs propagate as :mod:`lpfa.attention.reference` describes (only to rows that see them).
 """
 
 from __future__ import annotations
@@ -60,11 +67,13 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: t
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
-            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)} ({t.dim()}-D)")
+            raise ValueError(f"{name} must have shape (batch, heads, seq_len, head_dim), got {tuple(t.shape)} "
+                             f"({t.dim()}-D)")
         if t.dtype not in _DTYPES:
             raise TypeError(f"{name} has dtype {t.dtype}; expected torch.bfloat16 or torch.float32")
     if not (q.shape == k.shape == v.shape):
-        raise ValueError(f"q, k, v must have the same shape (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(f"q, k, v must have the same shape (B, H, T, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -89,23 +98,16 @@ def attention(
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Softmax attention ``softmax(q kᵀ · scale) v`` computed with the rounding points of ``policy``.
-
-    q, k, v: (B, H, T, D), bfloat16 (the paper's setting) or float32. Everything after v is by keyword:
-    ``is_causal`` (default True, unlike SDPA: GPT attention is causal, and the Triton kernels are causal only),
-    ``scale`` (default 1/√D). SDPA's ``attn_mask``, ``dropout_p`` and ``enable_gqa`` are accepted by name only
-    to be refused clearly unless they are None, 0 and False. Returns O in BF16, or FP32 when
-    ``policy.o_store == "fp32"``. Gradients follow the policy's backward. ``stats``: an :class:`AttentionStats`
-    to fill (tie counts of Fig. 13, P̄ = 1 entries, SFA-shifted, attenuated and zeroed rows); it costs an
-    extra pass of the reference forward, so leave it None in training unless you want the numbers.
-    ``backend``: ``"auto"``, ``"reference"`` or ``"triton"`` (see the module docs).
-    Non-finite inputs propagate as :mod:`lpfa.attention.reference` describes (only to rows that see them).
-    """
+    """Softmax attention ``softmax(q kᵀ · scale) v`` computed with the rounding points of ``policy`` (a preset name
+    or a :class:`PrecisionPolicy`) on q, k, v (B, H, T, D), bfloat16 (the paper's setting) or float32; everything
+    after v by keyword (the module docstring lists them). Returns O in BF16, or FP32 when ``policy.o_store ==
+    "fp32"``; gradients follow the policy's backward. ``backend``: ``"auto"``, ``"reference"`` or ``"triton"``. Bad
+    arguments raise a TypeError or ValueError naming the value and what is expected."""
     if sdpa_positional:
         kinds = ", ".join(type(a).__name__ for a in sdpa_positional)
-        raise TypeError(f"attention() takes q, k, v positionally and the rest by keyword; got {len(sdpa_positional)} more "
-                        f"positional argument(s) ({kinds}): pass is_causal=, scale=, policy= by name (SDPA's positional "
-                        "attn_mask and dropout_p are not supported)")
+        raise TypeError(f"attention() takes q, k, v positionally and the rest by keyword; got {len(sdpa_positional)} "
+                        f"more positional argument(s) ({kinds}): pass is_causal=, scale=, policy= by name (SDPA's "
+                        "positional attn_mask and dropout_p are not supported)")
     if attn_mask is not None:
         raise ValueError(f"attn_mask of type {type(attn_mask).__name__}: expected None (lpfa attention masks only "
                          "causally, through is_causal)")
@@ -129,6 +131,7 @@ def attention(
     if backend == "auto":
         backend = "triton" if (q.is_cuda and _triton_available() and is_causal and not pol.fp8) else "reference"
     if backend == "triton":
+        # the kernels' module imports torch._dynamo (about 1 s) and triton (optional): loaded when used
         from lpfa.attention.kernels import triton_attention
         from lpfa.attention.triton_common import check_triton_support
 
@@ -142,7 +145,7 @@ def attention(
 
 
 def _triton_available() -> bool:
-    try:
+    try:  # triton is optional: a probe
         import triton  # noqa: F401
     except ImportError:
         return False

@@ -1,4 +1,4 @@
-"""Error of a policy's attention against float64 (issue 17: how close the ``fp32_split`` twin is to true FP32).
+"""Error of a policy's attention against float64: how close the ``fp32_split`` twin is to true FP32.
 
 :func:`attention64` is causal softmax attention and its gradients in float64 (autograd of the plain formula, no
 tiling) from the given input values; :func:`errors_vs_float64` runs a policy (Triton kernels or the reference) on
@@ -8,7 +8,18 @@ elementwise relative errors are ill-conditioned where a gradient cancels to ~0).
 and ``benchmarks/attention.py --parts error`` use it.
 
 :func:`agreement_with_flash` compares two implementations of FlashAttention-2's rounding points, lpfa's ``fa2`` and
-SDPA's flash backend (the real FA2 kernel), elementwise against a bound derived from that arithmetic (issue 17).
+SDPA's flash backend (the real FA2 kernel), elementwise against a bound derived from that arithmetic
+(:func:`flash_agreement_bound`). Both compute O = bf16((Σ_j bf16(P̄_j) V_j) / l) with P̄_j = exp(S_j − m) ≤ 1 of
+FP32 scores, l = Σ_j P̄_j in FP32, and differ in the order of their FP32 sums, their exp (libdevice ``expf`` here,
+``ex2.approx`` of a fused S·log2(e)·scale − m·log2(e)·scale there: a relative error ~2^-21) and their key blocks
+(which max P̄ is taken against; the rounding of P̄ below is relative, so that does not matter). So:
+
+* each side's BF16 P̄_j is within 2^-8 of the exact p_j (relative), so the two differ by at most 2^-7·p_j, and the
+  FP32 values of O by at most 2^-7·Σ_j P_j|V_j| = 2^-7·a with a = P|V| (P the exact softmax, float64 here);
+* each side's output rounding adds at most 2^-8·|O| (relative to its own output, to within a factor 1 + 2^-8).
+
+The bound is (2^-8·(|O_a| + |O_b|) + 2^-7·a)·slack + 1e-6, ``slack`` covering the FP32-level terms (exp, l and the
+sums: ~1e-6 relative).
 """
 
 from __future__ import annotations
@@ -16,6 +27,9 @@ from __future__ import annotations
 import math
 
 import torch
+
+from lpfa.attention import reference as ref
+from lpfa.attention.policy import get_policy
 
 PARTS = ("o", "lse", "dq", "dk", "dv")
 
@@ -44,15 +58,13 @@ def run_policy(q, k, v, do, policy, scale: float, backend: str = "triton") -> di
     """O, lse, dq, dk, dv of ``policy`` on the given inputs: ``backend="triton"`` (the kernels; the interpreter
     without a GPU) or ``"reference"``."""
     if backend == "triton":
+        # the kernels import triton (optional), which fixes their interpreter mode on import: loaded when used
         from lpfa.attention.triton_bwd import flash_backward
         from lpfa.attention.triton_fwd import flash_forward
 
         o, lse = flash_forward(q, k, v, policy, scale)
         dq, dk, dv = flash_backward(do, q, k, v, o.float(), lse, policy, scale)
     elif backend == "reference":
-        from lpfa.attention import reference as ref
-        from lpfa.attention.policy import get_policy
-
         pol = get_policy(policy)
         o, lse = ref.forward(q.float(), k.float(), v.float(), pol, scale)
         dq, dk, dv = ref.backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, scale)
@@ -61,10 +73,9 @@ def run_policy(q, k, v, do, policy, scale: float, backend: str = "triton") -> di
     return {"o": o, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
 
-def errors_vs_float64(q, k, v, do, policies, scale: float, backend: str = "triton") -> dict[str, dict[str, dict[str, float]]]:
+def errors_vs_float64(q, k, v, do, policies, scale: float,
+                      backend: str = "triton") -> dict[str, dict[str, dict[str, float]]]:
     """``{policy name: {part: {"max_rel", "mean_rel"}}}`` for each policy (a preset name or a PrecisionPolicy)."""
-    from lpfa.attention.policy import get_policy
-
     truth = attention64(q, k, v, do, scale)
     out = {}
     for p in policies:
@@ -78,19 +89,9 @@ BF16_HALF_ULP = 2.0 ** -8
 
 
 def flash_agreement_bound(o_a, o_b, q, k, v, scale: float, slack: float = 1.01) -> torch.Tensor:
-    """The largest |O_a − O_b| two FlashAttention-2 implementations may give, elementwise, from their shared arithmetic.
-
-    Both compute O = bf16((Σ_j bf16(P̄_j) V_j) / l) with P̄_j = exp(S_j − m) ≤ 1 of FP32 scores, l = Σ_j P̄_j in FP32,
-    and differ in the order of their FP32 sums, their exp (libdevice ``expf`` here, ``ex2.approx`` of a fused
-    S·log2(e)·scale − m·log2(e)·scale there: a relative error ~2^-21) and their key blocks (which max P̄ is taken
-    against; the rounding of P̄ below is relative, so that does not matter). So:
-
-    * each side's BF16 P̄_j is within 2^-8 of the exact p_j (relative), so the two differ by at most 2^-7·p_j, and the
-      FP32 values of O by at most 2^-7·Σ_j P_j|V_j| = 2^-7·a with a = P|V| (P the exact softmax, float64 here);
-    * each side's output rounding adds at most 2^-8·|O| (relative to its own output, to within a factor 1 + 2^-8).
-
-    Returns (2^-8·(|O_a| + |O_b|) + 2^-7·a)·slack + 1e-6, in float64 (B, H, T, D); ``slack`` covers the FP32-level
-    terms (exp, l and the sums: ~1e-6 relative)."""
+    """The largest |O_a − O_b| two FlashAttention-2 implementations may give, elementwise, from their shared
+    arithmetic (derived in the module docstring): (2^-8·(|O_a| + |O_b|) + 2^-7·a)·slack + 1e-6 with a = P|V| (P the
+    exact softmax of ``q``, ``k``), in float64 (B, H, T, D); ``slack`` covers the FP32-level terms."""
     T = q.shape[-2]
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), -math.inf)

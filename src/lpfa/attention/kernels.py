@@ -6,9 +6,9 @@ Two doors to the same kernels, with the same bits: eagerly, :class:`_FlashAttent
 (one opaque node to Dynamo and Inductor, with a fake kernel and its own autograd) calls the same two functions. The
 custom op's Python dispatch and autograd made one forward and backward at GPT-2 shapes take the host 5.9× SDPA-flash's
 time to issue, the plain ``autograd.Function`` 3.6× (``benchmarks/host_overhead.py`` on two H200 machines,
-results/host_overhead), and at these shapes the host, not the GPU, sets the pace; so eager calls skip it. A policy travels as a :class:`PrecisionPolicy` on the eager path and as the
-name of a registered policy (presets, plus any custom policy registered on first use) through the custom op, because
-custom ops take plain arguments.
+results/host_overhead), and at these shapes the host, not the GPU, sets the pace; so eager calls skip it. A policy
+travels as a :class:`PrecisionPolicy` on the eager path and as the name of a registered policy (presets, plus any
+custom policy registered on first use) through the custom op, because custom ops take plain arguments.
 """
 
 from __future__ import annotations
@@ -33,12 +33,10 @@ def _lookup(policy: PrecisionPolicy) -> str | None:
 
 
 def register(policy: PrecisionPolicy) -> str:
-    """Give ``policy`` (and the two policies its FP32 heads split into) a key for the custom op; returns its key.
-
-    Call it before ``torch.compile`` traces attention with a custom policy (:class:`lpfa.model.GPT` does
-    for every layer): while Dynamo traces, a new key would reach the op's fake kernel before Dynamo
-    applies the registration. :func:`policy_key` registers on first use eagerly, and from compiled code
-    through a graph break."""
+    """Give ``policy`` (and the two policies its FP32 heads split into) a key for the custom op; returns its key. Call
+    it before ``torch.compile`` traces attention with a custom policy (:class:`lpfa.model.GPT` does for every layer):
+    while Dynamo traces, a new key would reach the op's fake kernel before Dynamo applies the registration.
+    :func:`policy_key` registers on first use eagerly, and from compiled code through a graph break."""
     for p in (policy, *(_split(policy) if policy.fp32_heads else ())):
         if _lookup(p) is None:
             _BY_KEY[f"custom{len(_BY_KEY)}:{p.name}"] = p
@@ -68,6 +66,7 @@ def _forward(q, k, v, pol: PrecisionPolicy, scale: float, for_backward: bool):
     """(O, lse, flags): ``flags`` the non-finite flags of V (1, B·H), with those of Q and K (3, B·H) when
     ``for_backward``, so that the backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`).
     attention() checked the inputs, so the launches skip the checks."""
+    # the kernels import triton (optional), which fixes their interpreter mode on import: loaded at the first launch
     from lpfa.attention.triton_fwd import flash_forward
 
     if for_backward:
@@ -78,9 +77,10 @@ def _forward(q, k, v, pol: PrecisionPolicy, scale: float, for_backward: bool):
 
 def _backward(do, q, k, v, o, lse, flags, pol: PrecisionPolicy, scale: float):
     """(dQ, dK, dV) in the inputs' dtype (q, k, v share one, checked), stored so by the kernels (no FP32 copies to
-    convert); dO, q, k, v in any layout (the kernels take their strides: no copies of the model's transposed views). ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's
-    first pass)."""
-    from lpfa.attention.triton_bwd import flash_backward
+    convert); dO, q, k, v in any layout (the kernels take their strides: no copies of the model's transposed views).
+    ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's first
+    pass)."""
+    from lpfa.attention.triton_bwd import flash_backward  # triton: as in _forward
 
     return flash_backward(do, q, k, v, o, lse, pol, scale, validate=False, grad_dtype=q.dtype,
                           input_flags=flags if flags.shape[0] == 3 else None)
@@ -158,7 +158,8 @@ def _flash(q, k, v, pol: PrecisionPolicy, scale: float) -> torch.Tensor:
     return _forward(q, k, v, pol, scale, False)[0]
 
 
-def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy, scale: float) -> torch.Tensor:
+def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy,
+                     scale: float) -> torch.Tensor:
     """Causal attention through the Triton kernels; heads in ``policy.fp32_heads`` run the ``fp32`` policy."""
     if not policy.fp32_heads:
         return _flash(q, k, v, policy, scale)

@@ -18,6 +18,74 @@ accumulators in BF16 or FP32 (``policy.backward``) and ``delta`` from one of thr
 (``policy.delta``, Sec. 3.2 isolation experiments). ``policy.gemm`` says how every GEMM multiplies the
 operands it keeps in FP32: exactly (``"ieee"``) or through BF16 tensor cores with a 3-way split (``"bf16x6"``,
 :data:`GEMM_SPLIT_DOC`).
+
+**The fields of** :class:`PrecisionPolicy`:
+
+* ``scores``: S in BF16 (``bf16(bf16(QKᵀ)·scale)``, the paper's autocast einsum) or FP32.
+* ``p_bar``: P̄ as fed to the P̄V product, rounded to BF16 or kept FP32.
+* ``o_block``: each block's Ō = P̄V rounded to BF16 or kept FP32 (FP32 accumulation inside the GEMM).
+* ``accumulator``: storage of the running o, l and m (BF16 tensors in the paper's code).
+* ``o_store``: precision of the output O returned and saved for the backward.
+* ``delta``: ``"o_stored"`` = rowsum(dO∘O) with the stored O; ``"dp_p"`` = rowsum(dP∘P);
+  ``"o_fp32"`` = rowsum(dO∘O) with O recomputed in the backward from the forward's scores S, with P̄,
+  P̄V, row sums and O in FP32 (:func:`delta_o_policy`: only the rounding of P̄V and O is gone);
+  ``"o_exact"`` = the same with O recomputed from FP32 scores as well. With BF16 scores that O is not
+  the one whose P the backward differentiates (P = exp(S − lse) from the BF16 S), so this δ is
+  inconsistent with P (:func:`lpfa.mechanism.delta_formulas` measures it).
+* ``backward``: BF16 GEMM outputs and gradient accumulators (the paper's code) or FP32 (FA2).
+* ``gemm``: how every GEMM (QKᵀ, P̄V; dP = dO Vᵀ, dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q) multiplies operands it
+  keeps in FP32: ``"ieee"`` = exact FP32 products (``tl.dot(input_precision="ieee")``, CUDA cores) or
+  ``"bf16x6"`` = each FP32 operand split into three BF16 parts and six BF16 tensor-core GEMMs summed in FP32,
+  about 2⁻²³ relative error per product (:data:`GEMM_SPLIT_DOC`). Operands the policy rounds to BF16, and BF16
+  inputs, are multiplied as they are either way.
+* ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
+* ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
+* ``sfa``: :class:`SFA` or ``None``.
+* ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o and l: o·c, o + Ō,
+  o / l and l = c·l + rowsum(P̄); not m, a maximum of scores) and ``"o_store"`` (O), that round to BF16
+  stochastically instead of to nearest (a stabiliser, not in the paper; each must be a BF16 point of the policy).
+  A value x between the BF16 neighbours a < x < b rounds to b with probability (x − a)/(b − a), so the rounding
+  is unbiased. The random threshold is a hash of ``sr_seed``, the rounding point, the (batch·head, row, column)
+  position, the key block and x's BF16-truncated bits (:func:`lpfa.attention.reference.stochastic_round_bf16`):
+  reproducible bit for bit, the same in the reference and the kernels, and insensitive to an FP32 ulp of x. The
+  step is not hashed: a value that stays in the same BF16 interval at the same position rounds the same way at
+  every step; the rounding is unbiased over positions (the columns a row's δ sums, the tokens a W_Q gradient
+  sums), and changes wherever the values do.
+* ``sr_seed``: the stochastic rounding's seed (an int in [0, 2³²)).
+* ``softcap``: logit soft-capping (Gemma 2; a stabiliser, not in the paper), ``None`` = off, else a cap c > 0:
+  S' = c·tanh(S / c), each of its three operations rounded as the scores are, and the backward's
+  dS = dS'·(1 − t²) with t the rounded tanh. tanh is taken as (1 − e)/(1 + e) with e = exp(−2|x|), in FP32
+  (the reference and the kernels alike). Part of the model, not of the precision: FP32 twins keep it.
+* ``fp8``: operands of the P̄V product rounded to FP8 (float8_e4m3fn, round to nearest even), of ``"p_bar"`` and
+  ``"v"``, as FlashAttention-3's FP8 forward feeds its tensor cores (not in the paper). P̄ ≤ 1 is
+  converted without a scale (in place of its BF16 rounding; values below 2⁻¹⁰ become 0). V gets one FP32 scale
+  per (batch, head, key block), s = max|V_j| / 448 (block quantization): V_j ≈ s·e4m3(V_j / s), and Ō =
+  (P̄ V8_j)·s, the product accumulated in FP32 and multiplied by s in FP32. The row sum l keeps the FP32 P̄, so
+  numerator and denominator see different P̄ (the pattern of flash-attention PR #2721). **Emulated** in the
+  PyTorch reference only (the Triton kernels refuse it); forward only, since FlashAttention-3 has no FP8
+  backward: the backward is the policy's own, on the BF16 inputs. Q and K stay as they are (FlashAttention-3
+  quantizes them too). Non-finite V entries pass unquantized, so they reach only the rows that see them.
+* ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
+* ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
+  δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
+  scores (``delta="o_fp32"``); s = +1 (``"bias"``: the policy's own error, amplified) or a fresh random ±1
+  per row and call (``"control"``: the same magnitude without the bias). The forward is untouched; dose 1 with
+  ``"bias"`` is the policy itself, dose 0 is ``delta="o_fp32"``. :func:`delta_dose_active` says when it acts.
+
+**SFA where Eq. 6 is silent** (:class:`SFA`, per key block):
+
+* **rm = 0** has no case in Eq. 6, and **0 < |rm| < 2⁻⁹/(β − 1)** (or |rm| < 2⁻⁹ for rm < 0) shifts so little
+  that bf16(exp(S − m)) rounds back to 1. ``min_shift`` (default 2⁻⁸, :data:`MIN_SHIFT`) raises m to at least
+  rm + 2⁻⁸ there, which keeps P̄ < 1; ``min_shift=0`` is Eq. 6 as printed.
+* **A tie split across a key block boundary** (one maximal key in each block) has rs = 1 in both blocks: SFA
+  does not see it, and P̄ = 1 stays in each block's P̄V product. ``AttentionStats.tied_rows`` counts whole-row
+  ties of S, ``sfa_rows`` the rows SFA shifted; ``p_bar_ones`` counts the P̄ = 1 entries that remain.
+* **Large |rm|**: the shift multiplies the block's P̄ by exp(rm − m) (= exp(−(β − 1)·rm) for rm > 0,
+  exp(rm) for rm < 0). O = o / l is unchanged in exact arithmetic, but once that factor reaches the
+  paper's row-sum clamp (1e-10, ``paper_sfa``: from |rm| ≈ 23/(β − 1), resp. |rm| ≈ 23) the clamp takes over
+  and the output is silently scaled down, and once P̄ underflows in FP32 (``fa2_sfa``: |rm| ≈ 87/(β − 1),
+  resp. 87) the row is lost (0/0). This is SFA as published; ``AttentionStats.attenuated_rows`` and
+  ``zeroed_rows`` (and the training diagnostics' ``silenced_fraction``) count such rows at every step.
 """
 
 from __future__ import annotations
@@ -27,6 +95,7 @@ import numbers
 from dataclasses import dataclass, field, fields, replace
 
 import numpy as np
+import torch
 
 BF16, FP32 = "bf16", "fp32"
 _PRECISIONS = (BF16, FP32)
@@ -44,7 +113,7 @@ MIN_SHIFT = 2.0**-8
 every shifted P̄ < 1 (exp(−2⁻⁸) rounds to 1 − 2⁻⁸ in BF16)."""
 
 
-GEMM_SPLIT_DOC = """``gemm="bf16x6"``: FP32 products through BF16 tensor cores (issue 17's fast FP32 twin).
+GEMM_SPLIT_DOC = """``gemm="bf16x6"``: FP32 products through BF16 tensor cores (the experiments' fast FP32 twin).
 
 Each FP32 operand x of a GEMM is split into three BF16 values (round to nearest even)::
 
@@ -78,24 +147,11 @@ truncates); the GPU tests measure the result against the reference instead of as
 
 @dataclass(frozen=True)
 class SFA:
-    """The paper's softmax fix (Sec. 4, Eq. 6), applied per key block as in the paper's tiled code.
-
-    In a key block where a row has ``rs > 1`` visible scores within ``eps`` of the block's row max ``rm``, subtract
-    ``m = beta·rm`` (rm > 0) or ``m = 0`` (rm < 0) instead of ``rm``, and at least ``rm + min_shift``, so every P̄
-    of the block is < 1. The cases Eq. 6 leaves open, and what this class does with them:
-
-    * **rm = 0** has no case in Eq. 6, and **0 < |rm| < 2⁻⁹/(β − 1)** (or |rm| < 2⁻⁹ for rm < 0) shifts so little
-      that bf16(exp(S − m)) rounds back to 1. ``min_shift`` (default 2⁻⁸, :data:`MIN_SHIFT`) raises m to at least
-      rm + 2⁻⁸ there, which keeps P̄ < 1; ``min_shift=0`` is Eq. 6 as printed.
-    * **A tie split across a key block boundary** (one maximal key in each block) has rs = 1 in both blocks: SFA
-      does not see it, and P̄ = 1 stays in each block's P̄V product. ``AttentionStats.tied_rows`` counts whole-row
-      ties of S, ``sfa_rows`` the rows SFA shifted; ``p_bar_ones`` counts the P̄ = 1 entries that remain.
-    * **Large |rm|**: the shift multiplies the block's P̄ by exp(rm − m) (= exp(−(β − 1)·rm) for rm > 0,
-      exp(rm) for rm < 0). O = o / l is unchanged in exact arithmetic, but once that factor reaches the
-      paper's row-sum clamp (1e-10, ``paper_sfa``: from |rm| ≈ 23/(β − 1), resp. |rm| ≈ 23) the clamp takes over
-      and the output is silently scaled down, and once P̄ underflows in FP32 (``fa2_sfa``: |rm| ≈ 87/(β − 1),
-      resp. 87) the row is lost (0/0). This is SFA as published; ``AttentionStats.attenuated_rows`` and
-      ``zeroed_rows`` (and the training diagnostics' ``silenced_fraction``) count such rows at every step.
+    """The paper's softmax fix (Sec. 4, Eq. 6), applied per key block as in the paper's tiled code: in a key block
+    where a row has ``rs > 1`` visible scores within ``eps`` of the block's row max ``rm``, subtract ``m = beta·rm``
+    (rm > 0) or ``m = 0`` (rm < 0) instead of ``rm``, and at least ``rm + min_shift``, so every P̄ of the block is
+    < 1. What it does where Eq. 6 is silent (rm = 0, tiny |rm|, ties across blocks, large |rm|) is in the module
+    docstring.
     """
 
     beta: float = 2.0
@@ -119,58 +175,11 @@ def _is_number(x) -> bool:
 
 @dataclass(frozen=True)
 class PrecisionPolicy:
-    """Where flash attention rounds to BF16. See the module docstring for the algorithm.
-
-    * ``scores``: S in BF16 (``bf16(bf16(QKᵀ)·scale)``, the paper's autocast einsum) or FP32.
-    * ``p_bar``: P̄ as fed to the P̄V product, rounded to BF16 or kept FP32.
-    * ``o_block``: each block's Ō = P̄V rounded to BF16 or kept FP32 (FP32 accumulation inside the GEMM).
-    * ``accumulator``: storage of the running o, l and m (BF16 tensors in the paper's code).
-    * ``o_store``: precision of the output O returned and saved for the backward.
-    * ``delta``: ``"o_stored"`` = rowsum(dO∘O) with the stored O; ``"dp_p"`` = rowsum(dP∘P);
-      ``"o_fp32"`` = rowsum(dO∘O) with O recomputed in the backward from the forward's scores S, with P̄,
-      P̄V, row sums and O in FP32 (:func:`delta_o_policy`: only the rounding of P̄V and O is gone);
-      ``"o_exact"`` = the same with O recomputed from FP32 scores as well. With BF16 scores that O is not
-      the one whose P the backward differentiates (P = exp(S − lse) from the BF16 S), so this δ is
-      inconsistent with P (:func:`lpfa.mechanism.delta_formulas` measures it).
-    * ``backward``: BF16 GEMM outputs and gradient accumulators (the paper's code) or FP32 (FA2).
-    * ``gemm``: how every GEMM (QKᵀ, P̄V; dP = dO Vᵀ, dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q) multiplies operands it
-      keeps in FP32: ``"ieee"`` = exact FP32 products (``tl.dot(input_precision="ieee")``, CUDA cores) or
-      ``"bf16x6"`` = each FP32 operand split into three BF16 parts and six BF16 tensor-core GEMMs summed in FP32,
-      about 2⁻²³ relative error per product (:data:`GEMM_SPLIT_DOC`). Operands the policy rounds to BF16, and BF16
-      inputs, are multiplied as they are either way.
-    * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
-    * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
-    * ``sfa``: :class:`SFA` or ``None``.
-    * ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o and l: o·c, o + Ō,
-      o / l and l = c·l + rowsum(P̄); not m, a maximum of scores) and ``"o_store"`` (O), that round to BF16
-      stochastically instead of to nearest (issue 19's
-      stabiliser; each must be a BF16 point of the policy). A value x between the BF16 neighbours a < x < b rounds to
-      b with probability (x − a)/(b − a), so the rounding is unbiased. The random threshold is a hash of ``sr_seed``,
-      the rounding point, the (batch·head, row, column) position, the key block and x's BF16-truncated bits
-      (:func:`lpfa.attention.reference.stochastic_round_bf16`): reproducible bit for bit, the same in the reference
-      and the kernels, and insensitive to an FP32 ulp of x. The step is not hashed: a value that stays in the same
-      BF16 interval at the same position rounds the same way at every step; the rounding is unbiased over positions
-      (the columns a row's δ sums, the tokens a W_Q gradient sums), and changes wherever the values do.
-    * ``sr_seed``: the stochastic rounding's seed (an int in [0, 2³²)).
-    * ``softcap``: logit soft-capping (Gemma 2; issue 19's stabiliser), ``None`` = off, else a cap c > 0:
-      S' = c·tanh(S / c), each of its three operations rounded as the scores are, and the backward's
-      dS = dS'·(1 − t²) with t the rounded tanh. tanh is taken as (1 − e)/(1 + e) with e = exp(−2|x|), in FP32
-      (the reference and the kernels alike). Part of the model, not of the precision: FP32 twins keep it.
-    * ``fp8``: operands of the P̄V product rounded to FP8 (float8_e4m3fn, round to nearest even), of ``"p_bar"`` and
-      ``"v"``, as FlashAttention-3's FP8 forward feeds its tensor cores (issue 19; not in the paper). P̄ ≤ 1 is
-      converted without a scale (in place of its BF16 rounding; values below 2⁻¹⁰ become 0). V gets one FP32 scale
-      per (batch, head, key block), s = max|V_j| / 448 (block quantization): V_j ≈ s·e4m3(V_j / s), and Ō =
-      (P̄ V8_j)·s, the product accumulated in FP32 and multiplied by s in FP32. The row sum l keeps the FP32 P̄, so
-      numerator and denominator see different P̄ (the pattern of flash-attention PR #2721). **Emulated** in the
-      PyTorch reference only (the Triton kernels refuse it); forward only, since FlashAttention-3 has no FP8
-      backward: the backward is the policy's own, on the BF16 inputs. Q and K stay as they are (FlashAttention-3
-      quantizes them too). Non-finite V entries pass unquantized, so they reach only the rows that see them.
-    * ``fp32_heads``: heads computed entirely with the ``fp32`` policy (the "outlier heads" experiment).
-    * ``dose``, ``dose_sign``: the dose-response experiment on δ's error (not in the paper). The backward uses
-      δ = δ_ref + dose·s·(δ − δ_ref), with δ from ``delta`` and δ_ref from O recomputed in FP32 from the same
-      scores (``delta="o_fp32"``); s = +1 (``"bias"``: the policy's own error, amplified) or a fresh random ±1
-      per row and call (``"control"``: the same magnitude without the bias). The forward is untouched; dose 1 with
-      ``"bias"`` is the policy itself, dose 0 is ``delta="o_fp32"``. :func:`delta_dose_active` says when it acts.
+    """Where flash attention rounds to BF16: one field per rounding point of the module docstring's algorithm
+    (paper Sec. 2, 3.2), plus the tiling, the paper's row-sum clamp, SFA and the switches of the experiments beyond
+    the paper (stochastic rounding, soft-cap, FP8, FP32 heads, δ dose); each field is described in the module
+    docstring. Frozen; every field is checked on construction (a ValueError or TypeError naming the field and what
+    it expects), sets are stored as frozensets. :meth:`with_` makes a changed copy.
     """
 
     scores: str = FP32
@@ -200,18 +209,22 @@ class PrecisionPolicy:
             if not (isinstance(v, str) and v in _PRECISIONS):
                 raise ValueError(f"PrecisionPolicy.{f}={v!r}: expected 'bf16' or 'fp32'")
         if not (isinstance(self.gemm, str) and self.gemm in GEMMS):
-            raise ValueError(f"PrecisionPolicy.gemm={self.gemm!r}: expected 'ieee' (exact FP32 products) or 'bf16x6' (3-way BF16 split)")
+            raise ValueError(f"PrecisionPolicy.gemm={self.gemm!r}: expected 'ieee' (exact FP32 products) or 'bf16x6' "
+                             "(3-way BF16 split)")
         if not (isinstance(self.delta, str) and self.delta in DELTA_FORMULAS):
-            raise ValueError(f"PrecisionPolicy.delta={self.delta!r}: expected one of {', '.join(map(repr, DELTA_FORMULAS))}")
+            raise ValueError(f"PrecisionPolicy.delta={self.delta!r}: expected one of "
+                             f"{', '.join(map(repr, DELTA_FORMULAS))}")
         for f in ("block_q", "block_k"):
             v = getattr(self, f)
-            if v is not None and not (isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_)) and v >= 1):
+            if v is not None and not (isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+                                      and v >= 1):
                 raise ValueError(f"PrecisionPolicy.{f}={v!r}: expected a positive int, or None for no tiling")
             if v is not None:
                 object.__setattr__(self, f, int(v))
         c = self.row_sum_clamp
         if c is not None and not (_is_number(c) and math.isfinite(c) and c > 0):
-            raise ValueError(f"PrecisionPolicy.row_sum_clamp={c!r}: expected a positive finite number, or None for no clamp")
+            raise ValueError(f"PrecisionPolicy.row_sum_clamp={c!r}: expected a positive finite number, "
+                             "or None for no clamp")
         if c is not None:
             object.__setattr__(self, "row_sum_clamp", float(c))
         if self.sfa is not None and not isinstance(self.sfa, SFA):
@@ -227,7 +240,8 @@ class PrecisionPolicy:
         object.__setattr__(self, "sr_seed", int(sd))
         cap = self.softcap
         if cap is not None and not (_is_number(cap) and math.isfinite(cap) and cap > 0):
-            raise ValueError(f"PrecisionPolicy.softcap={cap!r}: expected a positive finite number, or None for no soft-capping")
+            raise ValueError(f"PrecisionPolicy.softcap={cap!r}: expected a positive finite number, "
+                             "or None for no soft-capping")
         if cap is not None:
             object.__setattr__(self, "softcap", float(cap))
         self._set_of("fp8", FP8_POINTS, "P̄V operands")
@@ -240,7 +254,8 @@ class PrecisionPolicy:
             raise TypeError(f"PrecisionPolicy.fp32_heads={heads!r}: expected a set of non-negative head indices (ints)")
         object.__setattr__(self, "fp32_heads", frozenset(int(h) for h in heads))
         if not (_is_number(self.dose) and math.isfinite(self.dose) and self.dose >= 0):
-            raise ValueError(f"PrecisionPolicy.dose={self.dose!r}: expected a finite number >= 0 (1: the policy's own δ)")
+            raise ValueError(f"PrecisionPolicy.dose={self.dose!r}: expected a finite number >= 0 "
+                             "(1: the policy's own δ)")
         object.__setattr__(self, "dose", float(self.dose))
         if not (isinstance(self.dose_sign, str) and self.dose_sign in DOSE_SIGNS):
             raise ValueError(f"PrecisionPolicy.dose_sign={self.dose_sign!r}: expected 'bias' or 'control'")
@@ -252,7 +267,8 @@ class PrecisionPolicy:
         pts = getattr(self, name)
         if isinstance(pts, (str, bytes)) or not isinstance(pts, (set, frozenset, list, tuple)) or any(
                 p not in choices for p in pts):
-            raise ValueError(f"PrecisionPolicy.{name}={pts!r}: expected a set of {what} from {', '.join(map(repr, choices))}")
+            raise ValueError(f"PrecisionPolicy.{name}={pts!r}: expected a set of {what} from "
+                             f"{', '.join(map(repr, choices))}")
         object.__setattr__(self, name, frozenset(pts))
 
     def with_(self, **changes) -> "PrecisionPolicy":
@@ -290,8 +306,8 @@ FP32_POLICY = PrecisionPolicy(
 """Everything in FP32 (TF32 off): the stable twin of Sec. 3.1."""
 
 FP32_SPLIT = replace(FP32_POLICY, gemm=BF16X6, name="fp32_split")
-"""``fp32`` with its FP32 GEMMs through BF16 tensor cores, each FP32 operand split in three BF16 parts (issue 17's
-fast FP32 twin; error bound in :data:`GEMM_SPLIT_DOC`). Not yet the experiments' twin (that waits for GPU speed)."""
+"""``fp32`` with its FP32 GEMMs through BF16 tensor cores, each FP32 operand split in three BF16 parts: the
+experiments' FP32 twin (:data:`lpfa.experiments.FP32_TWIN`; error bound in :data:`GEMM_SPLIT_DOC`)."""
 
 PRESETS: dict[str, PrecisionPolicy] = {
     "paper": PAPER,
@@ -311,7 +327,8 @@ PRESETS: dict[str, PrecisionPolicy] = {
     # the same from FP32 scores: what "delta_o_fp32" computed up to commit 60e6089 (results/isolation says why it moved)
     "delta_o_exact": replace(PAPER, delta="o_exact", name="delta_o_exact"),
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
-    # not in the paper (issue 19's stabilisers): `paper` with Ō, the running o and l and O rounded stochastically
+    # not in the paper (a stabiliser of the paper-recipe run): `paper` with Ō, the running o and l and O rounded
+    # stochastically
     "paper_sr": replace(PAPER, stochastic=frozenset(SR_POINTS), name="paper_sr"),
     # logit soft-capping at Gemma 2's cap for attention logits (50), on `paper` and on the fast FP32 twin
     "paper_softcap": replace(PAPER, softcap=50.0, name="paper_softcap"),
@@ -330,8 +347,8 @@ kernels); :func:`get_policy` resolves them like :data:`PRESETS`."""
 
 
 def reseeded(policy: PrecisionPolicy, step: int) -> PrecisionPolicy:
-    """``policy`` with its stochastic rounding drawn afresh for training step ``step``: ``sr_seed`` + ``step`` mod 2³², the
-    name kept (lpfa.train's ``sr_reseed``)."""
+    """``policy`` with its stochastic rounding drawn afresh for training step ``step``: ``sr_seed`` + ``step``
+    mod 2³², the name kept (lpfa.train's ``sr_reseed``)."""
     return policy.with_(sr_seed=(policy.sr_seed + step) % 2**32, name=policy.name)
 
 
@@ -355,7 +372,8 @@ def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
-                   stochastic=frozenset(), fp8=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias", name=f"{policy.name}:o_fp32")
+                   stochastic=frozenset(), fp8=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias",
+                   name=f"{policy.name}:o_fp32")
 
 
 def delta_dose_active(policy: PrecisionPolicy) -> bool:
@@ -363,11 +381,9 @@ def delta_dose_active(policy: PrecisionPolicy) -> bool:
     return not (policy.dose == 1.0 and policy.dose_sign == "bias")
 
 
-def dose_delta(delta: "torch.Tensor", delta_ref: "torch.Tensor", policy: PrecisionPolicy) -> "torch.Tensor":
+def dose_delta(delta: torch.Tensor, delta_ref: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     """δ_ref + dose·s·(δ − δ_ref) (see :class:`PrecisionPolicy`), in float64 and rounded once to FP32; s is +1, or
     for ``dose_sign="control"`` a fresh ±1 per row drawn from torch's default generator on δ's device."""
-    import torch
-
     err = delta.double() - delta_ref.double()
     if policy.dose_sign == "control":
         err = err * (torch.randint(0, 2, delta.shape, device=delta.device) * 2 - 1)
@@ -385,5 +401,6 @@ def get_policy(policy: str | PrecisionPolicy) -> PrecisionPolicy:
     if policy in EMULATED:
         return EMULATED[policy]
     if policy not in PRESETS:
-        raise ValueError(f"policy={policy!r}: unknown precision policy; expected a preset name ({names}) or a PrecisionPolicy")
+        raise ValueError(f"policy={policy!r}: unknown precision policy; expected a preset name ({names}) "
+                         "or a PrecisionPolicy")
     return PRESETS[policy]

@@ -21,6 +21,29 @@ its visible keys (key ≤ query when causal), and nothing it cannot see reaches 
 * A NaN or ±inf in V[j, d] makes O[i, d] NaN for every row i that sees key j, and no other (a plain P̄V
   product would spread it, through 0·NaN, to rows that cannot see key j). The backward treats its GEMM
   operands alike (K in dQ = dS K, Q in dK = dSᵀ Q, dO in dV = Pᵀ dO) and gives invisible pairs exact zeros.
+
+**Stochastic rounding** (:attr:`PrecisionPolicy.stochastic`, :func:`stochastic_round_bf16`): with u the FP32 bits
+of x, the threshold r = hash(seed, point, batch·head, position, u >> 16) >> 16 (position: row·D + column, or the
+row for a per-row value) is added to u and the low 16 bits cleared, so x rounds away from zero with probability
+(low 16 bits of u)/2¹⁶: unbiased, and an FP32 ulp of difference in x (the kernel's FP32 sums against the
+reference's) moves the result only where it crosses r. hash = mix32(mix32(salt ^ position) ^ (u >> 16)),
+salt = mix32(mix32(mix32(mix32(seed) ^ point) ^ batch·head) ^ j), j the key block; :func:`mix32` is lowbias32.
+
+**The counts of** :class:`AttentionStats` (paper Fig. 13), each per (batch, head):
+
+* ``tied_rows``: rows whose count ``rs`` of scores within ``eps`` of the row max is > 1;
+* ``rs_sum``: the sum of ``rs`` over rows (``rs_sum / rows`` is the mean tie count);
+* ``p_bar_ones``: P̄ entries exactly 1 as fed to the P̄V product (after its rounding);
+* ``sfa_rows``: rows in which SFA raised m in at least one key block;
+* ``attenuated_rows``: rows whose row sum the clamp raised (``row_sum_clamp``): O is scaled down by
+  l_true / l_clamped < 1, silently (SFA with a large |rm| does this, Sec. 4);
+* ``zeroed_rows``: rows with a visible key whose unclamped row sum underflowed to 0 (every P̄ = 0);
+* ``rows``: rows per (batch, head), i.e. T.
+
+``eps`` defaults to the policy's SFA eps, else 1e-3. ``tied_rows`` and ``rs_sum`` describe S: the row max and the
+ε test are taken in the scores' precision over the whole row (Fig. 13's statistic), while SFA looks for ties inside
+each key block, so a tie split across a block boundary counts in ``tied_rows`` but not in ``sfa_rows``;
+``p_bar_ones`` shows what is left. The other counts follow the policy's blocks exactly.
 """
 
 from __future__ import annotations
@@ -30,8 +53,17 @@ from dataclasses import dataclass
 
 import torch
 
-from lpfa.attention.policy import (BF16, E4M3_MAX, FP32, IEEE, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta,
-                                   fp32_twin)
+from lpfa.attention.policy import (
+    BF16,
+    E4M3_MAX,
+    FP32,
+    IEEE,
+    PrecisionPolicy,
+    delta_dose_active,
+    delta_o_policy,
+    dose_delta,
+    fp32_twin,
+)
 
 
 def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
@@ -62,14 +94,9 @@ def mix32(x):
 def stochastic_round_bf16(x: torch.Tensor, seed: int, point: str, j: int, row0: int) -> torch.Tensor:
     """Round the FP32 tensor ``x`` (B, H, n, D), or (B, H, n) for a per-row value (the row sum l), rows
     ``row0 .. row0 + n − 1`` of key block ``j``, to BF16 stochastically (:attr:`PrecisionPolicy.stochastic`):
-    returned as FP32 holding BF16 values.
-
-    With u the FP32 bits of x, the threshold r = hash(seed, point, batch·head, position, u >> 16) >> 16 (position:
-    row·D + column, or the row) is
-    added to u and the low 16 bits cleared, so x rounds away from zero with probability (low 16 bits of u)/2¹⁶:
-    unbiased, and an FP32 ulp of difference in x (the kernel's FP32 sums against the reference's) moves the
-    result only where it crosses r. hash = mix32(mix32(salt ^ position) ^ (u >> 16)), salt = mix32(mix32(mix32(
-    mix32(seed) ^ point) ^ batch·head) ^ j). ±inf stay; NaN stays NaN."""
+    returned as FP32 holding BF16 values, rounded away from zero with probability (low 16 bits of x's FP32
+    bits)/2¹⁶ against a hash of ``seed``, ``point``, the position and x (the module docstring gives the hash).
+    ±inf stay; NaN stays NaN."""
     B, H, n = x.shape[:3]
     dev = x.device
     rows = torch.arange(row0, row0 + n, device=dev, dtype=torch.int64)
@@ -135,8 +162,7 @@ def split3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, t
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, gemm: str = IEEE) -> torch.Tensor:
-    """``a @ b`` with FP32 accumulation modelled exactly: float64 product, one rounding to FP32.
-
+    """``a @ b`` with FP32 accumulation modelled exactly: float64 product, one rounding to FP32. With
     ``gemm="bf16x6"``: the six BF16 products of the split operands (:func:`split3`), a0·b0 + h_a·b1 + a1·h_b +
     h_a·b2 + a1·b1 + a2·h_b, each exact, summed in float64 and rounded once to FP32. A BF16 operand splits into
     (x, x, 0, 0) (x finite), so its remainder terms are exact zeros: what the kernels skip."""
@@ -162,23 +188,10 @@ def _mm_visible(a: torch.Tensor, b: torch.Tensor, visible: torch.Tensor | None, 
 
 @dataclass
 class AttentionStats:
-    """Instrumentation of one forward call (paper Fig. 13), aggregated per (batch, head).
-
-    * ``tied_rows[b, h]``: rows whose count ``rs`` of scores within ``eps`` of the row max is > 1;
-    * ``rs_sum[b, h]``: the sum of ``rs`` over rows (``rs_sum / rows`` is the mean tie count);
-    * ``p_bar_ones[b, h]``: P̄ entries exactly 1 as fed to the P̄V product (after its rounding);
-    * ``sfa_rows[b, h]``: rows in which SFA raised m in at least one key block;
-    * ``attenuated_rows[b, h]``: rows whose row sum the clamp raised (``row_sum_clamp``): O is scaled down by
-      l_true / l_clamped < 1, silently (SFA with a large |rm| does this, Sec. 4);
-    * ``zeroed_rows[b, h]``: rows with a visible key whose unclamped row sum underflowed to 0 (every P̄ = 0);
-    * ``rows``: rows per (batch, head), i.e. T.
-
-    Pass ``AttentionStats(eps=...)`` as ``stats=`` to fill it; ``eps`` defaults to the policy's SFA
-    eps, else 1e-3. ``tied_rows`` and ``rs_sum`` describe S: the row max and the ε test are taken in the scores'
-    precision over the whole row (Fig. 13's statistic), while SFA looks for ties inside each key block, so a
-    tie split across a block boundary counts in ``tied_rows`` but not in ``sfa_rows``; ``p_bar_ones`` shows what
-    is left. The other counts follow the policy's blocks exactly.
-    """
+    """Instrumentation of one forward call (paper Fig. 13): tie counts, P̄ = 1 entries, SFA-shifted, attenuated and
+    zeroed rows, each a (B, H) int64 tensor, and ``rows`` = T (the module docstring defines each count). Pass
+    ``AttentionStats(eps=...)`` as ``stats=`` to fill it; ``eps`` (the tie test's ε) defaults to the policy's SFA
+    eps, else 1e-3."""
 
     eps: float | None = None
     tied_rows: torch.Tensor | None = None
@@ -198,7 +211,8 @@ class AttentionStats:
         return (self.attenuated_rows + self.zeroed_rows).double() / max(self.rows, 1)
 
 
-_COUNTS = ("tied_rows", "rs_sum", "p_bar_ones", "sfa_rows", "attenuated_rows", "zeroed_rows")  # AttentionStats' (B, H) counts
+# AttentionStats' (B, H) counts
+_COUNTS = ("tied_rows", "rs_sum", "p_bar_ones", "sfa_rows", "attenuated_rows", "zeroed_rows")
 
 
 def _blocks(n: int, size: int | None):
@@ -267,11 +281,9 @@ def _sfa_row_max(s, visible, policy: PrecisionPolicy):
 
 
 def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True, stats: AttentionStats | None = None):
-    """Tiled forward. ``q, k, v``: FP32 tensors (B, H, T, D) holding the input values.
-
-    Returns ``(o_store, lse)``: the output at ``policy.o_store`` precision (FP32 tensor) and the
-    log-sum-exp ``m + log(l)`` (FP32, the m actually used, SFA included) for the backward.
-    """
+    """Tiled forward of ``q, k, v``, FP32 tensors (B, H, T, D) holding the input values. Returns ``(o_store, lse)``:
+    the output at ``policy.o_store`` precision (FP32 tensor) and the log-sum-exp ``m + log(l)`` (FP32, the m
+    actually used, SFA included) for the backward; ``stats`` (an :class:`AttentionStats`) is filled when given."""
     B, H, T, _ = q.shape
     D = v.shape[-1]
     dev = q.device
@@ -283,7 +295,7 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
         q_b = q[:, :, qs:qe]
         n = qe - qs
         m = torch.full((B, H, n), -math.inf, device=dev)
-        l = torch.zeros(B, H, n, device=dev)
+        l = torch.zeros(B, H, n, device=dev)  # noqa: E741  (the paper's row sums l)
         l_raw = torch.zeros(B, H, n, device=dev)  # l without the clamp (for stats)
         o = torch.zeros(B, H, n, D, device=dev)
         shifted = torch.zeros(B, H, n, dtype=torch.bool, device=dev)
@@ -314,12 +326,13 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             o_bar = _rs(pv, policy.o_block, policy, "o_block", j, qs)
             c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
-            l = _rs(c * l + block_sum, acc, policy, "l_add", j, qs)
+            l = _rs(c * l + block_sum, acc, policy, "l_add", j, qs)  # noqa: E741
             l_raw = _rs(c * l_raw + block_raw, acc, policy, "l_add", j, qs)  # the same rounding as l where unclamped
             o = _rs(o * c[..., None], acc, policy, "o_scale", j, qs)
             o = _rs(o + o_bar, acc, policy, "o_add", j, qs)
             m = m_new
-        o_out[:, :, qs:qe] = _rs(_rs(o / l[..., None], acc, policy, "o_div", 0, qs), policy.o_store, policy, "o_store", 0, qs)
+        o_out[:, :, qs:qe] = _rs(_rs(o / l[..., None], acc, policy, "o_div", 0, qs), policy.o_store, policy, "o_store",
+                                 0, qs)
         lse[:, :, qs:qe] = torch.log(l) + m
         if stats is not None:
             counts["sfa"] += shifted.sum(dim=-1)
@@ -429,12 +442,10 @@ def _delta_formula(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: fl
 
 
 def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, causal: bool = True):
-    """Tiled backward recomputing ``P = exp(S − lse)`` per block pair. All arguments FP32 tensors.
-
-    GEMM operands are rounded to BF16 when ``policy.backward == "bf16"`` or ``policy.p_bar == "bf16"``
-    (FlashAttention-2 feeds P and dS to tensor cores in BF16); GEMM outputs and the dq/dk/dv
-    accumulators are rounded to ``policy.backward``. Every GEMM multiplies as ``policy.gemm`` says (:func:`_mm`).
-    """
+    """Tiled backward recomputing ``P = exp(S − lse)`` per block pair; all arguments FP32 tensors. GEMM operands
+    are rounded to BF16 when ``policy.backward == "bf16"`` or ``policy.p_bar == "bf16"`` (FlashAttention-2 feeds P
+    and dS to tensor cores in BF16); GEMM outputs and the dq/dk/dv accumulators are rounded to ``policy.backward``.
+    Every GEMM multiplies as ``policy.gemm`` says (:func:`_mm`). Returns ``(dq, dk, dv)``."""
     T = q.shape[2]
     bw = policy.backward
     op = BF16 if (bw == BF16 or policy.p_bar == BF16) else FP32
@@ -450,15 +461,18 @@ def backward(do, q, k, v, o_store, lse, policy: PrecisionPolicy, scale: float, c
         vis_t = None if vis is None else vis.transpose(-1, -2)
         do_b = do[:, :, qs:qe]
         # dV_j += Pᵀ dO
-        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(_mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t, g), bw), bw)
-        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale (· (1 − t²) through a soft-cap), exactly 0 where the key is invisible
+        dv_j = _mm_visible(_r(p, op).transpose(-1, -2), _r(do_b, op), vis_t, g)
+        dv[:, :, ks:ke] = _r(dv[:, :, ks:ke] + _r(dv_j, bw), bw)
+        # dP = dO V_jᵀ ;  dS = P ∘ (dP − δ) · scale (· (1 − t²) through a soft-cap), exactly 0 where the key is
+        # invisible
         dp = _r(_mm(do_b, v[:, :, ks:ke].transpose(-1, -2), g), bw)
         ds = p * scale * (dp - delta[:, :, qs:qe, None])
         ds = _masked(ds if t is None else ds * (1.0 - t * t), vis)
         ds_op = _r(ds, op)
         # dQ_i += dS K_j ;  dK_j += dSᵀ Q_i
         dq[:, :, qs:qe] = _r(dq[:, :, qs:qe] + _r(_mm_visible(ds_op, k[:, :, ks:ke], vis, g), bw), bw)
-        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(_mm_visible(ds_op.transpose(-1, -2), q[:, :, qs:qe], vis_t, g), bw), bw)
+        dk_j = _mm_visible(ds_op.transpose(-1, -2), q[:, :, qs:qe], vis_t, g)
+        dk[:, :, ks:ke] = _r(dk[:, :, ks:ke] + _r(dk_j, bw), bw)
     return dq, dk, dv
 
 
@@ -472,8 +486,10 @@ def _split_heads(policy: PrecisionPolicy, H: int):
     return lp, hp
 
 
-def forward_heads(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True, stats: AttentionStats | None = None):
-    """:func:`forward` with ``policy.fp32_heads`` run by the FP32 twin; ``stats`` (all heads) filled from both groups."""
+def forward_heads(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
+                  stats: AttentionStats | None = None):
+    """:func:`forward` with ``policy.fp32_heads`` run by the FP32 twin; ``stats`` (all heads) filled from both
+    groups."""
     lp, hp = _split_heads(policy, q.shape[1])
     o = torch.empty(q.shape[:-1] + v.shape[-1:], device=q.device)
     lse = torch.empty(q.shape[:-1], device=q.device)
@@ -524,7 +540,8 @@ class ReferenceAttention(torch.autograd.Function):
         for heads, pol in ((lp, ctx.policy), (hp, fp32_twin(ctx.policy))):
             if heads:
                 dq[:, heads], dk[:, heads], dv[:, heads] = backward(
-                    dof[:, heads], qf[:, heads], kf[:, heads], vf[:, heads], o[:, heads], lse[:, heads], pol, ctx.scale, ctx.causal
+                    dof[:, heads], qf[:, heads], kf[:, heads], vf[:, heads], o[:, heads], lse[:, heads], pol, ctx.scale,
+                    ctx.causal,
                 )
         tq, tk, tv = ctx.dtypes
         return dq.to(tq), dk.to(tk), dv.to(tv), None, None, None, None

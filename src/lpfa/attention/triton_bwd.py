@@ -69,10 +69,23 @@ ulp can occasionally flip a later BF16 rounding by one BF16 ulp (and that ulp pr
 BF16 accumulators). The interpreter path is tested on every machine; the GPU path (native-dtype loads,
 ``*_DOT``, ``PRECISE_MATH``, hardware BF16 rounding) against the reference on the same GPU by
 ``tests/test_attention_gpu.py``.
+
+Options of :func:`flash_backward`
+---------------------------------
+``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are exactly BF16 values;
+``precise_math`` (default: not under the interpreter) uses libdevice exp. ``block_m``/``block_n`` (query/key compute
+tiles), ``num_warps``, ``num_stages``: launch tuning only; the policy's blocks fix the rounding.
+``dq_block_m``/``dq_block_n`` (default: ``block_m``/``block_n``): the dQ kernel's own query tile and key sub-tile, which
+favours the opposite shape to the dK/dV kernel's (many rows, few keys per step: Triton's fused-attention tutorial uses
+128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path (the kernels
+before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips the input checks for
+a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
+checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of V, Q, K that
+``flash_forward(..., return_flags=True)`` returned for these inputs (None: computed here, in the one launch that dO's
+needs anyway).
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -98,6 +111,7 @@ from lpfa.attention.triton_common import (
     tl,
     triton,
 )
+from lpfa.attention.triton_fwd import flash_forward
 
 COMPUTE_TILE = 64  # preferred compute tile (rows or keys) when the policy block is a multiple of it
 DELTA_ROWS = 64  # rows per program of the δ kernels (no policy-block structure there)
@@ -106,7 +120,7 @@ if triton is not None:
 
     @triton.jit
     def _bwd_delta_kernel(
-        DO, O, DELTA,  # DO (B, H, T, D) with its strides below, O contiguous (B*H, T, D), DELTA (B*H, T)
+        DO, O, DELTA,  # noqa: E741  DO (B, H, T, D), strides below; O contiguous (B*H, T, D), DELTA (B*H, T)
         T, H, do_stride_b, do_stride_h, do_stride_t,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PROD_BF16: tl.constexpr,
     ):
@@ -191,8 +205,8 @@ if triton is not None:
         return p, ds
 
     @triton.jit
-    def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t,
-                    row_base, scale, q_nonfinite, do_nonfinite,
+    def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t,
+                    do_stride_t, row_base, scale, q_nonfinite, do_nonfinite,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
@@ -238,7 +252,8 @@ if triton is not None:
         DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
-        NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads they are not
+        NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads where
+        # they are not
     ):
         pid_n = tl.program_id(0)  # key compute tile
         pid_bh = tl.program_id(1)  # (batch, head)
@@ -302,16 +317,16 @@ if triton is not None:
                 q_tail = q_hi
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16, BW_BF16, OP_BF16,
-                QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -360,7 +375,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
-        TILES_PER_BQ: tl.constexpr,  # query tiles per policy query block (ceil(BQ / BLOCK_M); the last may be cut short)
+        TILES_PER_BQ: tl.constexpr,  # query tiles per policy query block (ceil(BQ / BLOCK_M); the last may be short)
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
         PRECISE_MATH: tl.constexpr,
@@ -446,8 +461,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
         )
         return delta
     if pol.delta in ("o_fp32", "o_exact"):
-        from lpfa.attention.triton_fwd import flash_forward  # O recomputed: S as the forward (o_fp32) or FP32
-
+        # O recomputed: S as the forward (o_fp32) or FP32
         o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math)
         prod_bf16 = False
     else:  # "o_stored"
@@ -486,27 +500,13 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    input_flags: torch.Tensor | None = None, dq_block_m: int | None = None,
                    dq_block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Causal flash-attention backward with the rounding points of ``policy``.
-
-    ``do, q, k, v``: (B, H, T, D) bf16 or fp32, D in {16, 32, 64, 128}; ``o_store``: the forward's
-    stored O values (B, H, T, D), ``lse``: (B, H, T) FP32 log-sum-exp, as returned by
-    :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`.
-    Returns ``(dq, dk, dv)`` with the values of :func:`lpfa.attention.reference.backward`, as FP32 tensors, or in
-    ``grad_dtype`` (``torch.bfloat16`` for BF16 inputs, as the autograd op does): the kernels then store the rounded
-    values themselves, which spares a pass over each FP32 gradient (the same bits as ``.to(torch.bfloat16)``).
-
-    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
-    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp.
-    ``block_m``/``block_n`` (query/key compute tiles), ``num_warps``, ``num_stages``: launch tuning only;
-    the policy's blocks fix the rounding. ``dq_block_m``/``dq_block_n`` (default: ``block_m``/``block_n``): the dQ
-    kernel's own query tile and key sub-tile, which favours the opposite shape to the dK/dV kernel's (many rows, few keys
-    per step: Triton's fused-attention tutorial uses 128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path
-    (the kernels before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips
-    the input checks for a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose
-    saved tensors the forward checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of
-    V, Q, K that ``flash_forward(..., return_flags=True)`` returned for these inputs (None: computed here, in the one
-    launch that dO's needs anyway).
-    """
+    """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
+    fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
+    log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
+    return them. Returns ``(dq, dk, dv)`` with the values of :func:`lpfa.attention.reference.backward`, as FP32
+    tensors or in ``grad_dtype`` (``torch.bfloat16`` for BF16 inputs, as the autograd op does; the same bits as
+    ``.to(torch.bfloat16)``). The keyword options (tuning, test switches, ``validate``, ``input_flags``) are in the
+    module docstring."""
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
         _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
@@ -546,8 +546,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
     delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides)
     if delta_dose_active(pol):
-        ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math, flags,
-                     strides)
+        ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math,
+                     flags, strides)
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----

@@ -14,18 +14,27 @@ through the same helpers with ``visible = None`` / ``ok = None`` (:func:`_load_t
 :func:`_dot_visible`), which then compile to plain loads and no ``tl.where``; only the tiles touching the
 diagonal or the end of the sequence or of a policy block build masks. The mask is all-true on the other tiles,
 so the results are bit-identical either way (``causal_split=False`` at launch masks every tile, for comparison).
+
+Launches (:func:`launch`): Triton's ``JITFunction.run`` binds and specializes every argument, builds a cache key and
+checks the kernel's globals on each call, and a forward and backward launches nine kernels. :func:`launch` sends
+the first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
+argument: constexprs and launch options) through ``run``, which compiles or finds the kernel; later calls hand the
+same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
+arguments its constexprs and options, as at every launch site here. Under the interpreter, with a launch hook set
+(Triton's profilers), or for a kernel whose parameters could not be lined up, every call goes through ``run``.
+What that saves has not been separated from the spread between the device machines' hosts
+(``benchmarks/host_overhead.py``, results/host_overhead).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from lpfa.attention.policy import PrecisionPolicy
+import lpfa.attention as lpfa_attention
+from lpfa.attention.policy import BF16X6, GEMMS, PrecisionPolicy
 
 try:  # Triton is optional for the package as a whole
     import triton
@@ -56,7 +65,6 @@ if triton is not None:
     @triton.jit
     def _round_bf16(x):
         """Round FP32 values to the nearest BF16 (ties to even), returned as FP32; ±inf unchanged, NaN stays NaN.
-
         On a GPU this is one hardware conversion there and back (``cvt.rn.bf16.f32``: round to nearest even,
         subnormals kept; a NaN comes back as the canonical NaN). The interpreter's float → bf16 cast truncates, so
         there the rounding is done on the FP32 bit pattern instead, with the same result for every non-NaN value."""
@@ -174,10 +182,11 @@ if triton is not None:
 
     @triton.jit
     def _dot_split3(a, b, SPLIT_A: tl.constexpr, SPLIT_B: tl.constexpr, AS_BF16: tl.constexpr):
-        """a @ b through BF16 products of split operands (``gemm="bf16x6"``, :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`),
-        FP32 accumulation, small terms first. Both split: a1·b1 + h_a·b2 + a2·h_b + h_a·b1 + a1·h_b + a0·b0 (the six
-        terms with i + j ≤ 2). Only a split (b is BF16): a2·b' + a1·b' + a0·b (b' = b with 0 where non-finite): the
-        exact product; only b split, the mirror image. Every part is exactly BF16, so AS_BF16 (GPU) casts losslessly."""
+        """a @ b through BF16 products of split operands (``gemm="bf16x6"``,
+        :data:`lpfa.attention.policy.GEMM_SPLIT_DOC`), FP32 accumulation, small terms first. Both split: a1·b1 + h_a·b2
+        + a2·h_b + h_a·b1 + a1·h_b + a0·b0 (the six terms with i + j ≤ 2). Only a split (b is BF16): a2·b' + a1·b' +
+        a0·b (b' = b with 0 where non-finite): the exact product; only b split, the mirror image. Every part is exactly
+        BF16, so AS_BF16 (GPU) casts losslessly."""
         if SPLIT_A and SPLIT_B:
             a0, ha, a1, a2 = _split3(a)
             b0, hb, b1, b2 = _split3(b)
@@ -220,10 +229,9 @@ if triton is not None:
         """a @ b summed over visible pairs only (:func:`lpfa.attention.reference._mm_visible`): ``a`` (M, K) is 0
         where ``visible`` (M, K) is False (``None``: every pair is visible, an unmasked tile), ``b`` (K, N) may
         hold inf/NaN when the runtime flag ``b_nonfinite`` is set (one flag per batch·head, from the wrapper). A
-        non-finite b[k, n] then makes out[m, n] NaN exactly where (m, k) is visible: b's finite part goes through
-        the GEMM, and a second GEMM of 0/1 indicators (exact counts) finds where a non-finite entry is reached
-        (with every pair visible: every row, so a column test does). Without the flag this is one plain GEMM.
-        MODE: as :func:`_dot`."""
+        non-finite b[k, n] then makes out[m, n] NaN exactly where (m, k) is visible (a second GEMM, of 0/1
+        indicators, finds where one is reached; with every pair visible, a column test). Without the flag this is
+        one plain GEMM. MODE: as :func:`_dot`."""
         if b_nonfinite != 0:
             bad = (b != b) | (b == float("inf")) | (b == float("-inf"))
             out = _dot(a, tl.where(bad, 0.0, b), MODE)
@@ -315,8 +323,6 @@ def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
     construction (a BF16 input, or rounded to BF16 by the policy). With ``gemm="bf16x6"`` every other operand is
     split (bits 2, 4), and all the parts are BF16, so the tensor cores take them (bit 1 = ``dot_bf16``); with
     ``"ieee"`` the tensor cores take the GEMM only when both operands are BF16 (as before ``gemm`` existed)."""
-    from lpfa.attention.policy import BF16X6, GEMMS
-
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r}: expected one of {', '.join(map(repr, GEMMS))}")
     split_a = gemm == BF16X6 and not a_bf16
@@ -345,16 +351,10 @@ def _hooked(hook) -> bool:
 
 
 def launch(kernel, grid, *args, **meta):
-    """``kernel[grid](*args, **meta)``, with the host work of Triton's ``JITFunction.run`` done once per specialization.
-
-    ``run`` binds and specializes every argument, builds a cache key and checks the kernel's globals on each call, and a
-    forward and backward launches nine kernels. (What that saves has not been separated from the spread between the device
-    machines' hosts: ``benchmarks/host_overhead.py``, results/host_overhead.) Here the
-    first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
-    argument: constexprs and launch options) goes through ``run``, which compiles or finds the kernel; later calls hand
-    the same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
-    arguments its constexprs and options, as at every launch site here. Under the interpreter, with a launch hook set
-    (Triton's profilers), or for a kernel whose parameters could not be lined up, every call goes through ``run``."""
+    """``kernel[grid](*args, **meta)``, with the host work of Triton's ``JITFunction.run`` done once per
+    specialization: the first call of a specialization goes through ``run``, later ones hand the compiled kernel
+    straight to its launcher (the module docstring says when it falls back to ``run``). Positional arguments are the
+    kernel's runtime arguments, keyword arguments its constexprs and launch options."""
     try:
         key = (kernel, args[0].device.index, *map(_arg_key, args), *meta.items())
         hit = _LAUNCHES.get(key)
@@ -413,14 +413,12 @@ def _next_pow2(n: int) -> int:
 
 
 def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, int]:
-    """Split a policy block into compute tiles: ``(block size, tile, tiles per block)``.
-
-    The policy block (``None`` = the whole sequence) fixes where the algorithm rounds; the tile is what
-    one ``tl.dot`` handles. A block longer than ``preferred`` is cut into ``preferred``-sized tiles, the last
-    one masked at the block's edge when the block is not a multiple of ``preferred`` (``paper_untiled`` at
-    T = 1000: 16 tiles of 64, the last holding 40 keys); a shorter block is one tile of the next power of two
-    (at least :data:`MIN_TILE`), masked likewise. So a tile never exceeds ``preferred``, whatever T.
-    """
+    """Split a policy block into compute tiles: ``(block size, tile, tiles per block)``. The policy block (``None`` =
+    the whole sequence) fixes where the algorithm rounds; the tile is what one ``tl.dot`` handles. A block longer than
+    ``preferred`` is cut into ``preferred``-sized tiles, the last one masked at the block's edge when the block is not a
+    multiple of ``preferred`` (``paper_untiled`` at T = 1000: 16 tiles of 64, the last holding 40 keys); a shorter block
+    is one tile of the next power of two (at least :data:`MIN_TILE`), masked likewise. So a tile never exceeds
+    ``preferred``, whatever T."""
     size = T if block is None else int(block)
     if size >= preferred:
         return size, preferred, -(-size // preferred)
@@ -437,8 +435,8 @@ def check_triton_support(head_dim: int, policy: PrecisionPolicy, scale, causal, 
     if not causal:
         raise ValueError("the Triton attention kernels are causal only (is_causal=False is not supported)")
     if policy.fp8:
-        raise ValueError(f"policy {policy.name!r} rounds {', '.join(sorted(policy.fp8))} to FP8 (PrecisionPolicy.fp8), which "
-                         "only the PyTorch reference emulates: use backend='reference'")
+        raise ValueError(f"policy {policy.name!r} rounds {', '.join(sorted(policy.fp8))} to FP8 (PrecisionPolicy.fp8), "
+                         "which only the PyTorch reference emulates: use backend='reference'")
     if policy.fp32_heads and not heads_split:
         raise ValueError(
             f"policy.fp32_heads = {sorted(policy.fp32_heads)}: a Triton kernel runs one policy for all heads; "
@@ -454,7 +452,5 @@ def check_triton_inputs(q, k, v, policy: PrecisionPolicy, scale, causal) -> None
     """Every check of a direct call of the kernels' wrappers: :func:`lpfa.attention.check_inputs` on q, k, v, then
     :func:`check_triton_support`. :func:`lpfa.attention.attention` runs them once per call and launches the kernels
     with ``validate=False``."""
-    from lpfa.attention import check_inputs
-
-    check_inputs(q, k, v)
+    lpfa_attention.check_inputs(q, k, v)
     check_triton_support(q.shape[-1], policy, scale, causal)

@@ -79,15 +79,27 @@ lower to fast approximations; ``PRECISE_MATH`` (default on for GPUs) uses libdev
 instead, as PyTorch's CUDA kernels do, and FP contraction (FMA) is disabled at launch so that
 ``c·l + rowsum`` is two roundings, as in the reference. The interpreter path is tested on every machine; the GPU path
 against the reference on the same GPU by ``tests/test_attention_gpu.py`` (``results/attention_gpu_tests``).
+
+Options of :func:`flash_forward`
+--------------------------------
+``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are exactly BF16
+values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log. ``block_m``/``block_n``
+(compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the policy's blocks fix the rounding.
+``causal_split=False`` runs every key tile through the masked path (the kernel before the causal split;
+bit-identical results, for tests and benchmarks). ``sfa_count_pass=True`` decides SFA's ties by a pass of their
+own that counts the scores within ε of the row max, as the reference does, instead of from the top two scores of
+the row-max pass (bit-identical; for tests and benchmarks). ``validate=False`` skips the input checks
+(:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
+:func:`lpfa.attention.attention` does. ``return_flags=True``: also return the (3, B·H) non-finite flags of V, Q, K
+(:func:`~lpfa.attention.triton_common.nonfinite_flags`, from the one launch that V's needs anyway), which
+:func:`lpfa.attention.triton_bwd.flash_backward` takes as ``input_flags`` instead of computing them again.
 """
 
 from __future__ import annotations
 
-
 import torch
 
 from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
-
 from lpfa.attention.triton_common import (
     _dot,
     _dot_visible,
@@ -195,13 +207,13 @@ if triton is not None:
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, r2, rs, block_sum, o_blk = _block_tiles(
-                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
-                scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n,
+                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                 PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
-                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m, loc_n,
-                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
+                rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m,
+                loc_n, T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
                 PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2)
         return rm, r2, rs, block_sum, o_blk
 
@@ -212,8 +224,8 @@ if triton is not None:
                    N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                   SFA_COUNT_PASS: tl.constexpr):
+                   PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr,
+                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -264,11 +276,12 @@ if triton is not None:
 
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
         rm, r2, rs, block_sum, o_blk = _block_pass(
-            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
-            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
+            scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
-            block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)  # a NaN sum stays NaN (torch.clamp_min)
+            # a NaN sum stays NaN (torch.clamp_min)
+            block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)
         # the block's Ō = P̄V output (to nearest, or stochastically: policy.stochastic, hashed by position and block)
         offs_d = tl.arange(0, HEAD_DIM)
         j = kb_lo // BK
@@ -285,7 +298,7 @@ if triton is not None:
 
     @triton.jit
     def _flash_fwd_kernel(
-        Q, K, V, O, LSE,  # Q, K, V (B, H, T, D) with the strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
+        Q, K, V, O, LSE,  # noqa: E741  Q, K, V (B, H, T, D), strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
         V_NONFINITE,  # (B*H,) int32: V of this batch·head holds an inf or NaN (lpfa.attention.triton_common)
         T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
@@ -365,7 +378,8 @@ if triton is not None:
         out = _rnd_o(out, OSTORE_BF16, SR_OSTORE, sr_seed, 5, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
         lse = _log(l_i, PRECISE_MATH) + m_i
         # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
-        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
 
@@ -377,26 +391,11 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
                   validate: bool = True, return_flags: bool = False) -> tuple[torch.Tensor, ...]:
-    """Causal flash-attention forward with the rounding points of ``policy``.
-
-    q, k, v: (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. ``policy``: a
-    :class:`PrecisionPolicy` or a preset name. Returns ``(o, lse)``: O in ``policy.o_store``'s dtype
-    (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and the FP32
-    (B, H, T) log-sum-exp ``log(l) + m`` (the m actually used, SFA included).
-
-    ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are
-    exactly BF16 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log.
-    ``block_m``/``block_n`` (compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the
-    policy's blocks fix the rounding. ``causal_split=False`` runs every key tile through the masked path
-    (the kernel before the causal split; bit-identical results, for tests and benchmarks). ``sfa_count_pass=True``
-    decides SFA's ties by a pass of their own that counts the scores within ε of the row max,
-    as the reference does, instead of from the top two scores of the row-max pass (bit-identical; for tests and
-    benchmarks). ``validate=False`` skips
-    the input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once,
-    as :func:`lpfa.attention.attention` does. ``return_flags=True``: also return the (3, B·H) non-finite flags of V,
-    Q, K (:func:`~lpfa.attention.triton_common.nonfinite_flags`, from the one launch that V's needs anyway), which
-    :func:`lpfa.attention.triton_bwd.flash_backward` takes as ``input_flags`` instead of computing them again.
-    """
+    """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
+    name) on q, k, v, (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. Returns ``(o, lse)``: O in
+    ``policy.o_store``'s dtype (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and
+    the FP32 (B, H, T) log-sum-exp ``log(l) + m`` (the m actually used, SFA included); with ``return_flags`` also the
+    non-finite flags. The keyword options (tuning, test switches, ``validate``) are in the module docstring."""
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
         check_triton_inputs(q, k, v, pol, scale, causal)
@@ -423,7 +422,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if interp:  # the interpreter's BF16 is not faithful: hand it FP32 copies (same values, same layout where dense)
         q, k, v = (t.float() for t in (q, k, v))
     (q, k, v), strides = shared_layout(q, k, v)  # in place when q, k, v share a layout (the model's views): no copies
-    o = torch.empty(B, H, T, D, device=q.device, dtype=torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32)
+    o_dtype = torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32
+    o = torch.empty(B, H, T, D, device=q.device, dtype=o_dtype)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
     flags = nonfinite_flags(v, q, k) if return_flags else nonfinite_flags(v)  # row 0: V's, for this kernel
@@ -437,7 +437,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
 
 
 def _forward_launch(grid, q, k, v, o, lse, strides, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
-                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps, num_stages):
+                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps,
+                    num_stages):
     """One launch of :func:`_flash_fwd_kernel` (see its NONFINITE); ``strides``: q, k, v's (B, H, T) strides."""
     launch(
         _flash_fwd_kernel, grid,

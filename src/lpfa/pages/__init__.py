@@ -2,14 +2,40 @@
 
 A notebook imports its page module and calls it: prose in Markdown, one call per figure or table, numbers glued.
 The library below (:mod:`lpfa.run`, :mod:`lpfa.compare`, :mod:`lpfa.experiments`, the analyses) never imports this
-package. The modules, in the book's reading order: :mod:`.intro` (the scorecard), :mod:`.structure` (page 05),
+package. The modules, in the book's reading order: :mod:`.intro` (the scorecard), :mod:`.bf16_rounding` (page 01),
+:mod:`.delta_bias` (02), :mod:`.pktx_structure` (03), :mod:`.pv_error` (04), :mod:`.structure` (05),
 :mod:`.loss_explosion` (06), :mod:`.spectral_norms` (07), :mod:`.tie_frequency` (08), :mod:`.sfa` (09),
-:mod:`.isolation` (10), :mod:`.seeds` (11), :mod:`.training` (13), :mod:`.stabilisers` (17).
+:mod:`.isolation` (10), :mod:`.seeds` (11), :mod:`.kernels` (12), :mod:`.training` (13), :mod:`.scale` (14),
+:mod:`.early_warning` (15), :mod:`.kernel_bias` (16), :mod:`.stabilisers` (17).
 """
 
 from __future__ import annotations
+
+from lpfa.results import load, what
+from lpfa.train import PRESETS
+
+# what fixes a preset's training, beyond the batch a GPU run chooses
+_RECIPE_KEYS = ("model", "block_size", "lr", "min_lr", "lr_schedule", "warmup_steps")
+_SETTINGS = {"gpt2-s-paper": "the paper's GPT-2 S recipe", "repro": "the `repro` preset"}
 
 
 def and_join(items: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+def setting_of(train: dict) -> str:
+    """The training setting of a run's TrainConfig (``config.json``'s ``"train"``) in words: the preset whose model,
+    sequence length and learning-rate schedule it has ("the paper's GPT-2 S recipe", "the `repro` preset"), or
+    its model's name when none matches."""
+    for name, preset in PRESETS.items():
+        if all(train.get(k) == preset[k] for k in _RECIPE_KEYS if k in preset):
+            return _SETTINGS.get(name, f"the `{name}` preset")
+    return f"a `{train.get('model', '?')}` model"
+
+
+def provenance_line(experiment: str, folder) -> str:
+    """What run folder ``folder`` of ``experiment`` is, where and from which commit it ran, from its
+    ``provenance.json``: "<what>. <device>, commit `<git commit>`" (no final full stop; :func:`lpfa.results.what`)."""
+    prov = load(experiment, "provenance.json", folder.name)
+    return f"{what(prov)}. {prov['device']}, commit `{prov['git_commit']}`"

@@ -1,21 +1,203 @@
-"""Page 06, the loss explosion (Fig. 2): which committed runs exploded, the BF16/FP32 twins and seeds, the precursors."""
+"""Page 06, the loss explosion (Fig. 2): the BF16/FP32 twins at the paper's recipe and whether only the BF16 one
+exploded, the precursors in one early layer (its largest attention logit, its tied rows, its W_Q norms), the twins
+of the smaller `repro` preset, the dose-response test of the δ bias, and what a longer run costs.
+
+The dose-response test (:mod:`lpfa.dose`) multiplies layer 1's δ error in the backward by k, with its BF16 sign kept
+(the bias) or a random sign per row (the control): δ = δ_ref + k·s·(δ − δ_ref). This module draws it
+(:func:`plot_dose_response`: failure step against k on log-log axes, the power law of
+:func:`lpfa.dose.fit_dose_response` extrapolated to k = 1) and says it (:func:`dose_text`,
+:func:`extrapolation_text`). A run that did not fail is censored: drawn at its length as an upward triangle.
+"""
 
 from __future__ import annotations
 
-from lpfa.compare import PRECURSORS, divergence_step, layer_max, precursor_panels, precursor_table
-from lpfa.pages import and_join
-from lpfa.run import (
-    run_verdict,
-)
+import json
+import math
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+import torch
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, NullLocator
+
+from lpfa.compare import PRECURSORS, divergence_step, layer_max, plot_losses, precursor_panels, precursor_table
+from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_response, predict
+from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
+from lpfa.explosion import ExplosionCriterion, RunawayCriterion
+from lpfa.launch import run_experiment
+from lpfa.pages import and_join, setting_of
+from lpfa.paths import results_dir
+from lpfa.plotting import color_of, dash_of, use_style
+from lpfa.results import experiment_rows, load, run_dir
+from lpfa.results import what as results_what
+from lpfa.run import Run, run_verdict
+from lpfa.scaling import PAPER_EXPLOSION_STEP, committed_speed, paper_explosion_tokens, tokens_per_step, wall_minutes
+from lpfa.survival import clopper_pearson, failed_within, kaplan_meier
+from lpfa.train import PRESETS
+
+CENSORED_LABEL = "no failure by the end of the run"
+# x offsets (factors of k) in the dose figure, so runs at one dose do not hide each other
+DODGE = {"control": 1.1, "other": 1 / 1.1}
+EXPLOSION_EXPERIMENTS = ("paper_recipe", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fig. 2's twins
+
+
+def recipe_rows(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict:
+    """``{label: run folder}`` of ``experiment``: over all its run folders (``run`` None,
+    :func:`lpfa.results.experiment_rows`) or in run folder ``run``."""
+    if run is None:
+        return experiment_rows(experiment, root=root)
+    folder = run_dir(experiment, run, root)
+    return {p.name: p for p in sorted(folder.iterdir()) if (p / "config.json").is_file()}
+
+
+def fig2_twins(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict:
+    """The committed BF16/FP32 pairs of ``experiment`` by their BF16 label, e.g. ``{"bf16_paper_recipe": {"bf16": dir,
+    "fp32": dir}, "bf16_paper_recipe_s1": ...}`` (a label ``bf16<x>`` pairs with ``fp32<x>``). ``run`` None: every run
+    folder of the experiment, each label from the latest that has it (twins may run in different GPU runs,
+    :func:`lpfa.results.experiment_rows`); else that run folder alone."""
+    rows = recipe_rows(experiment, run, root)
+    return {label: {"bf16": rows[label], "fp32": rows["fp32" + label[4:]]}
+            for label in rows if label.startswith("bf16") and "fp32" + label[4:] in rows}
+
+
+def fig2_runs(experiment: str, run: str | None, twins: dict, rerun: bool = False,
+              rerun_experiment: str = "paper_recipe", rerun_data: str = "data/corpus", rerun_budget_s: float = 1080,
+              root=None) -> tuple[dict, dict]:
+    """Fig. 2's twins as ``({label: run folder}, provenance)``: ``twins`` (``{label: folder name}``) among the
+    committed runs of ``experiment`` (:func:`recipe_rows`), or, with ``rerun``, trained first on this machine's GPUs
+    (each for ``rerun_budget_s`` on ``rerun_data``, at the committed twins' batch, as ``rerun_experiment`` defines
+    them). Raises ValueError naming the twins that are missing."""
+    if rerun:
+        if rerun_experiment not in EXPERIMENTS or not set(twins.values()) <= set(EXPERIMENTS[rerun_experiment]):
+            raise ValueError(f"rerun_experiment={rerun_experiment!r}: expected an lpfa.experiments experiment that "
+                             f"defines the twins {sorted(twins.values())}")
+        committed = Run(recipe_rows(experiment, run, root)[twins["bf16"]]).train
+        folder = run_experiment(f"{rerun_experiment}-rerun", rerun_experiment, rerun_data, rerun_budget_s,
+                                only=list(twins.values()),
+                                extra=[f"batch_size={committed['batch_size']}", f"grad_accum={committed['grad_accum']}",
+                                       "compile=true", "explosion_stop=300"],
+                                gpus=[str(i) for i in range(torch.cuda.device_count())] or None)
+        return {label: folder / name for label, name in twins.items()}, {"what": "a rerun on this machine"}
+    rows = recipe_rows(experiment, run, root)  # each twin from the latest run folder that has it
+    missing = sorted(set(twins.values()) - set(rows))
+    if missing:
+        raise ValueError(f"twins={twins!r}: {missing} not among the committed runs of {experiment!r}: {sorted(rows)}")
+    runs = {label: rows[name] for label, name in twins.items()}
+    return runs, load(experiment, "provenance.json", runs["bf16"].parent.name, root)
+
+
+def twin_runs(experiment: str, twins: dict, run: str | None = None, root=None) -> dict:
+    """``{label: run folder}`` of ``twins`` (``{label: folder name}``) in run folder ``run`` of ``experiment``
+    (None: the latest)."""
+    folder = run_dir(experiment, run, root)
+    return {label: folder / name for label, name in twins.items()}
+
+
+def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dict | None = None,
+                  fates: pd.DataFrame | None = None) -> str:
+    """The page's opening sentence on Fig. 2: ``verdicts`` (``{"bf16": ..., "fp32": ...}``,
+    :func:`lpfa.run.run_verdict`) of the twins trained with ``conf`` (the BF16 twin's train config), set against the
+    paper's recipe and explosion step; with ``n_pairs`` committed BF16/FP32 pairs (:func:`fig2_twins`), their
+    ``seeds`` (:func:`seed_table`, when there are at least two) and the SFA twin's verdict ``sfa`` where one is
+    committed. With ``fates`` (:func:`recipe_fates`) the lead counts every committed run of the recipe instead."""
+    b, f = verdicts["bf16"], verdicts["fp32"]
+    paper = PRESETS["gpt2-s-paper"]
+    recipe = (f"the paper's own recipe at GPT-2 S size (`{conf['model']}`, T = {conf['block_size']}, peak lr "
+              f"{conf['lr']:g} after {conf['warmup_steps']:,} warmup steps, AdamW ({conf['beta1']}, {conf['beta2']}), "
+              f"weight decay {conf['weight_decay']:g}, clip {conf['grad_clip']:g}) but **{tokens_per_step(conf):,} "
+              f"tokens per step**, {tokens_per_step(paper) / tokens_per_step(conf):.0f}× fewer than the paper's "
+              f"{tokens_per_step(paper):,}, so that 8,000 steps fit in one GPU run")
+    if not (b["exploded"] and not f["exploded"]):
+        return (f"**Fig. 2 is not reproduced.** With {recipe}, the BF16 twin "
+                + ("exploded" if b["exploded"] else f"trained {b['steps']:,} steps without exploding")
+                + (" and so did its FP32 twin" if f["exploded"] else
+                   f"; its FP32 twin did not explode in {f['steps']:,} steps")
+                + ". ")
+    sfa_line = ("" if sfa is None else "The SFA twin at this recipe "
+                + (f"exploded too, at step {sfa['explosion_step']:,}" if sfa["exploded"] else
+                   f"did not explode in {sfa['steps']:,} steps")
+                + " ({doc}`09_sfa`). ")
+    if fates is not None and not fates.empty:
+        lead = f"**Fig. 2 is reproduced: {fate_counts(fates)}.** "
+    else:
+        lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** "
+    return (lead + f"With {recipe}, the BF16 twin's loss exploded at step {b['explosion_step']:,} "
+            f"({b['explosion_step'] * tokens_per_step(conf) / 1e6:.0f}M tokens), while its FP32 twin trained "
+            f"{f['steps']:,} steps on the same batches without exploding. The paper's run exploded at about step "
+            f"{PAPER_EXPLOSION_STEP:,} ({paper_explosion_tokens() / 1e9:.1f}B tokens at its batch). "
+            + ("Every committed run of the recipe is counted below, as a survival curve. " if fates is not None
+               and not fates.empty else "" if seeds is None or len(seeds) < 2 else seeds_text(seeds) + " ")
+            + ("" if n_pairs >= 3 or fates is not None else
+               f"{'One pair does' if n_pairs == 1 else f'{n_pairs} pairs do'} not measure the spread of the explosion "
+               "step: more seeds at this recipe are still to run. ")
+            + (sfa_line or "The SFA twin at this recipe is still to run, so the SFA page validates the fix on the "
+                           "`repro` preset's logit runaway. "))
+
+
+def opening_text(experiment: str, run: str | None, twins: dict, verdicts: dict, conf: dict,
+                 criterion: ExplosionCriterion = ExplosionCriterion(), dose: pd.DataFrame | None = None,
+                 rerun: bool = False, root=None) -> str:
+    """The page's opening paragraphs (Markdown): :func:`fig2_headline` of the twins (with the committed seeds and SFA
+    twin of ``experiment`` unless ``rerun``), every committed explosion (:func:`explosions_text`) and the BF16-only
+    ones, and the dose experiment's findings (:func:`dose_text`) when ``dose`` (:func:`lpfa.dose.dose_table`)."""
+    rows = recipe_rows(experiment, run, root)
+    sfa = "sfa" + twins["bf16"][4:]
+    head = fig2_headline(verdicts, conf, n_pairs=len(fig2_twins(experiment, run, root)),
+                         seeds=None if rerun else seed_table(rows),
+                         sfa=run_verdict(rows[sfa], criterion) if not rerun and sfa in rows else None,
+                         fates=None if rerun else recipe_fates(root))
+    others = committed_explosions(root=root)
+    fig2 = bf16_only_explosions(others)
+    return (head + ("\n\n" + batch_text(conf, verdicts["bf16"]["explosion_step"]) if not rerun else "")
+            + f"\n\n{explosions_text(others)} BF16-only explosions (Fig. 2): "
+            + (", ".join(f"`{label}`" for _, label in fig2.index) if len(fig2) else "none") + "."
+            + ("\n\nThe dose experiment below tests the cause on the smaller `repro` preset. " + dose_text(dose)
+               if dose is not None else ""))
+
+
+def provenance_text(runs: dict, prov: dict, criterion: ExplosionCriterion) -> str:
+    """Where the twins ``runs`` come from (their run folder and ``prov``, its ``provenance.json``) and the explosion
+    ``criterion`` and logit-runaway criterion (:class:`lpfa.explosion.RunawayCriterion`) that judge them."""
+    return (f"Run `{runs['bf16'].parent.name}`: {results_what(prov)} Data: {prov.get('data', '?')}. "
+            f"{prov.get('device', '')}, commit `{prov.get('git_commit', '?')}`, {prov.get('date_utc', '')}.\n\n"
+            f"Explosion criterion: {criterion.describe()}. Logit runaway (the precursor, "
+            f"`lpfa.explosion.RunawayCriterion`): {RunawayCriterion().describe()}.")
+
+
+def verdict_table(verdicts: dict) -> pd.DataFrame:
+    """One row per run of ``verdicts`` (``{label: run_verdict}``): its policy, optimizer, seed, steps, and whether
+    and when its loss exploded and its logits ran away (in which layer)."""
+    return pd.DataFrame(verdicts).T[["policy", "optimizer", "seed", "steps", "exploded", "explosion_step",
+                                     "runaway_step", "runaway_layer"]]
+
+
+def plot_twin_losses(runs: dict, verdicts: dict | None = None, smooth: int = 50, top: float = 8.0,
+                     title: str | None = None):
+    """:func:`lpfa.compare.plot_losses` of ``runs`` (Fig. 2), the loss axis cut at ``top`` (an exploded loss would
+    flatten the rest), a dotted line where each run of ``verdicts`` (``{label: run_verdict}``) exploded."""
+    fig = plot_losses(runs, smooth=smooth)
+    ax = fig.axes[0]
+    ax.set_ylim(top=min(ax.get_ylim()[1], top))
+    for label, v in (verdicts or {}).items():
+        if v["exploded"]:
+            ax.axvline(v["explosion_step"], ls=":", color="0.3", label=f"{label} explodes")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=9)
+    return fig
 
 
 def plot_precursors(runs: dict, layer: int):
     """The three precursors of one layer over training, one panel per row (legible at page width), every run in its
     mode's colour and line style (:func:`lpfa.plotting.color_of`, :func:`lpfa.plotting.dash_of`)."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import color_of, dash_of, use_style
-
     use_style()
     fig, axes = plt.subplots(3, 1, figsize=(7.5, 7.2), sharex=True)
     precursor_panels(axes, runs, layer, {label: (color_of(label), dash_of(label)) for label in runs})
@@ -27,17 +209,16 @@ def plot_precursors(runs: dict, layer: int):
     return fig
 
 
-def committed_explosions(experiments=("paper_recipe", "isolation", "seeds", "sfa_muon", "muon_long", "sizes"), root=None):
+# ----------------------------------------------------------------------------------------------------------------
+# every committed explosion, the seeds
+
+
+def committed_explosions(experiments=EXPLOSION_EXPERIMENTS, root=None):
     """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
     indexed by (experiment, label) with ``change`` (:data:`lpfa.experiments.DESCRIPTIONS`), ``attention``, ``steps``,
     ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
     experiment named ``fp32...`` exploded too (None without one). A BF16-only loss explosion, Fig. 2, is a row with
     ``exploded`` and not ``fp32 twin exploded``."""
-    import pandas as pd
-
-    from lpfa.experiments import DESCRIPTIONS
-    from lpfa.results import experiment_rows
-
     rows = {}
     for exp in experiments:
         runs = experiment_rows(exp, root=root)
@@ -56,13 +237,27 @@ def bf16_only_explosions(table):
     return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].eq(False)]  # None (no twin) is not False
 
 
+def explosions_text(table) -> str:
+    """:func:`committed_explosions` in one sentence: how many runs, which exploded (and whether the FP32 twin of a
+    BF16 row did too)."""
+    boom = table[table["exploded"]]
+    text = (f"Of the {len(table)} committed runs of the {', '.join(dict.fromkeys(e for e, _ in table.index))} "
+            "experiments, ")
+    if boom.empty:
+        return text + "none exploded."
+    parts = []
+    for (exp, label), r in boom.iterrows():
+        twin = "" if r["fp32 twin exploded"] is None else (", its FP32 twin too" if r["fp32 twin exploded"] else
+                                                           ", its FP32 twin not")
+        parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
+    return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."
+
+
 def seed_table(rows: dict, prefix: str = "bf16"):
     """Fig. 2 over seeds: one row per run of ``rows`` (``{label: run folder}``, :func:`lpfa.results.experiment_rows`)
-    whose label starts with ``prefix``, with its ``seed``, ``steps``, ``explosion step`` (None: did not explode) and its
-    FP32 twin's (the row named ``fp32`` + the rest of the label): ``fp32 steps`` and ``fp32 explosion step``, both None
-    where the twin is not run yet, and ``fp32 exploded`` (None without a twin)."""
-    import pandas as pd
-
+    whose label starts with ``prefix``, with its ``seed``, ``steps``, ``explosion step`` (None: did not explode) and
+    its FP32 twin's (the row named ``fp32`` + the rest of the label): ``fp32 steps`` and ``fp32 explosion step``, both
+    None where the twin is not run yet, and ``fp32 exploded`` (None without a twin)."""
     out = {}
     for label, d in rows.items():
         if not label.startswith(prefix):
@@ -85,7 +280,8 @@ def seeds_text(table) -> str:
     boom = table["explosion step"].dropna().astype(int)
     ran = table[table["fp32 exploded"].notna()]
     text = (f"The BF16 run exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
-            + (f" (at step{'s' if len(boom) > 1 else ''} {and_join([f'{s:,}' for s in sorted(boom)])})" if len(boom) else "")
+            + (f" (at step{'s' if len(boom) > 1 else ''} {and_join([f'{s:,}' for s in sorted(boom)])})"
+               if len(boom) else "")
             + f"; {len(ran)} FP32 twin{'s' if len(ran) != 1 else ''} ran"
             + (f" ({and_join([f'{int(s):,}' for s in ran['fp32 steps']])} steps)" if len(ran) else "")
             + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")
@@ -93,55 +289,494 @@ def seeds_text(table) -> str:
     return text + (f"; still to run: {', '.join(missing)}." if missing else ".")
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# the twins in words
+
+
 def twins_text(runs: dict, layer: int, criterion=None, bf16: str = "bf16", fp32: str = "fp32",
                verdicts: dict | None = None) -> str:
-    """Fig. 2's verdict for one BF16/FP32 pair in sentences: whether each exploded (``lpfa.explosion``), where the BF16
-    run's layer ``layer`` ran away, the precursors of both at the last diagnostics step both reached
-    (:func:`precursor_table`), and from when the BF16 logit and W_Q norm stay apart (:func:`divergence_step`).
-    ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller has them already; each run is judged once."""
-    v = {label: (verdicts or {}).get(label) or (run_verdict(d, criterion) if criterion else run_verdict(d)) for label, d in runs.items()}
+    """Fig. 2's verdict for one BF16/FP32 pair in sentences: whether each exploded (``lpfa.explosion``), where the
+    BF16 run's layer ``layer`` ran away, the precursors of both at the last diagnostics step both reached
+    (:func:`lpfa.compare.precursor_table`), and from when the BF16 logit and W_Q norm stay apart
+    (:func:`lpfa.compare.divergence_step`). ``verdicts``: ``{label: run_verdict(run, criterion)}`` where the caller
+    has them already; each run is judged once."""
+    v = {label: (verdicts or {}).get(label) or (run_verdict(d, criterion) if criterion else run_verdict(d))
+         for label, d in runs.items()}
     table, common = precursor_table(runs, layer, criterion=criterion, verdicts=v)
     name = {m: f"{n} @ {common}" for m, n in PRECURSORS.items()}
     b, f = table.loc[bf16], table.loc[fp32]
     if v[bf16]["exploded"] and not v[fp32]["exploded"]:
         text = [f"**The BF16 run's loss exploded at step {v[bf16]['explosion_step']:,}; its FP32 twin trained "
-                f"{v[fp32]['steps']:,} steps on the same batches without exploding** (final eval loss {f['final eval loss']:.2f})."]
+                f"{v[fp32]['steps']:,} steps on the same batches without exploding** (final eval loss "
+                f"{f['final eval loss']:.2f})."]
     elif v[bf16]["exploded"]:
-        text = [f"Both runs exploded (BF16 at step {v[bf16]['explosion_step']:,}, FP32 at {v[fp32]['explosion_step']:,}): "
-                "a generic instability, not Fig. 2."]
+        text = [f"Both runs exploded (BF16 at step {v[bf16]['explosion_step']:,}, FP32 at "
+                f"{v[fp32]['explosion_step']:,}): a generic instability, not Fig. 2."]
     else:
         text = [f"The BF16 run did not explode in its {v[bf16]['steps']:,} steps"
                 + (f" (its FP32 twin did, at step {v[fp32]['explosion_step']:,})" if v[fp32]["exploded"] else
-                   f" (nor its FP32 twin in {v[fp32]['steps']:,})") + ", so these runs do not reproduce Fig. 2's explosion."]
+                   f" (nor its FP32 twin in {v[fp32]['steps']:,})")
+                + ", so these runs do not reproduce Fig. 2's explosion."]
     ra = v[bf16]["runaway_step"]
     if ra is not None:
         text.append(f"By the runaway criterion the BF16 run's layer {v[bf16]['runaway_layer']} ran away at step {ra:,}"
-                    + (f", {v[bf16]['explosion_step'] - ra:,} steps before its loss exploded; " if v[bf16]["exploded"] else
-                       f", {v[bf16]['steps'] - ra:,} steps before the run ended; ")
+                    + (f", {v[bf16]['explosion_step'] - ra:,} steps before its loss exploded; " if v[bf16]["exploded"]
+                       else f", {v[bf16]['steps'] - ra:,} steps before the run ended; ")
                     + ("the FP32 twin's never did." if v[fp32]["runaway_step"] is None else
                        f"the FP32 twin's at step {v[fp32]['runaway_step']:,}."))
-    text.append(f"At step {common:,}, layer {layer}'s largest attention logit is {b[name['max_logit']]:,.0f} with BF16 attention "
-                f"against {f[name['max_logit']]:,.0f} with FP32, its most tied head has tied maxima in "
-                f"{b[name['tie_fraction']]:.0%} of its rows (BF16 scores) against {f[name['tie_fraction']]:.1%} (FP32 scores), "
-                f"and its largest ‖W_Q[h]‖₂ is {b[name['wq_spectral_norm']]:.1f} against {f[name['wq_spectral_norm']]:.1f}.")
+    text.append(f"At step {common:,}, layer {layer}'s largest attention logit is {b[name['max_logit']]:,.0f} with BF16 "
+                f"attention against {f[name['max_logit']]:,.0f} with FP32, its most tied head has tied maxima in "
+                f"{b[name['tie_fraction']]:.0%} of its rows (BF16 scores) against {f[name['tie_fraction']]:.1%} "
+                f"(FP32 scores), and its largest ‖W_Q[h]‖₂ is {b[name['wq_spectral_norm']]:.1f} against "
+                f"{f[name['wq_spectral_norm']]:.1f}.")
     div = {m: divergence_step(layer_max(runs[bf16], m, layer), layer_max(runs[fp32], m, layer), r)
            for m, r in (("max_logit", 10.0), ("wq_spectral_norm", 1.25))}
-    when = lambda s: "never for good" if s is None else f"from step {s:,} on"  # noqa: E731
-    text.append(f"The BF16 logit stays above 10× the FP32 twin's {when(div['max_logit'])}, and the BF16 W_Q norm above "
-                f"1.25× {when(div['wq_spectral_norm'])} (`lpfa.compare.divergence_step`).")
+
+    def when(s):
+        return "never for good" if s is None else f"from step {s:,} on"
+
+    text.append(f"The BF16 logit stays above 10× the FP32 twin's {when(div['max_logit'])}, and the BF16 W_Q norm "
+                f"above 1.25× {when(div['wq_spectral_norm'])} (`lpfa.compare.divergence_step`).")
     return " ".join(text)
 
 
-def explosions_text(table) -> str:
-    """:func:`committed_explosions` in one sentence: how many runs, which exploded (and whether the FP32 twin of a
-    BF16 row did too)."""
-    boom = table[table["exploded"]]
-    text = f"Of the {len(table)} committed runs of the {', '.join(dict.fromkeys(e for e, _ in table.index))} experiments, "
-    if boom.empty:
-        return text + "none exploded."
+def repro_numbers(runs: dict) -> dict:
+    """The `repro` twins' setup for the page's text: ``{"repro_setup": model and recipe, "repro_steps": the BF16
+    twin's steps}`` (Markdown strings)."""
+    bf16 = Run(runs["bf16"])
+    rc, rm = bf16.train, bf16.config["model"]
+    return {"repro_setup": f"{rm['n_layer']} layers, d = {rm['n_embd']}, T = {rm['block_size']}, "
+                           f"{tokens_per_step(rc):,} tokens/step, lr {rc['lr']:g} {rc['lr_schedule']}",
+            "repro_steps": f"{bf16.steps:,}"}
+
+
+def four_modes_text(table: pd.DataFrame, step: int, layer: int) -> str:
+    """The four attention modes' runs in one sentence, from their :func:`lpfa.compare.precursor_table` at ``step``
+    (rows ``bf16``, ``fp32`` and others): how many exploded, and ``layer``'s largest attention logit against the FP32
+    run's; where only ``bf16`` ran away (above 10× FP32, the others below 3×), that P̄ = 1 is not required."""
+    col = f"largest attention logit @ {step}"
+    ref = table.loc["fp32", col]
+    others = [label for label in table.index if label not in ("bf16", "fp32")]
+    if table.loc["bf16", col] > 10 * ref > 0 and all(table.loc[label, col] < 3 * ref for label in others):
+        return (f"{int(table['exploded'].sum())} of {len(table)} runs exploded. At step {step:,}, layer {layer}'s "
+                "largest attention logit relative to the FP32 run's "
+                f"{ref:.0f}: " + ", ".join(f"{label} ×{table.loc[label, col] / ref:.1f}" for label in table.index
+                                           if label != "fp32")
+                + ". Of these four only `bf16` lets it run away; P̄ = 1 is not required, though: the isolation row "
+                "with FP32 scores (`scores_fp32`, on the isolation page) ran away with almost no ties.")
+    return (f"{int(table['exploded'].sum())} of {len(table)} runs exploded; layer {layer}'s largest attention logit "
+            f"at step {step:,}: " + ", ".join(f"{label} {table.loc[label, col]:.0f}" for label in table.index) + ".")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the dose-response test
+
+
+def dose_ladder(base: str = "paper_untiled", root=None) -> tuple[dict, pd.DataFrame | None, dict]:
+    """The committed dose experiment as ``(runs, table, fits)``: :func:`lpfa.dose.committed_runs`, their
+    :func:`lpfa.dose.dose_table` (None without runs) and ``{what: fit}`` of
+    :func:`lpfa.dose.fit_dose_response` over the biased runs on ``base`` for the explosion and the runaway step."""
+    runs = committed_runs(root)
+    if not runs:
+        return {}, None, {}
+    table = dose_table(runs)
+    return runs, table, {what: fit_dose_response(table, what=what, base=base)
+                         for what in ("explosion step", "runaway step")}
+
+
+def dose_runs_table(table: pd.DataFrame) -> pd.DataFrame:
+    """The dose table as the page shows it: sorted by sign, base, dose and seed, without the runaway layer."""
+    return table.drop(columns=["runaway layer"]).sort_values(["sign", "base", "k", "seed"])
+
+
+def _si(x: float) -> str:
+    """3 significant digits with a k/M/B/T suffix: 1.57B."""
+    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g}{suffix}"
+    return f"{x:.3g}"
+
+
+def _ks(values) -> str:
+    ks = sorted({float(k) for k in values})
+    return ", ".join(f"{k:g}" for k in ks) if ks else "none"
+
+
+def extrapolation_text(fit: dict, tokens_per_step: int, steps_per_minute: float | None = None) -> str:
+    """The fit's extrapolation to dose 1 in one sentence: the step of failure with its 95% prediction interval,
+    the tokens at ``tokens_per_step`` (:func:`lpfa.scaling.tokens_per_step` of the run's config) and, given
+    ``steps_per_minute`` (e.g. a measured tokens/s × 60 / tokens per step), the GPU-minutes; or why there is none."""
+    what = fit.get("what", "failure step").replace(" step", "")
+    if not math.isfinite(fit.get("predicted_at_1", math.nan)):
+        return f"There is no extrapolation of the {what} to dose 1: {fit.get('note') or 'the fit has no estimate'}."
+    p, (lo, hi) = fit["predicted_at_1"], fit["interval_95"]
+    tok = tokens_per_step
+    text = (f"Extrapolated to dose k = 1, the power law fitted to {fit['n']} {fit['sign']} runs "
+            f"(slope {fit['slope']:.2f} ± {fit['slope_se']:.2f}, k = {fit['k_min']:g}–{fit['k_max']:g}) "
+            f"puts the {what} at step {p:,.0f} (95% prediction interval {lo:,.0f}–{hi:,.0f}), "
+            f"that is {_si(p * tok)} tokens ({_si(lo * tok)}–{_si(hi * tok)}) at {tok:,} tokens per step")
+    if steps_per_minute:
+        m = steps_per_minute
+        text += (f" and {p / m:,.0f} GPU-minutes ({lo / m:,.0f}–{hi / m:,.0f}) at {m:,.3g} steps per minute")
+    if fit["slope"] >= 0:
+        text += (f"; but the {what} does not come sooner at larger doses, "
+                 "so this is no evidence that the δ bias drives it")
+    return text + "."
+
+
+def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
+    """:func:`lpfa.dose.dose_findings` in three sentences (Markdown): how many biased and control runs on ``base``
+    exploded (at which doses and steps), where the bias rather than the magnitude decides, and the SFA row."""
+    f = dose_findings(table, base)
+    b, c = f["bias"], f["control"]
+
+    def steps(d):
+        return "; ".join(f"k = {k:g}: step{'s' if len(v) > 1 else ''} {', '.join(f'{s:,}' for s in v)}"
+                         for k, v in d["explosion_steps"].items() if v)
+
+    text = [f"With its BF16 sign kept, the dosed δ error made the loss explode in **{b['exploded_runs']} of "
+            f"{b['runs']} runs**, at k = {_ks(b['exploded_ks'])} ({steps(b)}); at k = {_ks(b['runaway_only_ks'])} "
+            "the layer-1 logits ran away but the loss had not exploded by the end of the run."]
+    text.append(f"The control, the same magnitude with a random sign per row, exploded in **{c['exploded_runs']} of "
+                f"{c['runs']} runs** "
+                + (f"({steps(c)})" if c["exploded_runs"] else f"(k = {_ks(c['ks'])})")
+                + (f", and its logits ran away without an explosion at k = {_ks(c['runaway_only_ks'])}"
+                   if c["runaway_only_ks"] else "")
+                + (f"; at k = {_ks(f['bias_decides_ks'])} every biased run exploded and no control did, so there the "
+                   "*bias*, not the size of the δ error, drives the failure" if f["bias_decides_ks"] else "")
+                + (f"; at k = {_ks(f['magnitude_suffices_ks'])} the magnitude alone suffices"
+                   if f["magnitude_suffices_ks"] else "")
+                + ".")
+    if f["sfa"] is not None:
+        s = f["sfa"]
+        text.append(f"With SFA (β = {s['beta']:g}) as the base at the biased k = {s['k']:g}, the loss "
+                    + (f"still exploded, at step {s['explosion step']:,} against "
+                       f"{', '.join(f'{x:,}' for x in s['without_sfa'])} without SFA: SFA removes the ties, not a "
+                       "δ error injected by hand" if s["exploded"] else "did not explode")
+                    + ".")
+    return " ".join(text)
+
+
+def dose_note(table: pd.DataFrame | None, fits: dict, runs: dict, verdicts: dict, repro_runs: dict | None = None,
+              criterion: ExplosionCriterion = ExplosionCriterion(),
+              compile_throughput: str = "compile_throughput") -> str:
+    """The dose ladder's extrapolation to k = 1 in words (Markdown): :func:`extrapolation_text` of the explosion and
+    runaway ``fits`` (:func:`dose_ladder`) in steps, tokens and GPU-minutes at the committed compiled speed, the
+    undosed `repro` BF16 twin's runaway (``repro_runs``), the spread of the seeds, and the Fig. 2 twins' ``verdicts``
+    (the paper-recipe BF16 run exploded at dose 1). Empty without a dose ``table``."""
+    if table is None:
+        return ""
+    rv = ({label: run_verdict(d, criterion) for label, d in repro_runs.items()} if repro_runs
+          else {"bf16": {"runaway_step": None}})
+    dconf = Run(runs["bias_x64"]).train
+    tps = committed_speed(compile_throughput).loc["compiled", "median tokens/s"]
+    per_min = tps * 60 / tokens_per_step(dconf)
+    ladder = table[(table["sign"] == "bias") & (table["base"] == "paper_untiled")]
+    spread = ladder.groupby("k")["explosion step"].agg(
+        lambda s: s.max() / s.min() if s.notna().sum() > 1 else None).dropna()
+    return (f"**Extrapolating to k = 1.** "
+            f"{extrapolation_text(fits['explosion step'], tokens_per_step(dconf), per_min)} "
+            "The logit runaway, the precursor, comes earlier and lines up better: "
+            f"{extrapolation_text(fits['runaway step'], tokens_per_step(dconf), per_min)} "
+            + (f"The undosed `repro` BF16 twin ran away at step {rv['bf16']['runaway_step']:,} in its "
+               f"{rv['bf16']['steps']:,}-step run (above). " if rv["bf16"]["runaway_step"] else "")
+            + f"(GPU-minutes for one `{dconf['model']}` run alone on an H200, compiled, "
+            f"`results/{compile_throughput}`.) "
+            f"The seeds at k = {', '.join(f'{k:g}' for k in spread.index)} spread by up to {spread.max():.1f}× in the "
+            "explosion step, so single runs at small doses say little; "
+            + (f"the paper-recipe BF16 twin needs no extrapolation: it exploded at dose 1, at step "
+               f"{verdicts['bf16']['explosion_step']:,}."
+               if verdicts["bf16"]["exploded"] and not verdicts["fp32"]["exploded"] else
+               "the paper-recipe twins did not give a BF16-only explosion either."))
+
+
+def dose_summary(table: pd.DataFrame, fit: dict) -> dict:
+    """The dose ladder's numbers as plain values (None where no run qualifies, NaN where the fit has none), over the
+    rows on the fit's ``base`` (else the table's commonest): ``base``; ``biased_runs``, ``biased_exploded``,
+    ``biased_failed``; ``smallest_biased_k_exploded``, ``smallest_biased_k_failed``; ``control_runs``,
+    ``control_failed``, ``control_exploded``, ``any_control_failed``; ``largest_control_k`` and its mean
+    ``largest_control_k_final_eval_loss``; and from ``fit``: ``slope``, ``slope_se``, ``n_fit``, ``predicted_at_1``
+    with its 95% and 68% bounds (``predicted_at_1_low_95``, ``..._high_95``, ``..._low_68``, ``..._high_68``)."""
+    base = fit.get("base") or _main_base(table)
+    ladder = table[table["base"] == base]
+    bias, control = ladder[ladder["sign"] == "bias"], ladder[ladder["sign"] == "control"]
+    bias_failed, control_failed = bias[~bias["censored"]], control[~control["censored"]]
+    largest = float(control["k"].max()) if len(control) else None
+    return {
+        "base": base,
+        "biased_runs": len(bias), "biased_exploded": int(bias["exploded"].sum()), "biased_failed": len(bias_failed),
+        "smallest_biased_k_exploded": float(bias.loc[bias["exploded"], "k"].min()) if bias["exploded"].any() else None,
+        "smallest_biased_k_failed": float(bias_failed["k"].min()) if len(bias_failed) else None,
+        "control_runs": len(control), "control_failed": len(control_failed),
+        "control_exploded": int(control["exploded"].sum()), "any_control_failed": bool(len(control_failed)),
+        "largest_control_k": largest,
+        "largest_control_k_final_eval_loss": (float(control.loc[control["k"] == largest, "final eval loss"].mean())
+                                              if largest is not None else None),
+        "slope": float(fit["slope"]), "slope_se": float(fit["slope_se"]), "n_fit": int(fit["n"]),
+        "predicted_at_1": float(fit["predicted_at_1"]),
+        "predicted_at_1_low_95": float(fit["interval_95"][0]), "predicted_at_1_high_95": float(fit["interval_95"][1]),
+        "predicted_at_1_low_68": float(fit["interval_68"][0]), "predicted_at_1_high_68": float(fit["interval_68"][1]),
+    }
+
+
+def _main_base(table: pd.DataFrame) -> str | None:
+    """The ladder's base: the commonest ``base`` of the table (the first of them on a tie)."""
+    return str(table["base"].mode().iloc[0]) if len(table) else None
+
+
+def _groups(table: pd.DataFrame) -> dict:
+    """``{(sign, base): (label, colour, marker, filled, dodge)}``: biased runs on the ladder's base (the commonest
+    base) filled vermillion circles (the book's BF16 colour), controls hollow reddish-purple squares, other bases
+    filled diamonds in their own colour (SFA green, FP32 blue, as elsewhere in the book), "undosed" where k = 1."""
+    pal = sns.color_palette("colorblind").as_hex()
+    main = _main_base(table)
+    by_base = {"sfa": pal[2], "fp32": pal[0]}
+    spare = iter([pal[1], pal[5], pal[7], pal[9], pal[8]])
+    out = {}
+    for sign, base in dict.fromkeys(zip(table["sign"], table["base"])):
+        if base == main:
+            out[sign, base] = (("biased δ error (its BF16 sign kept)", pal[3], "o", True, 1.0) if sign == "bias"
+                               else ("control (a random sign per row)", pal[4], "s", False, DODGE["control"]))
+            continue
+        colour = next((c for key, c in by_base.items() if key in base), None) or next(spare, pal[7])
+        undosed = sign == "bias" and (table.loc[(table["sign"] == sign) & (table["base"] == base), "k"] == 1).all()
+        label = f"{base}, " + ("undosed" if undosed else "biased δ error" if sign == "bias" else "control")
+        out[sign, base] = (label, colour, "D", sign == "bias", DODGE["other"])
+    return out
+
+
+def plot_dose_response(table: pd.DataFrame, fit: dict | None = None, ax=None, what: str = "failure step",
+                       affordable_steps: float | None = None):
+    """Step of failure (``what``) against dose k on log-log axes, one point per run of ``table``
+    (:func:`lpfa.dose.dose_table`): biased runs filled, controls hollow, a run where ``what`` did not happen at its
+    length as an upward triangle, seeds at one dose joined over their min–max, controls and other bases dodged
+    (:data:`DODGE`). With ``fit`` (:func:`lpfa.dose.fit_dose_response`): the fitted line, dashed on to k = 1, and its
+    95% prediction band; ``affordable_steps``: a dotted "one GPU run". Returns the Figure (6.4 × 4.6 in)."""
+    use_style()
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.6))
+    groups = _groups(table)
+    y = pd.to_numeric(table[what], errors="coerce").astype(float)
+    censored = y.isna()
+    shown = y.where(~censored, table["steps"].astype(float))  # a censored run at its length: a lower bound
+    handles, any_censored, any_spread = [], False, False
+    for (sign, base), (label, colour, marker, filled, dodge) in groups.items():
+        g = table.index[(table["sign"] == sign) & (table["base"] == base)]
+        face = colour if filled else "none"
+        for k, at_k in table.loc[g].groupby("k").groups.items():
+            if len(at_k) > 1:
+                ax.vlines(k * dodge, shown[at_k].min(), shown[at_k].max(), color=colour, lw=1.2, alpha=0.7, zorder=2)
+                any_spread = True
+        ok, cens = g[~censored[g]], g[censored[g]]
+        style = dict(ls="none", mec=colour, mfc=face, mew=1.5, zorder=3)
+        ax.plot(table.loc[ok, "k"] * dodge, shown[ok], marker=marker, ms=7, **style)
+        ax.plot(table.loc[cens, "k"] * dodge, shown[cens], marker="^", ms=8, **style)
+        any_censored |= len(cens) > 0
+        handles.append(Line2D([], [], ls="none", marker=marker, ms=7, mec=colour, mfc=face, mew=1.5, label=label))
+    if any_censored:
+        event = what.replace(" step", "")
+        handles.append(Line2D([], [], ls="none", marker="^", ms=8, mec="0.3", mfc="none", mew=1.5,
+                              label=CENSORED_LABEL if event == "failure" else f"no {event} by the end of the run"))
+    if any_spread:
+        handles.append(Line2D([], [], color="0.3", lw=1.2, label="several seeds: min–max"))
+
+    k_lo = 1.0
+    if fit is not None and fit["n"] and math.isfinite(fit["slope"]):
+        colour = groups.get((fit["sign"], fit["base"] or _main_base(table)), (None, "0.2"))[1]
+        k_lo = min(k_lo, fit["k_min"])
+        band = np.geomspace(k_lo, fit["k_max"], 100)
+        lo, hi = np.array([predict(fit, k)[1:] for k in band]).T
+        ax.fill_between(band, lo, hi, color=colour, alpha=0.15, lw=0, zorder=1)
+        fitted, extrapolated = np.geomspace(fit["k_min"], fit["k_max"], 50), np.geomspace(k_lo, fit["k_min"], 50)
+        for ks, ls in ((fitted, "-"), (extrapolated, "--")):
+            ax.plot(ks, [predict(fit, k)[0] for k in ks], color=colour, lw=1.5, ls=ls, zorder=2)
+        exponent = f"{fit['slope']:.2f}".replace("-", "−")
+        handles.append(Line2D([], [], color=colour, lw=1.5,
+                              label=f"fit: step ∝ k$^{{{exponent}}}$ (n = {fit['n']}); dashed: extrapolated"))
+        handles.append(plt.Rectangle((0, 0), 1, 1, color=colour, alpha=0.15, lw=0, label="95% prediction interval"))
+    if affordable_steps:
+        ax.axhline(affordable_steps, color="black", ls=":", lw=1.2, zorder=1)
+        handles.append(Line2D([], [], color="black", ls=":", lw=1.2, label="one GPU run"))
+
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    doses = sorted({*table["k"][table["k"] > 0].tolist(), 1.0})
+    ax.set_xlim(min(doses + [k_lo]) / 1.5, max(doses) * 1.5)
+    ax.xaxis.set_major_locator(FixedLocator(doses))
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xticklabels([f"{k:g}" for k in doses])
+    ax.tick_params(labelsize=9)
+    ax.set_xlabel(f"dose k (× layer-{table.attrs.get('layer', 1)} δ error)")
+    ax.set_ylabel("step of " + what.replace(" step", ""))
+    ax.legend(handles=handles, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    return ax.figure
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# what a longer run costs
+
+
+def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, target_steps: int = 30_000,
+              compile_throughput: str = "compile_throughput", throughput: str = "train_throughput",
+              root=None) -> str:
+    """What a longer reproduction costs (Markdown): ``target_steps`` of the `repro` BF16 twin (``repro_runs``; the
+    ``repro`` preset without) at the eager and compiled ``speeds`` (:func:`lpfa.scaling.committed_speed`), and the
+    paper's explosion (:data:`lpfa.scaling.PAPER_EXPLOSION_STEP`) in GPU-hours at the `paper` policy's committed
+    GPT-2 S speed (``results/<throughput>``), against the wall time of the Fig. 2 BF16 twin (``runs``)."""
+    t = Run(repro_runs["bf16"]).train if repro_runs else PRESETS["repro"]
+    minutes = {k: wall_minutes(target_steps, v, t) for k, v in speeds["median tokens/s"].items()}
+    g_tps = json.loads((run_dir(throughput, None, root) / "summary.json").read_text())["backends"]["lpfa_paper"][
+        "tokens_per_s"]
+    gp, pp = PRESETS["gpt2-s"], PRESETS["gpt2-s-paper"]
+    conf = Run(runs["bf16"]).train
+    return (
+        f"**What a longer reproduction costs.** One `{t['model']}` run alone on an H200 trains at "
+        f"{speeds.loc['eager', 'median tokens/s']:,.0f} tokens/s eager and "
+        f"{speeds.loc['compiled', 'median tokens/s']:,.0f} with `compile=true` "
+        f"(×{speeds.loc['compiled', 'ratio']:.2f}, "
+        f"`results/{compile_throughput}`), i.e. {target_steps:,} steps in about {minutes['eager']:.0f} or "
+        f"{minutes['compiled']:.0f} minutes. Runs sharing a GPU gain no total throughput, so give each run its own "
+        "GPU: "
+        "`PHASE=start EXPERIMENT=twins BUDGET=... bash scripts/gpu/twins.sh` places them round-robin on the machine's "
+        "GPUs (`--gpus`), or `rerun=True` on this page.\n\n"
+        f"**The paper's scale.** The paper's recipe (`gpt2-s-paper`: GPT-2 small, T = {pp['block_size']}, "
+        f"{tokens_per_step(pp):,} tokens/step, peak lr {pp['lr']:g}, {pp['warmup_steps']:,} warmup steps) explodes "
+        f"after about {PAPER_EXPLOSION_STEP:,} steps, {paper_explosion_tokens() / 1e9:.1f}B tokens. With the `paper` "
+        f"policy at {g_tps:,.0f} tokens/s on one H200 (GPT-2 S, eager, `results/{throughput}`), one such run takes "
+        f"{paper_explosion_tokens() / g_tps / 3600:.1f} GPU-hours, and a BF16/FP32/SFA set "
+        f"{3 * paper_explosion_tokens() / g_tps / 3600:.0f}, on a nanoGPT-prepared OpenWebText (`data=` a folder with "
+        f"train.bin, val.bin). Our paper-recipe BF16 twin reached its explosion in "
+        f"{Run(runs['bf16']).summary['wall_s'] / 60:.0f} minutes at {tokens_per_step(conf):,} tokens/step. The "
+        f"`gpt2-s` preset is a cheaper proxy, not the paper's setting: {tokens_per_step(gp):,} tokens/step and "
+        f"nanoGPT's lr {gp['lr']:g}.")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# How often: every committed run of the recipe, BF16 against FP32, as a survival curve
+
+RECIPE = "gpt2-s-paper"
+# a run of the recipe carries no change of the model, the optimizer or the attention's rounding but its precision
+UNCHANGED = {"optimizer": "adamw", "qk_norm": False, "gated_attn": False, "qk_clip": 0.0, "delta_dose": 1.0,
+             "layer_policies": {}, "fp32_heads": {}, "sr_reseed": False}
+PRECISION_OF = {("lpfa", "paper"): "bf16", ("sdpa_fp32", None): "fp32", ("lpfa", "fp32_split"): "fp32"}
+
+
+def recipe_fates(root=None) -> pd.DataFrame:
+    """Every committed run of the paper's GPT-2 S recipe with the paper's BF16 attention or FP32 attention and nothing
+    else changed (:data:`UNCHANGED`), one row each (``experiment/run/label``): ``precision``, ``seed``, ``compiled``,
+    ``steps``, ``exploded``, ``explosion step``, ``runaway step`` (:meth:`lpfa.run.Run.verdict`), and ``end``: the
+    explosion step, or the last step of a run that did not explode (its censoring step)."""
+    base = Path(root) if root else results_dir()
+    rows = []
+    for conf in sorted(base.glob("*/*/*/config.json")):
+        run = Run(conf.parent)
+        t = run.train
+        if any(t.get(k, v) != v for k, v in UNCHANGED.items()) or setting_of(t) != setting_of(PRESETS[RECIPE]):
+            continue
+        precision = (PRECISION_OF.get((t.get("attn_backend"), t.get("attn_policy")))
+                     or PRECISION_OF.get((t.get("attn_backend"), None)))
+        if precision is None:
+            continue
+        v = run.verdict()
+        rows.append({"run": f"{conf.parent.parent.parent.name}/{conf.parent.parent.name}/{conf.parent.name}",
+                     "precision": precision, "seed": t["seed"], "compiled": bool(t.get("compile")), "steps": v["steps"],
+                     "exploded": bool(v["exploded"]), "explosion step": v["explosion_step"],
+                     "runaway step": v.get("runaway_step"),
+                     "end": v["explosion_step"] if v["exploded"] else v["steps"]})
+    return pd.DataFrame(rows).set_index("run") if rows else pd.DataFrame()
+
+
+def fate_counts(fates: pd.DataFrame) -> str:
+    """:func:`recipe_fates` in one clause: in how many BF16 and FP32 runs (over how many seeds) the loss exploded,
+    at which steps; the page's lead and the scorecard's Fig. 2 row both say it so."""
+    count = {p: (int(g.exploded.sum()), len(g), g.seed.nunique()) for p, g in fates.groupby("precision")}
+    (kb, nb, sb), (kf, nf, sf) = count.get("bf16", (0, 0, 0)), count.get("fp32", (0, 0, 0))
+    steps = sorted(int(x) for x in fates[fates.precision == "bf16"]["explosion step"].dropna())
+    fp32 = fates[fates.precision == "fp32"]
+    return (f"the loss exploded in {kb} of {nb} BF16 runs of the recipe ({sb} seeds"
+            + (f"; at steps {', '.join(f'{x:,}' for x in steps)}" if steps else "")
+            + f") and in {kf} of {nf} FP32 runs ({sf} seeds"
+            + (f"; {fp32.steps.min():,} to {fp32.steps.max():,} steps" if len(fp32) else "") + ")")
+
+
+def survival_table(fates: pd.DataFrame) -> pd.DataFrame:
+    """The Kaplan–Meier curve of :func:`recipe_fates` per precision (:func:`lpfa.survival.kaplan_meier`), with a last
+    row at the longest run's end so that a curve without failures is drawn to where the runs stopped."""
+    out = []
+    for precision, g in fates.groupby("precision"):
+        km = kaplan_meier(g["end"].to_numpy(), g["exploded"].to_numpy())
+        end = {"step": int(g["end"].max()), "at_risk": int((g["end"] >= g["end"].max()).sum()), "failed": 0,
+               "survival": float(km["survival"].iloc[-1])}
+        out.append(pd.concat([km, pd.DataFrame([end])], ignore_index=True).assign(precision=precision))
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=["step", "survival", "precision"])
+
+
+def plot_survival(fates: pd.DataFrame):
+    """The fraction of runs whose loss has not exploded against the training step, BF16 and FP32 on one plot
+    (Kaplan–Meier; a tick marks where a run stopped without exploding)."""
+    use_style()
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    km = survival_table(fates)
+    for precision, g in km.groupby("precision"):
+        color = color_of(precision)
+        n = int((fates.precision == precision).sum())
+        ax.step(g["step"], g["survival"], where="post", color=color, ls=dash_of(precision),
+                label=f"{precision.upper()} attention ({n} runs)")
+        stops = fates[(fates.precision == precision) & ~fates.exploded]
+        for end in stops["end"]:
+            s = g[g["step"] <= end]["survival"].iloc[-1]
+            ax.plot([end], [s], marker="|", ms=12, mew=2, color=color)
+    ax.set_ylim(-0.03, 1.05)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("fraction of runs\nnot yet exploded")
+    ax.set_title("the paper's GPT-2 S recipe, every committed run (| : stopped without exploding)", fontsize=10)
+    ax.legend(loc="lower left", fontsize=9)
+    return fig
+
+
+def survival_text(fates: pd.DataFrame, horizon: int = 6000) -> str:
+    """How often the recipe's loss exploded, per precision: k of n runs within ``horizon`` steps with the exact 95%
+    interval (:func:`lpfa.survival.clopper_pearson`; runs that stopped sooner are left out,
+    :func:`lpfa.survival.failed_within`), the seeds, the explosion steps and the runs that stopped without one."""
+    if fates.empty:
+        return "No run of the paper's GPT-2 S recipe is committed."
     parts = []
-    for (exp, label), r in boom.iterrows():
-        twin = "" if r["fp32 twin exploded"] is None else (", its FP32 twin too" if r["fp32 twin exploded"] else
-                                                           ", its FP32 twin not")
-        parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
-    return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."
+    for precision in ("bf16", "fp32"):
+        g = fates[fates.precision == precision]
+        if g.empty:
+            continue
+        k, n = failed_within(g["end"], g["exploded"], horizon)
+        seeds = sorted(set(g["seed"]))
+        boom = sorted(int(s) for s in g["explosion step"].dropna())
+        quiet = g[~g.exploded]
+        ci = clopper_pearson(k, n) if n else None
+        parts.append(
+            f"**{precision.upper()} attention: the loss exploded in {k} of {n} runs** within {horizon:,} steps"
+            + (f" (95% interval {ci[0]:.0%}–{ci[1]:.0%})" if ci else "")
+            + f", over {len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
+            + (f"; at steps {', '.join(f'{s:,}' for s in boom)}" if boom else "")
+            + ("; " + and_join([f"`{r.split('/')[-1]}` (seed {row.seed}, {'compiled' if row.compiled else 'eager'}) "
+                                f"ran {row.steps:,} steps without exploding" for r, row in quiet.iterrows()])
+               if len(quiet) else "") + ".")
+    return " ".join(parts)
+
+
+def batch_text(conf: dict, explosion_step: int | None, horizon: int = 6000) -> str:
+    """What the smaller batch changes (Markdown), from the BF16 run's config ``conf`` against the paper's recipe:
+    optimizer steps per token, the tokens the warmup spans, the gradient noise per step (its variance goes as one
+    over the batch), and how many times the corpus has been seen by the explosion and by step ``horizon``."""
+    paper, ours = tokens_per_step(PRESETS[RECIPE]), tokens_per_step(conf)
+    ratio = paper / ours
+    warm = conf["warmup_steps"]
+    epochs = {s: s * ours / GPU_CORPUS_TRAIN_TOKENS for s in (explosion_step, horizon) if s}
+    return (f"The smaller batch is not a free change. At {ours:,} tokens per step the run takes {ratio:.0f}× more "
+            f"optimizer steps per token than the paper's {paper:,}; its {warm:,} warmup steps span "
+            f"{warm * ours / 1e6:.0f}M tokens instead of {warm * paper / 1e9:.2f}B, so the peak learning rate arrives "
+            f"after {ratio:.0f}× less data; each step's gradient is an average over {ratio:.0f}× fewer tokens, so its "
+            f"noise variance is about {ratio:.0f}× larger; and the {GPU_CORPUS_TRAIN_TOKENS / 1e6:.1f}M-token corpus "
+            "is seen "
+            + (f"{epochs[explosion_step]:.1f} times by the explosion at step {explosion_step:,} and " if explosion_step
+               else "")
+            + f"{epochs[horizon]:.1f} times by step {horizon:,}. A run that "
+            "repeats its corpus can memorise it: wherever FP32 and BF16 runs are compared by loss, the evaluation loss "
+            "on held-out text is the one to read.")

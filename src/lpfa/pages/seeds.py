@@ -1,6 +1,60 @@
-"""Page 11, seeds: the spread of the failure over seeds of data order and initialisation."""
+"""Page 11, seeds: the spread of the failure over seeds of data order and initialisation.
+
+The runs are the BF16 and FP32 twins of :data:`lpfa.experiments.SEEDS` and, for seed 1337, the eager twins of the
+loss-explosion page and the compiled ``bf16``/``fp32`` rows of the isolation table. Each is judged against the run its
+experiment defines for it (:attr:`lpfa.experiments.Row.reference`: the FP32 run of the same seed and settings) by the
+verdicts of :func:`lpfa.compare.experiment_table`: explosion, logit runaway, precursor.
+"""
 
 from __future__ import annotations
+
+import pandas as pd
+
+from lpfa.experiments import SEEDS
+from lpfa.experiments import rows as design_rows
+from lpfa.pages.loss_explosion import fate_counts, recipe_fates
+from lpfa.results import experiment_rows, run_dir
+from lpfa.results import runs as launches
+from lpfa.scaling import committed_speed, wall_minutes
+from lpfa.train import PRESETS
+
+SEED_COLUMNS = ["attention", "seed", "compiled", "outcome", "precursor from", "steps", "explosion step", "runaway step",
+                "runaway layer", "final eval loss"]  # page 11's table: the columns of experiment_table it shows
+SEED_1337 = {"eager": ("twins", "_s1337"), "compiled": ("isolation", "_s1337_compiled")}  # (experiment, label suffix)
+
+
+def seeds_committed(experiment: str = "seeds", root=None) -> bool:
+    """Whether ``results/<experiment>`` holds at least one run folder."""
+    try:
+        return bool(launches(experiment, root))
+    except FileNotFoundError:
+        return False
+
+
+def seed_runs(experiment: str = "seeds", run=None, reference: str = "repro_pair",
+              compiled_reference: str = "isolation", root=None) -> tuple[dict, dict]:
+    """Page 11's runs and what each is judged against. Returns ``(runs, references)``, both ``{label: run folder}``:
+    the ``bf16``/``fp32`` runs of the latest ``reference`` launch (the twins experiment, eager; labels ``_s1337``), the
+    committed ``bf16``/``fp32`` rows of ``compiled_reference`` (the isolation experiment; ``_s1337_compiled``) and the
+    :data:`lpfa.experiments.SEEDS` rows of ``run`` of ``experiment`` (default the latest, if any), each with its
+    :attr:`lpfa.experiments.Row.reference` under the same suffix (a reference row is its own)."""
+    pair = run_dir(reference, root=root)
+    sources = [(*SEED_1337["eager"], {m: pair / m for m in ("bf16", "fp32")}),
+               (*SEED_1337["compiled"], experiment_rows(compiled_reference, ["bf16", "fp32"], root=root))]
+    if seeds_committed(experiment, root):
+        folder = run_dir(experiment, run, root)
+        sources.append(("seeds", "", {label: folder / label for label in SEEDS if (folder / label).is_dir()}))
+    runs, twin = {}, {}
+    for design, suffix, folders in sources:
+        rows = design_rows(design)
+        for label, d in folders.items():
+            runs[label + suffix] = d
+            twin[label + suffix] = (rows[label].reference or label) + suffix
+    missing = sorted(f"{ref} (for {label})" for label, ref in twin.items() if ref not in runs)
+    if missing:
+        raise FileNotFoundError(f"reference runs {', '.join(missing)} are not committed: expected each row's "
+                                "lpfa.experiments reference next to it")
+    return runs, {label: runs[ref] for label, ref in twin.items()}
 
 
 def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
@@ -8,8 +62,6 @@ def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
     ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run;
     when the table has a ``precursor from`` column (:func:`experiment_table` with a reference), also how many
     showed the precursor or worse and the spread of the precursor steps."""
-    import pandas as pd
-
     rows = {}
     for m, g in table.groupby([mode(label) for label in table.index]):
         ra = pd.to_numeric(g["runaway step"], errors="coerce").dropna()
@@ -19,7 +71,8 @@ def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
         if "precursor from" in g:
             pre = pd.to_numeric(g["precursor from"], errors="coerce").dropna()
             row.update({"precursor or worse": int(g["outcome"].isin(["precursor", "ran away", "exploded"]).sum()),
-                        "first precursor": pre.min() if len(pre) else None, "last precursor": pre.max() if len(pre) else None})
+                        "first precursor": pre.min() if len(pre) else None,
+                        "last precursor": pre.max() if len(pre) else None})
         rows[m] = {**row, "fewest steps run": int(g["steps"].min())}
     return pd.DataFrame(rows).T
 
@@ -29,8 +82,6 @@ def seed_spread_text(summary, table) -> str:
     and showed the precursor or worse, with the spread of those steps; and, where every BF16 run shows the precursor
     and no FP32 run does, how many BF16 runs ran away within the steps all of them reached and how far apart the
     precursor starts (``table``: the :func:`experiment_table` the summary came from)."""
-    import pandas as pd
-
     lines = []
     for m, r in summary.iterrows():
         line = f"* **{m}**: of {int(r['runs'])} runs, {int(r['exploded'])} exploded and {int(r['ran away'])} ran away"
@@ -38,18 +89,49 @@ def seed_spread_text(summary, table) -> str:
             line += f" (steps {int(r['first runaway']):,} to {int(r['last runaway']):,})"
         line += f"; {int(r['precursor or worse'])} showed the precursor or worse"
         if r["precursor or worse"]:
-            line += f", the precursor starting between steps {int(r['first precursor']):,} and {int(r['last precursor']):,}"
+            line += (f", the precursor starting between steps {int(r['first precursor']):,} and "
+                     f"{int(r['last precursor']):,}")
         lines.append(line + f". Every run trained at least {int(r['fewest steps run']):,} steps.")
     text = "**Measured.**\n\n" + "\n".join(lines)
     bf16, fp32 = summary.loc["bf16"], summary.loc["fp32"]
     if bf16["precursor or worse"] == bf16["runs"] and fp32["precursor or worse"] == 0:
         horizon = int(bf16["fewest steps run"])  # the steps every BF16 run reached
         early = table[pd.to_numeric(table["runaway step"], errors="coerce") < horizon]
-        s1337 = ", ".join(f"step {table.loc[label, 'precursor from']:,} {'compiled' if table.loc[label, 'compiled'] else 'eager'}"
+        s1337 = ", ".join(f"step {table.loc[label, 'precursor from']:,} "
+                          f"{'compiled' if table.loc[label, 'compiled'] else 'eager'}"
                           for label in table.index if label.startswith("bf16_s1337"))
-        text += (f"\n\nWithin the first {horizon:,} steps, {len(early)} of the {int(table.index.str.startswith('bf16').sum())} "
-                 "BF16 runs ran away; the others showed the precursor and may run away later. The precursor starts over a span "
-                 f"of {int(bf16['last precursor'] - bf16['first precursor']):,} steps across these runs (seed 1337: {s1337}), so "
-                 "a single trajectory (the paper's) says little about when; that every BF16 run shows it and no FP32 run does is "
-                 "the robust part.")
+        text += (f"\n\nWithin the first {horizon:,} steps, {len(early)} of the "
+                 f"{int(table.index.str.startswith('bf16').sum())} BF16 runs ran away; the others showed the precursor "
+                 "and may run away later. The precursor starts over a span of "
+                 f"{int(bf16['last precursor'] - bf16['first precursor']):,} steps across these runs (seed 1337: "
+                 f"{s1337}), so a single trajectory (the paper's) says little about when; that every BF16 run shows it "
+                 "and no FP32 run does is the robust part.")
     return text
+
+
+def seeds_plan(experiment: str = "seeds", planned_steps: int = 8_000, gpus: int = 4, root=None) -> str:
+    """Page 11's next step while ``results/<experiment>`` holds no run: the runs of :data:`lpfa.experiments.SEEDS`, the
+    minutes of ``planned_steps`` steps each on ``gpus`` GPUs at the committed compiled speed
+    (:func:`lpfa.scaling.committed_speed`), and the command; "" once a run is committed."""
+    if planned_steps < 1 or gpus < 1:
+        raise ValueError(f"planned_steps={planned_steps}, gpus={gpus}: expected both >= 1")
+    if seeds_committed(experiment, root):
+        return ""
+    tps = committed_speed().loc["compiled", "median tokens/s"]
+    minutes = wall_minutes(planned_steps, tps, PRESETS["repro"], runs=len(SEEDS), gpus=gpus)
+    return (f"**Not run yet**: only seed 1337 is in the table. The {len(SEEDS)} runs of `lpfa.experiments.SEEDS` "
+            f"({', '.join(SEEDS)}) at {planned_steps:,} steps each take about {minutes:.0f} minutes on {gpus} H200s "
+            f"with `compile=true`:\n\n`EXPERIMENT=seeds NAME=seeds EXTRA=\"compile=true max_steps={planned_steps}\" "
+            "REPLAY=0 PHASE=start BUDGET=... WAIT=... bash scripts/gpu/twins.sh`, then `PHASE=wait` and "
+            "`PHASE=finish`.")
+
+
+def recipe_text(root=None) -> str:
+    """The page's lead: how often the loss exploded at the paper's GPT-2 S recipe (:func:`lpfa.pages.loss_explosion
+    .fate_counts`, where the survival curve is drawn), before the seeds of the smaller `repro` preset below."""
+    fates = recipe_fates(root)
+    if fates.empty:
+        return "No run of the paper's GPT-2 S recipe is committed yet; the seeds below are of the `repro` preset."
+    return (f"**At the paper's GPT-2 S recipe, {fate_counts(fates)}** ({{doc}}`06_loss_explosion` draws them as a "
+            "survival curve). The seeds below are of the smaller `repro` preset: they measure how the failure and its "
+            "precursor move with the seed there.")

@@ -1,20 +1,52 @@
-"""Page 07, W_Q spectral norms (Figs. 3, 11): per-head norms before the failure and their growth against the FP32 twin."""
+"""Page 07, W_Q spectral norms (Figs. 3, 11): per-head ‖W_Q[h]‖₂ of the paper's recipe twins before the BF16 run's loss
+explosion, their growth over training, and how far the BF16 run's layer parts from its FP32 twin's.
+
+The paper finds the norm growing in a few heads of one early layer of the failing run only (Fig. 3, and Fig. 11 over
+training): the biased δ of the tied rows (Eq. 3) pushes W_Q along one direction step after step. Here every head's
+norm is read from the diagnostics ``lpfa.train`` logs every ``diag_interval`` steps (:func:`head_metric_frame`), and
+the BF16 run is held against its FP32 twin of the same seed and data.
+"""
 
 from __future__ import annotations
 
-from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer_max
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
 
+from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer_max
+from lpfa.pages.loss_explosion import recipe_rows
+from lpfa.plotting import color_of, use_style
+from lpfa.results import run_dir
+from lpfa.scaling import first_difference
+
+
+def recipe_twins(experiment: str, run: str | None, twins: dict) -> dict:
+    """``{label: run folder}`` of ``twins`` (``{label: twin folder name}``) among the committed runs of ``experiment``
+    (:func:`lpfa.pages.loss_explosion.recipe_rows`: each twin from the latest run folder that has it, or from run folder
+    ``run``). Raises ValueError naming the twins that are missing and the runs there are."""
+    rows = recipe_rows(experiment, run)
+    missing = sorted(set(twins.values()) - set(rows))
+    if missing:
+        raise ValueError(f"twins={twins!r}: {missing} not among the committed runs of {experiment!r}: {sorted(rows)}")
+    return {label: rows[name] for label, name in twins.items()}
+
+
+def short_twins(short_experiment: str, twins: dict, runs: dict) -> tuple[dict | None, dict | None]:
+    """The same twins in a shorter experiment of the same preset, seed and labels, for :func:`wq_comparison_text`:
+    ``(short, same)``, ``short`` the ``{"bf16": folder, "fp32": folder}`` of its latest run folder (named as in
+    ``twins``), ``same`` each pair's :func:`lpfa.scaling.first_difference` against ``runs`` (how many of their losses
+    are bit-identical); ``(None, None)`` when ``short_experiment`` is "" (no such comparison)."""
+    if not short_experiment:
+        return None, None
+    folder = run_dir(short_experiment, None)
+    short = {label: folder / twins[label] for label in ("bf16", "fp32")}
+    return short, {label: first_difference(runs[label], short[label]) for label in ("bf16", "fp32")}
 
 def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral_norm", ax=None):
-    """Fig. 3 as the paper draws it: ``metric`` of every head of ``layer`` at ``step``, one bar per (head, run), each run
-    in its mode's colour (:data:`lpfa.plotting.COLORS`), with hatching for the low-precision runs so that BF16 and FP32
-    differ by more than colour."""
-    import matplotlib.pyplot as plt
-    import pandas as pd
-    import seaborn as sns
-
-    from lpfa.plotting import color_of
-
+    """Fig. 3 as the paper draws it: ``metric`` of every head of ``layer`` at ``step``, one bar per (head, run), each
+    run in its mode's colour (:data:`lpfa.plotting.COLORS`), with hatching for the low-precision runs so that BF16 and
+    FP32 differ by more than colour."""
+    use_style()
     rows = []
     for label, d in runs.items():
         f = head_metric_frame(d, metric)
@@ -27,7 +59,8 @@ def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral
     if ax is None:
         _, ax = plt.subplots(figsize=(7.5, 3.4))
     palette = {label: color_of(label) for label in runs}
-    sns.barplot(frame, x="head", y="value", hue="run", palette=palette, ax=ax, edgecolor="black", linewidth=0.4, saturation=1)
+    sns.barplot(frame, x="head", y="value", hue="run", palette=palette, ax=ax, edgecolor="black", linewidth=0.4,
+                saturation=1)
     for bars, label in zip(ax.containers, runs):
         if not label.startswith("fp32"):
             for bar in bars:
@@ -39,7 +72,43 @@ def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral
     return ax.figure
 
 
-def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: str = "fp32", grown: float = 1.25) -> str:
+def plot_layer_max(runs: dict):
+    """Fig. 11 per layer: each run's (``{label: run folder}``) largest ‖W_Q[h]‖₂ over the heads of each layer against
+    the step, one panel per run, one line per layer."""
+    use_style()
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
+    for ax, (label, d) in zip(axes[0], runs.items()):
+        f = head_metric_frame(d, "wq_spectral_norm").groupby(["step", "layer"]).value.max().unstack()
+        for lay in f.columns:
+            ax.plot(f.index, f[lay], lw=1.2, label=f"layer {lay}")
+        ax.set_title(f"{label}: largest head norm per layer", fontsize=10)
+        ax.set_xlabel("step")
+    axes[0, 0].set_ylabel("max over heads of ‖W_Q[h]‖₂")
+    axes[0, -1].legend(fontsize=9, ncol=2)
+    return fig
+
+
+def plot_layer_heads(runs: dict, layer: int):
+    """Fig. 11 per head: ‖W_Q[h]‖₂ of every head of ``layer`` against the step, one panel per run (``{label: run
+    folder}``), one line per head; a ValueError where a run did not log ``layer``."""
+    frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
+    for label, f in frames.items():
+        if layer not in set(f.layer):
+            raise ValueError(f"layer={layer!r}: expected a layer that run {label!r} logged, 0 to {int(f.layer.max())}")
+    use_style()
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
+    for ax, (label, f) in zip(axes[0], frames.items()):
+        for h, g in f[f.layer == layer].groupby("head"):
+            ax.plot(g.step, g.value, lw=1, label=f"head {h}")
+        ax.set_title(f"{label}: layer {layer}, every head", fontsize=10)
+        ax.set_xlabel("step")
+    axes[0, 0].set_ylabel("‖W_Q[h]‖₂")
+    axes[0, -1].legend(fontsize=9, ncol=2)
+    return fig
+
+
+def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: str = "fp32",
+                  grown: float = 1.25) -> str:
     """Page 07's sentence on Fig. 3: at ``step``, the three heads of ``layer`` with the largest ‖W_Q[h]‖₂ ratio of the
     BF16 run to its FP32 twin, how many heads exceed ``grown``× their twin's, the median ratio, and whether the growth
     is layer-wide (more than half the heads) or carried by a few heads, as in the paper."""
@@ -49,9 +118,9 @@ def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: s
         at[label] = f[(f.layer == layer) & (f.step == step)].set_index("head").value
     top = (at[bf16] / at[fp32]).sort_values(ascending=False)
     n = int((top > grown).sum())
-    return (f"At step {step:,}, layer {layer}'s heads {', '.join(str(h) for h in top.index[:3])} have the largest BF16/FP32 "
-            f"ratios of ‖W_Q[h]‖₂ ({', '.join(f'{r:.1f}×' for r in top.iloc[:3])}); {n} of {len(top)} heads are more than "
-            f"{grown}× their FP32 twin's, and the median ratio is {top.median():.2f}"
+    return (f"At step {step:,}, layer {layer}'s heads {', '.join(str(h) for h in top.index[:3])} have the largest "
+            f"BF16/FP32 ratios of ‖W_Q[h]‖₂ ({', '.join(f'{r:.1f}×' for r in top.iloc[:3])}); {n} of {len(top)} heads "
+            f"are more than {grown}× their FP32 twin's, and the median ratio is {top.median():.2f}"
             + (": the growth is layer-wide here, not confined to a few heads as in the paper." if n > len(top) / 2
                else ": as in the paper, a few heads carry it."))
 
@@ -61,7 +130,8 @@ def _layer_wq_at_common_step(runs: dict, layer: int):
     :func:`head_metric_frame`)."""
     frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
     common = min(int(f.step.max()) for f in frames.values())
-    return common, {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())] for label, f in frames.items()}
+    return common, {label: f[(f.layer == layer) & (f.step == f.step[f.step <= common].max())]
+                    for label, f in frames.items()}
 
 
 def growth_text(runs: dict, layer: int) -> tuple[str, str]:
@@ -71,23 +141,24 @@ def growth_text(runs: dict, layer: int) -> tuple[str, str]:
     g = growth_table(runs)
     items = "\n".join(
         f"* **{r}**: after {int(row['steps'])} steps the fastest-growing head is layer {int(row['layer'])}, head "
-        f"{int(row['head'])} (×{row['growth']:.2f}, {row['wq_spectral_norm first']:.2f} → {row['wq_spectral_norm last']:.2f}); "
-        f"the largest norm anywhere is {row['largest last value']:.2f}." for r, row in g.iterrows())
+        f"{int(row['head'])} (×{row['growth']:.2f}, {row['wq_spectral_norm first']:.2f} → "
+        f"{row['wq_spectral_norm last']:.2f}); the largest norm anywhere is {row['largest last value']:.2f}."
+        for r, row in g.iterrows())
     common, at = _layer_wq_at_common_step(runs, layer)
     sentence = (f"At step {common}, the last step all runs reached, the largest W_Q norm in layer {layer} is "
-                + ", ".join(f"{a.value.max():.2f} in {label} (head {int(a.loc[a.value.idxmax(), 'head'])})" for label, a in at.items())
+                + ", ".join(f"{a.value.max():.2f} in {label} (head {int(a.loc[a.value.idxmax(), 'head'])})"
+                            for label, a in at.items())
                 + ".")
     return items, sentence
 
 
 def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_name: str = "",
                        same: dict | None = None) -> str:
-    """Page 07's comparison with the paper: whether ``layer`` holds each run's fastest-growing head (:func:`growth_table`),
-    the BF16 run's largest layer-``layer`` ‖W_Q‖₂ over the other runs' at the last step all reached, and from which step
-    it stays 1.25× above the first FP32-side run's (:func:`divergence_step`). ``short``: the same twins, label → folder,
-    of a shorter experiment (``short_name``) with the same seed and data: their W_Q ratio at the last step both reached;
-    ``same``: for "bf16" and "fp32", :func:`lpfa.scaling.first_difference` of this run and the short one's (how many of
-    their losses are bit-identical)."""
+    """Page 07's comparison with the paper: whether ``layer`` holds each run's fastest-growing head
+    (:func:`growth_table`), the BF16 run's largest layer-``layer`` ‖W_Q‖₂ over the other runs' at the last step all
+    reached, and from which step it stays 1.25× above the first FP32-side run's (:func:`divergence_step`). ``short``
+    and ``same`` (:func:`short_twins`): the same twins in a shorter experiment (``short_name``) of the same seed and
+    data, their W_Q ratio at the last step both reached, and how many of the two pairs' losses are bit-identical."""
     g = growth_table(runs)
     common, at = _layer_wq_at_common_step(runs, layer)
     vals = {label: a.value.max() for label, a in at.items()}
@@ -98,9 +169,9 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
     where = ("every run" if (g["layer"] == layer).all() else
              f"{', '.join(g.index[g['layer'] == layer]) or 'no run'} (elsewhere: "
              + ", ".join(f"{r} layer {int(row['layer'])}" for r, row in g[g["layer"] != layer].iterrows()) + ")")
-    text = [f"**Compared with the paper.** The paper reports W_Q norms growing in a few heads of one early layer of the failing "
-            f"run only. Here layer {layer} is the layer of the fastest-growing head in {where}; at step {common:,} the BF16 run's "
-            f"largest layer-{layer} norm is {ratio:.2f}× the largest among {', '.join(hp)}",
+    text = [f"**Compared with the paper.** The paper reports W_Q norms growing in a few heads of one early layer of "
+            f"the failing run only. Here layer {layer} is the layer of the fastest-growing head in {where}; at step "
+            f"{common:,} the BF16 run's largest layer-{layer} norm is {ratio:.2f}× the largest among {', '.join(hp)}",
             f", and it stays above 1.25× the {hp[0]} run's from step {div:,} on." if div is not None else
             ", and it never stays 1.25× above it: within these steps W_Q is not a BF16-specific precursor."]
     if short:
@@ -111,18 +182,18 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
             return float(s[s.index <= s_step].iloc[-1])
 
         sb, sf, pb, pf = pick(s_wq["bf16"]), pick(s_wq["fp32"]), pick(wq["bf16"]), pick(wq["fp32"])
-        text.append(f" For scale: at step {s_step:,} the shorter experiment (`{short_name}`, same seed and data, four runs sharing "
-                    f"one GPU) has {sb:.1f} (bf16) against {sf:.1f} (fp32), ×{sb / sf:.2f}, while this experiment has {pb:.1f} "
-                    f"against {pf:.1f}, ×{pb / pf:.2f}. ")
+        text.append(f" For scale: at step {s_step:,} the shorter experiment (`{short_name}`, same seed and data, four "
+                    f"runs sharing one GPU) has {sb:.1f} (bf16) against {sf:.1f} (fp32), ×{sb / sf:.2f}, while this "
+                    f"experiment has {pb:.1f} against {pf:.1f}, ×{pb / pf:.2f}. ")
     if short and same:
         for label, s in same.items():
+            differ = s["first_differing_step"]
             text.append(f"The two {label} runs have bit-identical losses at {s['identical_steps']:,} of their "
                         f"{s['common_steps']:,} common steps"
-                        + (f" (they first differ at step {s['first_differing_step']:,}). " if s["first_differing_step"] is not None
-                           else ". "))
+                        + (f" (they first differ at step {differ:,}). " if differ is not None else ". "))
         if same["bf16"]["first_differing_step"] is None and same["fp32"]["first_differing_step"] is not None:
-            text.append("lpfa's BF16 kernels are deterministic from run to run, on another machine and with the GPU shared or not; "
-                        "the FP32 twin (PyTorch SDPA on FP32 inputs) is not, so FP32 runs of one seed already scatter, "
-                        "and a BF16/FP32 ratio at one step is only meaningful well beyond that scatter (the seeds page "
-                        "measures it).")
+            text.append("lpfa's BF16 kernels are deterministic from run to run, on another machine and with the GPU "
+                        "shared or not; the FP32 twin (PyTorch SDPA on FP32 inputs) is not, so FP32 runs of one seed "
+                        "already scatter, and a BF16/FP32 ratio at one step is only meaningful well beyond that "
+                        "scatter (the seeds page measures it).")
     return "".join(text)

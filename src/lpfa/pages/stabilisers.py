@@ -1,17 +1,41 @@
 """Page 17, stabilisers: what QK-norm, gated attention, QK-clip, the soft-cap and stochastic rounding break in the
-chain, whether the run holds, what each costs, and the paper's Discussion judged on them."""
+chain, whether the run holds, what each costs, and the paper's Discussion judged on them.
+
+**The rows.** Each stabiliser of :data:`lpfa.experiments.STABILISERS` is held, with the paper's own cuts of the chain
+(SFA, the isolation rows of :data:`lpfa.experiments.RECIPE_ISOLATION`), against the run where the failure is strongest:
+the BF16 run of the paper's GPT-2 S recipe (``bf16_paper_recipe``). A row is compared with its own FP32 twin (the
+design's ``reference``) where the stabiliser changes the model, else with the FP32 attention twin
+``fp32_paper_recipe``; the logged links (ties, largest logit, W_Q) are read at the last diagnostics step before the BF16
+run's loss explodes, and also given as ratios to the BF16 run's (:func:`stabiliser_table`).
+
+**The paper's Discussion** (:func:`paper_claims`) says why QK-norm, gated attention and QK-clipping work, without an
+experiment: each breaks one link (:data:`PAPER_CLAIMS`). A claim is judged on its BF16 row against the unstabilised
+BF16 run: the doctor's rank-1 similarity of (PK)[T]ᵀX[T] (Fig. 9) against ``bf16_rerun``'s, which has the checkpoint,
+with the FP32 run's (``fp32_rerun``) beside it as what the link is without BF16 attention; the ties against
+``bf16_paper_recipe``'s. The similarity counts as broken below the FP32 run's (BF16 attention no longer adds structure
+that FP32 attention lacks), the ties when they fall to :data:`TIES_KEPT` of the BF16 run's or fewer. A claim stands only
+when its row both breaks the link and holds (:func:`_failure`).
+"""
 
 from __future__ import annotations
 
 import math
 
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from lpfa.attention.policy import get_policy
+from lpfa.audit import load_captured
 from lpfa.compare import PRECURSORS, experiment_table, layer_max, precursor_panels
+from lpfa.experiments import BASES, FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABILISER_RERUN, STABILISERS
+from lpfa.experiments import rows as rows_of
+from lpfa.mechanism import error_persistence
 from lpfa.pages import and_join
-from lpfa.run import (
-    Run,
-    load_metrics,
-    run_verdict,
-)
+from lpfa.plotting import COLORS, use_style
+from lpfa.results import experiment_rows, load
+from lpfa.results import runs as launches
+from lpfa.run import Run, attention_precision, layer_precision, load_metrics, run_verdict
 
 STABILISER_COLORS = ("#E69F00", "#56B4E9", "#CC79A7", "#000000", "#7F7F7F", "#009E73")  # Okabe-Ito, after the modes'
 
@@ -21,9 +45,6 @@ def stabiliser_styles(labels, fp32=()) -> dict:
     solid, FP32 dashed, SFA dash-dot; their reruns dotted); every other row a colour of its own name (the label without
     its ``bf16_``/``fp32_`` prefix and ``_paper_recipe``), solid, or dashed where the run is in ``fp32`` (FP32-level
     attention), so a stabiliser and its FP32 twin share a colour and differ in dash. No two labels share both."""
-    from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
-    from lpfa.plotting import COLORS
-
     base = {"bf16_paper_recipe": (COLORS["bf16"], "-"), "fp32_paper_recipe": (COLORS["fp32"], "--"),
             "sfa_paper_recipe": (COLORS["sfa"], "-."), STABILISER_RERUN: (COLORS["bf16"], ":"),
             FP32_RERUN: (COLORS["fp32"], ":")}
@@ -50,11 +71,6 @@ def plot_stabilisers(runs: dict, layer: int, groups: dict):
     training, one column per group of ``groups`` (``{title: [labels]}``, each label a key of ``runs``), each line in
     its column's :func:`stabiliser_styles` (FP32 twins dashed: every layer "fp32" in
     :func:`lpfa.run.layer_precision`), a legend under each column."""
-    import matplotlib.pyplot as plt
-
-    from lpfa.plotting import use_style
-    from lpfa.run import layer_precision
-
     use_style()
     fp32 = {label for labels in groups.values() for label in labels
             if all(p == "fp32" for p in layer_precision(Run(runs[label])))}
@@ -76,31 +92,49 @@ def stabiliser_groups(labels) -> dict:
     order): the BF16 and FP32 runs of the recipe head both columns; the first holds the paper's own cuts of the chain
     (every other ``*_paper_recipe`` row: SFA, the isolation rows) and the base runs again
     (:data:`lpfa.experiments.RERUNS`), the second every remaining row: the stabilisers and their FP32 twins."""
-    from lpfa.experiments import RERUNS
-
     base = [label for label in ("bf16_paper_recipe", "fp32_paper_recipe") if label in labels]
     cuts = [label for label in labels if label.endswith("_paper_recipe") and label not in base or label in RERUNS]
     stabilisers = [label for label in labels if label not in base and label not in cuts]
     return {"the paper's cuts and reruns": [*base, *cuts], "stabilisers and their FP32 twins": [*base, *stabilisers]}
 
 
-STABILISER_BASE = ("bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe")  # paper_recipe's rows the page holds them against
+def stabiliser_figure(table, layer: int = 1, root=None):
+    """Page 17's figure for the rows of :func:`stabiliser_table`: their run folders (``results/paper_recipe`` first,
+    then ``results/stabilisers``) drawn by :func:`plot_stabilisers` in :func:`stabiliser_groups`' columns; None when
+    no row is committed."""
+    labels = list(table.index)
+    runs = {**experiment_rows("paper_recipe", labels, root=root), **experiment_rows("stabilisers", labels, root=root)}
+    return plot_stabilisers(runs, layer, stabiliser_groups(list(runs))) if runs else None
 
 
-STABILISER_LINKS = {"ties": "largest per-head tie fraction", "logit": "largest attention logit", "W_Q": "largest per-head ‖W_Q[h]‖₂"}
+# paper_recipe's rows the page holds the stabilisers against
+STABILISER_BASE = ("bf16_paper_recipe", "sfa_paper_recipe", "fp32_paper_recipe")
 
 
-# the links a checkpoint gives (lpfa doctor, issue 19): per row, on layer `layer` of its last doctor report
-DOCTOR_LINKS = {"doctor step": "the checkpoint's step", "δ |t| paper": "largest |t| of δ_lp − δ_hp over the heads, paper policy",
+STABILISER_LINKS = {"ties": "largest per-head tie fraction", "logit": "largest attention logit",
+                    "W_Q": "largest per-head ‖W_Q[h]‖₂"}
+
+
+# the links a checkpoint gives (lpfa doctor): per row, on layer `layer` of its last doctor report
+DOCTOR_LINKS = {"doctor step": "the checkpoint's step",
+                "δ |t| paper": "largest |t| of δ_lp − δ_hp over the heads, paper policy",
                 "δ |t| own": "the same with the run's own BF16 policy (when it is not paper or fa2)",
                 "rank-1 similarity": "median over the heads of the median similarity of (PK)[T]ᵀX[T] (Fig. 9)"}
 
 
 T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts the doctor's probe as resolving a bias
 
+NOTHING_YET = ("**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed "
+               "(`results/paper_recipe`).")
+
+
+def _ticked(labels) -> str:
+    """Row labels as code, comma-separated: ```a`, `b```."""
+    return ", ".join(f"`{label}`" for label in labels)
+
 
 def eval_loss_gap(val, twin_val) -> tuple[int | None, float]:
-    """The cost of a stabiliser in loss (issue 19 §1): a run's eval loss minus its FP32 twin's at the last eval step
+    """The cost of a stabiliser in loss: a run's eval loss minus its FP32 twin's at the last eval step
     both logged (runs stop at different steps, and the loss falls throughout), as ``(step, gap)``; ``(None, nan)`` when
     they share no eval step. ``val``, ``twin_val``: the runs' eval frames (:func:`load_metrics`' second), loaded once
     by the caller however many rows share a twin."""
@@ -117,8 +151,6 @@ def doctor_links(run, layer: int = 1) -> dict:
     """:data:`DOCTOR_LINKS` of ``layer`` from the last of :attr:`lpfa.run.Run.doctor_reports` of ``run`` (a run
     folder or Run), plus ``"doctor source"`` (its folder) and ``"doctor probe"`` (sequences × tokens); an empty dict
     for a run without a doctor report."""
-    import numpy as np
-
     reports = (run if isinstance(run, Run) else Run(run)).doctor_reports
     if not reports:
         return {}
@@ -130,28 +162,18 @@ def doctor_links(run, layer: int = 1) -> dict:
         return max(vals) if vals else None
 
     sims = sorted(r["rank1_median"] for r in heads if r.get("rank1_median") is not None)
-    return {"doctor step": step, "δ |t| paper": largest_abs("delta_t_paper"), "δ |t| own": largest_abs("delta_t_trained"),
-            "rank-1 similarity": float(np.median(sims)) if sims else None, "doctor source": rep["source"],
-            "doctor probe": " × ".join(str(n) for n in rep["probe"]["shape"])}
+    return {"doctor step": step, "δ |t| paper": largest_abs("delta_t_paper"),
+            "δ |t| own": largest_abs("delta_t_trained"), "rank-1 similarity": float(np.median(sims)) if sims else None,
+            "doctor source": rep["source"], "doctor probe": " × ".join(str(n) for n in rep["probe"]["shape"])}
 
 
 def stabiliser_table(layer: int = 1, root=None):
-    """Issue 19 §1, which link of the chain each stabiliser breaks: :func:`experiment_table` of the unstabilised BF16 run
-    at the paper's recipe (``bf16_paper_recipe``), SFA (``sfa_paper_recipe``), the isolation rows committed at the recipe
-    (:data:`lpfa.experiments.RECIPE_ISOLATION`: the paper's own cuts of the chain), every committed row of
-    :data:`lpfa.experiments.STABILISERS` and the FP32 twins, each held against its own FP32 twin (the row's
-    ``reference``; the FP32 policy twin ``fp32_paper_recipe`` where the stabiliser changes only the attention's rounding),
-    with the logged links of ``layer`` at the last diagnostics step before the BF16 run's explosion (every run reached it,
-    or its last record before it counts) also as ratios to the BF16 run's (``ties ÷ bf16``,
-    ``logit ÷ bf16``, ``W_Q ÷ bf16``), ``stabiliser`` naming the row's switch and ``speed ÷ base`` its tokens/s alone
-    on one GPU over its speed base's (:func:`stabiliser_costs`; None where it was not timed). Returns ``(table, step, pending)``:
-    ``pending`` the stabiliser rows not committed yet. Empty table (and step None) without the BF16 run."""
-    import pandas as pd
-
-    from lpfa.experiments import FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABILISER_RERUN, STABILISERS
-    from lpfa.experiments import rows as rows_of
-    from lpfa.results import experiment_rows
-
+    """Which link of the chain each stabiliser breaks: :func:`lpfa.compare.experiment_table` of the base runs, the
+    cuts and every committed stabiliser row, each against its FP32 twin (module docstring), at the last diagnostics
+    step of ``layer`` before the BF16 run's explosion, plus ``ties/logit/W_Q ÷ bf16``, ``FP32 twin``, ``eval loss −
+    twin`` and ``gap step`` (:func:`eval_loss_gap`), ``speed ÷ base`` (:func:`stabiliser_costs`), the
+    :data:`DOCTOR_LINKS` and ``stabiliser`` (the row's switch). Returns ``(table, step, pending)``, ``pending`` the
+    stabiliser rows not committed; an empty table and step None without the BF16 run."""
     cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
     base = experiment_rows("paper_recipe", [*STABILISER_BASE, *cuts], root=root)
     found = experiment_rows("stabilisers", list(STABILISERS), root=root)
@@ -176,11 +198,11 @@ def stabiliser_table(layer: int = 1, root=None):
         name = f"{col} @ {step}"
         table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
     table["FP32 twin"] = [twin(label) for label in table.index]
-    vals = {label: load_metrics(d)[1] for label, d in runs.items()}  # each run's evals once, twins shared by rows
+    vals = {label: load_metrics(d)[1] for label, d in runs.items()}  # each run's evals read once, twins shared
     gaps = {label: eval_loss_gap(vals[label], vals[twin(label)]) for label in table.index}
     table["eval loss − twin"] = [gaps[label][1] for label in table.index]
     table["gap step"] = pd.Series([gaps[label][0] for label in table.index], index=table.index, dtype=object)
-    costs = stabiliser_costs(root)  # the speed alone on one GPU (benchmarks/stabiliser_cost.py); the cuts were not timed
+    costs = stabiliser_costs(root)  # the speed alone on one GPU (benchmarks/stabiliser_cost.py); cuts not timed
     same = {STABILISER_RERUN: "bf16_paper_recipe", FP32_RERUN: "fp32_paper_recipe"}  # a rerun is its base again
     table["speed ÷ base"] = pd.Series({label: costs["÷ base"].get(same.get(label, label)) for label in table.index},
                                       dtype=object)
@@ -196,16 +218,26 @@ def stabiliser_table(layer: int = 1, root=None):
     return table, step, pending
 
 
+def shown_table(table, step: int):
+    """:func:`stabiliser_table` as page 17 shows it: the row's switch, outcome and steps, the links at ``step`` (named
+    by their :data:`STABILISER_LINKS` keys) and as ratios to the BF16 run's, the loss against the FP32 twin, the speed
+    and the :data:`DOCTOR_LINKS`."""
+    col = {k: f"{v} @ {step}" for k, v in STABILISER_LINKS.items()}
+    if any(c not in table.columns for c in col.values()):
+        steps = sorted({c.rsplit(" @ ", 1)[1] for c in table.columns if " @ " in c})
+        raise ValueError(f"step={step!r}: expected the step the table compares its rows at ({', '.join(steps)})")
+    shown = table[["stabiliser", "outcome", "steps", "explosion step", "runaway step", *col.values(),
+                   *(f"{k} ÷ bf16" for k in STABILISER_LINKS), "final eval loss", "FP32 twin", "eval loss − twin",
+                   "gap step", "speed ÷ base", *DOCTOR_LINKS]]
+    return shown.rename(columns={v: f"{k} @ {step}" for k, v in col.items()})
+
+
 def stabiliser_costs(root=None):
-    """What each stabiliser costs in speed (issue 19 §1), from the latest ``results/stabiliser_cost`` run
+    """What each stabiliser costs in speed, from the latest ``results/stabiliser_cost`` run
     (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU): a
     DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by), ``÷ base`` and
-    ``heads clipped`` (QK-clip's rescales over the row's steps; None without QK-clip), in the benchmark's order (the reruns are not timed: they are their base runs again). Empty without a committed run;
-    a row that failed there has no tokens/s."""
-    import pandas as pd
-
-    from lpfa.results import load
-
+    ``heads clipped`` (QK-clip's rescales; None without QK-clip), in the benchmark's order (the reruns, their base runs
+    again, are not timed). Empty without a committed run; a row that failed there has no tokens/s."""
     columns = ["tokens/s", "speed base", "÷ base", "heads clipped"]
     try:
         rows = load("stabiliser_cost", "summary.json", root=root)
@@ -220,8 +252,6 @@ def stabiliser_cost_text(costs) -> str:
     base's, slowest first, then their FP32 twins'; for scale, what FP32 attention, Muon and eager mode cost the BF16
     run; whether QK-clip rescaled any head while it was timed; and how far any row measured above its base (the
     timing's noise: a stabiliser only adds work)."""
-    from lpfa.experiments import BASES, STABILISERS
-
     if costs.empty:
         return "No speed benchmark of the stabilisers is committed yet (`benchmarks/stabiliser_cost.py`)."
     timed = costs.dropna(subset=["÷ base"])
@@ -229,14 +259,15 @@ def stabiliser_cost_text(costs) -> str:
                       or label == "sfa_paper_recipe"]].sort_values("÷ base")
 
     def listed(labels):
-        return ", ".join(f"`{label}` ×{rows.loc[label, '÷ base']:.2f}" + ("" if rows.loc[label, "speed base"].endswith(
-            "_paper_recipe") else f" (of `{rows.loc[label, 'speed base']}`)") for label in labels)
+        return ", ".join(f"`{label}` ×{rows.loc[label, '÷ base']:.2f}"
+                         + ("" if rows.loc[label, "speed base"].endswith("_paper_recipe")
+                            else f" (of `{rows.loc[label, 'speed base']}`)") for label in labels)
 
     bf16 = [label for label in rows.index if not label.startswith("fp32")]
     fp32 = [label for label in rows.index if label.startswith("fp32")]
-    text = (f"Alone on one idle GPU, at the recipe's batch and compiled unless the row runs eager, the BF16 stabilisers "
-            f"train at {listed(bf16)} of the BF16 run's tokens/s" + (f", their FP32 twins at {listed(fp32)} of the FP32 "
-                                                                     "run's" if fp32 else "") + ".")
+    text = (f"Alone on one idle GPU, at the recipe's batch and compiled unless the row runs eager, the BF16 "
+            f"stabilisers train at {listed(bf16)} of the BF16 run's tokens/s"
+            + (f", their FP32 twins at {listed(fp32)} of the FP32 run's" if fp32 else "") + ".")
     scale = [f"{what} at ×{timed.loc[label, '÷ base']:.2f}" for label, what in (
         ("fp32_paper_recipe", "FP32 attention runs"), ("bf16_muon_recipe", "Muon in place of AdamW"),
         ("bf16_eager", "the BF16 run eager")) if label in timed.index]
@@ -248,15 +279,14 @@ def stabiliser_cost_text(costs) -> str:
                  "cost here is the tracking of the largest logits and the check.")
     over = float(timed["÷ base"].max()) - 1
     if over > 0:
-        text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its base, "
-                 f"so differences of about {100 * over:.0f} % or less are within the noise.")
+        text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its "
+                 f"base, so differences of about {100 * over:.0f} % or less are within the noise.")
     return text
 
 
-# steps per row; seconds of one GPU call's runs (time_budget_s): what fits with the machine's start, the polls and two
-# doctor reports in a session's 1,800 device seconds (results/stabilisers/h200-2026-12-03c ran with BUDGET=1150, its runs
-# took 955 and 1,041 s and the lease was held 1,140 s in all: about 100 s beside the runs, 1,300 leaves room for one
-# failed machine start)
+# steps per row; seconds of training one launch of rows may take (time_budget_s): what fits a time-boxed GPU of 1,800 s
+# with the machine's start, the polls and two doctor reports (the launch results/stabilisers/h200-2026-12-03c spent
+# about 100 s beside its runs; 1,300 leaves room for one failed machine start)
 STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1300
 
 
@@ -264,11 +294,9 @@ def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> st
     """What sets a stabiliser row's speed on a shared H200: FP32-level attention or not
     (:func:`lpfa.run.attention_precision` of the policy, which sets a soft-cap aside), compiled or eager, and the
     optimizer where it is not AdamW (Muon's orthogonalisation costs time)."""
-    from lpfa.attention.policy import get_policy
-    from lpfa.run import attention_precision
-
     fp32 = attention_precision("lpfa", get_policy(attn_policy)) == "fp32"
-    return f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}" + ("" if optimizer == "adamw" else f", {optimizer}")
+    return (f"{'FP32' if fp32 else 'BF16'}, {'compiled' if compile_ else 'eager'}"
+            + ("" if optimizer == "adamw" else f", {optimizer}"))
 
 
 def stabiliser_speeds(root=None):
@@ -276,8 +304,6 @@ def stabiliser_speeds(root=None):
     its wall time (compilation, evaluations and checkpoints included), from the launches with the most runs. Returns
     ``(speeds, sharing)``: ``{key: (tokens/s, run label)}`` per :func:`_speed_key` (the latest run of that key) and the
     number of runs those launches shared the GPU between. ``({}, 0)`` without a committed stabiliser run."""
-    from lpfa.results import runs as launches
-
     try:
         folders = launches("stabilisers", root)
     except FileNotFoundError:
@@ -289,21 +315,17 @@ def stabiliser_speeds(root=None):
         if len(runs) == sharing:
             for r in runs:
                 key = _speed_key(r.train["attn_policy"], r.train["compile"], r.train.get("optimizer", "adamw"))
-                speeds[key] = (r.summary["steps"] * r.train["batch_size"] * r.train["block_size"] / r.summary["wall_s"], r.path.name)
+                tokens = r.summary["steps"] * r.train["batch_size"] * r.train["block_size"]
+                speeds[key] = (tokens / r.summary["wall_s"], r.path.name)
     return speeds, sharing
 
 
 def stabiliser_plan(pending: list[str], root=None) -> str:
-    """Page 17's next step for the ``pending`` stabiliser rows: the rows grouped, in order, into GPU calls of as many
-    rows as the committed launches shared one H200 between (:func:`stabiliser_speeds`), each row timed at the measured
-    speed of a committed run of its precision and compilation, scaled by the two rows' speeds alone on one GPU
-    (:func:`stabiliser_costs`) where both were timed (a soft-cap or a clip costs what the precision does not say), and
-    the first call's command with :data:`STABILISER_BUDGET_S`. A row timed alone but of a kind no committed run has is
-    scaled from a committed run of another kind; a row with no speed at all gets a call of its own. Empty without the
-    BF16 run of the recipe or a committed stabiliser run."""
-    from lpfa.experiments import rows as rows_of
-    from lpfa.results import experiment_rows
-
+    """How the ``pending`` stabiliser rows would run: grouped, in order, into launches of as many rows as the committed
+    launches shared one H200 between (:func:`stabiliser_speeds`), each timed at the shared speed of a committed run of
+    its kind (:func:`_speed_key`, else of any kind), scaled by the two rows' speeds alone (:func:`stabiliser_costs`)
+    where both were timed; a row with no speed gets a launch of its own. Ends with the first launch's command
+    (:data:`STABILISER_BUDGET_S`). Empty without the recipe's BF16 run or a committed stabiliser run."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
@@ -352,13 +374,19 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     return (f"Sharing one H200 {sharing} ways, a committed run trained ({measured}; compilation, evaluations and "
             f"checkpoints included){scaled}, so {STABILISER_STEPS:,} steps at batch {batch} take "
             + ", ".join(f"`{label}` {minutes(label)}" for label in pending)
-            + f". The next GPU call: `ONLY=\"{first}\" EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 "
-            f"DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} WAIT=20 EXTRA=\"stop_at_step={STABILISER_STEPS}\" "
-            "bash scripts/gpu/paper_recipe.sh`, then the same with `PHASE=finish WAIT=300`, which runs `lpfa doctor` on "
-            "each run's last checkpoint at or before step 5,000 and before its explosion, for the δ-bias and similarity links"
+            + f". To run the first of them: `ONLY=\"{first}\" EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 "
+            f"DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} WAIT=20 "
+            f"EXTRA=\"stop_at_step={STABILISER_STEPS}\" bash scripts/gpu/paper_recipe.sh`, then the same with "
+            "`PHASE=finish WAIT=300`, which runs `lpfa doctor` on each run's last checkpoint at or before step 5,000 "
+            "and before its explosion, for the δ-bias and similarity links"
             + (f" ({', '.join(f'`{x}`' for x in over)} would stop before step {STABILISER_STEPS:,} at "
                f"{STABILISER_BUDGET_S:,} s)" if over else "")
-            + (f"; after it, {later}." if later else "."))
+            + (f"; the others in the same way: {later}." if later else "."))
+
+
+def pending_text(pending: list[str], root=None) -> str:
+    """The stabiliser rows not committed yet, named in bold, then :func:`stabiliser_plan` for them."""
+    return (f"**Not run yet:** {_ticked(pending)}. " if pending else "") + stabiliser_plan(pending, root)
 
 
 KEPT = 0.8  # an accumulation of at least this × √steps: the error kept its value over the steps (at most 1)
@@ -375,12 +403,6 @@ def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=N
     in its logit runaway). Returns ``(table, text, meta)``: per policy the worst head's mean g (the head with the
     largest |mean g| under ``paper``), it over ``paper``'s, and its accumulation; ``text`` the finding in words;
     ``meta`` the capture's. ``(None, reason, None)`` without a capture."""
-    import pandas as pd
-
-    from lpfa.audit import load_captured
-    from lpfa.mechanism import error_persistence
-    from lpfa.results import runs as launches
-
     try:
         caps = sorted(launches("kernel_bias", root)[-1].glob("*/qkv.npz"))
     except FileNotFoundError:
@@ -401,14 +423,15 @@ def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=N
     kept = bool((table.loc[["paper_sr", "paper_sr reseeded"], "its accumulation"] >= KEPT * math.sqrt(steps)).all())
     text = (f"On the layer-{meta['layer']} q, k, v and dO captured at step {meta['step']:,} of a BF16 run "
             f"({meta['policy']}; {sequences} sequence{'s' if sequences > 1 else ''}), drifted over {steps} steps by "
-            f"{rel:g} per step, head {worst[1]} carries the largest δ error (Σ_T δ_lp − δ_hp = {ref:.2e} under `paper`). "
-            f"Stochastic rounding leaves {r['paper_sr']:.2f}× of it with one seed and {r['paper_sr reseeded']:.2f}× reseeded "
-            f"each step, with accumulations {table.loc['paper_sr', 'its accumulation']:.2f} and "
+            f"{rel:g} per step, head {worst[1]} carries the largest δ error (Σ_T δ_lp − δ_hp = {ref:.2e} under "
+            f"`paper`). Stochastic rounding leaves {r['paper_sr']:.2f}× of it with one seed and "
+            f"{r['paper_sr reseeded']:.2f}× reseeded each step, with accumulations "
+            f"{table.loc['paper_sr', 'its accumulation']:.2f} and "
             f"{table.loc['paper_sr reseeded', 'its accumulation']:.2f} of at most √{steps} = {math.sqrt(steps):.2f}: "
             + ("it keeps its sign either way" if kept else "it does not keep its value from step to step") + ". "
             f"O's path in FP32 (`o_fp32`) leaves {r['o_fp32']:.2f}×, FP32 scores (`scores_fp32`) "
-            f"{r['scores_fp32']:.3f}×: here the error comes from rounding S to BF16, a rounding point that SR at O's path "
-            "does not touch." if abs(r["scores_fp32"]) < 0.1 and abs(r["paper_sr"]) > 0.5 else
+            f"{r['scores_fp32']:.3f}×: here the error comes from rounding S to BF16, a rounding point that SR at O's "
+            "path does not touch." if abs(r["scores_fp32"]) < 0.1 and abs(r["paper_sr"]) > 0.5 else
             f"Stochastic rounding leaves {r['paper_sr']:.2f}× of the worst head's δ error with one seed and "
             f"{r['paper_sr reseeded']:.2f}× reseeded; FP32 scores leave {r['scores_fp32']:.3f}×.")
     return table, text, meta
@@ -419,21 +442,21 @@ def _link_ratios(row) -> str:
     return f"ties ×{row['ties ÷ bf16']:.2f}, largest logit ×{row['logit ÷ bf16']:.2g}, W_Q ×{row['W_Q ÷ bf16']:.2f}"
 
 
-# nats: an eval loss within 0.05 of the FP32 twin's matches it; ten times the spread of two FP32 runs of one seed
-# (fp32_rerun ended 0.005 below fp32_paper_recipe at step 5,000)
+# nats: an eval loss within LOSS_MATCH of the FP32 twin's matches it; ten times the spread of two FP32 runs of one seed,
+# the `eval loss − twin` of `fp32_rerun` (the FP32 run again, against `fp32_paper_recipe`) in page 17's table
 LOSS_MATCH = 0.05
 
 
 def _loss_fate(row) -> str:
-    """A :func:`stabiliser_table` row's loss in words: where it exploded, or that the explosion criterion never fired and
-    its eval loss against its FP32 twin's (not "clean": a row can end far above its twin without exploding)."""
+    """A :func:`stabiliser_table` row's loss in words: where it exploded, or that the explosion criterion never fired
+    and its eval loss against its FP32 twin's (not "clean": a row can end far above its twin without exploding)."""
     if row["exploded"]:
         return f"its loss exploded at step {row['explosion step']:,}"
     gap = row["eval loss − twin"]
     if row["FP32 twin"] == row.name or gap != gap:
         return f"no loss explosion in {row['steps']:,} steps"
-    return (f"no loss explosion in {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at step "
-            f"{row['gap step']:,}")
+    return (f"no loss explosion in {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at "
+            f"step {row['gap step']:,}")
 
 
 # A row keeps the ties when its largest per-head tie fraction is above half the BF16 run's (ratio ``ties ÷ bf16``)
@@ -441,8 +464,8 @@ TIES_KEPT = 0.5
 
 
 def _failure(row) -> str:
-    """How a :func:`stabiliser_table` row fails to hold, in words: it explodes, or keeps a logit runaway, or ends more than
-    :data:`LOSS_MATCH` from its FP32 twin's eval loss; ``""`` when it holds."""
+    """How a :func:`stabiliser_table` row fails to hold, in words: it explodes, or keeps a logit runaway, or ends more
+    than :data:`LOSS_MATCH` from its FP32 twin's eval loss; ``""`` when it holds."""
     if row["exploded"]:
         return f"explodes (step {row['explosion step']:,})"
     what = []
@@ -455,7 +478,8 @@ def _failure(row) -> str:
 
 
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
-PAPER_CLAIMS = {"qknorm": ("rank-1 similarity", "QK-norm works because it disrupts the structural similarity of (PK)[T]ᵀX[T]"),
+PAPER_CLAIMS = {"qknorm": ("rank-1 similarity",
+                           "QK-norm works because it disrupts the structural similarity of (PK)[T]ᵀX[T]"),
                 "gated": ("rank-1 similarity", "gated attention works because it disrupts that structural similarity"),
                 "qkclip": ("ties", "QK-clipping works by making P̄ = 1 rarer")}
 
@@ -471,23 +495,17 @@ def _claim_verdict(broken, failure: str) -> str:
     if not failure:
         return "**against the claim**: the row holds with the link intact, so the link is not why it works here"
     if broken:
-        return f"**against the claim**: the row breaks the link, yet it {failure}, so breaking the link is not enough here"
+        return (f"**against the claim**: the row breaks the link, yet it {failure}, so breaking the link is not enough "
+                "here")
     return f"**against the claim**: the row leaves the link intact and {failure}; the stabiliser does not work here"
 
 
 def paper_claims(table) -> list[dict]:
     """The paper's Discussion (:data:`PAPER_CLAIMS`) judged on each committed BF16 stabiliser row of
-    :func:`stabiliser_table`: per claim ``who`` (the stabiliser), ``label``, ``broken`` (whether the row breaks the
-    link it is said to break; None when unmeasured), ``holds`` (no :func:`_failure`), ``short`` (the link's number in a
-    few words) and ``item`` (the claim, the row's links and fate, its FP32 twin and the verdict, as a MyST list item).
-
-    The link is measured against the unstabilised BF16 run (the doctor's rank-1 similarity against ``bf16_rerun``'s,
-    which has the checkpoint; ties against ``bf16_paper_recipe``'s), with the FP32 run's similarity beside it
-    (``fp32_rerun``: what the link is without BF16 attention). It counts as broken when the row's rank-1 similarity is
-    below the FP32 run's (BF16 attention no longer adds structure that FP32 attention lacks), or when its ties fall to
-    :data:`TIES_KEPT` of the BF16 run's or fewer; the verdict is :func:`_claim_verdict`'s."""
-    from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
-
+    :func:`stabiliser_table` (how a link is measured and counts as broken: the module docstring): per claim ``who``
+    (the stabiliser), ``label``, ``broken`` (None when unmeasured), ``holds`` (no :func:`_failure`), ``short`` (the
+    link's number in a few words) and ``item`` (the claim, the row's links and fate, its FP32 twin and
+    :func:`_claim_verdict`'s verdict, as a MyST list item)."""
     if table.empty:
         return []
     base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
@@ -498,20 +516,22 @@ def paper_claims(table) -> list[dict]:
         if label not in table.index:
             continue
         r = table.loc[label]
-        fate = _loss_fate(r).removeprefix("its loss ") + (f", its layer-{r['runaway layer']} logits running away from "
-                                                           f"step {r['runaway step']:,}" if r["runaway step"] is not None else "")
+        fate = _loss_fate(r).removeprefix("its loss ") + (
+            f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
+            if r["runaway step"] is not None else "")
         ratios = _link_ratios(r)
         sim = r.get("rank-1 similarity")
         if sim is not None and base is not None:
             similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
-                          + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step {table.loc[FP32_RERUN, 'doctor step']:,})"
-                             if healthy is not None else ""))
+                          + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step "
+                             f"{table.loc[FP32_RERUN, 'doctor step']:,})" if healthy is not None else ""))
         else:
             similarity = "rank-1 similarity not measured (no doctor report)"
         if link == "rank-1 similarity":
             said = similarity + "; " + ratios
             broken = None if sim is None or healthy is None else bool(sim < healthy)
-            short = (f"{sim:.3f} against the FP32 run's {healthy:.3f}" if broken is not None else "similarity not measured")
+            short = (f"{sim:.3f} against the FP32 run's {healthy:.3f}" if broken is not None
+                     else "similarity not measured")
         else:
             said = ratios + "; " + similarity
             broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
@@ -533,7 +553,8 @@ def paper_claims_lead(claims: list[dict]) -> str:
     the link and holds), then each one's link and fate."""
     judged = [c for c in claims if c["broken"] is not None]
     stand = [c for c in judged if c["broken"] and c["holds"]]
-    return (f"{len(stand)} of the paper's {len(judged)} explanations measured here {'stands' if len(stand) == 1 else 'stand'}"
+    return (f"{len(stand)} of the paper's {len(judged)} explanations measured here "
+            + ("stands" if len(stand) == 1 else "stand")
             + "".join(f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
                       f"{'holds' if c['holds'] else 'fails'}" for c in judged) + ".")
 
@@ -548,13 +569,11 @@ def paper_claims_text(table) -> str:
 
 
 def stabiliser_finding(table, layer: int = 1) -> str:
-    """Page 17's finding in one bold sentence, from :func:`stabiliser_table`: which committed BF16 stabiliser rows hold
-    (no logit runaway, loss not exploded and within :data:`LOSS_MATCH` of the FP32 twin's) and how each other one fails.
-    Without the BF16 run of the recipe, says so."""
-    from lpfa.experiments import BASES, STABILISERS
-
+    """Page 17's finding in one bold sentence, from :func:`stabiliser_table`: which committed BF16 stabiliser rows
+    hold (no logit runaway, loss not exploded and within :data:`LOSS_MATCH` of the FP32 twin's) and how each other one
+    fails. Without the BF16 run of the recipe, says so."""
     if table.empty:
-        return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
+        return NOTHING_YET
     bf16 = [label for label in STABILISERS if label in table.index and label not in BASES
             and table.loc[label, f"layer {layer} scores"] != "fp32"]
     if not bf16:
@@ -565,24 +584,21 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
                 and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
     return (f"**At the paper's recipe, {len(held)} of the {len(bf16)} committed BF16 stabiliser rows "
-            + (f"({', '.join(f'`{l}`' for l in held)}) " if held else "")
-            + f"{'holds' if len(held) == 1 else 'hold'}: no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 "
-            + "twin's" + (f" (for {', '.join(f'`{l}`' for l in twinless)} the plain FP32 run's: its own twin is not committed)"
-                          if twinless else "")
+            + (f"({_ticked(held)}) " if held else "")
+            + ("holds" if len(held) == 1 else "hold")
+            + f": no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 twin's"
+            + (f" (for {_ticked(twinless)} the plain FP32 run's: its own twin is not committed)" if twinless else "")
             + "".join(f"; {f}" for f in fails.values() if f) + ".**")
 
 
 def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     """Page 17's rows in words, after its finding (:func:`stabiliser_finding`), from :func:`stabiliser_table`
-    (``table``, compared at ``step``): how many of the
-    :data:`lpfa.experiments.STABILISERS` runs are committed; each committed cut's links (ties, largest logit and W_Q as
-    ratios to the BF16 run's, the loss and the runaway); which rows keep at least half of the BF16 run's ties without
-    exploding; and whether the rows without any runaway are exactly those whose layer-``layer`` δ does not come from
-    the BF16 O."""
-    from lpfa.experiments import BASES, STABILISER_RERUN, STABILISERS
-
+    (``table``, compared at ``step``): how many of the :data:`lpfa.experiments.STABILISERS` runs are committed; each
+    row's links (ties, largest logit and W_Q as ratios to the BF16 run's, the loss and the runaway); the doctor's
+    links; which rows keep at least half of the BF16 run's ties without exploding; and whether the rows without any
+    runaway are exactly those whose layer-``layer`` δ does not come from the BF16 O."""
     if table.empty:
-        return "**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed (`results/paper_recipe`)."
+        return NOTHING_YET
     rows = [label for label in STABILISERS if label not in BASES]
     done = [label for label in rows if label in table.index]
     b = table.loc["bf16_paper_recipe"]
@@ -608,8 +624,8 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     if STABILISER_RERUN in table.index and table.loc[STABILISER_RERUN, "exploded"] and b["exploded"]:
         d = int(table.loc[STABILISER_RERUN, "explosion step"]) - int(b["explosion step"])
         rerun = (f" The BF16 run again, same seed and data order (`{STABILISER_RERUN}`), exploded at step "
-                 f"{table.loc[STABILISER_RERUN, 'explosion step']:,}: the GPU's nondeterminism alone moves the explosion by "
-                 f"{abs(d):,} steps.")
+                 f"{table.loc[STABILISER_RERUN, 'explosion step']:,}: the GPU's nondeterminism alone moves the "
+                 f"explosion by {abs(d):,} steps.")
     doc = table[table["doctor step"].notna()]
     doctor = ""
     if not doc.empty:
@@ -620,11 +636,12 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
                     if doc.loc[label, col] is not None and doc.loc[label, col] >= T_RESOLVED]
         doctor = (f"\n\n**lpfa doctor on layer {layer}**, one checkpoint per row before its explosion:\n\n"
                   + "\n".join(f"- `{label}` at step {int(doc.loc[label, 'doctor step']):,}: rank-1 similarity "
-                              f"{doc.loc[label, 'rank-1 similarity']:.3f}, largest |t| of the δ error {fmt(label, 'δ |t| paper')} "
-                              f"(paper)" + (f", {fmt(label, 'δ |t| own')} (its own policy)"
-                                            if doc.loc[label, "δ |t| own"] is not None else "") for label in doc.index)
-                  + (f"\n\nWith one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| reaches "
-                     f"{T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
+                              f"{doc.loc[label, 'rank-1 similarity']:.3f}, largest |t| of the δ error "
+                              f"{fmt(label, 'δ |t| paper')} (paper)"
+                              + (f", {fmt(label, 'δ |t| own')} (its own policy)"
+                                 if doc.loc[label, "δ |t| own"] is not None else "") for label in doc.index)
+                  + (f"\n\nWith one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| "
+                     f"reaches {T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
                    and table.loc[label, "ties ÷ bf16"] > TIES_KEPT and not table.loc[label, "exploded"]]
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
@@ -632,12 +649,13 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     items = ([f"SFA: {links('sfa_paper_recipe')}."] if "sfa_paper_recipe" in table.index else []) + [
         f"`{c.removesuffix('_paper_recipe')}`: {links(c)}." for c in cuts] + [row(label) for label in done]
     return (f"**{len(done)} of the {len(rows)} stabiliser runs are committed"
-            + (f" ({', '.join(f'`{l}`' for l in done)})" if done else "") + ".** "
-            + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), each "
-            "row's links as ratios to the BF16 run's:\n\n" + "\n".join(f"- {item}" for item in items)
+            + (f" ({_ticked(done)})" if done else "") + ".** "
+            + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
+            "each row's links as ratios to the BF16 run's:\n\n" + "\n".join(f"- {item}" for item in items)
             + (f"\n\n{rerun.strip()}" if rerun else "") + doctor
-            + (f"\n\n**Ties are not what must go:** {', '.join(f'`{l}`' for l in tie_keepers)} keep at least half of the "
-               "BF16 run's tie fraction and do not explode." if tie_keepers else "")
-            + (f" The rows without any runaway ({', '.join(f'`{l}`' for l in calm)}) are exactly those whose layer-{layer} δ "
-               "does not come from the BF16 O (the `δ from` column: the link after the ties)."
+            + (f"\n\n**Ties need not go, in one seed:** {_ticked(tie_keepers)} keep at least half of the BF16 run's "
+               "tie fraction and their loss did not explode (one run each, seed 1337; how often the BF16 run of "
+               "this recipe explodes: {doc}`06_loss_explosion`)." if tie_keepers else "")
+            + (f" The rows without any runaway ({_ticked(calm)}) are exactly those whose layer-{layer} δ does not come "
+               "from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))

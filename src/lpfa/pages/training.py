@@ -1,21 +1,69 @@
-"""Page 13, training: a run's per-head diagnostics over training, one panel per layer."""
+"""Page 13, training: ``lpfa.train`` end to end on the CPU, and GPT-2 S's training speed with each attention backend.
+
+The page trains the CPU smoke preset on the embedded corpus (:func:`train_smoke`), shows its loss and the per-head
+W_Q spectral norms it logs (the quantity whose growth in one early layer precedes the loss explosion, Figs. 3, 11),
+and reads ``benchmarks/train_throughput.py``'s committed run (``results/train_throughput``): tokens/s of GPT-2 S with
+each backend against SDPA in the same mode (:func:`throughput_table`, goals :data:`TRAIN_GOALS`), and the FP32 twin
+``fp32_split`` against ``sdpa_fp32`` in speed and in error against float64 (:func:`twin_text`).
+"""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
-from lpfa.run import (
-    load_metrics,
-)
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from lpfa.book import train_quietly
+from lpfa.compare import plot_losses
+from lpfa.plotting import format_table, use_style
+from lpfa.results import load, run_dir
+from lpfa.run import Run, load_metrics
+from lpfa.train import make_config
+
+# the training-throughput goals: compiled GPT-2 S tokens/s as a fraction of compiled SDPA's
+TRAIN_GOALS = {"lpfa_fa2_compiled": 0.95, "lpfa_paper_compiled": 0.9}
+
+
+def train_smoke(preset: str = "cpu-smoke", max_steps: int = 300, attn_policy: str = "fa2", diag_interval: int = 50,
+                out_dir: str | None = None) -> tuple[Path, dict]:
+    """Train ``preset`` for ``max_steps`` steps with attention ``attn_policy``, diagnostics every ``diag_interval``
+    steps and three evaluations, into ``out_dir`` (None: a fresh temporary folder), its log kept off the page
+    (:func:`lpfa.book.train_quietly`). Returns ``(run folder, summary)``; a bad value raises ValueError naming it."""
+    out = Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="lpfa-smoke-")) / "run"
+    cfg = make_config(preset, None, {"max_steps": max_steps, "attn_policy": attn_policy, "diag_interval": diag_interval,
+                                     "out_dir": str(out), "progress": False, "eval_interval": max(max_steps // 3, 1)})
+    return out, train_quietly(cfg)
+
+
+def smoke_notes(out: str | Path, summary: dict, preset: str) -> dict[str, str]:
+    """What ran and how the loss went, for the page's text: ``smoke_steps``, ``smoke_setup`` (``preset``, model,
+    tokens per step, attention policy, tokenizer, from the run's ``config.json``), ``smoke_wall_s``,
+    ``smoke_loss_first`` and ``smoke_loss_last`` (mean training loss of the first and last 10 steps) and
+    ``smoke_val_loss``, from the run folder ``out`` and :func:`train_smoke`'s ``summary``."""
+    conf = Run(out).config
+    train_df = load_metrics(out)[0]
+    t = conf["train"]
+    tokenizer = conf.get("data_meta", {}).get("tokenizer") or t["tokenizer"]  # the data's, else the configured one
+    return {"smoke_steps": f"{summary['steps']}",
+            "smoke_setup": (f"`{preset}` ({t['model']} model, {t['batch_size']}×{t['block_size']} tokens per step, "
+                            f"attention `{t['attn_policy']}`, tokenizer `{tokenizer}`)"),
+            "smoke_wall_s": f"{summary['wall_s']:.0f}",
+            "smoke_loss_first": f"{train_df['loss'].iloc[:10].mean():.2f}",
+            "smoke_loss_last": f"{train_df['loss'].iloc[-10:].mean():.2f}",
+            "smoke_val_loss": f"{summary['final_val_loss']:.2f}"}
+
+
+def plot_smoke_loss(out: str | Path, label: str):
+    """The run's training loss (rolling mean over 10 steps) and evaluation loss, as ``label``
+    (:func:`lpfa.compare.plot_losses`)."""
+    return plot_losses({label: out}, smooth=10)
 
 
 def plot_head_metric(run_dir: str | Path, metric: str = "wq_spectral_norm", layers=None):
     """One panel per layer: ``metric`` (wq_spectral_norm, tie_fraction or max_logit) of every head over training."""
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    from lpfa.plotting import use_style
-
     use_style()
     _, _, diag = load_metrics(run_dir)
     if diag.empty or metric not in diag:
@@ -29,3 +77,74 @@ def plot_head_metric(run_dir: str | Path, metric: str = "wq_spectral_norm", laye
         ax.set_xlabel("step")
     axes[0, 0].set_ylabel(metric.replace("_", " "))
     return fig
+
+
+def throughput_table(tput: dict):
+    """``benchmarks/train_throughput.py``'s ``throughput.json`` as one row per backend, with ``ratio to SDPA``: its
+    tokens/s over SDPA's in the same mode (a row ending in ``_compiled`` against ``sdpa_compiled``, the rest against
+    eager ``sdpa``)."""
+    df = pd.DataFrame(tput).T
+    base = {n: df.loc["sdpa_compiled" if n.endswith("_compiled") and "sdpa_compiled" in df.index else "sdpa",
+                      "tokens_per_s"]
+            for n in df.index}
+    df["ratio to SDPA"] = df["tokens_per_s"] / pd.Series(base)
+    return df
+
+
+def throughput_text(table, goals: dict[str, float] = TRAIN_GOALS) -> str:
+    """Page 13's sentence from :func:`throughput_table`: each compiled lpfa row's ratio to SDPA compiled against its
+    goal, and the eager rows' ratios; "not measured compiled" for a run made without ``--compile``."""
+    ratio = table["ratio to SDPA"]
+    parts = []
+    for row, goal in goals.items():
+        name = row.removeprefix("lpfa_").removesuffix("_compiled")
+        if row in ratio:
+            parts.append(f"`{name}` at {ratio[row]:.2f}× (goal ≥ {goal:.2f}×: "
+                         f"{'met' if ratio[row] >= goal else 'not met'})")
+        else:
+            parts.append(f"`{name}` not measured compiled")
+    eager = [f"`{n.removeprefix('lpfa_')}` {ratio[n]:.2f}×" for n in ratio.index
+             if n.startswith("lpfa_") and not n.endswith("_compiled")]
+    return ("compiled, GPT-2 S trains with " + " and ".join(parts) + " SDPA's tokens/s" +
+            (f"; eager, against eager SDPA: {', '.join(eager)}" if eager else ""))
+
+
+def twin_text(table, error: dict) -> str:
+    """Page 13's sentence on the FP32 twin: ``fp32_split``'s GPT-2 S tokens/s over ``sdpa_fp32``'s, compiled where
+    :func:`throughput_table` has both compiled rows, and eager; and the largest error of its O and gradients against
+    float64 next to the IEEE ``fp32`` policy's, over every input dtype of ``benchmarks/attention.py``'s
+    ``error.json``. Raises ValueError when the run has neither pair of rows."""
+    tps = table["tokens_per_s"]
+    speed = [f"{mode} {tps[f'lpfa_fp32_split{suffix}'] / tps[f'sdpa_fp32{suffix}']:.2f}×"
+             for mode, suffix in (("compiled", "_compiled"), ("eager", ""))
+             if f"lpfa_fp32_split{suffix}" in tps and f"sdpa_fp32{suffix}" in tps]
+    if not speed:
+        raise ValueError("twin_text: the throughput run has no fp32_split and sdpa_fp32 rows; "
+                         "expected a benchmarks/train_throughput.py run that times both")
+    worst = {p: max(t["max_rel"] for inp in error["inputs"].values() for t in inp[p].values())
+             for p in ("fp32_split", "fp32")}
+    return (f"`fp32_split` trains GPT-2 S at {' and '.join(speed)} the tokens/s of `sdpa_fp32` (SDPA on FP32 inputs), "
+            f"and its O and gradients stay within {worst['fp32_split']:.1e} of float64 relative to each tensor's "
+            f"largest value, where the IEEE `fp32` policy's stay within {worst['fp32']:.1e}")
+
+
+def committed_throughput():
+    """:func:`throughput_table` of the latest committed ``benchmarks/train_throughput.py`` run."""
+    return throughput_table(load("train_throughput", "throughput.json"))
+
+
+def throughput_notes(table) -> dict[str, str]:
+    """The committed training-throughput run in words: ``tput_text`` (:func:`throughput_text` of ``table``),
+    ``tput_run`` and ``tput_env`` (its device, torch and commit), and ``twin_text`` (:func:`twin_text` against
+    the attention benchmark's latest ``error.json``)."""
+    prov = load("train_throughput", "provenance.json")
+    return {"tput_text": throughput_text(table),
+            "tput_run": f"`{run_dir('train_throughput').name}`",
+            "tput_env": f"{prov['device']}, torch {prov['torch']}, commit `{prov['git_commit']}`",
+            "twin_text": twin_text(table, load("attention_benchmark", "error.json"))}
+
+
+def throughput_display(table):
+    """:func:`throughput_table` as the page shows it: tokens/s, MFU, the ratio to SDPA and peak memory per backend."""
+    return format_table(table[["tokens_per_s", "mfu", "ratio to SDPA", "peak_mem_gib"]].astype(float),
+                        units={"tokens_per_s": "GPT-2 S, H200", "peak_mem_gib": "GiB"})

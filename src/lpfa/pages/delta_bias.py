@@ -1,0 +1,334 @@
+"""Page 02, the δ bias (Fig. 5): is δ_lp − δ_hp (Eq. 4) biased in an instrumented replay (:mod:`lpfa.replay`), do
+rows with several ``p_bar == 1`` entries carry it, and does it hold along the BF16 trajectory? Also the replay's
+description and loader, which pages 03 and 04 share."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from lpfa.compare import same_recipe_runs
+from lpfa.explosion import RunawayCriterion
+from lpfa.pages import setting_of
+from lpfa.plotting import COLORS, use_style
+from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
+from lpfa.results import run_dir
+from lpfa.run import Run, runaway_onset
+
+STRONG_T = 3  # a t statistic below this in every head: the replay's bias is weak
+SAME_SIGN_CHANCE = 0.6  # V one-signed at the tied keys below this share in every head: about what random signs give
+
+
+def open_replay(experiment: str, run: str | None, replay: str) -> tuple[Path, dict, dict]:
+    """``(folder, result, arrays)`` of the replay folder ``replay`` in run ``run`` of ``results/<experiment>`` (None:
+    its latest), read by :func:`lpfa.replay.load_replay`: the parameters of pages 02–04."""
+    folder = run_dir(experiment, run) / replay
+    result, arrays = load_replay(folder)
+    return folder, result, arrays
+
+
+def detail_step(arrays: dict, head: int, step: int | None = None) -> int:
+    """``step`` if ``head`` was measured in detail there (default: its first detail step,
+    :func:`lpfa.replay.detail_steps`), else a ValueError naming the steps there are."""
+    steps = detail_steps(arrays, head)
+    if step is None and steps:
+        return steps[0]
+    if step not in steps:
+        raise ValueError(
+            f"head {head}, step={step!r}: expected a step this replay measured in detail for that head, one of {steps}"
+        )
+    return step
+
+
+def replay_run(result: dict, replay_folder) -> Path | None:
+    """The run folder a replay replayed, where it was committed beside the replay (None if it was not)."""
+    run_folder = Path(replay_folder).parent / Path(result["run"]).name
+    return run_folder if (run_folder / "config.json").is_file() else None
+
+
+def describe(result: dict, replay_folder=None) -> str:
+    """One paragraph (Markdown) saying what a replay measured: which run and in which setting, from which checkpoint
+    relative to the run's explosion or logit runaway, which layer and heads and why, whether the replayed losses
+    equal the run's, with its commit and date. ``replay_folder``: where the replay lies, to read the run beside it."""
+    v, ck = result["verdict"], result["checkpoint_step"]
+    ra = v.get("runaway_step")
+    run_folder = replay_run(result, replay_folder) if replay_folder is not None else None
+    choice = result.get("choice", {"layer": "wq_growth", "heads": "wq_growth"})  # replays before the field: automatic
+    onset = choice.get("onset")
+    if onset is None and ra is None and not v["exploded"] and run_folder is not None:
+        onset = runaway_onset(run_folder)
+    if run_folder is not None:  # the run may have gone on after the replay was made (a resume): its verdict now
+        v = {**v, **Run(run_folder).verdict()}
+        ra = v.get("runaway_step")
+    if v["exploded"]:
+        where = (
+            f"before its loss exploded at step {v['explosion_step']:,}"
+            if ck < v["explosion_step"]
+            else f"after its loss exploded at step {v['explosion_step']:,}"
+        )
+    else:
+        where = (
+            ""
+            if ra is None
+            else (
+                f"before its logits ran away at step {ra:,}; "
+                if ck < ra
+                else f"{ck - ra:,} steps after its logits ran away at step {ra:,}; "
+            )
+        )
+        if ra is None and onset:
+            logit = RunawayCriterion().logit
+            where += (
+                f"{'before' if ck < onset[0] else f'{ck - onset[0]:,} steps after'} layer {onset[1]}'s largest "
+                f"logit first passed {logit:g} at step {onset[0]:,}, too late in the run for the runaway "
+                "verdict; "
+            )
+        where += f"its loss did not explode in its {v['steps']:,} steps"
+    why_layer = {
+        "runaway": "the layer whose logits ran away (or began to)",
+        "wq_growth": "the layer whose W_Q norm grew most",
+        "given": "chosen by hand",
+    }[choice["layer"]]
+    why_heads = "its fastest-growing W_Q heads" if choice["heads"] == "wq_growth" else "chosen by hand"
+    if run_folder is not None and choice["layer"] == "given" and result["layer"] == v.get("runaway_layer"):
+        why_layer = "the layer whose logits ran away"
+    last = ck + result["steps"] - 1
+    if (
+        run_folder is not None
+        and choice["heads"] == "given"
+        and choose_layer_heads(run_folder, len(result["heads"]), result["layer"], until=last)[1] == result["heads"]
+    ):
+        why_heads = f"its fastest-growing W_Q heads up to step {last:,}"
+    setting = f", {setting_of(Run(run_folder).train)}" if run_folder is not None else ""
+    measured = (
+        f"; measured with `{result['policy']}` attention, which the run did not train with"
+        if result.get("own_policy", result.get("policy")) != result.get("policy")
+        else ""
+    )
+    ag = result.get("agreement")
+    follows = (
+        f" Every replayed loss equals the loss the run logged at that step ({ag['bit_equal']:,} of "
+        f"{ag['compared']:,}): the measures are the run's own steps."
+        if ag and ag["compared"] and ag["bit_equal"] == ag["compared"]
+        else f" The replayed losses equal the run's at {ag['bit_equal']:,} of {ag['compared']:,} steps (the first "
+        f"difference at step {ag['first_mismatch']:,})."
+        if ag and ag["compared"]
+        else ""
+    )
+    prov = result["provenance"]
+    return (
+        f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}{setting}): {result['steps']} "
+        f"training steps from its checkpoint at step {ck:,} ({where}), measuring layer {result['layer']} "
+        f"({why_layer}) and heads {', '.join(map(str, result['heads']))} ({why_heads}) on {result['n_seq']} "
+        f"sequences of each batch{measured}.{follows} Commit `{prov['git_commit']}`, {prov['date_utc']}; "
+        "`python -m lpfa.replay --run <run folder> --out <folder>` makes one on the GPU that trained the run "
+        "(`scripts/gpu/mechanism.py` trains the recipe run and replays it)."
+    )
+
+
+def plot_delta_bias(result: dict):
+    """Fig. 5a: the running sum over replayed steps of Σ_T (δ_lp − δ_hp)[T], split by row kind, per head
+    (:func:`lpfa.replay.delta_bias_frame`)."""
+    use_style()
+    f = delta_bias_frame(result)
+    heads = sorted(f["head"].unique())
+    fig, axes = plt.subplots(1, len(heads), figsize=(4.4 * len(heads), 3.2), squeeze=False, sharey=True)
+    for ax, h in zip(axes[0], heads):
+        g = f[f["head"] == h]
+        ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="all rows")
+        ax.plot(g.step, g["cumulative tied rows"], color=COLORS["bf16"], ls="--", label="rows with ≥ 2 P̄ = 1")
+        ax.plot(g.step, g["cumulative other rows"], color=COLORS["neutral"], ls=":", label="other rows")
+        ax.axhline(0, color="black", lw=0.5)
+        ax.set_title(f"layer {result['layer']}, head {h}", fontsize=9)
+        ax.set_xlabel("replayed step")
+    axes[0, 0].set_ylabel("cumulative Σ_T (δ_lp − δ_hp)[T]")
+    axes[0, 0].legend(fontsize=9)
+    return fig
+
+
+def plot_worst_token(arrays: dict, head: int, step: int | None = None):
+    """Figs. 5b, c: dO[T, :] and O_lp[T, :] − O_hp[T, :] per feature, and their product (which sums to δ_lp − δ_hp),
+    for the token with the largest |δ error| of ``head`` at ``step`` (default: the first detail step,
+    :func:`lpfa.replay.detail_steps`), titled with both."""
+    step = detail_step(arrays, head, step)
+    use_style()
+    do, err = arrays[f"h{head}_s{step}_worst_do"], arrays[f"h{head}_s{step}_worst_o_err"]
+    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    axes[0].bar(range(len(do)), do, color=COLORS["neutral"])
+    axes[0].set_title("dO[T, i]", fontsize=9)
+    axes[1].bar(range(len(err)), err, color=COLORS["bf16"])
+    axes[1].set_title("O_lp[T, i] − O_hp[T, i]", fontsize=9)
+    axes[2].bar(range(len(err)), do * err, color=COLORS["sfa"])
+    axes[2].set_title("dO ∘ (O_lp − O_hp): sums to δ_lp − δ_hp", fontsize=9)
+    for ax in axes:
+        ax.set_xlabel("feature i")
+        ax.axhline(0, color="black", lw=0.5)
+    fig.suptitle(f"head {head}, step {step}", fontsize=9)
+    return fig
+
+
+def bias_table(result: dict) -> pd.DataFrame:
+    """:func:`lpfa.replay.bias_test` of a replay as a table, one row per head."""
+    return pd.DataFrame(bias_test(result)).T
+
+
+def bias_text(result: dict) -> str:
+    """Page 02's finding (Markdown) from :func:`lpfa.replay.bias_test`: per head, how often and how significantly
+    Σ_T (δ_lp − δ_hp)[T] is positive, the tied rows' share of rows and of the cumulative error, and how often V is
+    one-signed at the ``p_bar == 1`` keys; whether the sign agrees with the paper's, and that share against chance
+    (:data:`SAME_SIGN_CHANCE`)."""
+    test = bias_test(result)
+    lines = [
+        f"* **head {h}**: Σ_T (δ_lp − δ_hp)[T] is positive in {r['positive_fraction']:.0%} of {r['steps']} steps; "
+        f"its mean per step, {r['mean']:.2e} (95% interval {r['ci_low']:.2e} to {r['ci_high']:.2e}), is "
+        f"{r['t']:.1f} standard errors from zero. Rows "
+        f"with at least two P̄ = 1 entries are {r['tied_row_fraction']:.0%} of the rows and carry "
+        f"{r['share_tied']:.0%} of the cumulative error; at their P̄ = 1 keys, V has one sign in "
+        f"{r['same_sign']:.0%} of (row, feature) pairs."
+        for h, r in test.items()
+    ]
+    sign_ok = all(r["t"] > 0 for r in test.values())
+    return (
+        "**Measured.**\n\n"
+        + "\n".join(lines)
+        + (
+            "\n\nThe sign agrees with the paper (δ_lp − δ_hp > 0 on average). "
+            if sign_ok
+            else "\n\nThe sign does not agree with the paper in every head (it finds δ_lp − δ_hp > 0 on average). "
+        )
+        + 'The tied-row share is the counterfactual "tied rows computed exactly": without their contribution the '
+        "cumulative error would be the remainder. "
+        + (
+            "For scale: two keys of independent random sign agree half the time, three a quarter. At the tied keys "
+            "V shares a sign about that often here, and V's columns are rarely one-signed (the tie-frequency page "
+            "logs it over training), so the same-sign V of the paper's Fig. 6 is not a standing property of V in "
+            "this run; the tied rows carry the bias all the same."
+            if max(r["same_sign"] for r in test.values()) < SAME_SIGN_CHANCE
+            else "For scale: two keys of independent random sign agree half the time, three a quarter; V at the tied "
+            "keys shares a sign more often than that."
+        )
+    )
+
+
+def trajectory_replays(compare: dict) -> dict:
+    """The replays named by ``compare`` (``{"experiment" or "experiment/run": replay folder}``, the latest run where
+    none is named), each labelled ``experiment/run``, in that order."""
+    replays = {}
+    for name, rep in compare.items():
+        exp, _, name_run = name.partition("/")
+        folder = run_dir(exp, name_run or None)
+        replays[f"{exp}/{folder.name}"] = load_replay(folder / rep)[0]
+    return replays
+
+
+def trajectory_table(replays: dict) -> pd.DataFrame:
+    """:func:`lpfa.replay.bias_test` of every replay of :func:`trajectory_replays`, one row per checkpoint step and
+    head: the replayed steps, the share of positive steps, t, the tied rows' share of rows and of the error, and how
+    often V is one-signed at ``p_bar == 1``."""
+    rows = [
+        {
+            "checkpoint step": res["checkpoint_step"],
+            "experiment": name,
+            "layer": res["layer"],
+            "head": h,
+            "steps": r["steps"],
+            "positive steps": r["positive_fraction"],
+            "t": r["t"],
+            "tied rows": r["tied_row_fraction"],
+            "share of error from tied rows": r["share_tied"],
+            "V one-signed at P̄ = 1": r["same_sign"],
+        }
+        for name, res in replays.items()
+        for h, r in bias_test(res).items()
+    ]
+    return pd.DataFrame(rows).sort_values(["checkpoint step", "head"]).set_index(["checkpoint step", "head"])
+
+
+def style_trajectory(table: pd.DataFrame):
+    """:func:`trajectory_table` for the page: shares as percentages, t to one decimal."""
+    return table.style.format(
+        {
+            "positive steps": "{:.0%}",
+            "t": "{:.1f}",
+            "tied rows": "{:.0%}",
+            "share of error from tied rows": "{:.0%}",
+            "V one-signed at P̄ = 1": "{:.0%}",
+        }
+    )
+
+
+def trajectory_text(table: pd.DataFrame) -> str:
+    """Page 02's reading of :func:`trajectory_table`: per checkpoint, each head's share of positive steps, t and the
+    tied rows' share of the error; where the bias is strongest, the checkpoints where no head's t reaches
+    :data:`STRONG_T`, and whether every replay has the paper's sign and tied rows carrying most of the error."""
+    lines = [
+        f"* step {step:,} (`{g['experiment'].iloc[0]}`): "
+        + "; ".join(
+            f"head {h}: positive in {row['positive steps']:.0%} of steps, t = {row['t']:.1f}, tied rows carry "
+            f"{row['share of error from tied rows']:.0%} of the error"
+            for (_, h), row in g.iterrows()
+        )
+        for step, g in table.groupby(level=0)
+    ]
+    best = table["t"].idxmax()
+    weak = [f"{s:,}" for s, g in table.groupby(level=0) if (g["t"] < STRONG_T).all()]
+    return (
+        "\n".join(lines) + f"\n\nThe bias is strongest at step {best[0]:,} (head {best[1]}, t = "
+        f"{table['t'].max():.1f})"
+        + (
+            f"; at step{'s' if len(weak) > 1 else ''} {', '.join(weak)} no head's t statistic reaches {STRONG_T}"
+            if weak
+            else ""
+        )
+        + ". "
+        + (
+            "In every replay and head the mean is positive, the paper's sign"
+            if (table["t"] > 0).all()
+            else "Not every replay and head has the paper's sign (a positive mean)"
+        )
+        + (
+            ", and rows with tied maxima carry most of the error."
+            if (table["share of error from tied rows"] > 0.5).all()
+            else "; rows with tied maxima do not carry most of the error everywhere."
+        )
+    )
+
+
+def reruns_text(result: dict, replay_folder) -> str:
+    """The replayed run against the committed runs of the same recipe, seed and attention
+    (:func:`lpfa.compare.same_recipe_runs`): when each one's logits ran away and its loss exploded, compiled or not;
+    "" when the run is not committed beside the replay or has no such twin."""
+    run_folder = replay_run(result, replay_folder)
+    if run_folder is None:
+        return ""
+    runs = {"this run": run_folder, **same_recipe_runs(run_folder)}
+    if len(runs) == 1:
+        return ""
+
+    def fate(name, d):
+        r = Run(d)
+        v = r.verdict()
+        how = "compiled" if r.train.get("compile") else "eager"
+        label = f"this run (`{d.name}`, {how})" if name == "this run" else f"`{name}` ({how})"
+        ran = (
+            f"logits ran away at step {v['runaway_step']:,}"
+            if v.get("runaway_step") is not None
+            else "no logit runaway"
+        )
+        boom = (
+            f"loss exploded at step {v['explosion_step']:,}"
+            if v["exploded"]
+            else f"loss had not exploded by step {v['steps']:,}"
+        )
+        return label, ran, boom, v["exploded"]
+
+    fates = [fate(n, d) for n, d in runs.items()]
+    n_boom = sum(f[3] for f in fates)
+    return (
+        "The same recipe, seed and attention, trained more than once (their configurations agree in every field "
+        "that shapes training; they differ where compilation and kernels round): "
+        + "; ".join(f"{label}: {ran}, {boom}" for label, ran, boom, _ in fates)
+        + f". The loss exploded in {n_boom} of these {len(fates)} runs."
+    )

@@ -1,0 +1,582 @@
+"""Page 12, attention kernels: the precision presets, their accuracy against float64, and the committed H200
+measurements of the Triton kernels next to PyTorch's SDPA-flash.
+
+Every experiment of the paper changes where attention rounds to BF16: the scores S, the probabilities ``p_bar``
+(P̄ = exp(S − ``row_max``) in BF16, Eq. 2), the block output, the stored O and ``delta`` = rowsum(dO∘O) (Eq. 3). Each
+preset of :data:`lpfa.attention.PRESETS` names these rounding points. The page reads ``benchmarks/attention.py``'s run
+(``results/attention_benchmark``: speed, memory, host overhead, longer shapes), ``benchmarks/host_overhead.py``'s
+(the host's time layer by layer), ``benchmarks/ncu_attention.py``'s (Nsight Compute's counters, parsed by
+:mod:`lpfa.attention.ncu`), ``benchmarks/sfa_overhead.py``'s and ``benchmarks/tune_attention.py``'s launch sweeps.
+Speed ratios are to SDPA-flash measured in the same run; the page's goals are :data:`TARGETS`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from lpfa.attention import PRESETS, attention
+from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
+from lpfa.paths import repo_root
+from lpfa.plotting import COLORS, use_style
+from lpfa.results import file_run, load, run_date, run_dir
+from lpfa.results import runs as result_runs
+
+EXPERIMENT = "attention_benchmark"  # results/<EXPERIMENT>/<run>: benchmarks/attention.py's runs
+# the page's goals: fwd+bwd speed as a multiple of SDPA-flash's, `paper` against the PyTorch reference's `paper`
+# path, and SFA's cost over its base preset (a fraction)
+TARGETS = {"fa2": 1.0, "paper": 0.8, "paper vs reference": 10, "SFA cost": 0.05}
+NCU_MIN_US, NCU_BIG_US = 5.0, 100.0  # kernels counted per pass; the attention kernels proper
+POLICY_FIELDS = ("scores", "p_bar", "o_block", "accumulator", "o_store", "delta", "backward")
+
+
+def bench_file(name: str, run: str | None = None):
+    """``name`` of the attention benchmark's run ``run`` (:func:`lpfa.results.load`; None: the latest run that has
+    it), parsed where it is JSON."""
+    return load(EXPERIMENT, name, run)
+
+
+def bench_run_of(name: str, run: str | None = None):
+    """The folder the page reads ``name`` from: ``run``'s, or with ``run`` None the latest run that holds ``name``."""
+    return run_dir(EXPERIMENT, run) if run else file_run(EXPERIMENT, name)
+
+
+def presets_table():
+    """The presets of :data:`lpfa.attention.PRESETS`, one row each: every rounding point of :data:`POLICY_FIELDS`
+    (``bf16`` rounds, ``fp32`` keeps), the policy blocks (q × k), the row-sum clamp and SFA's β and ε."""
+    return pd.DataFrame([{**{f: getattr(p, f) for f in POLICY_FIELDS},
+                          "blocks (q × k)": "one block" if p.block_q is None else f"{p.block_q} × {p.block_k}",
+                          "row-sum clamp": "—" if p.row_sum_clamp is None else f"{p.row_sum_clamp:g}",
+                          "SFA": f"β={p.sfa.beta:g}, ε={p.sfa.eps:g}" if p.sfa else "—"}
+                         for p in PRESETS.values()], index=list(PRESETS))
+
+
+def accuracy_table(T: int = 64, seed: int = 0):
+    """Each preset's reference backend on random BF16 inputs (B=2, H=4, ``T``, D=64, causal, generator seeded with
+    ``seed``) against softmax attention in float64: the largest absolute error of O and of dQ, dK, dV, one row per
+    preset. Raises ValueError for ``T`` < 1 or ``seed`` < 0."""
+    if not (isinstance(T, int) and T >= 1):
+        raise ValueError(f"T={T!r}: expected an integer >= 1")
+    if not (isinstance(seed, int) and seed >= 0):
+        raise ValueError(f"seed={seed!r}: expected an integer >= 0")
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, 4, T, 64, generator=g).bfloat16().requires_grad_() for _ in range(3))
+    do = torch.randn(2, 4, T, 64, generator=g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    o64 = torch.nn.functional.scaled_dot_product_attention(q64, k64, v64, is_causal=True)
+    g64 = torch.autograd.grad(o64, (q64, k64, v64), do.double())
+    rows = []
+    for name in PRESETS:
+        o = attention(q, k, v, policy=name, backend="reference")
+        grads = torch.autograd.grad(o, (q, k, v), do.to(o.dtype))
+        rows.append({"preset": name, "O": (o.double() - o64).abs().max().item(),
+                     **{f"d{n}": (a.double() - b).abs().max().item() for n, a, b in zip("qkv", grads, g64)}})
+    return pd.DataFrame(rows).set_index("preset")
+
+
+def rerun_benchmark() -> str:
+    """Run ``benchmarks/attention.py`` on this machine's GPU into ``results/attention_benchmark/<gpu>-<date>`` and
+    return that run's name. Raises RuntimeError without a CUDA GPU."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("rerun=True needs a CUDA GPU; set rerun=False to plot the committed results")
+    name = f"{torch.cuda.get_device_name(0).split()[-1].lower()}-{datetime.date.today().isoformat()}"
+    out = repo_root() / "results" / EXPERIMENT / name
+    subprocess.run([sys.executable, str(repo_root() / "benchmarks" / "attention.py"), "--out", str(out)], check=True)
+    return name
+
+
+def provenance_notes(run: str | None = None) -> dict[str, str]:
+    """The run's provenance for the page's text: ``bench_run`` (its name), ``bench_env`` (device, torch, Triton,
+    commit, date) and ``bench_command``."""
+    prov = bench_file("provenance.json", run)
+    return {"bench_run": f"`{run_dir(EXPERIMENT, run).name}`",
+            "bench_env": (f"{prov['device']}, torch {prov['torch']}, Triton {prov['triton']}, "
+                          f"commit `{prov['git_commit']}`, {prov['date_utc']}"),
+            "bench_command": f"`{prov['command']}`"}
+
+
+def check_table(check: dict):
+    """``check.json`` (the kernels against the PyTorch reference on one GPU) as one row per preset: per tensor
+    (``O``, ``dq``, ...), the fraction of elements bit-identical (``same``) and the largest difference relative to the
+    tensor's largest magnitude (``max``)."""
+    return pd.DataFrame({name: {f"{t} same": r[t]["bit_identical"] for t in r}
+                         | {f"{t} max": r[t]["max_rel_to_max"] for t in r}
+                         for name, r in check["presets"].items()}).T
+
+
+def speed_table(bench: dict):
+    """DataFrame: TFLOP/s per implementation and pass, with the fwd+bwd ratio to SDPA-flash; where the run also timed
+    forward+backward replayed from a CUDA graph (the GPU's time alone, without the host's launches), that too and its
+    ratio to SDPA-flash's."""
+    rows = bench["rows"]
+    base = rows["sdpa_flash"]["fwd_bwd_tflops"]
+    gbase = rows["sdpa_flash"].get("graph_fwd_bwd_tflops")
+    df = pd.DataFrame(
+        [{"implementation": n, "fwd": r["fwd_tflops"], "bwd": r["bwd_tflops"], "fwd+bwd": r["fwd_bwd_tflops"],
+          "ratio to SDPA-flash": r["fwd_bwd_tflops"] / base,
+          **({"fwd+bwd, GPU only": r.get("graph_fwd_bwd_tflops"),
+              "GPU-only ratio": r["graph_fwd_bwd_tflops"] / gbase if r.get("graph_fwd_bwd_tflops") else None}
+             if gbase else {})}
+         for n, r in rows.items()]
+    ).set_index("implementation")
+    return df.round(3)
+
+
+def plot_speed(bench: dict):
+    """Horizontal bars of fwd+bwd TFLOP/s, SDPA first."""
+    use_style()
+    df = speed_table(bench)["fwd+bwd"]
+    colors = [COLORS["neutral"] if n.startswith("sdpa") else COLORS["sfa"] if "sfa" in n else
+              COLORS["fp32"] if "fp32" in n else COLORS["other"] if n.startswith("reference") else COLORS["bf16"]
+              for n in df.index]
+    fig, ax = plt.subplots(figsize=(7, 0.32 * len(df) + 1))
+    ax.barh(df.index[::-1], df.values[::-1], color=colors[::-1])
+    for y, v in enumerate(df.values[::-1]):
+        ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+    B, H, T, D = bench["shape"]
+    ax.set_xlabel(f"forward + backward TFLOP/s (causal, B={B}, H={H}, T={T}, D={D})")
+    return fig
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def speed_notes(bench: dict, targets: dict = TARGETS) -> dict[str, str]:
+    """The speed table's findings against ``targets`` (:data:`TARGETS`): ``fa2_ratio``, ``paper_ratio`` (fwd+bwd ×
+    SDPA-flash) and ``paper_ref_ratio`` (× the reference ``paper`` path), each with its ``*_target`` (met or not);
+    ``sfa_cost_fa2``, ``sfa_cost_paper`` (1 − SFA's TFLOP/s over its base's) and ``sfa_target``; ``goals_text``."""
+    t = speed_table(bench)["ratio to SDPA-flash"]
+    fb = speed_table(bench)["fwd+bwd"]
+    sfa_cost = {k: 1 - fb[f"{k}_sfa"] / fb[k] for k in ("fa2", "paper")}
+    measured = {"fa2": t["fa2"], "paper": t["paper"], "paper vs reference": fb["paper"] / fb["reference_paper"]}
+    out = {}
+    for key, name in (("fa2", "fa2"), ("paper", "paper"), ("paper vs reference", "paper_ref")):
+        out[f"{name}_ratio"] = f"**{measured[key]:.{1 if key == 'paper vs reference' else 2}f}×**"
+        out[f"{name}_target"] = f"target ≥ {targets[key]:g}×: {_verdict(measured[key] >= targets[key])}"
+    for k, v in sfa_cost.items():
+        out[f"sfa_cost_{k}"] = f"{100 * v:+.1f}%"
+    out["sfa_target"] = (f"target ≤ {100 * targets['SFA cost']:.0f}%: "
+                         f"{_verdict(max(sfa_cost.values()) <= targets['SFA cost'])}")
+    out["goals_text"] = f"`fa2` ≥ {targets['fa2']:g}×, `paper` ≥ {targets['paper']:g}×"
+    return out
+
+
+def plot_memory(memory: dict):
+    """Peak memory of forward + backward against sequence length."""
+    use_style()
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    colors = {"sdpa_flash": COLORS["neutral"], "fa2": COLORS["bf16"], "fp32": COLORS["fp32"]}
+    rows = [r for r in memory["rows"].values() if "peak_mib" in r]
+    for name in dict.fromkeys(r["name"] for r in rows):
+        pts = sorted((r["T"], r["peak_mib"]) for r in rows if r["name"] == name)
+        ax.plot(*zip(*pts), marker="o", label=name, color=colors.get(name))
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("peak memory above inputs [MiB]")
+    ax.set_title(f"B=1, H={memory['H']}, D={memory['D']}", fontsize=9)
+    ax.legend()
+    return fig
+
+
+def memory_notes(memory: dict, run: str | None = None) -> dict[str, str]:
+    """The memory figure's findings: ``mem_run`` (the run that measured it), ``mem_T_min``, ``mem_T_max``,
+    ``mem_T_ratio`` (the longest T over the shortest) and ``mem_growth_fa2``, ``mem_growth_fp32``: each one's peak
+    memory at the longest T over that at the shortest. Raises ValueError without ``fa2`` and ``fp32`` rows."""
+    rows = [r for r in memory["rows"].values() if "peak_mib" in r]
+    missing = sorted({"fa2", "fp32"} - {r["name"] for r in rows})
+    if missing:
+        raise ValueError(f"memory rows {missing}: missing, expected peak_mib rows of fa2 and fp32 in memory.json")
+    Ts = sorted({r["T"] for r in rows})
+
+    def peak(name, T):
+        return next(r["peak_mib"] for r in rows if r["name"] == name and r["T"] == T)
+
+    return {"mem_run": f"`{bench_run_of('memory.json', run).name}`", "mem_T_min": f"{Ts[0]}", "mem_T_max": f"{Ts[-1]}",
+            "mem_T_ratio": f"{Ts[-1] // Ts[0]}",
+            **{f"mem_growth_{name}": f"{peak(name, Ts[-1]) / peak(name, Ts[0]):.1f}" for name in ("fa2", "fp32")}}
+
+
+def tuning_best(tune: dict):
+    """The launch sweep of ``benchmarks/tune_attention.py`` (its ``tune.json``): per implementation and pass (fwd, bwd),
+    the best TFLOP/s with its launch configuration, and the ratio to SDPA-flash measured in the same run. A DataFrame
+    indexed by (implementation, pass); SDPA-flash is the first row of the sweep."""
+    sdpa = next(r for r in tune["rows"] if r["impl"] == "sdpa_flash")
+    out = {}
+    for r in tune["rows"]:
+        if r["impl"] == "sdpa_flash" or "tflops" not in r:
+            continue
+        key = (r["impl"], r["pass"])
+        if key not in out or r["tflops"] > out[key]["TFLOP/s"]:
+            cfg = {k: r[k] for k in ("block_m", "block_n", "num_warps", "num_stages") if k in r}
+            out[key] = {"TFLOP/s": r["tflops"], "SDPA-flash TFLOP/s": sdpa[f"{r['pass']}_tflops"],
+                        "ratio to SDPA-flash": r["tflops"] / sdpa[f"{r['pass']}_tflops"],
+                        "launch": " ".join(f"{k}={v}" for k, v in cfg.items())}
+    return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
+
+
+def _sweeps() -> list:
+    """The committed launch sweeps (``results/attention_tuning``) that hold a ``tune.json``, oldest first."""
+    return [d for d in result_runs("attention_tuning") if (d / "tune.json").is_file()]
+
+
+def tuning_sweeps():
+    """:func:`tuning_best` of every committed launch sweep, concatenated: indexed by (run, implementation, pass)."""
+    return pd.concat({d.name: tuning_best(json.loads((d / "tune.json").read_text())) for d in _sweeps()}, names=["run"])
+
+
+def tuning_notes(best, run: str | None = None) -> dict[str, str]:
+    """The latest sweep of :func:`tuning_sweeps` (``best``) in words: ``sweep_run``; ``sweep_fa2`` and ``sweep_paper``,
+    the forward's and backward's best ratio to SDPA-flash (a missing pass said so); ``sweep_vs_op``, whether that
+    sweep and the op's benchmark run ``run`` measured the same kernels (the same commit), else which is the older."""
+    name = best.index.get_level_values("run")[-1]
+    r = best.loc[name]["ratio to SDPA-flash"]
+
+    def pass_name(p):
+        return "forward" if p == "fwd" else "backward"
+
+    sweep_dir = _sweeps()[-1]
+    op_dir = run_dir(EXPERIMENT, run)
+    op_commit = load(EXPERIMENT, "provenance.json", op_dir.name)["git_commit"][:7]
+    sweep_commit = json.loads((sweep_dir / "provenance.json").read_text())["git_commit"][:7]
+    if op_commit == sweep_commit:
+        vs = (f"The sweep and the table of the autograd op above (`{op_dir.name}`) measured the same kernels "
+              f"(commit `{op_commit}`).")
+    else:
+        vs = (f"The table of the autograd op above (`{op_dir.name}`, commit `{op_commit}`) and this sweep (commit "
+              f"`{sweep_commit}`) " + ("measured different kernels: the op's table is the older."
+                                       if run_date(op_dir) < run_date(sweep_dir) else
+                                       "measured different kernels: the sweep is the older."))
+    return {"sweep_run": f"`{name}`",
+            "sweep_fa2": f"{r['fa2', 'fwd']:.2f}× forward and {r['fa2', 'bwd']:.2f}× backward",
+            "sweep_paper": " and ".join(f"{r['paper', p]:.2f}× {pass_name(p)}" if ("paper", p) in r.index
+                                        else f"no {pass_name(p)} row (the sweep was cut short)"
+                                        for p in ("fwd", "bwd")),
+            "sweep_vs_op": vs}
+
+
+def tuning_display(best):
+    """:func:`tuning_sweeps` as the page shows it (TFLOP/s whole, ratios to two decimals)."""
+    return best.style.format({"TFLOP/s": "{:.0f}", "SDPA-flash TFLOP/s": "{:.0f}", "ratio to SDPA-flash": "{:.2f}"})
+
+
+def sfa_overhead_table(data: dict):
+    """``benchmarks/sfa_overhead.py``'s ``sfa_overhead.json`` as one row per shape ("B×H×T×D"): each base preset's
+    forward TFLOP/s, and each SFA variant's forward time over its base preset's (the top-2 tie test, the default, and
+    the counting pass it replaced), from the faster of the two timings of each; ``spread``: the largest difference
+    between the two timings of one variant at that shape, the noise floor of the comparison."""
+    out: dict = {}
+    for r in data["rows"]:
+        row = out.setdefault(f"{r['B']}×{r['H']}×{r['T']}×{r['D']}", {})
+        if r["over_base"] is None:
+            row[f"{r['variant']} TFLOP/s"] = r["tflops"]
+        else:
+            row[f"{r['variant']} over base"] = r["over_base"]
+        row["spread"] = max(row.get("spread", 0.0), r["spread"])
+    df = pd.DataFrame.from_dict(out, orient="index").rename_axis("B×H×T×D")
+    return df[[c for c in df.columns if c != "spread"] + ["spread"]]
+
+
+SFA_NOTES = ("sfa_run", "sfa_commit", "sfa_now", "sfa_goal", "sfa_saved", "sfa_spread")
+
+
+def sfa_overhead():
+    """The latest committed ``benchmarks/sfa_overhead.py`` run (``results/sfa_overhead``): ``(table, folder)``, the
+    table by :func:`sfa_overhead_table`; ``(None, None)`` when none is committed."""
+    try:
+        folder = run_dir("sfa_overhead")
+    except FileNotFoundError:
+        return None, None
+    return sfa_overhead_table(load("sfa_overhead", "sfa_overhead.json", folder.name)), folder
+
+
+def sfa_overhead_display(table):
+    """:func:`sfa_overhead_table` as the page shows it: TFLOP/s whole, the costs over base as signed percentages."""
+    return table.style.format({c: ("{:.0f}" if c.endswith("TFLOP/s") else "{:+.1%}") for c in table.columns
+                               if c != "spread"} | {"spread": "{:.1%}"})
+
+
+def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> dict[str, str]:
+    """The SFA forward's cost in words, from :func:`sfa_overhead`'s ``(table, folder)``: ``sfa_run``, ``sfa_commit``,
+    ``sfa_now`` (the range of SFA's time over its base), ``sfa_goal`` (within ``target`` or not), ``sfa_saved`` (what
+    the row-max tie test saved over the counting pass, percentage points), ``sfa_spread`` and ``p12_note1`` (how to
+    make a run, when ``table`` is None; the others are then "–")."""
+    if table is None:
+        return {**dict.fromkeys(SFA_NOTES, "–"), "p12_note1": (
+            "**Not run yet**: `python benchmarks/sfa_overhead.py --out results/sfa_overhead/<run>` on a GPU.")}
+    now = table[["paper_sfa over base", "fa2_sfa over base"]]
+    saved = table[["paper_sfa count pass over base", "fa2_sfa count pass over base"]].to_numpy() - now.to_numpy()
+    return {"sfa_run": f"`{folder.name}`",
+            "sfa_commit": f"`{load('sfa_overhead', 'provenance.json', folder.name)['git_commit'][:7]}`",
+            "sfa_now": f"{now.min().min():+.0%} to {now.max().max():+.0%}",
+            "sfa_goal": f"the goal of at most +{100 * target:.0f}% is {_verdict(now.max().max() <= target)}",
+            "sfa_saved": f"up to {100 * saved.max():.0f} percentage points",
+            "sfa_spread": f"{table['spread'].max():.1%}",
+            "p12_note1": ""}
+
+
+def overhead_table(data: dict):
+    """``benchmarks/attention.py``'s ``overhead.json`` as one row per (implementation, pass): the host's time to issue
+    one call, the GPU's busy time per call (its kernels summed), the time per call back to back, ``do_bench``'s time
+    and the number of distinct kernels; ``bound by``: the host where its issue time exceeds the GPU's busy time, else
+    the GPU; ``GPU time × SDPA-flash``: SDPA-flash's GPU time over this row's in the same pass (above 1: faster)."""
+    rows = data["rows"]
+    out = {}
+    for key, r in rows.items():
+        name, what = key.split("/")
+        sdpa = rows.get(f"sdpa_flash/{what}")
+        out[(name, what)] = {"host µs": r["host_us"], "GPU µs": r["gpu_us"], "back to back µs": r["loop_us"],
+                             "do_bench µs": r["do_bench_us"], "distinct kernels": len(r["kernels_us"]),
+                             "bound by": "host" if r["host_us"] > r["gpu_us"] else "GPU",
+                             "GPU time × SDPA-flash": sdpa["gpu_us"] / r["gpu_us"] if sdpa else None}
+    return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
+
+
+def overhead_display(table):
+    """:func:`overhead_table` as the page shows it: µs whole, the GPU-time ratio to two decimals."""
+    return table.style.format({c: "{:.0f}" for c in ("host µs", "GPU µs", "back to back µs", "do_bench µs")}
+                              | {"GPU time × SDPA-flash": "{:.2f}"})
+
+
+def overhead_text(table) -> dict[str, str]:
+    """Page 12's clauses from :func:`overhead_table`: ``host``, one ``fa2`` forward+backward's host issue time
+    against its GPU work, next to SDPA-flash's, and which side sets the pace; ``gpu_ratio``, ``fa2``'s and ``paper``'s
+    forward+backward GPU time as a multiple of SDPA-flash's speed; ``bound``, which of the two the host bounds."""
+    fb = {name: table.loc[(name, "fwd_bwd")] for name in ("sdpa_flash", "fa2", "paper")}
+    return {
+        "host": (f"one `fa2` forward and backward takes {fb['fa2']['host µs']:,.0f} µs of the host's time to issue, "
+                 f"against {fb['fa2']['GPU µs']:,.0f} µs of GPU work (SDPA-flash: "
+                 f"{fb['sdpa_flash']['host µs']:,.0f} µs and {fb['sdpa_flash']['GPU µs']:,.0f} µs), so the call is "
+                 f"{fb['fa2']['bound by']}-bound"),
+        "gpu_ratio": (f"{fb['fa2']['GPU time × SDPA-flash']:.2f}× for `fa2` and "
+                      f"{fb['paper']['GPU time × SDPA-flash']:.2f}× for `paper`"),
+        "bound": _bound_clause([name for name in ("fa2", "paper") if fb[name]["bound by"] == "host"]),
+    }
+
+
+def _bound_clause(host_bound: list[str]) -> str:
+    if not host_bound:
+        return "the GPU work bounds both `fa2` and `paper`'s forward and backward, not the host"
+    names = " and ".join(f"`{n}`" for n in host_bound)
+    return (f"the host bounds {names}'s forward and backward before the kernels do "
+            "(it takes longer to issue than to run)")
+
+
+def overhead_notes(table, run: str | None = None) -> dict[str, str]:
+    """:func:`overhead_text`'s clauses under the page's names (``ovh_fa2``, ``ovh_gpu_ratio``, ``ovh_bound``), with
+    ``ovh_run``, the run that measured ``overhead.json``."""
+    text = overhead_text(table)
+    return {"ovh_run": f"`{bench_run_of('overhead.json', run).name}`", "ovh_fa2": text["host"],
+            "ovh_gpu_ratio": text["gpu_ratio"], "ovh_bound": text["bound"]}
+
+
+def shapes_table(shapes: dict):
+    """``benchmarks/attention.py --parts shapes``'s ``shapes.json`` as one row per (shape "B×H×T×D", implementation):
+    forward, backward and forward+backward TFLOP/s, the forward+backward ratio to SDPA-flash at that shape, and for an
+    SFA preset its forward+backward time over its base preset's."""
+    sh = pd.DataFrame(shapes["rows"])
+    sh["shape"] = [f"{b}×{h}×{t}×{d}" for b, h, t, d in zip(sh.B, sh.H, sh["T"], sh.D)]
+    sh["SFA over base"] = [o["fwd_bwd"] if isinstance(o, dict) else None for o in sh["sfa_overhead"]]
+    out = sh.set_index(["shape", "impl"])[["fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "ratio_to_sdpa_flash",
+                                           "SFA over base"]]
+    out.columns = ["fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s", "× SDPA-flash", "SFA over base"]
+    return out
+
+
+def shapes_display(shapes: dict):
+    """:func:`shapes_table` as the page shows it: TFLOP/s whole, ratios to two decimals, SFA's cost as a percentage."""
+    return shapes_table(shapes).style.format({"fwd TFLOP/s": "{:.0f}", "bwd TFLOP/s": "{:.0f}",
+                                              "fwd+bwd TFLOP/s": "{:.0f}", "× SDPA-flash": "{:.2f}",
+                                              "SFA over base": "{:+.1%}"}, na_rep="–")
+
+
+def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dict[str, str]:
+    """Page 12's clauses from ``shapes.json``: ``ratios``, ``fa2``'s and ``paper``'s forward+backward ratio to
+    SDPA-flash at T = 4,096, at the longest T (D = 64) and at D = 128, T = 1,024; ``sfa``, the range of the SFA
+    presets' cost over their base at T ≥ 4,096 and whether it is within ``sfa_goal`` (a fraction); with ``goals``
+    (``{impl: ratio}``), ``goals``: each one's best ratio over the shapes and whether it reaches its goal there."""
+    sh = pd.DataFrame(shapes["rows"])
+    ratio = sh.set_index(["T", "D", "impl"])["ratio_to_sdpa_flash"]
+    longest = int(sh["T"].max())
+    long_sfa = pd.Series([o["fwd_bwd"] for o, t in zip(sh["sfa_overhead"], sh["T"])
+                          if isinstance(o, dict) and t >= 4096])
+    return {
+        "ratios": (f"at T = 4,096 `fa2` runs at {ratio[(4096, 64, 'fa2')]:.2f}× SDPA-flash and `paper` at "
+                   f"{ratio[(4096, 64, 'paper')]:.2f}×; at T = {longest:,} at {ratio[(longest, 64, 'fa2')]:.2f}× and "
+                   f"{ratio[(longest, 64, 'paper')]:.2f}×; at D = 128 (T = 1,024) at "
+                   f"{ratio[(1024, 128, 'fa2')]:.2f}× and {ratio[(1024, 128, 'paper')]:.2f}×"),
+        "sfa": (f"{long_sfa.min():+.1%} to {long_sfa.max():+.1%}, "
+                + ("within" if long_sfa.max() <= sfa_goal else "outside")
+                + f" the goal of at most +{100 * sfa_goal:.0f}%") if len(long_sfa) else "not measured at T ≥ 4,096",
+        **({"goals": _goals_clause({impl: float(sh[sh.impl == impl]["ratio_to_sdpa_flash"].max()) for impl in goals},
+                                   goals)}
+           if goals else {}),
+    }
+
+
+def _goals_clause(best: dict, goals: dict) -> str:
+    short = [i for i in goals if best[i] < goals[i]]
+    each = ", ".join(f"`{i}` reaches {best[i]:.2f}× at best" for i in goals)
+    if len(short) == len(goals):
+        return f"{each}: {'both' if len(goals) == 2 else 'all'} stay short"
+    if not short:
+        return f"{each}: {'both' if len(goals) == 2 else 'all'} meet their goals"
+    return f"{each}: " + " and ".join(f"`{i}`" for i in short) + " stay" + ("s" if len(short) == 1 else "") + " short"
+
+
+def shapes_notes(shapes: dict, targets: dict = TARGETS) -> dict[str, str]:
+    """:func:`shapes_text` against the page's ``targets`` under the page's names: ``shape_long`` (the ratios),
+    ``shape_sfa`` (SFA's cost at T ≥ 4,096) and ``shape_goals`` (``fa2``'s and ``paper``'s best ratio)."""
+    text = shapes_text(shapes, targets["SFA cost"], {k: targets[k] for k in ("fa2", "paper")})
+    return {"shape_long": text["ratios"], "shape_sfa": text["sfa"], "shape_goals": text["goals"]}
+
+
+HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names
+    "launch/_nonfinite_kernel": "one Triton launch",
+    "flash_forward": "flash_forward",
+    "flash_backward": "flash_backward",
+    "op/fwd": "custom op, fwd",
+    "attention/fwd": "attention(), fwd",
+    "attention/fwd_bwd": "attention(), fwd+bwd",
+    "sdpa_flash/fwd": "SDPA-flash, fwd",
+    "sdpa_flash/fwd_bwd": "SDPA-flash, fwd+bwd",
+}
+
+
+def host_runs() -> dict[str, dict]:
+    """Every committed ``benchmarks/host_overhead.py`` run (``results/host_overhead``), oldest first: run name → its
+    ``host_overhead.json``."""
+    return {f.name: load("host_overhead", "host_overhead.json", f.name) for f in result_runs("host_overhead")}
+
+
+def host_layers_table(runs: dict[str, dict]):
+    """``benchmarks/host_overhead.py`` runs side by side: one row per run (``runs`` maps a label, e.g. the commit, to
+    its ``host_overhead.json``), one column per layer of the call (:data:`HOST_LAYERS`), in µs of the host's time per
+    call; ``fwd+bwd × SDPA-flash`` is the host's time for ``attention()``'s forward+backward over SDPA-flash's measured
+    in the same run (the hosts of two machines differ, the ratio less)."""
+    df = pd.DataFrame({label: {name: r["host_us"].get(key) for key, name in HOST_LAYERS.items()}
+                       for label, r in runs.items()}).T
+    df["fwd+bwd × SDPA-flash"] = df["attention(), fwd+bwd"] / df["SDPA-flash, fwd+bwd"]
+    return df.rename_axis("run")
+
+
+def host_layers_display(table):
+    """:func:`host_layers_table` as the page shows it: µs whole with thousands separators, the ratio to one decimal."""
+    return table.style.format("{:,.0f}", na_rep="–").format({"fwd+bwd × SDPA-flash": "{:.1f}"})
+
+
+def host_layers_text(table) -> str:
+    """Page 12's sentence from :func:`host_layers_table`: the host's time for one forward+backward through
+    ``attention()`` in the first and the last run, each as a multiple of SDPA-flash's in its own run."""
+    first, last = table.iloc[0], table.iloc[-1]
+    return (f"the host's time to issue one forward and backward through `attention()` went from "
+            f"{first['attention(), fwd+bwd']:,.0f} µs ({first['fwd+bwd × SDPA-flash']:.1f}× SDPA-flash's in the same "
+            f"run, `{table.index[0]}`) to {last['attention(), fwd+bwd']:,.0f} µs "
+            f"({last['fwd+bwd × SDPA-flash']:.1f}×, `{table.index[-1]}`)")
+
+
+def load_ncu():
+    """The latest committed ``benchmarks/ncu_attention.py`` run (``results/attention_ncu``): ``(kernels, folder)``,
+    ``kernels`` mapping each target of its provenance to :func:`lpfa.attention.ncu.parse_ncu_csv` of its CSV."""
+    folder = run_dir("attention_ncu")
+    prov = load("attention_ncu", "provenance.json", folder.name)
+    return {t: parse_ncu_csv((folder / f"{t}.csv").read_text()) for t in prov["config"]["targets"]}, folder
+
+
+def ncu_table(ncu: dict, min_us: float = NCU_MIN_US):
+    """``benchmarks/ncu_attention.py``'s kernels (target → parsed kernels, as in ``ncu.json``) as one row per (target,
+    kernel) of at least ``min_us``: its pass (:func:`lpfa.attention.ncu.kernel_pass`), µs, millions of instructions,
+    SM, memory and issue-slot use and tensor pipe (% of peak), cycles per issued instruction, occupancy and what
+    limits it, registers per thread, busiest pipe, top stall and :func:`lpfa.attention.ncu.limited_by`."""
+    rows = []
+    for target, kernels in ncu.items():
+        for name, m in kernels.items():
+            if (m.get("duration_us") or 0.0) < min_us:
+                continue
+            pipe = next(iter(m.get("pipes") or {}), None)
+            rows.append({"target": target, "kernel": name, "pass": kernel_pass(name), "µs": m["duration_us"],
+                         "M instructions": (m.get("instructions") or float("nan")) / 1e6,
+                         "SM %": m.get("sm_pct"), "memory %": m.get("mem_pct"), "issue %": m.get("issue_pct"),
+                         "tensor %": m.get("tensor_pct"), "cycles/instruction": m.get("cycles_per_inst"),
+                         "occupancy %": m.get("occupancy_pct"), "occupancy limit": m.get("occupancy_limit"),
+                         "registers": m.get("registers"),
+                         "busiest pipe": f"{pipe} {m['pipes'][pipe]:.0f}%" if pipe else None,
+                         "top stall": m.get("top_stall"), "limited by": limited_by(m)})
+    return pd.DataFrame(rows).set_index(["target", "kernel"]).round(2)
+
+
+NCU_SHOWN = ["pass", "µs", "M instructions", "tensor %", "issue %", "memory %", "occupancy %", "registers",
+             "top stall", "limited by"]  # the per-kernel table's columns on the page
+
+
+def ncu_passes(table, base: str = "sdpa_flash"):
+    """:func:`ncu_table` summed per (target, pass): µs and millions of instructions, each also as a multiple of
+    ``base``'s in the same pass (where the table has ``base``)."""
+    df = table.groupby(["target", "pass"])[["µs", "M instructions"]].sum()
+    if base in df.index.get_level_values("target"):
+        ref = df.loc[base]
+        for col in ("µs", "M instructions"):
+            df[f"{col} × {base}"] = [df.loc[(t, p), col] / ref.loc[p, col] if p in ref.index else float("nan")
+                                     for t, p in df.index]
+    return df.round(2)
+
+
+def _fmt(v, spec: str) -> str:
+    """``v`` formatted by ``spec``, or "?" where ncu did not report it (None or NaN)."""
+    return "?" if v is None or v != v else format(v, spec)
+
+
+def ncu_text(table, base: str = "sdpa_flash") -> str:
+    """Page 12's sentence from :func:`ncu_table`: per target, its forward and backward kernels' time and instructions
+    against ``base``'s (:func:`ncu_passes`), its largest kernel's tensor-pipe use, issue slots and occupancy, and what
+    limits it."""
+    passes = ncu_passes(table, base)
+    parts = []
+    for target in dict.fromkeys(table.index.get_level_values("target")):
+        if target == base:
+            continue
+        own = passes.loc[target]
+        vs = []
+        for p in ("forward", "backward"):
+            if p not in own.index:
+                continue
+            ratio = own.loc[p].get(f"µs × {base}", float("nan"))  # NaN: no base, or base has no such pass
+            vs.append(f"{p} {own.loc[p, 'µs']:,.0f} µs, {own.loc[p, 'M instructions']:,.0f}M instructions"
+                      + ("" if ratio != ratio else
+                         f" ({ratio:.2f}× {base}'s time, "
+                         f"{own.loc[p, f'M instructions × {base}']:.2f}× its instructions)"))
+        k = table.loc[target]["µs"].idxmax()
+        r = table.loc[(target, k)]
+        parts.append(f"`{target}`: {'; '.join(vs)}. Its longest kernel, `{k}` ({r['µs']:,.0f} µs), keeps the tensor "
+                     f"pipe busy {_fmt(r['tensor %'], '.0f')}% of the time and the issue slots "
+                     f"{_fmt(r['issue %'], '.0f')}%, at {_fmt(r['occupancy %'], '.0f')}% occupancy (limited by "
+                     f"{r['occupancy limit'] or 'unknown'}), {_fmt(r['cycles/instruction'], '.1f')} cycles per "
+                     f"instruction: {r['limited by']}")
+    return " ".join(p + "." for p in parts)
+
+
+def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
+    """Nsight Compute's findings for the page's text, from :func:`load_ncu`'s ``(ncu, folder)`` and its
+    :func:`ncu_table`: ``ncu_run`` (run and commit), ``ncu_launches`` (kernels of one ``fa2`` forward+backward),
+    ``ncu_text``; for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (any bound by compute or memory),
+    ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of peak); the thresholds ``ncu_bound_pct``,
+    ``ncu_min_us``, ``ncu_big_us``."""
+    prov = load("attention_ncu", "provenance.json", folder.name)
+    big = table[table["µs"] >= NCU_BIG_US]
+    bound = [f"`{t}`'s `{k}` ({r})" for (t, k), r in big["limited by"].items() if not r.startswith("latency")]
+    lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
+    return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
+            "ncu_launches": f"{len(ncu['fa2'])}",
+            "ncu_text": ncu_text(table),
+            "ncu_bound": ("none is bound by the tensor cores or by memory" if not bound
+                          else "bound: " + ", ".join(bound)),
+            "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
+            "ncu_occupancy": f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%",
+            "ncu_tensor": f"{big['tensor %'].max():.0f}%", "ncu_memory": f"{big['memory %'].max():.0f}%"}

@@ -1,0 +1,143 @@
+"""Page 02 (the δ bias, Fig. 5): the tables, sentences and figures of lpfa.pages.delta_bias on the committed replays of
+the BF16 trajectory (results/repro_runaway, repro_twins, repro_pair), checked against statistics recomputed here from
+each replay's per-step sums."""
+
+import math
+
+import numpy as np
+import pytest
+
+from lpfa.pages.delta_bias import (
+    STRONG_T,
+    bias_table,
+    bias_text,
+    describe,
+    detail_step,
+    open_replay,
+    plot_delta_bias,
+    plot_worst_token,
+    style_trajectory,
+    trajectory_replays,
+    trajectory_table,
+    trajectory_text,
+)
+from lpfa.replay import load_replay
+from lpfa.results import run_dir
+
+COMPARE = {"repro_runaway/h200x4-2026-11-29": "bf16_runaway_replay", "repro_twins": "bf16_replay",
+           "repro_pair": "bf16_replay"}  # page 02's default
+
+
+@pytest.fixture(scope="module")
+def replay():
+    return open_replay("repro_runaway", None, "bf16_runaway_replay")
+
+
+def _sums(result, head):
+    """The per-step Σ_T (δ_lp − δ_hp)[T] of ``head`` and that over tied rows, straight from replay.json."""
+    per = [r["heads"][str(head)] for r in result["per_step"]]
+    return np.array([p["sum_all"] for p in per]), np.array([p["sum_tied"] for p in per])
+
+
+def _se(x):
+    return x.std(ddof=1) / math.sqrt(len(x))
+
+
+def _t(x):
+    return x.mean() / _se(x)
+
+
+def test_open_replay_reads_the_latest_run(replay):
+    folder, result, arrays = replay
+    assert folder == run_dir("repro_runaway") / "bf16_runaway_replay"
+    again, arr = load_replay(folder)
+    assert result == again and arrays.keys() == arr.keys()
+    assert f"from its checkpoint at step {result['checkpoint_step']:,}" in describe(result, folder)
+    with pytest.raises(FileNotFoundError, match="not a replay folder"):
+        open_replay("repro_runaway", None, "no_such_replay")
+
+
+def test_bias_table_and_text_recomputed(replay):
+    _, result, _ = replay
+    table, text = bias_table(result), bias_text(result)
+    assert sorted(table.index) == sorted(result["heads"])
+    for h in result["heads"]:
+        x, tied = _sums(result, h)
+        assert table.loc[h, "steps"] == len(x) and table.loc[h, "t"] == pytest.approx(_t(x))
+        assert table.loc[h, "share_tied"] == pytest.approx(tied.sum() / x.sum())
+        assert (f"* **head {h}**: Σ_T (δ_lp − δ_hp)[T] is positive in {(x > 0).mean():.0%} of {len(x)} steps; its mean "
+                f"per step, {x.mean():.2e} (95% interval {x.mean() - 1.959964 * _se(x):.2e} to "
+                f"{x.mean() + 1.959964 * _se(x):.2e}), is {_t(x):.1f} standard errors from zero.") in text
+        assert f"carry {tied.sum() / x.sum():.0%} of the cumulative error" in text
+    agrees = all(_t(_sums(result, h)[0]) > 0 for h in result["heads"])
+    assert ("The sign agrees with the paper" in text) == agrees and text.startswith("**Measured.**\n\n")
+
+
+def test_trajectory_follows_every_replay(replay):
+    folder, result, _ = replay
+    replays = trajectory_replays({f"repro_runaway/{folder.parent.name}": folder.name, **COMPARE})
+    assert list(replays) == ["repro_runaway/h200x2-2026-11-29", "repro_runaway/h200x4-2026-11-29",
+                             "repro_twins/h200-2026-11-29", "repro_pair/h200x2-2026-11-29"]
+    table = trajectory_table(replays)
+    assert len(table) == sum(len(r["heads"]) for r in replays.values())
+    t = {(r["checkpoint_step"], h): _t(_sums(r, h)[0]) for r in replays.values() for h in r["heads"]}
+    best = max(t, key=t.get)
+    assert table["t"].to_dict() == pytest.approx(t)
+    text = trajectory_text(table)
+    assert f"The bias is strongest at step {best[0]:,} (head {best[1]}, t = {t[best]:.1f})" in text
+    weak = [f"{s:,}" for s in sorted({s for s, _ in t}) if all(v < STRONG_T for (s2, _), v in t.items() if s2 == s)]
+    assert (f"no head's t statistic reaches {STRONG_T}" in text) == bool(weak)
+    if weak:
+        assert f"; at step{'s' if len(weak) > 1 else ''} {', '.join(weak)} no head's t statistic" in text
+    assert len([line for line in text.splitlines() if line.startswith("* step ")]) == len({s for s, _ in t})
+    html = style_trajectory(table).to_html()
+    assert f"{table['positive steps'].iloc[0]:.0%}" in html
+
+
+def test_figures_and_the_worst_token_step(replay):
+    _, result, arrays = replay
+    assert len(plot_delta_bias(result).axes) == len(result["heads"])
+    h = result["heads"][0]
+    fig = plot_worst_token(arrays, h)
+    assert fig._suptitle.get_text() == f"head {h}, step {result['checkpoint_step']}"  # the first detail step
+    assert detail_step(arrays, h) == result["checkpoint_step"]
+    with pytest.raises(ValueError, match=f"head {h}, step=7: expected a step this replay measured in detail"):
+        plot_worst_token(arrays, h, 7)
+
+
+def test_the_recipe_replay_is_described_with_its_run_and_its_reruns():
+    """The default replay (the paper-recipe run): its description names the setting, the run's own verdict read from
+    the run beside it, and that every replayed loss equals the logged one; the reruns sentence lists every committed
+    run of the same recipe, seed and attention with its own verdict."""
+    from lpfa.compare import same_recipe_runs
+    from lpfa.pages.delta_bias import describe, replay_run, reruns_text
+    from lpfa.run import Run
+
+    folder, result, _ = open_replay("mechanism", None, "bf16_mechanism_replay")
+    run = replay_run(result, folder)
+    v = Run(run).verdict()
+    text = describe(result, folder)
+    ag = result["agreement"]
+    assert "the paper's GPT-2 S recipe" in text and f"checkpoint at step {result['checkpoint_step']:,}" in text
+    assert (f"({ag['bit_equal']:,} of {ag['compared']:,})" in text) == (ag["bit_equal"] == ag["compared"])
+    assert (f"did not explode in its {v['steps']:,} steps" in text) == (not v["exploded"])
+    others = same_recipe_runs(run)
+    assert others and all(Run(d).train["seed"] == Run(run).train["seed"] for d in others.values())
+    reruns = reruns_text(result, folder)
+    booms = [Run(d).verdict() for d in [run, *others.values()]]
+    assert f"The loss exploded in {sum(b['exploded'] for b in booms)} of these {len(booms)} runs." in reruns
+    for name, d in others.items():
+        b = Run(d).verdict()
+        assert f"`{name}`" in reruns
+        assert not b["exploded"] or f"loss exploded at step {b['explosion_step']:,}" in reruns
+
+
+def test_bias_test_interval_is_the_mean_plus_minus_1_96_standard_errors():
+    from lpfa.replay import bias_test
+
+    _, result, _ = open_replay("mechanism", None, "bf16_mechanism_replay")
+    for h, r in bias_test(result).items():
+        x, _ = _sums(result, h)
+        assert r["ci_low"] == pytest.approx(x.mean() - 1.959964 * _se(x), rel=1e-6)
+        assert r["ci_high"] == pytest.approx(x.mean() + 1.959964 * _se(x), rel=1e-6)
+        assert r["ci_low"] < r["mean"] < r["ci_high"]

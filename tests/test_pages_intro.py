@@ -1,0 +1,91 @@
+"""The intro page: lpfa.pages.intro's Fig. 2 line, figure and text numbers, checked against the committed
+results/paper_recipe and results/repro_pair runs read from their own files (config.json, summary.json)."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+import pandas as pd
+import pytest
+
+from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+from lpfa.pages.intro import COLUMNS, fig2_text, intro_numbers, plot_fig2, summary_text
+from lpfa.pages.loss_explosion import fig2_twins
+from lpfa.train import PRESETS
+
+matplotlib.use("Agg")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _json(path):
+    return json.loads(Path(path).read_text())
+
+
+def _tokens(train: dict) -> int:
+    return train["batch_size"] * train["block_size"] * train.get("grad_accum", 1)
+
+
+def _card(*verdicts) -> pd.DataFrame:
+    return pd.DataFrame([[f"claim {i}", "Fig. 2", f"result {i}", v, "06_loss_explosion"]
+                         for i, v in enumerate(verdicts)], columns=COLUMNS)
+
+
+def test_fig2_text_and_summary_on_a_small_card():
+    card = _card("partly", "reproduced", "reproduced", "not run")
+    assert fig2_text(card) == "Fig. 2 (partly): result 0"
+    assert summary_text(card) == "Of the 4 claims tested here, 2 reproduced, 1 partly and 1 not run."
+    assert summary_text(_card("shown")) == "Of the 1 claims tested here, 1 shown."
+
+
+def test_intro_numbers_from_the_configs():
+    numbers = intro_numbers("paper_recipe", "repro_pair")
+    bf16 = next(iter(fig2_twins("paper_recipe").values()))["bf16"]
+    ratio = _tokens(PRESETS["gpt2-s-paper"]) / _tokens(_json(bf16 / "config.json")["train"])
+    assert numbers["batch_ratio"] == f"{ratio:.0f}"
+    repro = sorted((ROOT / "results" / "repro_pair").iterdir())[-1] / "bf16"
+    m = _json(repro / "config.json")["model"]
+    assert numbers["repro_model"] == f"{m['n_layer']} layers, d = {m['n_embd']}, T = {m['block_size']}"
+    assert numbers["repro_steps"] == f"{_json(repro / 'summary.json')['steps']:,}"
+    assert numbers["corpus_tokens"] == f"{GPU_CORPUS_TRAIN_TOKENS / 1e6:.0f}M"
+
+
+def test_intro_numbers_name_a_missing_experiment(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"experiment 'nothing'"):
+        intro_numbers("paper_recipe", "nothing", root=tmp_path)
+
+
+def test_plot_fig2_marks_the_bf16_explosion(tmp_path):
+    fig = plot_fig2("paper_recipe")
+    ax = fig.axes[0]
+    assert ax.get_title().startswith("Fig. 2 here") and ax.get_ylim()[1] <= 8
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend.count("bf16 explodes") == 1 and "fp32 explodes" not in legend
+    bf16 = next(iter(fig2_twins("paper_recipe").values()))["bf16"]
+    step = _json(bf16 / "summary.json")["explosion_step"]
+    assert any(list(line.get_xdata()) == [step, step] for line in ax.get_lines())
+    assert plot_fig2("paper_recipe", root=tmp_path) is None  # no committed twins: no figure
+
+
+def test_setting_of_names_the_preset_a_run_was_trained_with():
+    from lpfa.pages import setting_of
+    from lpfa.train import PRESETS
+
+    assert setting_of({**PRESETS["gpt2-s-paper"], "batch_size": 24, "grad_accum": 1}) == "the paper's GPT-2 S recipe"
+    assert setting_of(PRESETS["repro"]) == "the `repro` preset"
+    assert setting_of({**PRESETS["repro"], "lr": 1.0}) == "a `repro` model"
+    assert setting_of({}) == "a `?` model"
+
+
+def test_same_recipe_runs_differ_only_in_bookkeeping():
+    from lpfa.compare import BOOKKEEPING, DEFAULTS, same_recipe_runs
+    from lpfa.paths import results_dir
+    from lpfa.run import read_run_config
+
+    base = results_dir() / "paper_recipe" / "h200x2-2026-11-30" / "bf16_paper_recipe"
+    found = same_recipe_runs(base)
+    assert "stabilisers/h200-2026-12-02/bf16_rerun" in found and base not in found.values()
+    want = read_run_config(base)["train"]
+    for d in found.values():
+        t = read_run_config(d)["train"]
+        assert {k for k in DEFAULTS if t.get(k, DEFAULTS[k]) != want.get(k, DEFAULTS[k])} <= set(BOOKKEEPING)

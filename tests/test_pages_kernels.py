@@ -1,0 +1,165 @@
+"""Page 12's tables and sentences (lpfa.pages.kernels) against the committed benchmark files, recomputed here."""
+
+import csv
+import io
+import json
+
+import matplotlib
+import pytest
+import torch
+
+from lpfa import results
+from lpfa.attention import PRESETS
+from lpfa.pages import kernels as kn
+
+matplotlib.use("Agg")
+
+
+def test_presets_table_lists_every_rounding_point_of_every_preset():
+    t = kn.presets_table()
+    assert list(t.index) == list(PRESETS)
+    for name, p in PRESETS.items():
+        for field in kn.POLICY_FIELDS:
+            assert t.loc[name, field] == getattr(p, field)
+        assert t.loc[name, "blocks (q × k)"] == ("one block" if p.block_q is None else f"{p.block_q} × {p.block_k}")
+        assert (t.loc[name, "SFA"] == "—") == (p.sfa is None)
+
+
+def test_accuracy_table_fp32_is_far_closer_to_float64_than_bf16():
+    t = kn.accuracy_table(T=8, seed=1)
+    assert list(t.index) == list(PRESETS) and list(t.columns) == ["O", "dq", "dk", "dv"]
+    assert (t >= 0).all().all() and t.notna().all().all()
+    # the inputs are BF16 values; an FP32 path errs at FP32 level, one that rounds P̄ to BF16 (Eq. 2) at BF16 level
+    assert t.loc["fp32", "O"] < 1e-5 < t.loc["fa2", "O"] < 0.1
+
+
+@pytest.mark.parametrize("kwargs, match", [({"T": 0}, "T=0: expected an integer >= 1"),
+                                           ({"seed": -1}, "seed=-1: expected an integer >= 0")])
+def test_accuracy_table_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        kn.accuracy_table(**kwargs)
+
+
+def test_rerun_benchmark_needs_a_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="rerun=True needs a CUDA GPU"):
+        kn.rerun_benchmark()
+
+
+def test_bench_file_names_a_missing_run():
+    with pytest.raises(FileNotFoundError, match="no run 'nope'"):
+        kn.bench_file("bench.json", "nope")
+
+
+def test_provenance_notes_name_the_latest_run_and_its_commit():
+    latest = results.runs(kn.EXPERIMENT)[-1]
+    prov = json.loads((latest / "provenance.json").read_text())
+    notes = kn.provenance_notes()
+    assert notes["bench_run"] == f"`{latest.name}`" and f"commit `{prov['git_commit']}`" in notes["bench_env"]
+    assert notes["bench_command"] == f"`{prov['command']}`"
+
+
+def test_check_table_holds_each_tensor_of_each_preset():
+    check = kn.bench_file("check.json")
+    t = kn.check_table(check)
+    assert list(t.index) == list(check["presets"])
+    for name, r in check["presets"].items():
+        for tensor, v in r.items():
+            assert t.loc[name, f"{tensor} same"] == v["bit_identical"]
+            assert t.loc[name, f"{tensor} max"] == v["max_rel_to_max"]
+
+
+def test_speed_notes_recompute_the_ratios_and_sfa_cost():
+    bench = kn.bench_file("bench.json")
+    rows = bench["rows"]
+    notes = kn.speed_notes(bench)
+    fa2 = round(rows["fa2"]["fwd_bwd_tflops"] / rows["sdpa_flash"]["fwd_bwd_tflops"], 3)
+    assert notes["fa2_ratio"] == f"**{fa2:.2f}×**"
+    assert notes["fa2_target"] == f"target ≥ 1×: {'met' if fa2 >= 1 else 'not met'}"
+    fb = {n: round(r["fwd_bwd_tflops"], 3) for n, r in rows.items()}
+    assert notes["paper_ref_ratio"] == f"**{fb['paper'] / fb['reference_paper']:.1f}×**"
+    cost = {k: 1 - fb[f"{k}_sfa"] / fb[k] for k in ("fa2", "paper")}
+    assert notes["sfa_cost_paper"] == f"{100 * cost['paper']:+.1f}%"
+    assert notes["sfa_target"].endswith("not met" if max(cost.values()) > 0.05 else ": met")
+    assert notes["goals_text"] == "`fa2` ≥ 1×, `paper` ≥ 0.8×"
+    assert kn.plot_speed(bench).axes[0].get_xlabel().startswith("forward + backward TFLOP/s")
+
+
+def test_memory_notes_recompute_the_growth_from_the_shortest_to_the_longest_T():
+    memory = kn.bench_file("memory.json")
+    rows = [r for r in memory["rows"].values() if "peak_mib" in r]
+    Ts = sorted({r["T"] for r in rows})
+    peak = {(r["name"], r["T"]): r["peak_mib"] for r in rows}
+    notes = kn.memory_notes(memory)
+    assert notes["mem_run"] == f"`{results.file_run(kn.EXPERIMENT, 'memory.json').name}`"
+    assert (notes["mem_T_min"], notes["mem_T_max"]) == (str(Ts[0]), str(Ts[-1]))
+    assert notes["mem_growth_fa2"] == f"{peak[('fa2', Ts[-1])] / peak[('fa2', Ts[0])]:.1f}"
+    no_fp32 = {"rows": {k: r for k, r in memory["rows"].items() if r.get("name") != "fp32"}}
+    with pytest.raises(ValueError, match=r"memory rows \['fp32'\]: missing"):
+        kn.memory_notes(no_fp32)
+
+
+def test_overhead_notes_name_the_run_that_measured_the_overhead():
+    data = kn.bench_file("overhead.json")
+    notes = kn.overhead_notes(kn.overhead_table(data))
+    assert notes["ovh_run"] == f"`{results.file_run(kn.EXPERIMENT, 'overhead.json').name}`"
+    fa2 = data["rows"]["fa2/fwd_bwd"]
+    assert notes["ovh_fa2"].startswith(f"one `fa2` forward and backward takes {fa2['host_us']:,.0f} µs")
+    sdpa = data["rows"]["sdpa_flash/fwd_bwd"]["gpu_us"]
+    assert notes["ovh_gpu_ratio"].startswith(f"{sdpa / fa2['gpu_us']:.2f}× for `fa2`")
+
+
+def test_shapes_notes_state_each_goal_against_its_best_ratio():
+    shapes = kn.bench_file("shapes.json")
+    notes = kn.shapes_notes(shapes)
+    for impl in ("fa2", "paper"):
+        best = max(r["ratio_to_sdpa_flash"] for r in shapes["rows"] if r["impl"] == impl)
+        assert f"`{impl}` reaches {best:.2f}× at best" in notes["shape_goals"]
+    assert notes["shape_long"].startswith("at T = 4,096 `fa2` runs at ")
+
+
+def test_host_runs_are_every_committed_host_overhead_run():
+    runs = kn.host_runs()
+    assert list(runs) == [f.name for f in results.runs("host_overhead")]
+    assert all("host_us" in r for r in runs.values())
+
+
+def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe():
+    ncu, folder = kn.load_ncu()
+    assert folder == results.runs("attention_ncu")[-1]
+    table = kn.ncu_table(ncu)
+    notes = kn.ncu_notes(ncu, table, folder)
+    text = (folder / "fa2.csv").read_text()
+    kept = "\n".join(ln for ln in text.splitlines() if ln.strip() and not ln.startswith("=="))
+    rows = list(csv.reader(io.StringIO(kept)))
+    assert notes["ncu_launches"] == str(len(rows) - 2)  # the header and the units row
+    big = [m for kernels in ncu.values() for m in kernels.values() if m["duration_us"] >= kn.NCU_BIG_US]
+    assert notes["ncu_tensor"] == f"{max(round(m['tensor_pct'], 2) for m in big):.0f}%"
+    assert (notes["ncu_min_us"], notes["ncu_big_us"], notes["ncu_bound_pct"]) == ("5 µs", "100 µs", "60%")
+    assert list(table[kn.NCU_SHOWN].columns) == kn.NCU_SHOWN
+
+
+def test_sfa_overhead_notes_recompute_the_range_and_say_how_to_run_it():
+    table, folder = kn.sfa_overhead()
+    assert folder == results.runs("sfa_overhead")[-1]
+    rows = json.loads((folder / "sfa_overhead.json").read_text())["rows"]
+    now = [r["over_base"] for r in rows if r["variant"] in ("paper_sfa", "fa2_sfa")]
+    notes = kn.sfa_overhead_notes(table, folder)
+    assert notes["sfa_now"] == f"{min(now):+.0%} to {max(now):+.0%}" and notes["p12_note1"] == ""
+    assert notes["sfa_goal"].endswith("not met" if max(now) > 0.05 else " met")
+    empty = kn.sfa_overhead_notes(None, None)
+    assert set(empty) == {*kn.SFA_NOTES, "p12_note1"} and empty["sfa_now"] == "–"
+    assert "benchmarks/sfa_overhead.py" in empty["p12_note1"]
+
+
+def test_tuning_notes_read_the_latest_sweep():
+    best = kn.tuning_sweeps()
+    sweeps = [d for d in results.runs("attention_tuning") if (d / "tune.json").is_file()]
+    assert list(dict.fromkeys(best.index.get_level_values("run"))) == [d.name for d in sweeps]
+    tune = json.loads((sweeps[-1] / "tune.json").read_text())
+    sdpa = next(r for r in tune["rows"] if r["impl"] == "sdpa_flash")
+    fwd = max(r["tflops"] for r in tune["rows"] if r.get("impl") == "fa2" and r.get("pass") == "fwd" and "tflops" in r)
+    notes = kn.tuning_notes(best)
+    assert notes["sweep_run"] == f"`{sweeps[-1].name}`"
+    assert notes["sweep_fa2"].startswith(f"{fwd / sdpa['fwd_tflops']:.2f}× forward")
+    assert notes["sweep_vs_op"].startswith("The ")

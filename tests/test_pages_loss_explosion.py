@@ -1,0 +1,264 @@
+"""Page 06 (the loss explosion): lpfa.pages.loss_explosion's twins, tables, sentences and figures, checked against the
+committed results/paper_recipe, repro_pair, repro_twins, dose and throughput runs read from their own files
+(config.json, summary.json, provenance.json), and on small tables with known answers."""
+
+import json
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+import pytest
+
+from lpfa.explosion import ExplosionCriterion
+from lpfa.pages.loss_explosion import (
+    cost_text,
+    dose_ladder,
+    dose_note,
+    dose_runs_table,
+    fig2_runs,
+    four_modes_text,
+    opening_text,
+    plot_twin_losses,
+    provenance_text,
+    repro_numbers,
+    twin_runs,
+    verdict_table,
+)
+from lpfa.run import run_verdict
+from lpfa.scaling import PAPER_EXPLOSION_STEP, committed_speed
+from lpfa.train import PRESETS
+
+matplotlib.use("Agg")
+
+ROOT = Path(__file__).resolve().parents[1]
+TWINS = {"bf16": "bf16_paper_recipe", "fp32": "fp32_paper_recipe"}
+
+
+def _json(path):
+    return json.loads(Path(path).read_text())
+
+
+def _tokens(train: dict) -> int:
+    return train["batch_size"] * train["block_size"] * train.get("grad_accum", 1)
+
+
+@pytest.fixture(scope="module")
+def fig2():
+    runs, prov = fig2_runs("paper_recipe", None, TWINS)
+    crit = ExplosionCriterion()
+    return runs, prov, crit, {label: run_verdict(d, crit) for label, d in runs.items()}
+
+
+def test_fig2_runs_are_the_committed_twins_with_their_provenance(fig2):
+    runs, prov, _, verdicts = fig2
+    assert set(runs) == {"bf16", "fp32"} and runs["bf16"].parent == runs["fp32"].parent
+    assert runs["bf16"].parent.parent == ROOT / "results" / "paper_recipe"
+    assert prov == _json(runs["bf16"].parent / "provenance.json")
+    # the verdicts the page glues agree with what the training runs wrote themselves
+    for label, d in runs.items():
+        summary = _json(d / "summary.json")
+        assert (verdicts[label]["exploded"], verdicts[label]["explosion_step"], verdicts[label]["steps"]) == (
+            summary["exploded"], summary["explosion_step"], summary["steps"])
+    assert verdicts["bf16"]["exploded"] and not verdicts["fp32"]["exploded"]
+
+
+def test_fig2_runs_reject_bad_twins_in_one_line():
+    with pytest.raises(ValueError, match=r"^twins=\{.*\}: \['nope'\] not among the committed runs of 'paper_recipe'"):
+        fig2_runs("paper_recipe", None, {"bf16": "nope", "fp32": "fp32_paper_recipe"})
+    # a rerun is checked before anything trains
+    with pytest.raises(ValueError, match=r"^rerun_experiment='nope': expected an lpfa.experiments experiment"):
+        fig2_runs("paper_recipe", None, TWINS, rerun=True, rerun_experiment="nope")
+
+
+def test_opening_text_carries_the_twins_numbers(fig2):
+    runs, _, crit, verdicts = fig2
+    conf = _json(runs["bf16"] / "config.json")["train"]
+    text = opening_text("paper_recipe", None, TWINS, verdicts, conf, crit)
+    bf16 = _json(runs["bf16"] / "summary.json")
+    assert text.startswith("**Fig. 2 is reproduced")
+    assert f"the BF16 twin's loss exploded at step {bf16['explosion_step']:,}" in text
+    assert f"**{_tokens(conf):,} tokens per step**" in text
+    assert f"about step {PAPER_EXPLOSION_STEP:,}" in text
+    assert "BF16-only explosions (Fig. 2): `bf16_paper_recipe`" in text
+    assert "dose experiment" not in text  # no dose table given
+
+
+def test_provenance_text_and_verdict_table(fig2):
+    runs, prov, crit, verdicts = fig2
+    text = provenance_text(runs, prov, crit)
+    assert text.startswith(f"Run `{runs['bf16'].parent.name}`: ")
+    assert f"commit `{prov['git_commit']}`" in text and crit.describe() in text
+    table = verdict_table(verdicts)
+    assert list(table.index) == ["bf16", "fp32"]
+    assert list(table.columns) == ["policy", "optimizer", "seed", "steps", "exploded", "explosion_step",
+                                   "runaway_step", "runaway_layer"]
+    assert table.loc["bf16", "explosion_step"] == _json(runs["bf16"] / "summary.json")["explosion_step"]
+
+
+def test_plot_twin_losses_marks_the_explosion(fig2):
+    runs, _, _, verdicts = fig2
+    fig = plot_twin_losses(runs, verdicts, smooth=50, title="Fig. 2")
+    ax = fig.axes[0]
+    assert ax.get_ylim()[1] <= 8 and ax.get_title() == "Fig. 2"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "bf16 explodes" in legend and "fp32 explodes" not in legend
+    step = _json(runs["bf16"] / "summary.json")["explosion_step"]
+    assert any(list(line.get_xdata()) == [step, step] for line in ax.get_lines())
+    fig = plot_twin_losses(runs, smooth=50, top=5)
+    assert fig.axes[0].get_ylim()[1] <= 5 and not any("explodes" in t.get_text()
+                                                     for t in fig.axes[0].get_legend().get_texts())
+
+
+def test_repro_numbers_from_the_config():
+    runs = twin_runs("repro_pair", {"bf16": "bf16", "fp32": "fp32"})
+    conf = _json(runs["bf16"] / "config.json")
+    m, t = conf["model"], conf["train"]
+    numbers = repro_numbers(runs)
+    assert numbers["repro_setup"] == (f"{m['n_layer']} layers, d = {m['n_embd']}, T = {m['block_size']}, "
+                                      f"{_tokens(t):,} tokens/step, lr {t['lr']:g} {t['lr_schedule']}")
+    assert numbers["repro_steps"] == f"{_json(runs['bf16'] / 'summary.json')['steps']:,}"
+
+
+def _modes(logits: dict, exploded=()) -> pd.DataFrame:
+    return pd.DataFrame({"exploded": [k in exploded for k in logits],
+                         "largest attention logit @ 100": list(logits.values())}, index=list(logits))
+
+
+def test_four_modes_text_says_which_ran_away():
+    text = four_modes_text(_modes({"bf16": 500.0, "fp32": 20.0, "sfa": 30.0, "fa2": 18.0}), 100, 1)
+    assert text.startswith("0 of 4 runs exploded. At step 100, layer 1's largest attention logit relative to the FP32 "
+                           "run's 20: bf16 ×25.0, sfa ×1.5, fa2 ×0.9.")
+    assert "only `bf16` lets it run away" in text
+    other = four_modes_text(_modes({"bf16": 50.0, "fp32": 20.0, "sfa": 30.0}, exploded={"sfa"}), 100, 2)
+    assert other == "1 of 3 runs exploded; layer 2's largest attention logit at step 100: bf16 50, fp32 20, sfa 30."
+
+
+def test_dose_ladder_fits_the_committed_runs():
+    runs, table, fits = dose_ladder()
+    if not runs:
+        pytest.skip("no committed dose results")
+    assert list(table.index) == list(runs)
+    for what, fit in fits.items():
+        rows = table[(table["sign"] == "bias") & (table["base"] == "paper_untiled") & table[what].notna()]
+        x, y = np.log10(rows["k"].to_numpy(float)), np.log10(rows[what].to_numpy(float))
+        slope, intercept = np.polyfit(x, y, 1)  # an independent least-squares fit
+        assert fit["n"] == len(rows) and fit["slope"] == pytest.approx(slope, rel=1e-9)
+        assert fit["predicted_at_1"] == pytest.approx(10 ** intercept, rel=1e-9)
+    # every explosion step of the table is the one the training run wrote
+    for label, d in runs.items():
+        summary = _json(d / "summary.json")
+        step = table.loc[label, "explosion step"]
+        assert (None if pd.isna(step) else int(step)) == (summary["explosion_step"] if summary["exploded"] else None)
+    shown = dose_runs_table(table)
+    assert "runaway layer" not in shown and sorted(shown.index) == sorted(table.index)
+    assert list(shown["sign"]) == sorted(shown["sign"])
+
+
+def test_dose_note_carries_the_extrapolation(fig2):
+    _, _, crit, verdicts = fig2
+    runs, table, fits = dose_ladder()
+    if not runs:
+        pytest.skip("no committed dose results")
+    assert dose_note(None, {}, {}, verdicts) == ""
+    text = dose_note(table, fits, runs, verdicts, None, crit)
+    fit = fits["explosion step"]
+    lo, hi = fit["interval_95"]
+    assert text.startswith("**Extrapolating to k = 1.** Extrapolated to dose k = 1, the power law fitted to "
+                           f"{fit['n']} bias runs")
+    assert (f"puts the explosion at step {fit['predicted_at_1']:,.0f} (95% prediction interval "
+            f"{lo:,.0f}–{hi:,.0f})") in text
+    seeds = table[(table["sign"] == "bias") & (table["base"] == "paper_untiled")].groupby("k")["explosion step"]
+    spread = max(s.max() / s.min() for _, s in seeds if s.notna().sum() > 1)
+    assert f"spread by up to {spread:.1f}×" in text
+    assert f"it exploded at dose 1, at step {verdicts['bf16']['explosion_step']:,}." in text
+
+
+def test_cost_text_from_the_committed_speeds(fig2):
+    runs = fig2[0]
+    speeds = committed_speed("compile_throughput")
+    text = cost_text(speeds, runs, None, 30_000)
+    tps = _json(sorted((ROOT / "results" / "train_throughput").iterdir())[-1] / "summary.json")
+    tps = tps["backends"]["lpfa_paper"]["tokens_per_s"]
+    tokens = PAPER_EXPLOSION_STEP * _tokens(PRESETS["gpt2-s-paper"])
+    assert f"one such run takes {tokens / tps / 3600:.1f} GPU-hours" in text
+    minutes = 30_000 * _tokens(PRESETS["repro"]) / speeds.loc["eager", "median tokens/s"] / 60
+    assert f"i.e. 30,000 steps in about {minutes:.0f} or " in text
+    wall = _json(runs["bf16"] / "summary.json")["wall_s"]
+    assert f"reached its explosion in {wall / 60:.0f} minutes" in text
+
+
+def test_twin_runs_name_a_missing_experiment(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"experiment 'nothing'"):
+        twin_runs("nothing", {"bf16": "bf16"}, root=tmp_path)
+
+
+
+def _recipe_runs_from_files():
+    """Every committed run folder of the paper's GPT-2 S recipe with plain BF16 or FP32 attention, read from the
+    files alone: config.json's train fields and summary.json's or metrics' verdict."""
+    from lpfa.run import Run
+
+    out = {}
+    for conf in sorted((ROOT / "results").glob("*/*/*/config.json")):
+        t = _json(conf)["train"]
+        if (t["model"], t["lr"], t["warmup_steps"], t.get("lr_schedule")) != ("gpt2-s", 1e-3, 2000, "cosine"):
+            continue
+        if t.get("optimizer", "adamw") != "adamw" or t.get("qk_norm") or t.get("gated_attn") or t.get("qk_clip"):
+            continue
+        if t.get("layer_policies") or t.get("fp32_heads") or t.get("delta_dose", 1.0) != 1.0 or t.get("sr_reseed"):
+            continue
+        precision = ("bf16" if (t["attn_backend"], t["attn_policy"]) == ("lpfa", "paper") else
+                     "fp32" if t["attn_backend"] == "sdpa_fp32" or t["attn_policy"] == "fp32_split" else None)
+        if precision:
+            out[conf.parent] = (precision, t["seed"], Run(conf.parent).verdict())
+    return out
+
+
+def test_recipe_fates_are_every_plain_run_of_the_recipe():
+    from lpfa.pages.loss_explosion import fate_counts, recipe_fates
+
+    fates = recipe_fates()
+    want = _recipe_runs_from_files()
+    assert len(fates) == len(want) and len(want) >= 8
+    for d, (precision, seed, v) in want.items():
+        row = fates.loc[f"{d.parent.parent.name}/{d.parent.name}/{d.name}"]
+        assert (row.precision, row.seed, row.exploded, row.steps) == (precision, seed, v["exploded"], v["steps"])
+        assert row.end == (v["explosion_step"] if v["exploded"] else v["steps"])
+    counts = fate_counts(fates)
+    for precision in ("bf16", "fp32"):
+        g = [v for p, _, v in want.values() if p == precision]
+        assert f"in {sum(v['exploded'] for v in g)} of {len(g)} {precision.upper()} runs" in counts
+    assert f"{max(v['steps'] for p, _, v in want.values() if p == 'fp32'):,} steps" in counts
+
+
+def test_survival_table_and_text_on_known_runs():
+    from lpfa.pages.loss_explosion import plot_survival, survival_table, survival_text
+
+    fates = pd.DataFrame({"precision": ["bf16"] * 4 + ["fp32"] * 2, "seed": [1, 2, 3, 3, 1, 2],
+                          "compiled": [True, True, True, False, True, True],
+                          "steps": [5200, 6000, 7000, 6500, 9000, 4000],
+                          "exploded": [True, True, False, False, False, False],
+                          "explosion step": [5000, 5900, None, None, None, None], "runaway step": [None] * 6,
+                          "end": [5000, 5900, 7000, 6500, 9000, 4000]}, index=[f"e/r/run{i}" for i in range(6)])
+    km = survival_table(fates)
+    bf = km[km.precision == "bf16"]
+    assert bf.step.tolist() == [0, 5000, 5900, 7000] and bf.survival.tolist() == pytest.approx([1, 0.75, 0.5, 0.5])
+    assert km[km.precision == "fp32"].survival.tolist() == [1.0, 1.0]
+    text = survival_text(fates, horizon=6000)
+    assert "**BF16 attention: the loss exploded in 2 of 4 runs** within 6,000 steps (95% interval 7%–93%)" in text
+    assert "**FP32 attention: the loss exploded in 0 of 1 runs** within 6,000 steps" in text  # 4,000 stopped too soon
+    assert "`run2` (seed 3, compiled) ran 7,000 steps without exploding" in text
+    assert len(plot_survival(fates).axes[0].get_lines()) >= 2
+    assert survival_text(pd.DataFrame()) == "No run of the paper's GPT-2 S recipe is committed."
+
+
+def test_batch_text_says_what_the_smaller_batch_changes():
+    from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+    from lpfa.pages.loss_explosion import batch_text
+
+    conf = {**PRESETS["gpt2-s-paper"], "batch_size": 24, "grad_accum": 1}
+    text = batch_text(conf, 5136)
+    assert "21× more optimizer steps per token" in text and "span 49M tokens instead of 1.05B" in text
+    assert f"seen {5136 * 24 * 1024 / GPU_CORPUS_TRAIN_TOKENS:.1f} times by the explosion at step 5,136" in text
+    assert f"{6000 * 24 * 1024 / GPU_CORPUS_TRAIN_TOKENS:.1f} times by step 6,000" in text

@@ -1,0 +1,84 @@
+"""Page 07 (W_Q spectral norms): the twins, provenance line, per-layer and per-head figures and the shorter-experiment
+comparison of lpfa.pages.spectral_norms, checked against the committed results/paper_recipe, repro_pair and
+repro_twins runs recomputed from their raw metrics records."""
+
+import json
+
+import matplotlib
+import numpy as np
+import pytest
+
+from lpfa.pages import provenance_line
+from lpfa.pages import spectral_norms as sn
+from lpfa.pages.loss_explosion import recipe_rows
+from lpfa.results import run_dir, what
+from lpfa.run import read_records
+
+matplotlib.use("Agg")
+
+TWINS = {"bf16": "bf16_paper_recipe", "fp32": "fp32_paper_recipe"}
+
+
+def _logged(run, metric="wq_spectral_norm"):
+    """(steps, values of shape (records, layers, heads)) of a run's diagnostics, read from its raw records."""
+    recs = [r for r in read_records(run) if "diag" in r and metric in r["diag"]]
+    return np.array([r["step"] for r in recs]), np.array([r["diag"][metric] for r in recs], dtype=float)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return sn.recipe_twins("paper_recipe", None, TWINS)
+
+
+def test_recipe_twins_are_the_committed_folders_and_a_missing_one_is_named(runs):
+    rows = recipe_rows("paper_recipe")
+    assert runs == {"bf16": rows["bf16_paper_recipe"], "fp32": rows["fp32_paper_recipe"]}
+    with pytest.raises(ValueError, match=r"^twins=.*: \['nope'\] not among the committed runs of 'paper_recipe': "):
+        sn.recipe_twins("paper_recipe", None, {"bf16": "bf16_paper_recipe", "fp32": "nope"})
+
+
+def test_provenance_line_quotes_the_run_folders_provenance(runs):
+    folder = runs["bf16"].parent
+    prov = json.loads((folder / "provenance.json").read_text())
+    line = provenance_line("paper_recipe", folder)
+    assert line == f"{what(prov)}. {prov['device']}, commit `{prov['git_commit']}`"
+    assert not line.endswith(".")
+
+
+def test_layer_max_figure_draws_each_layers_largest_head(runs):
+    fig = sn.plot_layer_max(runs)
+    assert len(fig.axes) == len(runs)
+    for ax, run in zip(fig.axes, runs.values()):
+        steps, values = _logged(run)
+        assert len(ax.lines) == values.shape[1]  # one line per layer
+        line = ax.lines[1]  # layer 1
+        assert list(line.get_xdata()) == sorted(set(steps.tolist()))
+        np.testing.assert_allclose(line.get_ydata(), values[:, 1, :].max(axis=1))
+
+
+def test_layer_heads_figure_draws_every_head_of_the_layer(runs):
+    fig = sn.plot_layer_heads(runs, 1)
+    for ax, run in zip(fig.axes, runs.values()):
+        _, values = _logged(run)
+        assert len(ax.lines) == values.shape[2]  # one line per head
+        for h, line in enumerate(ax.lines):
+            np.testing.assert_allclose(line.get_ydata(), values[:, 1, h])
+    with pytest.raises(ValueError, match=r"^layer=99: expected a layer that run 'bf16' logged, 0 to 11$"):
+        sn.plot_layer_heads(runs, 99)
+
+
+def test_short_twins_count_the_bit_identical_losses():
+    assert sn.short_twins("", {"bf16": "bf16", "fp32": "fp32"}, {}) == (None, None)
+    folder = run_dir("repro_pair")
+    long = {label: folder / label for label in ("bf16", "fp32")}
+    short, same = sn.short_twins("repro_twins", {"bf16": "bf16", "fp32": "fp32"}, long)
+    assert short == {label: run_dir("repro_twins") / label for label in ("bf16", "fp32")}
+    for label in ("bf16", "fp32"):
+        losses = [{r["step"]: r["loss"] for r in read_records(d) if "loss" in r} for d in (long[label], short[label])]
+        common = sorted(set(losses[0]) & set(losses[1]))
+        equal = [s for s in common if losses[0][s] == losses[1][s]]
+        differ = [s for s in common if losses[0][s] != losses[1][s]]
+        assert same[label]["common_steps"] == len(common) and same[label]["identical_steps"] == len(equal)
+        assert same[label]["first_differing_step"] == (differ[0] if differ else None)
+    text = sn.wq_comparison_text(long, 1, short, "repro_twins", same)
+    assert f"bit-identical losses at {len(equal):,} of their {len(common):,} common steps" in text

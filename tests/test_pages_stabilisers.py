@@ -1,0 +1,79 @@
+"""lpfa.pages.stabilisers: page 17's shown table, figure and pending rows from the committed results; each run's
+evaluations read once; where LOSS_MATCH comes from; a step the table was not compared at is a one-line error."""
+
+import matplotlib
+import pytest
+
+from lpfa.experiments import STABILISERS
+from lpfa.pages import stabilisers as st
+from lpfa.results import experiment_rows
+from lpfa.run import load_metrics
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(scope="module")
+def committed():
+    return st.stabiliser_table(layer=1)
+
+
+def test_stabiliser_table_reads_each_runs_evaluations_once(monkeypatch):
+    calls = []
+
+    def counted(run_dir):
+        calls.append(str(run_dir))
+        return load_metrics(run_dir)
+
+    monkeypatch.setattr(st, "load_metrics", counted)
+    table, step, _ = st.stabiliser_table(layer=1)
+    assert len(calls) == len(set(calls)) and len(calls) >= len(table)
+    runs = {**experiment_rows("paper_recipe"), **experiment_rows("stabilisers")}
+    for label in table.index:  # the gap is the row's eval loss minus its twin's, at the last eval step both logged
+        val, twin = (load_metrics(runs[x])[1] for x in (label, table.loc[label, "FP32 twin"]))
+        common = val.index.intersection(twin.index)
+        assert table.loc[label, "gap step"] == common.max()
+        want = val.loc[common.max(), "val_loss"] - twin.loc[common.max(), "val_loss"]
+        assert table.loc[label, "eval loss − twin"] == pytest.approx(want, abs=1e-12)
+
+
+def test_loss_match_is_ten_times_the_spread_of_two_fp32_runs(committed):
+    table, _, _ = committed
+    spread = abs(table.loc["fp32_rerun", "eval loss − twin"])
+    assert table.loc["fp32_rerun", "FP32 twin"] == "fp32_paper_recipe"
+    assert f"{10 * spread:.2f}" == f"{st.LOSS_MATCH:.2f}"
+
+
+def test_shown_table_renames_the_links_by_their_keys(committed):
+    table, step, _ = committed
+    shown = st.shown_table(table, step)
+    assert list(shown.index) == list(table.index)
+    for key, name in st.STABILISER_LINKS.items():
+        assert (shown[f"{key} @ {step}"] == table[f"{name} @ {step}"]).all()
+        ratio = table[f"{name} @ {step}"].astype(float) / float(table.loc["bf16_paper_recipe", f"{name} @ {step}"])
+        assert shown[f"{key} ÷ bf16"].tolist() == pytest.approx(ratio.tolist())
+    assert list(shown.columns[:5]) == ["stabiliser", "outcome", "steps", "explosion step", "runaway step"]
+    assert list(shown.columns[-len(st.DOCTOR_LINKS):]) == list(st.DOCTOR_LINKS)
+    with pytest.raises(ValueError, match=rf"^step=123: expected the step the table compares its rows at \({step}\)$"):
+        st.shown_table(table, 123)
+
+
+def test_stabiliser_figure_draws_every_committed_row(committed):
+    import matplotlib.pyplot as plt
+
+    table, _, _ = committed
+    fig = st.stabiliser_figure(table, layer=1)
+    axes = fig.axes
+    drawn = {line.get_label() for ax in axes for line in ax.get_lines()}
+    assert set(table.index) <= drawn
+    assert [axes[i].get_title() for i in (0, 1)] == list(st.stabiliser_groups(list(table.index)))
+    plt.close(fig)
+
+
+def test_pending_text_names_the_rows_not_run_then_the_plan(committed):
+    _, _, pending = committed
+    assert pending == [label for label in STABILISERS if not experiment_rows("stabilisers", [label])]
+    text = st.pending_text(pending)
+    if pending:
+        assert text.startswith("**Not run yet:** " + ", ".join(f"`{label}`" for label in pending) + ". ")
+        assert text.endswith(st.stabiliser_plan(pending))
+    assert st.pending_text([]) == "Every stabiliser row is committed."

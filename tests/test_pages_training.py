@@ -1,0 +1,82 @@
+"""Page 13's training run, sentences and tables (lpfa.pages.training), against committed runs recomputed here."""
+
+import json
+import tempfile
+
+import matplotlib
+import pytest
+
+from lpfa import results
+from lpfa.pages import training as tr
+
+matplotlib.use("Agg")
+
+
+def _ddp_one():
+    return results.run_dir("ddp") / "one"
+
+
+def test_smoke_notes_recompute_the_losses_from_the_metrics():
+    run = _ddp_one()
+    losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    conf = json.loads((run / "config.json").read_text())
+    notes = tr.smoke_notes(run, {"steps": 200, "wall_s": 12.6, "final_val_loss": 5.4321}, "repro")
+    assert notes["smoke_loss_first"] == f"{sum(losses[:10]) / 10:.2f}"
+    assert notes["smoke_loss_last"] == f"{sum(losses[-10:]) / 10:.2f}"
+    t = conf["train"]
+    tokenizer = conf["data_meta"].get("tokenizer") or t["tokenizer"]
+    assert notes["smoke_setup"] == (f"`repro` ({t['model']} model, {t['batch_size']}×{t['block_size']} tokens per "
+                                    f"step, attention `{t['attn_policy']}`, tokenizer `{tokenizer}`)")
+    assert (notes["smoke_steps"], notes["smoke_wall_s"], notes["smoke_val_loss"]) == ("200", "13", "5.43")
+
+
+def test_plot_head_metric_names_a_run_without_diagnostics():
+    with pytest.raises(ValueError, match="has no 'wq_spectral_norm' diagnostics"):
+        tr.plot_head_metric(_ddp_one())
+
+
+def test_train_smoke_configures_the_run_it_trains(tmp_path, monkeypatch):
+    seen = {}
+
+    def fake_train(cfg):
+        seen["cfg"] = cfg
+        return {"steps": cfg.max_steps}
+
+    monkeypatch.setattr(tr, "train_quietly", fake_train)
+    out, summary = tr.train_smoke("cpu-smoke", max_steps=30, attn_policy="paper", diag_interval=5,
+                                  out_dir=str(tmp_path / "run"))
+    cfg = seen["cfg"]
+    assert out == tmp_path / "run" and cfg.out_dir == str(out) and summary == {"steps": 30}
+    assert (cfg.attn_policy, cfg.diag_interval, cfg.eval_interval, cfg.progress) == ("paper", 5, 10, False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out, _ = tr.train_smoke(max_steps=2)  # no out_dir: a fresh temporary folder, three evaluations at least every step
+    assert out.name == "run" and out.parent.name.startswith("lpfa-smoke-") and seen["cfg"].eval_interval == 1
+
+
+def test_plot_head_metric_draws_every_head_of_every_layer():
+    run = results.run_dir("repro_twins") / "fa2"
+    model = json.loads((run / "config.json").read_text())["model"]
+    diag = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "diag" in r]
+    fig = tr.plot_head_metric(run)
+    assert len(fig.axes) == model["n_layer"] and all(len(ax.lines) == model["n_head"] for ax in fig.axes)
+    assert list(fig.axes[1].lines[2].get_ydata())[-1] == diag[-1]["diag"]["wq_spectral_norm"][1][2]
+    assert len(tr.plot_smoke_loss(run, "fa2").axes) >= 1
+
+
+def test_train_smoke_rejects_an_unknown_policy(tmp_path):
+    with pytest.raises(ValueError, match="attn_policy"):
+        tr.train_smoke(attn_policy="nope", out_dir=str(tmp_path / "run"))
+
+
+def test_throughput_notes_name_the_committed_run_and_its_twin():
+    latest = results.runs("train_throughput")[-1]
+    prov = json.loads((latest / "provenance.json").read_text())
+    tput = json.loads((latest / "throughput.json").read_text())
+    table = tr.committed_throughput()
+    assert table.loc["sdpa", "ratio to SDPA"] == 1.0
+    notes = tr.throughput_notes(table)
+    assert notes["tput_run"] == f"`{latest.name}`" and notes["tput_env"].endswith(f"commit `{prov['git_commit']}`")
+    r = tput["lpfa_fa2_compiled"]["tokens_per_s"] / tput["sdpa_compiled"]["tokens_per_s"]
+    assert f"`fa2` at {r:.2f}×" in notes["tput_text"]
+    assert notes["twin_text"].startswith("`fp32_split` trains GPT-2 S at compiled ")
+    assert len(tr.throughput_display(table).data) == len(tput)
