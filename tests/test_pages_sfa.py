@@ -81,8 +81,9 @@ def test_twin_verdicts_and_note(runs):
     assert list(verdicts.index) == list(TWINS) and set(sfa.VERDICT_COLUMNS) <= set(verdicts.columns)
     assert verdicts.loc["sfa", "steps"] == run_verdict(runs["sfa"])["steps"]
     prov = json.loads((folder / "provenance.json").read_text())
+    shown = what(prov).rstrip(". ")
     assert sfa.twins_note("repro_twins", runs).startswith(
-        f"Run `{folder.name}`: {what(prov)}. {prov['device']}, commit `{prov['git_commit']}`. To regenerate: ")
+        f"Run `{folder.name}`: {shown}. {prov['device']}, commit `{prov['git_commit']}`. To regenerate: ")
 
 
 def test_last_sweep_table_is_the_last_checkpoint_of_the_sweep_files(runs):

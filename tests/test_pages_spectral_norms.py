@@ -41,7 +41,7 @@ def test_provenance_line_quotes_the_run_folders_provenance(runs):
     folder = runs["bf16"].parent
     prov = json.loads((folder / "provenance.json").read_text())
     line = provenance_line("paper_recipe", folder)
-    assert line == f"{what(prov)}. {prov['device']}, commit `{prov['git_commit']}`"
+    assert line == f"{what(prov).rstrip('. ')}. {prov['device']}, commit `{prov['git_commit']}`"
     assert not line.endswith(".")
 
 

@@ -38,4 +38,4 @@ def provenance_line(experiment: str, folder) -> str:
     """What run folder ``folder`` of ``experiment`` is, where and from which commit it ran, from its
     ``provenance.json``: "<what>. <device>, commit `<git commit>`" (no final full stop; :func:`lpfa.results.what`)."""
     prov = load(experiment, "provenance.json", folder.name)
-    return f"{what(prov)}. {prov['device']}, commit `{prov['git_commit']}`"
+    return f"{what(prov).rstrip('. ')}. {prov['device']}, commit `{prov['git_commit']}`"

@@ -124,7 +124,7 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
     sfa_line = ("" if sfa is None else "The SFA twin at this recipe "
                 + (f"exploded too, at step {sfa['explosion_step']:,}" if sfa["exploded"] else
                    f"did not explode in {sfa['steps']:,} steps")
-                + " ({doc}`09_sfa`). ")
+                + " (the SFA page). ")
     if fates is not None and not fates.empty:
         lead = f"**Fig. 2 is reproduced: {fate_counts(fates)}.** "
     else:

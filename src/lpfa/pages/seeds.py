@@ -132,6 +132,6 @@ def recipe_text(root=None) -> str:
     fates = recipe_fates(root)
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed yet; the seeds below are of the `repro` preset."
-    return (f"**At the paper's GPT-2 S recipe, {fate_counts(fates)}** ({{doc}}`06_loss_explosion` draws them as a "
+    return (f"**At the paper's GPT-2 S recipe, {fate_counts(fates)}** (the loss-explosion page draws them as a "
             "survival curve). The seeds below are of the smaller `repro` preset: they measure how the failure and its "
             "precursor move with the seed there.")

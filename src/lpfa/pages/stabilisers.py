@@ -655,7 +655,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
             + (f"\n\n{rerun.strip()}" if rerun else "") + doctor
             + (f"\n\n**Ties need not go, in one seed:** {_ticked(tie_keepers)} keep at least half of the BF16 run's "
                "tie fraction and their loss did not explode (one run each, seed 1337; how often the BF16 run of "
-               "this recipe explodes: {doc}`06_loss_explosion`)." if tie_keepers else "")
+               "this recipe explodes: the loss-explosion page)." if tie_keepers else "")
             + (f" The rows without any runaway ({_ticked(calm)}) are exactly those whose layer-{layer} δ does not come "
                "from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))
