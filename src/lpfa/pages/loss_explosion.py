@@ -273,20 +273,25 @@ def seed_table(rows: dict, prefix: str = "bf16"):
 
 
 def seeds_text(table) -> str:
-    """:func:`seed_table` in one sentence: in how many seeds the BF16 run exploded (at which steps), and how many of
-    their FP32 twins have run and exploded."""
+    """:func:`seed_table` in one sentence: in how many seeds the BF16 run's loss exploded (at which steps), the last
+    step of each run that did not explode (censored there: it may still explode later), and how many of their FP32
+    twins have run and exploded."""
     if table.empty:
         return "No BF16 run at this recipe is committed."
     boom = table["explosion step"].dropna().astype(int)
+    alive = table.loc[table["explosion step"].isna(), "steps"].astype(int)
     ran = table[table["fp32 exploded"].notna()]
-    text = (f"The BF16 run exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
+    text = (f"The BF16 run's loss exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
             + (f" (at step{'s' if len(boom) > 1 else ''} {and_join([f'{s:,}' for s in sorted(boom)])})"
                if len(boom) else "")
+            + (f"; the other {len(alive)} had not exploded when their runs ended, at step"
+               f"{'s' if len(alive) > 1 else ''} {and_join([f'{s:,}' for s in sorted(alive)])}" if len(alive) else "")
             + f"; {len(ran)} FP32 twin{'s' if len(ran) != 1 else ''} ran"
             + (f" ({and_join([f'{int(s):,}' for s in ran['fp32 steps']])} steps)" if len(ran) else "")
             + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")
-    missing = [f"`fp32{label[4:]}`" for label in table.index[table["fp32 exploded"].isna()]]
-    return text + (f"; still to run: {', '.join(missing)}." if missing else ".")
+    missing = [str(int(table.loc[label, "seed"])) for label in table.index[table["fp32 exploded"].isna()]]
+    return text + (f"; seed{'s' if len(missing) > 1 else ''} {and_join(missing)} ha{'ve' if len(missing) > 1 else 's'} "
+                   "no FP32 twin." if missing else ".")
 
 
 # ----------------------------------------------------------------------------------------------------------------
