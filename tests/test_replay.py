@@ -495,6 +495,7 @@ def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, 
     assert [p["loss"] for p in r["per_step"]] == [run_losses[s] for s in range(10, 20)]
 
     js = json.loads((tmp_path / "rep" / "replay.json").read_text())
+    assert json.loads((tmp_path / "rep" / "provenance.json").read_text()) == js["provenance"]
     for key in ("run", "verdict", "checkpoint_step", "steps", "layer", "heads", "choice", "policy", "n_seq", "summary",
                 "per_step", "provenance", "agreement"):
         assert key in js, key

@@ -493,8 +493,7 @@ def test_fig2_headline_states_the_verdict_of_the_committed_twins():
     assert "still to run" not in text
     table = seed_table(rows)
     for label, r in table.iterrows():  # every seed is in the sentence: its explosion step, or its last step if none
-        step = r["explosion step"] if r["explosion step"] == r["explosion step"] and r["explosion step"] is not None \
-            else r["steps"]
+        step = r["explosion step"] if pd.notna(r["explosion step"]) else r["steps"]
         assert f"{int(step):,}" in text, label
     one = fig2_headline(v, conf, 1)
     assert one.startswith("**Fig. 2 is reproduced, with one seed.**") and "One pair does not measure the spread" in one

@@ -88,7 +88,7 @@ def pack(base: Path) -> Path:
             for f in launch.SMALL_FILES:
                 if (base / label / f).exists():
                     tar.add(base / label / f, arcname=f"{label}/{f}")
-            for f in ("replay.json", "replay.npz"):
+            for f in ("replay.json", "replay.npz", "provenance.json"):
                 if (base / f"{label}_replay" / f).exists():
                     tar.add(base / f"{label}_replay" / f, arcname=f"{label}_replay/{f}")
     tmp.rename(archive)

@@ -315,6 +315,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
               "summary": summary_heads, "per_step": per_step,
               "agreement": loss_agreement(per_step, run.records), "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)
+    write_json(out / "provenance.json", result["provenance"])  # the folder's record, as every results folder has
     np.savez_compressed(out / "replay.npz", **thin_delta_err(arrays, [r["step"] for r in per_step], delta_err_every))
     return result
 
