@@ -386,8 +386,11 @@ def test_seed_table_and_sfa_findings(tmp_path):
     assert t.loc["bf16_a", "explosion step"] == b and t.loc["bf16_a", "fp32 steps"] == 600
     assert t.loc["bf16_a", "fp32 exploded"] is False  # a twin that ran; None (not run) for bf16_b
     assert t.loc["bf16_b", "fp32 exploded"] is None and np.isnan(t.loc["bf16_b", "explosion step"])
-    assert seeds_text(t) == (f"The BF16 run exploded in 1 of 2 seeds (at step {b:,}); 1 FP32 twin ran (600 steps) "
-                             "and 0 exploded; still to run: `fp32_b`.")
+    last, seed = int(t.loc["bf16_b", "steps"]), int(t.loc["bf16_b", "seed"])
+    assert last == 400  # censored there: the run without an explosion is reported with its last step
+    assert seeds_text(t) == (f"The BF16 run's loss exploded in 1 of 2 seeds (at step {b:,}); the other had not "
+                             f"exploded when its run ended, at step {last:,}; 1 FP32 twin ran (600 steps) and 0 "
+                             f"exploded; seed {seed} has no FP32 twin.")
     assert seeds_text(t.iloc[:0]) == "No BF16 run at this recipe is committed."
 
     f = sfa_findings({"bf16": rows["bf16_a"], "fp32": rows["fp32_a"], "sfa": rows["sfa_a"]})

@@ -16,3 +16,33 @@ def test_table_formats_numbers_units_and_missing_values():
     assert table(wide, max_columns=20).data.shape == (1, 12)
     tall = pd.DataFrame([range(12)] * 10, columns=[f"c{i}" for i in range(12)])
     assert table(tall).data.shape == (10, 12)  # transposing would not make it fit: left as it is
+
+
+def test_style_finds_matplotlibs_own_fonts_under_a_foreign_font_cache(monkeypatch, caplog):
+    """A font cache that lists only system fonts (written by a matplotlib whose bundled fonts were stripped) made every
+    mathtext glyph missing from DejaVu Sans log "findfont: ... not found" to the page; the style registers them."""
+    import logging
+    from pathlib import Path
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import font_manager
+
+    from lpfa.plotting import use_style
+
+    bundled = Path(matplotlib.get_data_path()) / "fonts"
+    system_only = [f for f in font_manager.fontManager.ttflist if bundled not in Path(f.fname).parents]
+    monkeypatch.setattr(font_manager.fontManager, "ttflist", system_only)
+    font_manager.fontManager._findfont_cached.cache_clear()
+    use_style()
+    names = {f.name for f in font_manager.fontManager.ttflist}
+    assert {"STIXGeneral", "cmr10", "DejaVu Sans"} <= names
+    with caplog.at_level(logging.WARNING, logger="matplotlib.font_manager"):
+        fig, ax = plt.subplots(figsize=(2, 1))
+        ax.set_title(r"$\bar{P} = 1,\ \delta_{lp} \circ \mathcal{L}$")
+        fig.canvas.draw()
+        plt.close(fig)
+    assert not [r for r in caplog.records if "not found" in r.getMessage()]
+    font_manager.fontManager._findfont_cached.cache_clear()

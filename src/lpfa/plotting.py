@@ -44,7 +44,24 @@ def use_style() -> None:
     text stays at least 9 pt at page width (:data:`STYLE`)."""
     import seaborn as sns  # heavy (matplotlib, about 0.7 s): loaded by the first figure
 
+    _register_bundled_fonts()
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind", rc=STYLE)
+
+
+def _register_bundled_fonts() -> None:
+    """Make sure matplotlib knows the fonts it ships (STIX, Computer Modern), which mathtext falls back to for glyphs
+    that DejaVu Sans lacks. A font cache written by another matplotlib build of the same cache version (one whose
+    fonts were stripped, as Linux distributions do) lists only system fonts; matplotlib then logs "findfont: Font
+    family ['STIXGeneral'] not found" to stderr for every such glyph, which lands on the rendered page."""
+    from pathlib import Path
+
+    import matplotlib
+    from matplotlib import font_manager
+
+    known = {Path(f.fname).name for f in font_manager.fontManager.ttflist}
+    for path in sorted((Path(matplotlib.get_data_path()) / "fonts" / "ttf").glob("*.ttf")):
+        if path.name not in known:
+            font_manager.fontManager.addfont(str(path))
 
 
 DASHES = {"bf16": "-", "fp32": "--", "sfa": "-.", "fa2": ":"}  # a second cue besides colour
