@@ -205,3 +205,45 @@ def test_dose_text_reads_the_sfa_row():
         f"With SFA (β = 2) and layer 1's δ error × 256, the loss exploded at step {boom:,}, against step {plain:,} for "
         "the same dose without SFA: SFA delays the amplified failure but does not prevent it. At dose 1, where the "
         "only δ error is the one the ties create, none of the SFA runs above exploded.")
+
+
+def test_gpt2m_price_from_the_committed_logs():
+    """Fig. 7c's price, recomputed from the raw metrics: compilation is step 0, the price per step the median after it;
+    the GPT-2 S explosion steps come from the recipe seeds."""
+    import numpy as np
+
+    from lpfa.pages.loss_explosion import seed_table
+
+    price = sfa.gpt2m_price()
+    folder = run_dir("gpt2m_price")
+    assert price.index.name == folder.name and set(price.index) == {"bf16_paper_recipe", "fp32_paper_recipe"}
+    raw = {label: [r for r in read_records(folder / label) if "step_s" in r] for label in price.index}
+    tok = {label: float(np.median([r["tokens_per_s"] for r in recs if r["step"] >= 1])) for label, recs in raw.items()}
+    minutes = {label: (recs[0]["step_s"] + 6000 * np.median([r["step_s"] for r in recs[1:]])) / 60
+               for label, recs in raw.items()}
+    seeds = seed_table(recipe_rows())
+    text = sfa.gpt2m_text(price, 6000, seeds)
+    boom = sorted(int(s) for s in seeds["explosion step"].dropna())
+    assert len(boom) >= 3
+    for number in (f"{tok['bf16_paper_recipe']:,.0f} tokens/s with BF16", f"{tok['fp32_paper_recipe']:,.0f} tokens/s "
+                   "with FP32", f"about {minutes['bf16_paper_recipe']:.0f} minutes in BF16",
+                   f"{minutes['fp32_paper_recipe']:.0f} in FP32", f"{boom[-1]:,})",
+                   f"about {2 * minutes['bf16_paper_recipe'] + minutes['fp32_paper_recipe']:.0f} minutes of one H200",
+                   f"{len(raw['bf16_paper_recipe']):,} and {len(raw['fp32_paper_recipe']):,} steps"):
+        assert number in text, number
+    assert tok["fp32_paper_recipe"] < tok["bf16_paper_recipe"]  # FP32 attention is the slower
+    assert "not tested in this book" in text  # no GPT-2 M training run is committed
+    assert sfa.gpt2m_text(sfa.gpt2m_price("no_such_experiment"), 6000, seeds).startswith("GPT-2 M (Fig. 7c) is not run")
+
+
+def test_gpt2m_scorecard_row_and_page_give_one_price(tmp_path):
+    """The scorecard's Fig. 7c row and page 09's sentence state the same minutes (one function prices both)."""
+    from lpfa.pages.intro import _gpt2m_row
+    from lpfa.pages.loss_explosion import seed_table
+
+    price = sfa.gpt2m_price()
+    row = _gpt2m_row(None)
+    total = f"about {sfa.gpt2m_minutes(price, 6000):.0f} minutes of one H200"
+    assert row["verdict"] == "not run" and row["page"] == "09_sfa" and total in row["our result"]
+    assert total in sfa.gpt2m_text(price, 6000, seed_table(recipe_rows()))
+    assert _gpt2m_row(tmp_path)["our result"] == "not run, not priced"

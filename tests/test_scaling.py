@@ -187,6 +187,33 @@ def test_cost_helpers():
     assert list(speed.index) == ["eager", "compiled"] and speed.loc["compiled", "ratio"] > 1
 
 
+def test_run_price_is_compile_then_median_steps(tmp_path):
+    """Step 0 holds compilation; the price per step is the median of the rest, so one slow step does not move it."""
+    from lpfa.model import GPT, GPTConfig
+    from lpfa.scaling import minutes_for, run_price
+
+    rng = np.random.default_rng()
+    step_s = rng.uniform(0.1, 0.2, size=41)
+    step_s[0], step_s[7] = 60.0, 9.0  # compilation, and one stall
+    model = GPTConfig.from_size("debug", block_size=64)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"model": model.to_dict(), "train": {}}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0, "step_s": float(x),
+                                                         "tokens_per_s": 4096 / float(x)}) + "\n"
+                                             for s, x in enumerate(step_s)))
+    p = run_price(d)
+    med = float(np.median(step_s[1:]))
+    assert p["model"] == "debug" and p["params"] == GPT(model).num_params() and p["steps"] == 41
+    assert p["compile_s"] == 60.0 and p["step_s"] == pytest.approx(med, rel=1e-12)
+    assert p["steps_per_s"] == pytest.approx(1 / med)
+    assert p["tokens_per_s"] == pytest.approx(np.median(4096 / step_s[1:]))
+    assert minutes_for(p, 600) == pytest.approx((60.0 + 600 * med) / 60)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 3.0}) + "\n")
+    with pytest.raises(ValueError, match="step_s"):
+        run_price(d)
+
+
 def test_batch_for_steps_is_the_largest_that_fits():
     from lpfa.scaling import batch_for_steps
 

@@ -28,7 +28,9 @@ import re
 from pathlib import Path
 
 import pandas as pd
+import torch
 
+from lpfa.model import GPT, SIZES, GPTConfig
 from lpfa.results import run_dir
 from lpfa.run import load_metrics, read_run_config
 from lpfa.train import PRESETS
@@ -152,6 +154,31 @@ def compare_throughput(logs: dict, skip: int = 200):
     f = pd.DataFrame(rows).set_index("run")
     f["ratio"] = f["median tokens/s"] / f["median tokens/s"].iloc[0]
     return f
+
+
+def run_price(run_dir: str | Path) -> dict:
+    """What one training run of ``run_dir`` costs per step, from its ``metrics.jsonl``: ``compile_s`` (step 0's
+    ``step_s``, which holds ``torch.compile``'s compilation), ``step_s`` and ``tokens_per_s`` (medians over steps >= 1),
+    ``steps_per_s``, ``steps`` trained, the ``model`` size name and its ``params``; each run alone on its GPU."""
+    d, conf = _run_folder(run_dir)
+    t = load_metrics(d)[0]
+    if "step_s" not in t.columns or len(t.index[t.index >= 1]) == 0:
+        raise ValueError(f"{d} logs no per-step 'step_s' after step 0: expected a training run's metrics.jsonl")
+    late = t.loc[t.index >= 1]
+    model = GPTConfig.from_dict(conf["model"])
+    shape = (model.n_layer, model.n_head, model.n_embd)
+    step_s = float(late["step_s"].median())
+    with torch.device("meta"):  # the parameter count only
+        params = GPT(model).num_params()
+    return {"model": next((name for name, s in SIZES.items() if s == shape), "x".join(map(str, shape))),
+            "params": params, "steps": int(t.index.max()) + 1,
+            "compile_s": float(t.loc[0, "step_s"]) if 0 in t.index else float("nan"),
+            "step_s": step_s, "steps_per_s": 1.0 / step_s, "tokens_per_s": float(late["tokens_per_s"].median())}
+
+
+def minutes_for(price: dict, steps: int) -> float:
+    """Wall-clock minutes of a run of ``steps`` steps at :func:`run_price` ``price``: compilation, then steps."""
+    return (price["compile_s"] + steps * price["step_s"]) / 60
 
 
 def first_difference(run_a: str | Path, run_b: str | Path, column: str = "loss") -> dict:

@@ -34,7 +34,7 @@ from lpfa.pages.loss_explosion import (
     seed_table,
     seeds_text,
 )
-from lpfa.pages.sfa import sfa_findings
+from lpfa.pages.sfa import gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import run_dir
@@ -152,6 +152,17 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
                 "partly" if ok else "not reproduced", "09_sfa")
 
 
+def _gpt2m_row(root, steps: int = 6_000) -> dict:
+    """Fig. 7c: GPT-2 M, priced from its committed throughput (:func:`lpfa.pages.sfa.gpt2m_price`) and not run."""
+    claim = "The BF16 failure and SFA's fix carry over to GPT-2 M"
+    price = gpt2m_price(root=root)
+    if price.empty:
+        return _row(claim, "Fig. 7c", "not run, not priced", "not run", "09_sfa")
+    return _row(claim, "Fig. 7c", f"not run; priced: one seed's BF16, FP32 and SFA rows at {steps:,} steps take about "
+                f"{gpt2m_minutes(price, steps):.0f} minutes of one H200 (`results/gpt2m_price/{price.index.name}`)",
+                "not run", "09_sfa")
+
+
 def _isolation_row(layer: int, root) -> dict:
     table, _, _, _ = isolation_table(layer=layer, root=root)
     cmp = against_paper(table)
@@ -237,7 +248,7 @@ def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str 
     of Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5; ``twins_experiment``: the `repro` SFA
     twin."""
     rows = [*_fig2_rows(fig2_experiment, layer, root), *_mechanism_rows(replay_experiment, replay, root),
-            _sfa_row(fig2_experiment, twins_experiment, layer, root),
+            _sfa_row(fig2_experiment, twins_experiment, layer, root), _gpt2m_row(root),
             _isolation_row(layer, root), _dose_row(root), _discussion_row(layer, root), _kernel_row(root)]
     return pd.DataFrame(rows, columns=COLUMNS)
 

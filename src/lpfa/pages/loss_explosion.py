@@ -281,12 +281,14 @@ def seeds_text(table) -> str:
     boom = table["explosion step"].dropna().astype(int)
     alive = table.loc[table["explosion step"].isna(), "steps"].astype(int)
     ran = table[table["fp32 exploded"].notna()]
+    censored = ("" if not len(alive) else
+                f"; the other had not exploded when its run ended, at step {alive.iloc[0]:,}" if len(alive) == 1 else
+                f"; the other {len(alive)} had not exploded when their runs ended, at steps "
+                f"{and_join([f'{s:,}' for s in sorted(alive)])}")
     text = (f"The BF16 run's loss exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
             + (f" (at step{'s' if len(boom) > 1 else ''} {and_join([f'{s:,}' for s in sorted(boom)])})"
                if len(boom) else "")
-            + ((f"; the other {len(alive)} had not exploded when their runs ended, at steps "
-                f"{and_join([f'{s:,}' for s in sorted(alive)])}" if len(alive) > 1
-                else f"; the other had not exploded when its run ended, at step {alive.iloc[0]:,}") if len(alive) else "")
+            + censored
             + f"; {len(ran)} FP32 twin{'s' if len(ran) != 1 else ''} ran"
             + (f" ({and_join([f'{int(s):,}' for s in ran['fp32 steps']])} steps)" if len(ran) else "")
             + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")

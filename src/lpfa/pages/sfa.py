@@ -27,7 +27,7 @@ from lpfa.pages.loss_explosion import recipe_rows
 from lpfa.plotting import color_of, format_table, use_style
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import Run, load_metrics, run_verdict
-from lpfa.scaling import committed_speed, wall_minutes
+from lpfa.scaling import committed_speed, minutes_for, run_price, wall_minutes
 from lpfa.sfa_sweep import sweep_frame
 from lpfa.train import PRESETS
 
@@ -515,3 +515,47 @@ def dose_text() -> str:
                "amplified failure but does not prevent it. At dose 1, where the only δ error is the one the ties "
                "create, none of the SFA runs above exploded."
                if s["exploded"] else "did not explode."))
+
+
+def gpt2m_price(experiment: str = "gpt2m_price", run: str | None = None, root=None) -> pd.DataFrame:
+    """Fig. 7c's price: :func:`lpfa.scaling.run_price` of each run folder of ``results/<experiment>/<run>`` (the
+    latest when None), one row per label (``bf16_paper_recipe``, ``fp32_paper_recipe``); empty when not committed."""
+    try:
+        folder = run_dir(experiment, run, root)
+    except FileNotFoundError:
+        return pd.DataFrame()
+    rows = {p.name: run_price(p) for p in sorted(folder.iterdir()) if (p / "metrics.jsonl.gz").is_file()
+            or (p / "metrics.jsonl").is_file()}
+    return pd.DataFrame(rows).T.rename_axis(folder.name)
+
+
+def gpt2m_minutes(price: pd.DataFrame, steps: int) -> float:
+    """Minutes of one H200 for the three rows of Fig. 7c at ``steps`` steps each, one seed: BF16 and SFA (priced as
+    BF16: the same kernel with a shifted max) and FP32, from :func:`gpt2m_price`."""
+    return (2 * minutes_for(price.loc["bf16_paper_recipe"], steps)
+            + minutes_for(price.loc["fp32_paper_recipe"], steps))
+
+
+def gpt2m_text(price: pd.DataFrame, steps: int, seeds) -> str:
+    """GPT-2 M (Fig. 7c) priced in words: each run's measured throughput (``price``: :func:`gpt2m_price`), the minutes
+    of a ``steps``-step run and of the three rows of Fig. 7c (SFA priced as BF16: the same kernel with a shifted
+    max), held against the steps at which GPT-2 S's loss exploded at the recipe (``seeds``:
+    :func:`lpfa.pages.loss_explosion.seed_table`)."""
+    if price.empty or not {"bf16_paper_recipe", "fp32_paper_recipe"} <= set(price.index):
+        return "GPT-2 M (Fig. 7c) is not run here, and its price is not measured (`results/gpt2m_price`)."
+    b, f = price.loc["bf16_paper_recipe"], price.loc["fp32_paper_recipe"]
+    minutes = {label: minutes_for(price.loc[label], steps) for label in price.index}
+    total = gpt2m_minutes(price, steps)
+    boom = sorted(int(s) for s in seeds["explosion step"].dropna()) if len(seeds) else []
+    return (f"**GPT-2 M (Fig. 7c) is priced here, not run.** GPT-2 M ({b['params'] / 1e6:.0f}M parameters) at the "
+            f"GPT-2 S runs' recipe and batch, compiled, alone on one H200, trains at {b['tokens_per_s']:,.0f} tokens/s "
+            f"with BF16 flash attention ({b['steps_per_s']:.1f} steps/s) and {f['tokens_per_s']:,.0f} tokens/s with "
+            f"FP32 attention ({f['steps_per_s']:.1f} steps/s), after {b['compile_s']:.0f}–{f['compile_s']:.0f} s of "
+            f"compilation (`results/gpt2m_price/{price.index.name}`, {int(b['steps']):,} and {int(f['steps']):,} "
+            f"steps). A {steps:,}-step run"
+            + (f", past every step at which GPT-2 S's loss exploded at this recipe "
+               f"({and_join([f'{s:,}' for s in boom])})," if boom else "")
+            + f" takes about {minutes['bf16_paper_recipe']:.0f} minutes in BF16 and "
+            f"{minutes['fp32_paper_recipe']:.0f} in FP32, so the three rows of Fig. 7c (BF16, FP32 and SFA, priced as "
+            f"BF16) take about {total:.0f} minutes of one H200 for one seed. They are not among the committed runs: "
+            "whether the BF16 failure and SFA's fix carry over to GPT-2 M is not tested in this book.")
