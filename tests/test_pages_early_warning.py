@@ -53,9 +53,9 @@ def test_warning_table_leads_and_false_alarms(tmp_path):
     assert not t.loc["exp/r1/clean", "false alarm"] and pd.isna(t.loc["exp/r1/clean", "warning"])
     assert list(t["attention"]) == ["fp32", "fp32", "low precision", "low precision"]
     s = ew.warning_summary(t)
-    assert (s["failed"], s["warned before"], s["clean"], s["false alarms"]) == (2, 2, 2, 1)
+    assert (s["failed"], s["warned before"], s["neither"], s["false alarms"]) == (2, 2, 2, 1)
     assert s["median lead"] == (500 + ex - 700) / 2
-    assert (s["fp32 clean"], s["fp32 false alarms"], s["low-precision clean"], s["low-precision clean warned"]) == (
+    assert (s["fp32 neither"], s["fp32 false alarms"], s["low-precision neither"], s["low-precision neither warned"]) == (
         2, 1, 0, 0)
 
 
@@ -94,7 +94,7 @@ def test_replay_committed_learns_in_sample_and_replays_with_it(known_root):
                            "runs that ran away or exploded before they did** (median 500 steps ahead), ")
     lp_clean = table[table["runaway step"].isna() & (table["attention"] != "fp32")]
     assert f"{int(lp_clean['false alarm'].sum())} of the {len(lp_clean)} low-precision runs" in text
-    assert "0 of the 2 clean FP32-attention runs (false alarms)" in text
+    assert "0 of the 2 FP32-attention runs where neither happened (false alarms)" in text
 
 
 def test_replay_committed_refuses_bad_parameters(known_root):

@@ -19,13 +19,13 @@ heads (a layer is flagged when any of its heads is):
   attention there, at the diagnostics steps of the ``lead`` steps before the runaway (what a warning should catch);
 * **negatives**: every layer and step of the runs that neither ran away nor exploded, in layers whose scores are
   FP32 (``max_logit``, ``wq_outlier``; FP32 runs log ties of FP32 scores, a different quantity) or BF16
-  (``tie_fraction_bf16``: the BF16 runs that stayed clean).
+  (``tie_fraction_bf16``: the BF16 runs where neither happened).
 
 Each precursor threshold is the smallest value that flags at most :data:`MAX_FPR` of the negative samples, reported with
 its false-positive rate (share of negatives at or above it), false-negative rate (share of positives below it) and the
 sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own. The cap is strict because a
 run is checked hundreds of times: a threshold chosen per sample for the best balance (Youden's J) flagged 12–31 % of
-the clean samples, and so every clean run (the early-warning page, ``notebooks/15_early_warning.ipynb``).
+the negative samples, and so every run where neither happened (the early-warning page, ``notebooks/15_early_warning.ipynb``).
 """
 
 from __future__ import annotations

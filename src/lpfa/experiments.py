@@ -93,6 +93,9 @@ PAPER_RECIPE: dict[str, list[str]] = {f"{mode}_paper_recipe": [TWINS[mode][0]]
                                       for mode in ("bf16", "fp32", "fa2", "sfa")}
 PAPER_RECIPE["bf16_paper_recipe"] = ["attn_policy=paper"]  # T = 1024: the paper's tiled BF16 kernel, not one block
 PAPER_RECIPE["sfa_paper_recipe"] = ["attn_policy=paper_sfa"]
+# Fig. 2's FP32 twins run PyTorch's SDPA in FP32, as the first of them did, so that every seed's twin differs from the
+# others by its seed alone (fp32_split, FP32_TWIN, is as exact and faster, but came later).
+PAPER_RECIPE["fp32_paper_recipe"] = ["attn_backend=sdpa_fp32"]
 # Seeds beside 1337, for the fraction of runs whose loss explodes and its survival curve (lpfa.survival): data order and
 # initialisation are pure functions of the seed, so a seed's FP32 twin may run in another GPU session.
 RECIPE_SEEDS = tuple(range(1, 10))
@@ -142,7 +145,7 @@ BASES = (*RERUNS, *MUON_BASE)  # the STABILISERS rows that carry no stabiliser
 RERUN_STOP = 5000  # fp32_rerun's last step: the doctor's step (scripts/gpu/paper_recipe.sh DOCTOR_STEP)
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
-    FP32_RERUN: [*PAPER_RECIPE["fp32_paper_recipe"], f"stop_at_step={RERUN_STOP}"],
+    FP32_RERUN: [FP32_TWIN, f"stop_at_step={RERUN_STOP}"],
     "sr": ["attn_policy=paper_sr"],
     **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"),

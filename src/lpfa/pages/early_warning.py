@@ -3,7 +3,7 @@ the doctor's verdicts on the paper recipe's checkpoints.
 
 **The replay** (:func:`replay_logged`, :func:`warning_table`) feeds each committed run's logged diagnostics through
 the monitor's one decision rule (:func:`lpfa.monitor.crossings`), giving its first warning and that warning's lead over
-the runaway or the explosion, and the false alarms of the runs that stayed clean. The logged tie fraction is of the
+the runaway or the explosion, and the false alarms of the runs where neither happened. The logged tie fraction is of the
 scores as the run computed them: it stands for ``tie_fraction_bf16`` only in layers whose scores are BF16
 (:func:`lpfa.run.layer_precision`). On the page the thresholds are learnt again from the same runs at the page's
 parameters (:func:`replay_committed`), so its numbers are in-sample.
@@ -114,20 +114,21 @@ def warning_table(root=None, thresholds: dict | None = None) -> pd.DataFrame:
 
 def warning_summary(table: pd.DataFrame) -> dict:
     """The headline of :func:`warning_table`: failed runs (ran away or exploded), how many were warned before,
-    the median lead; the clean runs and their warnings, split into FP32-attention runs (``fp32 false alarms`` of
-    ``fp32 clean``) and low-precision runs that did not fail in their steps (``low-precision clean warned``)."""
+    the median lead; the runs where neither happened and their warnings, split into FP32-attention runs (``fp32 false
+    alarms`` of ``fp32 neither``) and low-precision runs (``low-precision neither warned``)."""
     failed = table["runaway step"].notna() | table["explosion step"].notna()
     warned = table["warned before"] & failed
     lead = table.loc[warned, "lead"].astype(float)
-    clean_fp32 = ~failed & (table["attention"] == "fp32")
-    clean_lp = ~failed & (table["attention"] != "fp32")
+    neither_fp32 = ~failed & (table["attention"] == "fp32")
+    neither_lp = ~failed & (table["attention"] != "fp32")
     return {"runs": int(len(table)), "failed": int(failed.sum()), "ran away": int(table["runaway step"].notna().sum()),
             "exploded": int(table["explosion step"].notna().sum()), "warned before": int(warned.sum()),
-            "median lead": float(lead.median()) if len(lead) else None, "clean": int((~failed).sum()),
+            "median lead": float(lead.median()) if len(lead) else None, "neither": int((~failed).sum()),
             "false alarms": int(table["false alarm"].sum()),
-            "fp32 clean": int(clean_fp32.sum()), "fp32 false alarms": int((table["false alarm"] & clean_fp32).sum()),
-            "low-precision clean": int(clean_lp.sum()),
-            "low-precision clean warned": int((table["false alarm"] & clean_lp).sum())}
+            "fp32 neither": int(neither_fp32.sum()),
+            "fp32 false alarms": int((table["false alarm"] & neither_fp32).sum()),
+            "low-precision neither": int(neither_lp.sum()),
+            "low-precision neither warned": int((table["false alarm"] & neither_lp).sum())}
 
 
 def replay_committed(lead: int = alarms.LEAD_STEPS, max_fpr: float = alarms.MAX_FPR, root=None):
@@ -144,12 +145,12 @@ def replay_committed(lead: int = alarms.LEAD_STEPS, max_fpr: float = alarms.MAX_
 
 def headline(s: dict) -> str:
     """The page's headline from :func:`warning_summary` ``s``: the failed runs warned before they failed, the median
-    lead, and the warnings of the clean FP32-attention and low-precision runs."""
+    lead, and the warnings of the FP32-attention and low-precision runs where neither happened."""
     return (f"**Replayed through the monitor, the committed runs' diagnostics warn {s['warned before']} of the "
             f"{s['failed']} runs that ran away or exploded before they did** (median {s['median lead']:,.0f} steps "
-            f"ahead), {s['fp32 false alarms']} of the {s['fp32 clean']} clean FP32-attention runs (false alarms), and "
-            f"{s['low-precision clean warned']} of the {s['low-precision clean']} low-precision runs that did not fail "
-            "within their steps. The thresholds are strict by design, so most precursor samples go unflagged (the "
+            f"ahead), {s['fp32 false alarms']} of the {s['fp32 neither']} FP32-attention runs where neither happened "
+            f"(false alarms), and {s['low-precision neither warned']} of the {s['low-precision neither']} low-precision "
+            "runs where neither happened within their steps. The thresholds are strict by design, so most precursor samples go unflagged (the "
             "false-negative rates below).")
 
 
