@@ -14,6 +14,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 PROFILE     ?= default
 PYTEST_ARGS ?=
+JOBS        ?= auto
 
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
@@ -46,7 +47,7 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 test: $(VENV)/.installed-test browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(JOBS) --dist loadgroup $(PYTEST_ARGS)
 
 lab: $(VENV)/.installed-lab $(VENV)/.installed-book
 	$(BIN)/jupyter lab notebooks/

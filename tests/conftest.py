@@ -7,13 +7,39 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LPFA_ROOT", str(ROOT))
 
 
+_EXECUTED: dict = {}  # notebook -> its executed copy at the small profile, or the error it raised
+
+
 @pytest.fixture(scope="session")
-def built_book(tmp_path_factory):
-    """The book built once per test session at the `small` profile; returns the html folder."""
-    from lpfa.book import build
+def executed_notebook(tmp_path_factory):
+    """``executed_notebook(nb)``: notebook ``nb`` executed at the `small` profile, once per test session (the notebook
+    tests and the book share the run; an error is raised again to every caller). Tests that use it belong to the
+    ``notebooks`` xdist group, so that one worker holds the session's copies."""
+    from lpfa.book import execute_notebook, profile_parameters
+
+    small = profile_parameters(ROOT, "small")
+
+    def run(nb: Path) -> Path:
+        if nb not in _EXECUTED:
+            try:
+                _EXECUTED[nb] = execute_notebook(nb, tmp_path_factory.mktemp(nb.stem) / nb.name, small.get(nb.stem))
+            except Exception as e:  # noqa: BLE001  (kept, and raised to each test of this notebook)
+                _EXECUTED[nb] = e
+        if isinstance(_EXECUTED[nb], Exception):
+            raise _EXECUTED[nb]
+        return _EXECUTED[nb]
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory, executed_notebook):
+    """The book built once per test session at the `small` profile from the notebooks the notebook tests executed
+    (:func:`executed_notebook`); returns the html folder."""
+    from lpfa.book import build, toc_notebooks
 
     out = tmp_path_factory.mktemp("book")
-    index = build("small", out=out, root=ROOT)
+    index = build("small", out=out, root=ROOT, executed={nb: executed_notebook(nb) for nb in toc_notebooks(ROOT)})
     return index.parent
 
 

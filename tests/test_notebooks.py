@@ -9,6 +9,8 @@ from conftest import ROOT
 
 from lpfa.book import execute_notebook, profile_parameters, toc_notebooks
 
+pytestmark = pytest.mark.xdist_group("notebooks")  # with the book: one worker executes each notebook once
+
 NOTEBOOKS = toc_notebooks(ROOT)
 SMALL = profile_parameters(ROOT, "small")
 
@@ -44,24 +46,9 @@ def test_papermill_reads_every_parameter():
         assert {p.name for p in PythonTranslator.inspect(cell)} == names, nb.name
 
 
-_EXECUTED: dict = {}  # notebook -> its executed copy (or the error it raised): each notebook runs once per session
-
-
-def _executed(nb, tmp_path_factory):
-    """``nb`` executed at the small profile, once per test session (the tests below share the run)."""
-    if nb not in _EXECUTED:
-        try:
-            _EXECUTED[nb] = execute_notebook(nb, tmp_path_factory.mktemp(nb.stem) / nb.name, SMALL.get(nb.stem))
-        except Exception as e:
-            _EXECUTED[nb] = e
-    if isinstance(_EXECUTED[nb], Exception):
-        raise _EXECUTED[nb]
-    return _EXECUTED[nb]
-
-
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_with_small_parameters(nb, tmp_path_factory):
-    done = nbformat.read(_executed(nb, tmp_path_factory), as_version=4)
+def test_notebook_runs_with_small_parameters(nb, executed_notebook):
+    done = nbformat.read(executed_notebook(nb), as_version=4)
     outputs = [o for c in done.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     pngs = [o.data["image/png"] for o in outputs if "image/png" in o.get("data", {})]
@@ -75,10 +62,10 @@ REPRS = ("<matplotlib", "<Axes", "Text(", "<Figure size")  # a plotting call's r
 
 
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_page_shows_no_log_and_no_repr(nb, tmp_path_factory):
+def test_notebook_page_shows_no_log_and_no_repr(nb, executed_notebook):
     """No stderr box (training logs, progress bars, warnings) and no stray object repr on the rendered page: the
     notebook run by test_notebook_runs_with_small_parameters, checked here."""
-    done = nbformat.read(_executed(nb, tmp_path_factory), as_version=4)
+    done = nbformat.read(executed_notebook(nb), as_version=4)
     for i, cell in enumerate(done.cells):
         for o in cell.get("outputs", []):
             assert not (o.output_type == "stream" and o.name == "stderr"), \

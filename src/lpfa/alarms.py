@@ -25,7 +25,8 @@ Each precursor threshold is the smallest value that flags at most :data:`MAX_FPR
 its false-positive rate (share of negatives at or above it), false-negative rate (share of positives below it) and the
 sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own. The cap is strict because a
 run is checked hundreds of times: a threshold chosen per sample for the best balance (Youden's J) flagged 12–31 % of
-the negative samples, and so every run where neither happened (the early-warning page, ``notebooks/15_early_warning.ipynb``).
+the negative samples, and so every run where neither happened (the early-warning page,
+``notebooks/15_early_warning.ipynb``).
 """
 
 from __future__ import annotations

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import yaml
@@ -115,8 +118,13 @@ def _jupyter_book() -> str:
     return found
 
 
-def build(profile: str = "default", out: str | Path | None = None, root: Path | None = None) -> Path:
-    """Execute the notebooks at ``profile`` and build the HTML book; returns the ``index.html`` path."""
+def build(profile: str = "default", out: str | Path | None = None, root: Path | None = None,
+          executed: dict | None = None, jobs: int | None = None) -> Path:
+    """Execute the notebooks at ``profile`` and build the HTML book; returns the ``index.html`` path.
+
+    ``executed``: ``{notebook path: its executed copy}`` of notebooks already run at this profile (the tests run each
+    notebook once and build the book from those copies); the rest execute here, ``jobs`` at a time (default: one per
+    CPU core), each in its own kernel."""
     root = Path(root) if root else repo_root()
     out = Path(out) if out else root
     params = profile_parameters(root, profile)
@@ -134,8 +142,18 @@ def build(profile: str = "default", out: str | Path | None = None, root: Path | 
     unknown = set(params) - {nb.stem for nb in notebooks}
     if unknown:
         raise ValueError(f"profile {profile!r} names notebooks that are not in _toc.yml: {sorted(unknown)}")
-    for nb in tqdm(notebooks, desc=f"executing notebooks ({profile})", unit="nb"):
-        execute_notebook(nb, stage / nb.relative_to(root), params.get(nb.stem))
+    done = {Path(k): Path(v) for k, v in (executed or {}).items()}
+    for nb in notebooks:
+        if nb in done:
+            shutil.copy2(done[nb], stage / nb.relative_to(root))
+    todo = [nb for nb in notebooks if nb not in done]
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # fresh workers
+        futures = {pool.submit(execute_notebook, nb, stage / nb.relative_to(root), params.get(nb.stem)): nb
+                   for nb in todo}
+        for f in tqdm(as_completed(futures), total=len(todo), desc=f"executing notebooks ({profile}, {jobs} at a time)",
+                      unit="nb"):
+            f.result()  # a failing notebook stops the build with its error
     cmd = [_jupyter_book(), "build", str(stage), "--path-output", str(out), "--all", "-W", "--keep-going"]
     subprocess.run(cmd, check=True)
     index = out / "_build" / "html" / "index.html"
@@ -149,8 +167,11 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profile", default="default", help="parameter profile from notebooks/parameters.yml")
     p.add_argument("--out", default=None, help="folder that receives _build/html (default: the repository)")
+    p.add_argument("--jobs", type=int, default=None, help="notebooks executed at a time (default: one per CPU core)")
     a = p.parse_args(argv)
-    index = build(a.profile, a.out)
+    if a.jobs is not None and a.jobs < 1:
+        p.error(f"--jobs={a.jobs}: expected a positive integer")
+    index = build(a.profile, a.out, jobs=a.jobs)
     print(f"\nThe book is built: {index}\nOpen it with:  python -m http.server -d {index.parent}  "
           "(then http://localhost:8000)")
     return 0

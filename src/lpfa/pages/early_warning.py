@@ -148,10 +148,10 @@ def headline(s: dict) -> str:
     lead, and the warnings of the FP32-attention and low-precision runs where neither happened."""
     return (f"**Replayed through the monitor, the committed runs' diagnostics warn {s['warned before']} of the "
             f"{s['failed']} runs that ran away or exploded before they did** (median {s['median lead']:,.0f} steps "
-            f"ahead), {s['fp32 false alarms']} of the {s['fp32 neither']} FP32-attention runs where neither happened "
-            f"(false alarms), and {s['low-precision neither warned']} of the {s['low-precision neither']} low-precision "
-            "runs where neither happened within their steps. The thresholds are strict by design, so most precursor samples go unflagged (the "
-            "false-negative rates below).")
+            f"ahead), {s['fp32 false alarms']} of the {s['fp32 neither']} FP32-attention runs where neither "
+            f"happened (false alarms), and {s['low-precision neither warned']} of the {s['low-precision neither']} "
+            "low-precision runs where neither happened within their steps. The thresholds are strict by design, so "
+            "most precursor samples go unflagged (the false-negative rates below).")
 
 
 def threshold_table(thr: dict) -> pd.DataFrame:
