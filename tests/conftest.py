@@ -7,27 +7,33 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("LPFA_ROOT", str(ROOT))
 
 
-_EXECUTED: dict = {}  # notebook -> its executed copy at the small profile, or the error it raised
-
-
 @pytest.fixture(scope="session")
 def executed_notebook(tmp_path_factory):
-    """``executed_notebook(nb)``: notebook ``nb`` executed at the `small` profile, once per test session (the notebook
-    tests and the book share the run; an error is raised again to every caller). Tests that use it belong to the
-    ``notebooks`` xdist group, so that one worker holds the session's copies."""
+    """``executed_notebook(nb)``: notebook ``nb`` executed at the `small` profile, once per test run whatever the
+    number of pytest-xdist workers: the first worker to ask executes it into a folder the workers share (under a file
+    lock), the others read that copy; an error is kept beside it and raised again to every caller. The notebook tests
+    and the book share these copies."""
+    from filelock import FileLock
+
     from lpfa.book import execute_notebook, profile_parameters
 
     small = profile_parameters(ROOT, "small")
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "executed_notebooks"
+    shared.mkdir(exist_ok=True)
 
     def run(nb: Path) -> Path:
-        if nb not in _EXECUTED:
-            try:
-                _EXECUTED[nb] = execute_notebook(nb, tmp_path_factory.mktemp(nb.stem) / nb.name, small.get(nb.stem))
-            except Exception as e:  # noqa: BLE001  (kept, and raised to each test of this notebook)
-                _EXECUTED[nb] = e
-        if isinstance(_EXECUTED[nb], Exception):
-            raise _EXECUTED[nb]
-        return _EXECUTED[nb]
+        out, failed = shared / nb.name, shared / f"{nb.name}.error"
+        with FileLock(str(shared / f"{nb.name}.lock")):
+            if not out.is_file() and not failed.is_file():
+                try:
+                    execute_notebook(nb, out.with_suffix(".partial.ipynb"), small.get(nb.stem))
+                    out.with_suffix(".partial.ipynb").rename(out)
+                except Exception as e:  # noqa: BLE001  (kept, and raised to each test of this notebook)
+                    failed.write_text(f"{type(e).__name__}: {e}")
+        if failed.is_file():
+            raise RuntimeError(f"{nb.name} failed at the small profile: {failed.read_text()}")
+        return out
 
     return run
 

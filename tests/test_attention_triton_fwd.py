@@ -288,15 +288,18 @@ def test_causal_split_nonfinite_v_in_unmasked_tile(name, tile_paths):
 # ---- SFA's tie test from the row-max pass: the second largest score instead of a counting pass ---------------------
 
 
+SFA_P = 32  # the period of _sfa_tie_inputs' structure: two 16-key compute tiles per 32-key policy block
+
+
 def _sfa_tie_inputs(T, D, g):
-    """Heads built to stress SFA's test "more than one visible score within ε of the block's row max" in 64-key
-    blocks of 16-key tiles: 0 generic; 1 exact ties in one tile and across tiles (keys repeat every 23); 2 near-ties
-    either side of ε: the row max at key 8 of each block and a second key in another tile (40) one or three BF16
-    steps below it, i.e. 0.47·ε or 1.4·ε below in score; 3 one dominant key at the start of each block, unique there
-    (rows at a block's start see only it); 4 all-equal keys (every score tied); 5 ±inf in q (visible −inf scores,
-    rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q, k (FP32,
-    BF16-representable) and ε."""
-    eps = 1e-2
+    """Heads built to stress SFA's test "more than one visible score within ε of the block's row max" in 32-key
+    blocks of 16-key tiles (period ``SFA_P``): 0 generic; 1 exact ties in one tile and across tiles (keys repeat every
+    23); 2 near-ties either side of ε: the row max at key 4 of each block and a second key in the block's other tile
+    (key 20) one or three BF16 steps below it, i.e. 0.47·ε or 1.4·ε below in score; 3 one dominant key at the start of
+    each block, unique there (rows at a block's start see only it); 4 all-equal keys (every score tied); 5 ±inf in q
+    (visible −inf scores, rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q,
+    k (FP32, BF16-representable) and ε."""
+    eps, P = 1e-2, SFA_P
     q = torch.randn(1, 7, T, D, generator=g)
     k = torch.randn(1, 7, T, D, generator=g)
     k[:, 1] = torch.randn(23, D, generator=g)[torch.arange(T) % 23]
@@ -304,32 +307,33 @@ def _sfa_tie_inputs(T, D, g):
     e0[0] = 4.0
     q[:, 2] = e0  # S = 0.3·4·k[..., 0]: exact in BF16 steps of k
     k[:, 2] = 0.1 * torch.randn(T, D, generator=g)
-    k[:, 2, 8::64, 0] = 0.75
-    steps = torch.tensor([1.0, 3.0])[torch.arange(len(range(40, T, 64))) % 2]  # BF16 spacing at 0.75 is 2^-8
-    k[:, 2, 40::64, 0] = 0.75 - steps * 2.0**-8
+    k[:, 2, 4::P, 0] = 0.75
+    steps = torch.tensor([1.0, 3.0])[torch.arange(len(range(20, T, P))) % 2]  # BF16 spacing at 0.75 is 2^-8
+    k[:, 2, 20::P, 0] = 0.75 - steps * 2.0**-8
     base = torch.randn(D, generator=g)
     q[:, 3] = 2 * base
-    k[:, 3, ::64] = base
+    k[:, 3, ::P] = base
     k[:, 4] = base
     q[:, 5, 3::7, 0] = -math.inf
     q[:, 5, 5::11, 1] = math.inf
-    # head 6: distinct negative scores −0.3·(1 + (j mod 64)/16) (no ties), but keys 64 and 65 score −inf: row 65 sees
-    # two visible keys of block 1, both −inf (the reference counts both as within ε of the max −inf: tied)
+    # head 6: distinct negative scores −0.3·(1 + (j mod P)/16) (no ties), but keys P and P + 1 score −inf: row P + 1
+    # sees two visible keys of block 1, both −inf (the reference counts both as within ε of the max −inf: tied)
     q[:, 6], k[:, 6] = 0.0, 0.0
     q[:, 6, :, 0] = -1.0
-    k[:, 6, :, 0] = 1.0 + (torch.arange(T) % 64) / 16
-    k[:, 6, 64:66, 0] = math.inf
+    k[:, 6, :, 0] = 1.0 + (torch.arange(T) % P) / 16
+    k[:, 6, P:P + 2, 0] = math.inf
     return q, k, eps
 
 
 @pytest.mark.parametrize("name", ["paper_sfa", "fa2_sfa"])
-@pytest.mark.parametrize("T,block", [(64, 64), (150, 64), (150, 16)])
+@pytest.mark.parametrize("T,block", [(SFA_P, SFA_P), (75, SFA_P), (75, 16)])
 def test_sfa_top_two_matches_the_counting_pass(name, T, block):
     """The forward decides SFA's ties from the top two scores of its row-max pass (one reduction per tile); the
     reference (and ``sfa_count_pass=True``) count the scores within ε of the max in a pass of their own. Policy
-    blocks of 64 keys span four 16-key compute tiles, blocks of 16 one. The two kernels must give the same bits on exact
+    blocks of 32 keys span two 16-key compute tiles, blocks of 16 one. The two kernels must give the same bits on exact
     ties inside and across tiles, near-ties either side of ε, rows that see one key of a block, all-tied rows and ±inf
-    scores, and match the reference on the finite rows."""
+    scores, and match the reference on the finite rows. T = 75 is the smallest shape with whole blocks, a ragged last
+    block (11 keys), several query tiles and causal rows that see one, two and three blocks; T = 32 is one block."""
     seed = torch.seed() % 2**31
     g = torch.Generator().manual_seed(seed)
     D = 16
@@ -348,7 +352,7 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             tied = stats.sfa_rows[0]
             # exact ties take SFA's branch (head 1: keys repeat every 23)
             assert tied[4] > 0 and (block < 23 or tied[1] > 0)
-            assert e == 0 or T < 64 or block < 64 or 0 < tied[2] < T  # near-ties: some rows within ε, some not
+            assert e == 0 or block < SFA_P or 0 < tied[2] < T  # near-ties: some rows within ε, some not
             _check(o[:, :5], lse[:, :5], ro[:, :5], rlse[:, :5], pol)  # head 5: nonfinite, by the bits above
             assert torch.equal(torch.isnan(o[:, 5:].float()), torch.isnan(ro[:, 5:]))
         except AssertionError as err:

@@ -8,7 +8,7 @@ from conftest import ROOT
 
 from lpfa.book import toc_files
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("notebooks")]  # the notebook tests' executed copies
+pytestmark = pytest.mark.slow
 
 
 def test_book_contains_every_toc_page(built_book):

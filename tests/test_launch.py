@@ -241,3 +241,31 @@ def test_paper_recipe_finish_runs_the_doctor_on_the_kept_checkpoint(tokens, tmp_
     assert {"pr/bf16_paper_recipe/doctor_step_000004/report.md", "pr/bf16_paper_recipe/doctor_step_000004.log"} <= names
     assert not any(n.startswith("pr/fp32_paper_recipe/doctor") for n in names)
     assert report and "doctor: " in r.stdout
+
+
+def test_committed_runs_match_their_definition():
+    """Every committed run folder named after a row of its experiment (lpfa.experiments.EXPERIMENTS) trained with that
+    row's switches (its config.json agrees with each override), so the table stays the one source of truth for what a
+    committed run is: redefining a row that has run is caught here."""
+    import json
+
+    from lpfa.experiments import EXPERIMENTS, FP32_TWIN
+    from lpfa.paths import results_dir
+    from lpfa.run import read_run_config
+    from lpfa.train import parse_overrides
+
+    checked, wrong = 0, []
+    for exp, rows in EXPERIMENTS.items():
+        for folder in sorted((results_dir() / exp).glob("*/*/config.json")):
+            label = folder.parent.name
+            if label not in rows:
+                continue
+            train = read_run_config(folder.parent)["train"]
+            older_twin = FP32_TWIN in rows[label] and train.get("attn_backend") == "sdpa_fp32"  # FP32 before fp32_split
+            for key, want in parse_overrides(rows[label]).items():
+                if older_twin and key == "attn_policy":
+                    continue
+                if key in train and json.loads(json.dumps(train[key])) != json.loads(json.dumps(want)):  # JSON's keys
+                    wrong.append(f"{exp}/{folder.parent.parent.name}/{label}: {key}={train[key]!r}, defined {want!r}")
+            checked += 1
+    assert checked > 50 and not wrong, "\n".join(wrong)

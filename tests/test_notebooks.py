@@ -1,6 +1,7 @@
 """Every notebook of the book runs under papermill at the `small` profile, without errors, and shows its figures."""
 
 import base64
+import re
 import struct
 
 import nbformat
@@ -8,8 +9,6 @@ import pytest
 from conftest import ROOT
 
 from lpfa.book import execute_notebook, profile_parameters, toc_notebooks
-
-pytestmark = pytest.mark.xdist_group("notebooks")  # with the book: one worker executes each notebook once
 
 NOTEBOOKS = toc_notebooks(ROOT)
 SMALL = profile_parameters(ROOT, "small")
@@ -76,9 +75,23 @@ def test_notebook_page_shows_no_log_and_no_repr(nb, executed_notebook):
                     f"{nb.name} (executed) cell {i} shows {data['text/plain'][:100]!r}"
 
 
-def test_bf16_notebook_reproduces_the_paper_example(tmp_path):
+GLUE_REF = re.compile(r"\{glue(?::\w+)?\}`([^`]+)`|```\{glue(?::\w+)?\}\s+(\S+)")  # {glue:md}`name`, ```{glue:md} name
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_name_the_prose_shows_is_glued(nb, executed_notebook):
+    """Each ``{glue:md}`name``` of a page's Markdown is glued by its code (a name a page-text dict lost would show
+    as an empty span in the book)."""
+    done = nbformat.read(executed_notebook(nb), as_version=4)
+    shown = {a or b for c in done.cells if c.cell_type == "markdown" for a, b in GLUE_REF.findall(c.source)}
+    glued = {o["metadata"]["scrapbook"]["name"] for c in done.cells if c.cell_type == "code"
+             for o in c.get("outputs", []) if "scrapbook" in o.get("metadata", {})}
+    assert shown <= glued, f"{nb.name}: not glued: {sorted(shown - glued)}"
+
+
+def test_bf16_notebook_reproduces_the_paper_example(executed_notebook):
     nb = ROOT / "notebooks" / "01_bf16_rounding.ipynb"
-    out = execute_notebook(nb, tmp_path / nb.name, SMALL["01_bf16_rounding"])
+    out = executed_notebook(nb)  # at the small profile, which keeps the paper's operands
     text = _text(out) + "\n".join(str(o.get("data", {}).get("text/html", ""))  # the glued text too (its Markdown)
                                    for c in nbformat.read(out, as_version=4).cells if c.cell_type == "code"
                                    for o in c.outputs)
@@ -109,10 +122,10 @@ def _text(nb_path) -> str:
         for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
 
 
-def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
+def test_isolation_and_seeds_pages(tmp_path, monkeypatch, executed_notebook):
     """Pages 10 and 11 on the committed results (the verdicts and the comparison with the paper are computed there),
     and their 'not run yet' branches on a stand-in results tree without them (LPFA_ROOT points the pages at it)."""
-    iso = _text(execute_notebook(ROOT / "notebooks" / "10_isolation.ipynb", tmp_path / "10.ipynb"))
+    iso = _text(executed_notebook(ROOT / "notebooks" / "10_isolation.ipynb"))  # small profile: the defaults
     assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
     assert "* **ran away**: `scores_fp32` (step 7,600)" in iso
     assert ("* **neither**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, "
@@ -127,7 +140,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     # glued; the page's Markdown adds the full stop
     assert "the row neither exploded nor had its logits run away, as the paper reports" in iso
     assert "**Not run yet**: `bf16_tiled`." in iso
-    seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11.ipynb"))
+    seeds = _text(executed_notebook(ROOT / "notebooks" / "11_seeds.ipynb"))
     assert ("* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or "
             "worse" in seeds)
     assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
@@ -149,10 +162,10 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch):
     assert "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
 
 
-def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
+def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch, executed_notebook):
     """Page 09's Muon and second-size sections on the committed results (verdicts computed there), and their
     'not run yet' branch with its cost on a results tree without them."""
-    sfa = _text(execute_notebook(ROOT / "notebooks" / "09_sfa.ipynb", tmp_path / "09.ipynb"))
+    sfa = _text(executed_notebook(ROOT / "notebooks" / "09_sfa.ipynb"))  # small profile: the defaults
     assert ("the BF16 run did not explode, but its layer-1 logits ran away from step 1,600; the FP32 run neither "
             "exploded nor had its logits run away; "
             "the SFA run neither exploded nor had its logits run away") in sfa
@@ -179,11 +192,11 @@ def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch):
     assert "The Muon twins at lr 0.05 (`lpfa.experiments.MUON_LONG`) are not run yet." in sfa
 
 
-def test_structure_page_on_committed_gpu_results(tmp_path):
+def test_structure_page_on_committed_gpu_results(executed_notebook):
     """Page 05's GPU sections: the logged ties of the 30k twins, the replay's rank-1 similarity and the structure
     statistics of the GPU-trained checkpoints (results/structure, results/repro_runaway), computed on the page."""
     nb = ROOT / "notebooks" / "05_structure.ipynb"
-    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["05_structure"]))
+    text = _text(executed_notebook(nb))
     assert ("`bf16` at step 30,100: 7.2% of rows tied on average over layers and heads, 83.4% in its most tied head "
             "(layer 1, head 6)" in text)
     # the replay from before the runaway
@@ -198,10 +211,10 @@ def test_structure_page_on_committed_gpu_results(tmp_path):
             "both" in text)
 
 
-def test_tie_frequency_page_shows_v_sign_dominance(tmp_path):
+def test_tie_frequency_page_shows_v_sign_dominance(executed_notebook):
     """Page 08's V section on the committed eager twins (results/repro_runaway), which log it with their diagnostics."""
     nb = ROOT / "notebooks" / "08_tie_frequency.ipynb"
-    text = _text(execute_notebook(nb, tmp_path / nb.name, SMALL["08_tie_frequency"]))
+    text = _text(executed_notebook(nb))
     assert ("**bf16** at step 6,500: 1.9% of V's columns one-signed on average over layers and heads, 6.5% in layer "
             "1" in text)
     assert "5.9% over the run's second half" in text and "4.2% over the run's second half" in text

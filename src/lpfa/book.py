@@ -145,6 +145,7 @@ def build(profile: str = "default", out: str | Path | None = None, root: Path | 
     done = {Path(k): Path(v) for k, v in (executed or {}).items()}
     for nb in notebooks:
         if nb in done:
+            (stage / nb.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(done[nb], stage / nb.relative_to(root))
     todo = [nb for nb in notebooks if nb not in done]
     jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))

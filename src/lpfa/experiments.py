@@ -143,18 +143,19 @@ RERUNS = (STABILISER_RERUN, FP32_RERUN)  # the base runs again: no stabiliser ro
 MUON_BASE = ("bf16_muon_recipe", "fp32_muon_recipe")  # the recipe with Muon, no stabiliser: the Muon QK-clip rows' base
 BASES = (*RERUNS, *MUON_BASE)  # the STABILISERS rows that carry no stabiliser
 RERUN_STOP = 5000  # fp32_rerun's last step: the doctor's step (scripts/gpu/paper_recipe.sh DOCTOR_STEP)
+_STABILISER_BASE = {"bf16": PAPER_RECIPE["bf16_paper_recipe"][0], "fp32": FP32_TWIN}  # each row's attention, as run
 STABILISERS: dict[str, list[str]] = {
     STABILISER_RERUN: list(PAPER_RECIPE["bf16_paper_recipe"]),
     FP32_RERUN: [FP32_TWIN, f"stop_at_step={RERUN_STOP}"],
     "sr": ["attn_policy=paper_sr"],
-    **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], switch]
+    **{f"{mode}_{name}": [_STABILISER_BASE[mode], switch]
        for name, switch in (("qknorm", "qk_norm=true"), ("gated", "gated_attn=true"),
                             ("qkclip", f"qk_clip={QK_CLIP_TAU:g}"))
        for mode in ("bf16", "fp32")},
     "bf16_softcap": ["attn_policy=paper_softcap"],
     "fp32_softcap": ["attn_policy=fp32_softcap"],
     # QK-clip is Kimi K2's MuonClip: the clip with Muon as well, held against the recipe with Muon and no clip
-    **{f"{mode}_{name}": [PAPER_RECIPE[f"{mode}_paper_recipe"][0], *switch, "optimizer=muon"]
+    **{f"{mode}_{name}": [_STABILISER_BASE[mode], *switch, "optimizer=muon"]
        for name, switch in (("muon_recipe", []), ("qkclip_muon", [f"qk_clip={QK_CLIP_TAU:g}"]))
        for mode in ("bf16", "fp32")},
     # sr exploded before the BF16 run (results/stabilisers/h200-2026-12-02). Its rounding is a hash of position and

@@ -1,6 +1,8 @@
 """The book's own layer: one module per notebook, holding that page's tables, figures and sentences.
 
-A notebook imports its page module and calls it: prose in Markdown, one call per figure or table, numbers glued.
+A notebook imports its page module and calls it: prose in Markdown, one call per figure or table, numbers glued
+(:func:`glue_text`). Its first cell checks its papermill parameters against the page module's ``PARAMS``
+(:func:`lpfa.params.check_params`).
 The library below (:mod:`lpfa.run`, :mod:`lpfa.compare`, :mod:`lpfa.experiments`, the analyses) never imports this
 package. The modules, in the book's reading order: :mod:`.intro` (the scorecard), :mod:`.bf16_rounding` (page 01),
 :mod:`.delta_bias` (02), :mod:`.pktx_structure` (03), :mod:`.pv_error` (04), :mod:`.structure` (05),
@@ -11,6 +13,8 @@ package. The modules, in the book's reading order: :mod:`.intro` (the scorecard)
 
 from __future__ import annotations
 
+from lpfa.params import check_params  # noqa: F401  (a notebook checks its parameters with it, from here)
+from lpfa.plotting import format_table  # noqa: F401  (and shows its tables with it)
 from lpfa.results import load, what
 from lpfa.train import PRESETS
 
@@ -39,3 +43,18 @@ def provenance_line(experiment: str, folder) -> str:
     ``provenance.json``: "<what>. <device>, commit `<git commit>`" (no final full stop; :func:`lpfa.results.what`)."""
     prov = load(experiment, "provenance.json", folder.name)
     return f"{what(prov).rstrip('. ')}. {prov['device']}, commit `{prov['git_commit']}`"
+
+
+def glue_text(name: str, text) -> None:
+    """Glue ``text`` as Markdown under ``name``, for the page's prose to show with ``{glue:md}`name```; nothing is
+    displayed where the call is."""
+    from IPython.display import Markdown  # the notebook's kernel only (the book extra): not needed to import the page
+    from myst_nb import glue
+
+    glue(name, Markdown(str(text)), display=False)
+
+
+def glue_texts(texts: dict) -> None:
+    """:func:`glue_text` for each ``{name: text}`` of ``texts``."""
+    for name, text in texts.items():
+        glue_text(name, text)

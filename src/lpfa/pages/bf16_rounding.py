@@ -9,7 +9,16 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from lpfa.bf16 import PAPER_OPERANDS, BF16Addition, binade, explain_add, fp32_fields
+from lpfa.params import integer, list_of, real
 from lpfa.plotting import COLORS, use_style
+
+FP32_MAX = 3.4028234663852886e38
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "a": real(-FP32_MAX, FP32_MAX), "b": real(-FP32_MAX, FP32_MAX),
+    "trials": integer(2), "n_keys": integer(1),
+    "n_ones": list_of(integer(0)), "gaps": list_of(real(0)), "seed": integer(0),
+}
 
 SIGNIFICANT = 4  # a mean error further than this many standard errors from zero is "significant"
 

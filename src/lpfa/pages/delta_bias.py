@@ -12,10 +12,17 @@ import pandas as pd
 from lpfa.compare import same_recipe_runs
 from lpfa.explosion import RunawayCriterion
 from lpfa.pages import setting_of
+from lpfa.params import dict_of, optional, text
 from lpfa.plotting import COLORS, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
 from lpfa.results import run_dir
 from lpfa.run import Run, runaway_onset
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True),
+    "compare": dict_of(text(nonempty=True), text(nonempty=True)),
+}
 
 STRONG_T = 3  # a t statistic below this in every head: the replay's bias is weak
 SAME_SIGN_CHANCE = 0.6  # V one-signed at the tied keys below this share in every head: about what random signs give

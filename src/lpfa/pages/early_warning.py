@@ -29,13 +29,17 @@ import seaborn as sns
 from lpfa import alarms, doctor
 from lpfa.checkpoints import read_json
 from lpfa.compare import head_metric_frame
-from lpfa.experiments import FP32_RERUN, STABILISER_RERUN
+from lpfa.dose import rescue_headline
+from lpfa.experiments import FP32_RERUN, RESCUE_DOSE, STABILISER_RERUN
 from lpfa.monitor import OVERHEAD_GOAL, add_derived, amortised_overhead, crossings, default_thresholds
 from lpfa.params import integer, real
 from lpfa.plotting import COLORS, use_style
 from lpfa.results import experiment_rows
 from lpfa.results import runs as launches
 from lpfa.run import Run, layer_precision, run_verdict
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"max_fpr": real(0, 1, hi_open=True), "lead_steps": integer(1)}
 
 DOCTOR_LABELS = (STABILISER_RERUN, FP32_RERUN, "bf16_qknorm")  # the paper recipe's runs with doctor reports
 REPLAY_COLUMNS = ["attention", "policy", "runaway step", "explosion step", "first warning step", "lead", "warning"]
@@ -282,3 +286,14 @@ def doctor_figures(reports: dict, thr: dict) -> list:
         plt.close(fig)
         figs.append(fig)
     return figs
+
+
+def page_texts(samples, thr: dict, table: pd.DataFrame, rescue: pd.DataFrame, cost: pd.DataFrame, reports: dict,
+               lead_steps: int, max_fpr: float) -> dict:
+    """Every sentence and number page 15 glues into its prose, by name: the replay (``samples``, ``thr``, ``table``:
+    :func:`replay_committed`), the rescue runs (:func:`lpfa.dose.rescue_table`), the monitor's cost
+    (:func:`monitor_overhead_table`) and the doctor's reports (:func:`doctor_reports`)."""
+    s = warning_summary(table)
+    return {"ew_headline": headline(s), "ew_runs": s["runs"], "ew_fpr": f"{max_fpr:.1%}", "ew_lead": f"{lead_steps:,}",
+            "ew_samples": f"{len(samples):,}", "ew_rescue": rescue_headline(rescue), "ew_dose": f"{RESCUE_DOSE}",
+            "ew_overhead": overhead_text(cost), "ew_doctor": doctor_text(reports, thr)}

@@ -36,11 +36,17 @@ from lpfa.pages.loss_explosion import (
 )
 from lpfa.pages.sfa import gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
+from lpfa.params import integer, text
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import run_dir
 from lpfa.run import Run, run_verdict
 from lpfa.scaling import tokens_per_step
 from lpfa.train import PRESETS
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"layer": integer(0), "fig2_experiment": text(nonempty=True), "replay_experiment": text(nonempty=True),
+    "replay": text(nonempty=True), "twins_experiment": text(nonempty=True),
+    "repro_experiment": text(nonempty=True)}
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]

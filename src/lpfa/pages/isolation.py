@@ -15,11 +15,12 @@ import json
 import pandas as pd
 import torch
 
-from lpfa.compare import experiment_table, head_metric_frame, layer_max
+from lpfa.compare import experiment_table, head_metric_frame, layer_max, plot_logit_runaway
 from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_ISOLATION
 from lpfa.experiments import rows as design_rows
 from lpfa.explosion import RunawayCriterion, heads_text
 from lpfa.mechanism import DELTA_FORMULAS, delta_formulas
+from lpfa.params import integer, real, text
 from lpfa.results import experiment_rows
 from lpfa.run import (
     Run,
@@ -29,10 +30,27 @@ from lpfa.run import (
 from lpfa.scaling import committed_speed, wall_minutes
 from lpfa.train import PRESETS
 
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "layer": integer(0), "reference_row": text(nonempty=True),
+    "logit_ratio": real(0, lo_open=True), "planned_steps": integer(1), "gpus": integer(1),
+}
+
 RECIPE_TWINS = ("bf16_paper_recipe", "fp32_paper_recipe")  # the recipe's BF16 and FP32 twins, no isolation rows
 DELTA_POLICY = "paper_untiled"  # the BF16 policy whose δ formulas are measured against δ*
 LOGIT_SCALES = (0.25, 1, 4, 16, 64)  # the factors q is scaled by, for increasing largest logits
 EARLY_STEPS = 1000  # "early in training", for the rows' early logits
+
+
+def isolation_rows(experiment: str) -> dict:
+    """``{label: run folder}`` of the committed rows of :data:`lpfa.experiments.ISOLATION` in ``experiment``."""
+    return experiment_rows(experiment, list(ISOLATION))
+
+
+def plot_rows_runaway(rows: dict, layer: int, experiment: str):
+    """Every committed row's largest logit in ``layer`` against step, with the runaway threshold
+    (:func:`lpfa.compare.plot_logit_runaway`)."""
+    return plot_logit_runaway(rows, layer, RunawayCriterion(), f"results/{experiment}: every row run so far")
 
 
 def isolation_design(rows: dict):
@@ -154,9 +172,9 @@ def isolation_findings(table, layer: int = 1) -> str:
     candidates = {
         f"layer-{layer} scores S rounded to BF16 in every head": (scores, "bf16"),
         f"layer-{layer} δ computed from a BF16-rounded O in every head (the chain of Sec. 3.1)": (delta, "bf16 O")}
-    for text, (col, bad) in candidates.items():
+    for claim, (col, bad) in candidates.items():
         miss = [label for label in table.index if (table.loc[label, col] == bad) != (label in sick)]
-        lines.append(f"* **'{text}' predicts a precursor or worse**: " + (
+        lines.append(f"* **'{claim}' predicts a precursor or worse**: " + (
             f"it fits every one of the {len(table)} rows." if not miss else
             f"it fits {len(table) - len(miss)} of {len(table)} rows; not " + ", ".join(
                 f"`{label}` ({col} {table.loc[label, col]}, {table.loc[label, 'outcome']})" for label in miss) + "."))

@@ -34,9 +34,14 @@ from lpfa.audit import (
     result,
     silenced_rows,
 )
+from lpfa.params import integer, text
 from lpfa.paths import results_dir
 from lpfa.plotting import COLORS, use_style
 from lpfa.results import run_dir
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"gpu_run": text(), "seq_len": integer(1), "batch": integer(1), "heads": integer(1), "head_dim": integer(1),
+    "seed": integer(0)}
 
 QUANTITY_LABELS = {"o": "O − O₆₄ (row mean)", "delta": "δ − δ₆₄", "dq_u": "(dQ − dQ₆₄)·u"}  # the figure's panels
 CAPTURED_DEFAULT = "layer1_step6000"  # the captured layer scripts/gpu/kernel_bias.sh writes (captured:layer1_step6000)
@@ -378,3 +383,16 @@ def unavailable_text(df, where: str) -> str:
         return f"Every kernel ran {where}."
     return f"{len(gpu)} kernels could not run {where}: " + "; ".join(
         f"`{k}` ({why})" for k, why in zip(gpu.kernel, gpu.unavailable)) + "."
+
+
+def page_texts(page, silenced, T: int) -> dict:
+    """Every sentence and number page 16 glues into its prose, by name: from the audit ``page``
+    (:func:`load_page`), what each policy does to the captured rows (``silenced``: :func:`captured_silenced`) and
+    the CPU audit's ``T``."""
+    df, where = page.df, page.where
+    n, excl, rand = exclusion_texts(df)
+    return {"kb_source": page.source, "kb_headline": headline(df, where, T=T), "kb_captured": captured_text(page),
+            "kb_n": n, "kb_excl": excl, "kb_rand": rand, "kb_pr2721": pr2721_text(df), "kb_sr": sr_text(df),
+            "kb_triton": triton_text(df), "kb_cap": captured_bias_text(df, silenced),
+            "kb_toplogit": top_logit_text(silenced), "kb_sfa": sfa_text(silenced), "kb_fp8": fp8_text(df),
+            "kb_gpu": unavailable_text(df, where)}

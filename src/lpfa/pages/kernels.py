@@ -16,6 +16,7 @@ import datetime
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -23,10 +24,14 @@ import torch
 
 from lpfa.attention import PRESETS, attention
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
+from lpfa.params import boolean, integer, optional, text
 from lpfa.paths import repo_root
 from lpfa.plotting import COLORS, use_style
 from lpfa.results import file_run, load, run_date, run_dir
 from lpfa.results import runs as result_runs
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"run": optional(text(nonempty=True)), "rerun": boolean(), "T_demo": integer(1), "seed": integer(0)}
 
 EXPERIMENT = "attention_benchmark"  # results/<EXPERIMENT>/<run>: benchmarks/attention.py's runs
 # the page's goals: fwd+bwd speed as a multiple of SDPA-flash's, `paper` against the PyTorch reference's `paper`
@@ -580,3 +585,41 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
             "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
             "ncu_occupancy": f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%",
             "ncu_tensor": f"{big['tensor %'].max():.0f}%", "ncu_memory": f"{big['memory %'].max():.0f}%"}
+
+
+@dataclass
+class KernelsPage:
+    """Everything page 12 reads from one benchmark run ``run`` (``results/attention_bench/<run>``) and the other
+    committed GPU runs it cites: each field is what the function of the same name returns."""
+
+    run: str | None
+    bench: dict
+    check: dict
+    memory: dict
+    overhead: pd.DataFrame
+    host: pd.DataFrame
+    shapes: dict
+    ncu: dict
+    ncu_run: object
+    ncu_table: pd.DataFrame
+    sfa: pd.DataFrame | None
+    sfa_run: object
+    tuning: object
+
+
+def load_page(run: str | None) -> KernelsPage:
+    """Page 12's committed results for benchmark run ``run`` (None: the latest): see :class:`KernelsPage`."""
+    ncu, ncu_run = load_ncu()
+    sfa, sfa_run = sfa_overhead()
+    return KernelsPage(run, *(bench_file(f"{part}.json", run) for part in ("bench", "check", "memory")),
+                       overhead=overhead_table(bench_file("overhead.json", run)),
+                       host=host_layers_table(host_runs()), shapes=bench_file("shapes.json", run), ncu=ncu,
+                       ncu_run=ncu_run, ncu_table=ncu_table(ncu), sfa=sfa, sfa_run=sfa_run, tuning=tuning_sweeps())
+
+
+def page_texts(p: KernelsPage) -> dict[str, str]:
+    """Every sentence and number page 12 glues into its prose, by name, from :func:`load_page`."""
+    return {**provenance_notes(p.run), **speed_notes(p.bench), **overhead_notes(p.overhead, p.run),
+            "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes),
+            **ncu_notes(p.ncu, p.ncu_table, p.ncu_run), **sfa_overhead_notes(p.sfa, p.sfa_run),
+            **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run)}

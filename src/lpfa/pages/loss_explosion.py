@@ -30,6 +30,7 @@ from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
 from lpfa.pages import and_join, setting_of
+from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
 from lpfa.results import experiment_rows, load, run_dir
@@ -38,6 +39,19 @@ from lpfa.run import Run, run_verdict
 from lpfa.scaling import PAPER_EXPLOSION_STEP, committed_speed, paper_explosion_tokens, tokens_per_step, wall_minutes
 from lpfa.survival import clopper_pearson, failed_within, kaplan_meier
 from lpfa.train import PRESETS
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)),
+    "twins": dict_of(text(), text(nonempty=True), required=("bf16", "fp32")),
+    "repro_experiment": text(), "repro_twins": dict_of(text(), text(nonempty=True), required=("bf16", "fp32")),
+    "short_experiment": text(), "short_twins": dict_of(text(), text(nonempty=True), required=("bf16", "fp32")),
+    "window": integer(1), "margin": real(0, lo_open=True), "patience": integer(1), "layer": integer(0),
+    "rerun": boolean(), "rerun_experiment": text(nonempty=True), "rerun_data": text(nonempty=True),
+    "rerun_budget_s": real(0, lo_open=True),
+    "target_steps": integer(1), "compile_throughput": text(nonempty=True), "throughput": text(nonempty=True),
+    "dose_experiment": text(), "one_run_steps": integer(1),
+}
 
 CENSORED_LABEL = "no failure by the end of the run"
 # x offsets (factors of k) in the dose figure, so runs at one dose do not hide each other
@@ -170,6 +184,20 @@ def provenance_text(runs: dict, prov: dict, criterion: ExplosionCriterion) -> st
             f"{prov.get('device', '')}, commit `{prov.get('git_commit', '?')}`, {prov.get('date_utc', '')}.\n\n"
             f"Explosion criterion: {criterion.describe()}. Logit runaway (the precursor, "
             f"`lpfa.explosion.RunawayCriterion`): {RunawayCriterion().describe()}.")
+
+
+def judged_twins(experiment: str, run: str | None, twins: dict, criterion: ExplosionCriterion, rerun: bool = False,
+                 rerun_experiment: str = "paper_recipe", rerun_data: str = "data/corpus",
+                 rerun_budget_s: float = 1080) -> tuple[dict, dict, dict, dict]:
+    """Fig. 2's twins as page 06 reads them: ``(runs, provenance, verdicts, conf)``, :func:`fig2_runs`, each run's
+    :func:`lpfa.run.run_verdict` under ``criterion``, and the BF16 twin's train config."""
+    runs, prov = fig2_runs(experiment, run, twins, rerun, rerun_experiment, rerun_data, rerun_budget_s)
+    return runs, prov, {label: run_verdict(d, criterion) for label, d in runs.items()}, Run(runs["bf16"]).train
+
+
+def settings_notes(conf: dict) -> dict:
+    """The BF16 twin's wall-clock budget and explosion stop (``conf``: its train config), for the page's prose."""
+    return {"budget_s": f"{conf['time_budget_s']:,.0f}", "explosion_stop": f"{conf['explosion_stop']:,}"}
 
 
 def verdict_table(verdicts: dict) -> pd.DataFrame:

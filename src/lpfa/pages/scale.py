@@ -19,6 +19,7 @@ import pandas as pd
 import torch
 
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+from lpfa.params import integer, optional, text
 from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.results import experiment_rows, load, run_dir
 from lpfa.results import what as results_what
@@ -30,6 +31,10 @@ from lpfa.scaling import (
     compare_throughput,
     paper_scale_plan,
 )
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "skip": integer(0),
+    "gpus_at_scale": integer(1), "budget_min": integer(1)}
 
 TIGHT = 1e-5  # a relative loss difference this small is rounding noise
 LATE_STEPS = 50  # the last steps over which the two runs' mean losses are compared

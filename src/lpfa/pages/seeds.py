@@ -13,10 +13,18 @@ import pandas as pd
 from lpfa.experiments import SEEDS
 from lpfa.experiments import rows as design_rows
 from lpfa.pages.loss_explosion import fate_counts, recipe_fates
+from lpfa.params import integer, optional, real, text
 from lpfa.results import experiment_rows, run_dir
 from lpfa.results import runs as launches
 from lpfa.scaling import committed_speed, wall_minutes
 from lpfa.train import PRESETS
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "reference": text(nonempty=True),
+    "compiled_reference": text(nonempty=True), "layer": integer(0), "logit_ratio": real(0, lo_open=True),
+    "planned_steps": integer(1), "gpus": integer(1),
+}
 
 SEED_COLUMNS = ["attention", "seed", "compiled", "outcome", "precursor from", "steps", "explosion step", "runaway step",
                 "runaway layer", "final eval loss"]  # page 11's table: the columns of experiment_table it shows

@@ -23,13 +23,23 @@ from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MUON_LONG, MUON_LR2, SFA_MUON, SIZES
 from lpfa.model import GPT, GPTConfig
 from lpfa.pages import and_join, provenance_line
-from lpfa.pages.loss_explosion import recipe_rows
+from lpfa.pages.loss_explosion import recipe_rows, seed_table
+from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, format_table, use_style
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import Run, load_metrics, run_verdict
 from lpfa.scaling import committed_speed, minutes_for, run_price, wall_minutes
 from lpfa.sfa_sweep import sweep_frame
 from lpfa.train import PRESETS
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)),
+    "twins": dict_of(text(), text(nonempty=True), required=("bf16", "sfa", "fp32")),
+    "layer": integer(0), "long_experiment": text(), "planned_steps": integer(1), "gpus": integer(1),
+    "gpt2m_steps": integer(1), "recipe_experiment": text(),
+    "recipe_twins": dict_of(text(), text(nonempty=True), required=("bf16", "sfa", "fp32")),
+}
 
 VERDICT_COLUMNS = ["policy", "optimizer", "steps", "exploded", "explosion_step"]  # of :func:`twin_verdicts`, shown
 
@@ -219,6 +229,11 @@ def plot_sweep(sweeps: dict, layer: int, what: str = "silenced"):
     axes[0, 0].set_ylabel(f"fraction of rows {what}")
     axes[0, -1].legend(fontsize=9)
     return fig
+
+
+def sweep_frames(sweeps: dict) -> dict:
+    """``{label: sweep frame}`` (:func:`lpfa.sfa_sweep.sweep_frame`) of each sweep file of ``sweeps``."""
+    return {label: sweep_frame(path) for label, path in sweeps.items()}
 
 
 def _in_layer(frame: pd.DataFrame, layer: int) -> pd.DataFrame:
@@ -453,6 +468,11 @@ def muon_long_runs() -> dict:
     return experiment_rows("muon_long", list(MUON_LONG))
 
 
+def plot_muon_long(long: dict):
+    """The losses of the Muon twins of :func:`muon_long_runs` (:func:`loss_figure`), titled with their run folder."""
+    return loss_figure(long, smooth=50, top=7, title=f"results/muon_long/{next(iter(long.values())).parent.name}")
+
+
 def muon_long_text(long: dict, measured: dict) -> str:
     """The Muon twins of :func:`muon_long_runs` in words (:func:`muon_text`), with a note where they trained no more
     steps than the Muon rows of :func:`second_looks` (``measured``) they were to extend; or that they are not run."""
@@ -536,13 +556,14 @@ def gpt2m_minutes(price: pd.DataFrame, steps: int) -> float:
             + minutes_for(price.loc["fp32_paper_recipe"], steps))
 
 
-def gpt2m_text(price: pd.DataFrame, steps: int, seeds) -> str:
+def gpt2m_text(price: pd.DataFrame, steps: int, seeds=None) -> str:
     """GPT-2 M (Fig. 7c) priced in words: each run's measured throughput (``price``: :func:`gpt2m_price`), the minutes
     of a ``steps``-step run and of the three rows of Fig. 7c (SFA priced as BF16: the same kernel with a shifted
     max), held against the steps at which GPT-2 S's loss exploded at the recipe (``seeds``:
     :func:`lpfa.pages.loss_explosion.seed_table`)."""
     if price.empty or not {"bf16_paper_recipe", "fp32_paper_recipe"} <= set(price.index):
         return "GPT-2 M (Fig. 7c) is not run here, and its price is not measured (`results/gpt2m_price`)."
+    seeds = seed_table(recipe_rows()) if seeds is None else seeds
     b, f = price.loc["bf16_paper_recipe"], price.loc["fp32_paper_recipe"]
     minutes = {label: minutes_for(price.loc[label], steps) for label in price.index}
     total = gpt2m_minutes(price, steps)

@@ -14,10 +14,19 @@ import pandas as pd
 import seaborn as sns
 
 from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer_max
+from lpfa.pages import provenance_line
 from lpfa.pages.loss_explosion import recipe_rows
+from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, use_style
 from lpfa.results import run_dir
 from lpfa.scaling import first_difference
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)),
+    "twins": dict_of(text(), text(nonempty=True), required=("bf16", "fp32")),
+    "short_experiment": text(), "layer": integer(0),
+}
 
 
 def recipe_twins(experiment: str, run: str | None, twins: dict) -> dict:
@@ -197,3 +206,16 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
                         "already scatter, and a BF16/FP32 ratio at one step is only meaningful well beyond that "
                         "scatter (the seeds page measures it).")
     return "".join(text)
+
+
+def page_texts(experiment: str, runs: dict, twins: dict, layer: int, step: int, short_experiment: str) -> dict:
+    """Every sentence page 07 glues into its prose, by name: the twins' run (``runs`` of ``experiment``), the W_Q
+    ratio at ``step`` (:func:`wq_ratio_text`), its growth (:func:`growth_text`) and the comparison with the same
+    twins in ``short_experiment`` (:func:`short_twins`, :func:`wq_comparison_text`)."""
+    folder = runs["bf16"].parent
+    items, at = growth_text(runs, layer)
+    short, same = short_twins(short_experiment, twins, runs)
+    return {"spectral_norms_text1_3": f"Run `{folder.name}`: {provenance_line(experiment, folder)}.",
+            "spectral_norms_text1_6": wq_ratio_text(runs, layer, step), "spectral_norms_text1_9": items,
+            "spectral_norms_text2_9": at,
+            "spectral_norms_text1_10": wq_comparison_text(runs, layer, short, short_experiment, same)}

@@ -32,10 +32,14 @@ from lpfa.experiments import BASES, FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABIL
 from lpfa.experiments import rows as rows_of
 from lpfa.mechanism import error_persistence
 from lpfa.pages import and_join
+from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
 from lpfa.results import experiment_rows, load
 from lpfa.results import runs as launches
 from lpfa.run import Run, attention_precision, layer_precision, load_metrics, run_verdict
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {"layer": integer(0), "persistence_sequences": integer(1), "persistence_steps": integer(2)}
 
 STABILISER_COLORS = ("#E69F00", "#56B4E9", "#CC79A7", "#000000", "#7F7F7F", "#009E73")  # Okabe-Ito, after the modes'
 
@@ -659,3 +663,14 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
             + (f" The rows without any runaway ({_ticked(calm)}) are exactly those whose layer-{layer} δ does not come "
                "from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))
+
+
+def page_texts(table: pd.DataFrame, step, pending, costs: pd.DataFrame, sr_text: str, layer: int) -> dict:
+    """Every sentence and number page 17 glues into its prose, by name: from the stabiliser rows (``table``, ``step``,
+    ``pending``: :func:`stabiliser_table`), their costs (:func:`stabiliser_costs`) and the stochastic-rounding check's
+    sentence (``sr_text``: :func:`sr_persistence`)."""
+    return {"st_finding": stabiliser_finding(table, layer), "st_summary": stabiliser_summary(table, step, layer),
+            "st_step": f"{step:,}" if not table.empty else "–", "st_layer": layer,
+            "st_cost": stabiliser_cost_text(costs),
+            "st_claims": paper_claims_text(table) if not table.empty else "Nothing to compare yet.",
+            "st_sr": sr_text, "st_pending": pending_text(pending)}

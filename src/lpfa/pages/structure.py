@@ -17,11 +17,20 @@ from lpfa.attention.policy import is_fp32_level
 from lpfa.book import train_quietly
 from lpfa.checkpoints import load_checkpoint, load_hf_gpt2
 from lpfa.compare import head_metric_frame
+from lpfa.params import integer, list_of, optional, real, text
 from lpfa.plotting import COLORS, use_style
 from lpfa.replay import load_replay, rank1_stats
 from lpfa.results import run_dir, what
 from lpfa.structure import describe, load_summary
 from lpfa.train import make_config
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "hf_gpt2": optional(text()), "checkpoint": optional(text()), "train_steps": integer(1),
+    "n_seqs": integer(1), "seq_len": integer(1), "eps": real(0), "seed": integer(0),
+    "gpu_experiment": text(), "replay_experiment": text(), "replay": text(nonempty=True),
+    "structure_experiments": list_of(text(nonempty=True), nonempty=False),
+}
 
 
 def load_model(hf_gpt2: str | None = None, checkpoint: str | None = None, train_steps: int = 150):

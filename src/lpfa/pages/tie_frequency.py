@@ -16,9 +16,18 @@ import pandas as pd
 from lpfa.compare import divergence_step, head_metric_frame, layer_max
 from lpfa.diagnostics import DOMINANT_SIGN
 from lpfa.explosion import ExplosionCriterion, explosion_step, rise_step
+from lpfa.pages import provenance_line
+from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import use_style
 from lpfa.results import run_dir
 from lpfa.run import load_metrics, run_verdict
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)),
+    "twins": dict_of(text(), text(nonempty=True), nonempty=True), "reference": text(), "layer": integer(0),
+    "v_sign_experiment": text(), "v_sign_twins": dict_of(text(), text(nonempty=True)),
+}
 
 
 def _layer_ties(run) -> pd.DataFrame:
@@ -215,3 +224,16 @@ def v_sign_note(experiment: str, folder, frames: dict, layer: int) -> str:
     return (f"**Not logged** by the runs of `results/{experiment}/{folder.name}`: `lpfa.train` logs "
             "`v_sign_dominance` with its other diagnostics, and runs made before it did lack it; rerun the twins "
             "(`scripts/gpu/twins.sh`) to fill it.")
+
+
+def page_texts(experiment: str, runs: dict, table: pd.DataFrame, events: pd.DataFrame, layer: int, reference: str,
+               v_sign: tuple, v_sign_experiment: str) -> dict:
+    """Every sentence page 08 glues into its prose, by name: the twins' run (``runs`` of ``experiment``), the rise of
+    their ties (``table``: :func:`tie_table`), the sequence of precursor events (``events``:
+    :func:`precursor_events`) and V's sign dominance (``v_sign``: :func:`v_sign_frames` of ``v_sign_experiment``)."""
+    folder = runs["bf16"].parent
+    vfolder, vframes = v_sign
+    return {"tie_run": f"`{folder.name}`", "tie_what": provenance_line(experiment, folder),
+            "tie_frequency_text1_6": tie_rise_text(runs, table),
+            "tie_frequency_text1_9": sequence_text(events, layer, reference),
+            "p08_note1": v_sign_note(v_sign_experiment, vfolder, vframes, layer)}

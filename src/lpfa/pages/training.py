@@ -16,12 +16,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from lpfa.attention import PRESETS as POLICIES
 from lpfa.book import train_quietly
 from lpfa.compare import plot_losses
+from lpfa.params import integer, optional, text
 from lpfa.plotting import format_table, use_style
 from lpfa.results import load, run_dir
 from lpfa.run import Run, load_metrics
-from lpfa.train import make_config
+from lpfa.train import PRESETS, make_config
+
+# the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
+PARAMS = {
+    "preset": text(*PRESETS), "max_steps": integer(1), "attn_policy": text(*POLICIES),
+    "diag_interval": integer(0), "out_dir": optional(text()),
+}
 
 # the training-throughput goals: compiled GPT-2 S tokens/s as a fraction of compiled SDPA's
 TRAIN_GOALS = {"lpfa_fa2_compiled": 0.95, "lpfa_paper_compiled": 0.9}
