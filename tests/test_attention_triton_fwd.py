@@ -294,15 +294,17 @@ SFA_P = 32  # the period of _sfa_tie_inputs' structure: two 16-key compute tiles
 def _sfa_tie_inputs(T, D, g):
     """Heads built to stress SFA's test "more than one visible score within ε of the block's row max" in 32-key
     blocks of 16-key tiles (period ``SFA_P``): 0 generic; 1 exact ties in one tile and across tiles (keys repeat every
-    23); 2 near-ties either side of ε: the row max at key 4 of each block and a second key in the block's other tile
+    11: a row that sees 22 keys of a block has its maximum twice); 2 near-ties either side of ε: the row max at key 4 of each block and a second key in the block's other tile
     (key 20) one or three BF16 steps below it, i.e. 0.47·ε or 1.4·ε below in score; 3 one dominant key at the start of
-    each block, unique there (rows at a block's start see only it); 4 all-equal keys (every score tied); 5 ±inf in q
+    each block, unique there (rows at a block's start see only it); 4 all-equal keys in each block (every score tied),
+    block 0's 0.75 times the others', scores so large that SFA's shift silences a tied block (each block's own tie
+    decision shows in O, also under an earlier block's larger shifted max); 5 ±inf in q
     (visible −inf scores, rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q,
     k (FP32, BF16-representable) and ε."""
     eps, P = 1e-2, SFA_P
     q = torch.randn(1, 7, T, D, generator=g)
     k = torch.randn(1, 7, T, D, generator=g)
-    k[:, 1] = torch.randn(23, D, generator=g)[torch.arange(T) % 23]
+    k[:, 1] = torch.randn(11, D, generator=g)[torch.arange(T) % 11]
     e0 = torch.zeros(D)
     e0[0] = 4.0
     q[:, 2] = e0  # S = 0.3·4·k[..., 0]: exact in BF16 steps of k
@@ -314,6 +316,10 @@ def _sfa_tie_inputs(T, D, g):
     q[:, 3] = 2 * base
     k[:, 3, ::P] = base
     k[:, 4] = base
+    # block 0's tie at S ≈ 30, the later blocks' at S ≈ 40: below block 0's shifted max (β·30), above its own; with
+    # (β − 1)·S > 23 a tied block's l is clamped, so each block's own tie decision shows in O
+    k[:, 4, :P] = 0.75 * base
+    q[:, 4] = base * (40.0 / (0.3 * float(base @ base)))
     q[:, 5, 3::7, 0] = -math.inf
     q[:, 5, 5::11, 1] = math.inf
     # head 6: distinct negative scores −0.3·(1 + (j mod P)/16) (no ties), but keys P and P + 1 score −inf: row P + 1
@@ -350,8 +356,8 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             stats = AttentionStats()
             ro, rlse = ref_forward(qb.float(), kb.float(), vb.float(), pol, 0.3, stats=stats)
             tied = stats.sfa_rows[0]
-            # exact ties take SFA's branch (head 1: keys repeat every 23)
-            assert tied[4] > 0 and (block < 23 or tied[1] > 0)
+            # exact ties take SFA's branch (head 1: keys repeat every 11)
+            assert tied[4] > 0 and tied[1] > 0
             assert e == 0 or block < SFA_P or 0 < tied[2] < T  # near-ties: some rows within ε, some not
             _check(o[:, :5], lse[:, :5], ro[:, :5], rlse[:, :5], pol)  # head 5: nonfinite, by the bits above
             assert torch.equal(torch.isnan(o[:, 5:].float()), torch.isnan(ro[:, 5:]))
