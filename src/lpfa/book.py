@@ -93,8 +93,29 @@ def profile_parameters(root: Path, profile: str) -> dict[str, dict]:
     return (profiles or {}).get(profile) or {}
 
 
+def _ipc_kernel_manager():
+    """A kernel manager whose kernel talks over Unix sockets in a folder of its own. Kernels launched at the same time
+    by several processes (the book's parallel execution, the test workers) can be handed the same TCP ports; a
+    message then goes to the wrong kernel and papermill waits for it forever."""
+    import uuid
+
+    from jupyter_client.manager import AsyncKernelManager  # optional (the book extra), as papermill
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    class IPCKernelManager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            runtime = jupyter_runtime_dir()
+            os.makedirs(runtime, exist_ok=True)
+            self.transport = "ipc"
+            self.ip = os.path.join(runtime, f"lpfa-{uuid.uuid4().hex[:12]}")  # sockets <ip>-<n>, removed at shutdown
+
+    return IPCKernelManager
+
+
 def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Path:
-    """Run ``src`` with papermill into ``dst`` (working directory: ``src``'s folder)."""
+    """Run ``src`` with papermill into ``dst`` (working directory: ``src``'s folder), its kernel on Unix sockets
+    (:func:`_ipc_kernel_manager`)."""
     import papermill as pm  # optional (the book extra)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -106,6 +127,7 @@ def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Pa
         cwd=str(src.parent),
         progress_bar=False,
         execution_timeout=CELL_TIMEOUT_S,  # a hung cell fails the build instead of blocking it forever
+        kernel_manager_class=_ipc_kernel_manager(),
     )
     return dst
 
