@@ -294,13 +294,13 @@ SFA_P = 32  # the period of _sfa_tie_inputs' structure: two 16-key compute tiles
 def _sfa_tie_inputs(T, D, g):
     """Heads built to stress SFA's test "more than one visible score within ε of the block's row max" in 32-key
     blocks of 16-key tiles (period ``SFA_P``): 0 generic; 1 exact ties in one tile and across tiles (keys repeat every
-    11: a row that sees 22 keys of a block has its maximum twice); 2 near-ties either side of ε: the row max at key 4 of each block and a second key in the block's other tile
-    (key 20) one or three BF16 steps below it, i.e. 0.47·ε or 1.4·ε below in score; 3 one dominant key at the start of
-    each block, unique there (rows at a block's start see only it); 4 all-equal keys in each block (every score tied),
-    block 0's 0.75 times the others', scores so large that SFA's shift silences a tied block (each block's own tie
-    decision shows in O, also under an earlier block's larger shifted max); 5 ±inf in q
-    (visible −inf scores, rows of −inf scores only, NaN rows); 6 a block whose visible scores are all −inf. Returns q,
-    k (FP32, BF16-representable) and ε."""
+    11: a row that sees 22 keys of a block has its maximum twice); 2 near-ties either side of ε: the row max at key 4
+    of each block and a second key in the block's other tile (key 20) one or three BF16 steps below it, i.e. 0.47·ε or
+    1.4·ε below in score; 3 one dominant key at the start of each block, unique there (rows at a block's start see
+    only it); 4 all-equal keys in each block (every score tied), block 0's 0.75 times the others', scores so large
+    that SFA's shift silences a tied block (each block's own tie decision shows in O, also under an earlier block's
+    larger shifted max); 5 ±inf in q (visible −inf scores, rows of −inf scores only, NaN rows); 6 a block whose
+    visible scores are all −inf. Returns q, k (FP32, BF16-representable) and ε."""
     eps, P = 1e-2, SFA_P
     q = torch.randn(1, 7, T, D, generator=g)
     k = torch.randn(1, 7, T, D, generator=g)

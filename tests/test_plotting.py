@@ -46,3 +46,24 @@ def test_style_finds_matplotlibs_own_fonts_under_a_foreign_font_cache(monkeypatc
         plt.close(fig)
     assert not [r for r in caplog.records if "not found" in r.getMessage()]
     font_manager.fontManager._findfont_cached.cache_clear()
+
+
+def test_explorer_draws_when_asked(tmp_path, monkeypatch):
+    """The per-head explorer waits for its button (papermill never renders into its output widget), then draws one
+    line per head of the chosen run and layer."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from conftest import write_diag_run
+
+    from lpfa.compare import explorer
+
+    runs = {"bf16": write_diag_run(tmp_path, "bf16", [1.0, 5.0, 9.0], [0.0] * 3, [1.0, 2.0, 3.0])}
+    drawn = []
+    monkeypatch.setattr(plt, "show", lambda *a, **k: drawn.append(len(plt.gca().get_lines())))
+    widget = explorer(runs, "wq_spectral_norm")
+    assert widget.manual and widget.children[0].description == "run" and drawn == []
+    widget.update()
+    assert drawn == [3]  # layer 1's three heads
+    plt.close("all")

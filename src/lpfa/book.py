@@ -113,9 +113,9 @@ def _ipc_kernel_manager():
     return IPCKernelManager
 
 
-def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Path:
+def execute_notebook(src: Path, dst: Path, parameters: dict | None = None, timeout_s: int = CELL_TIMEOUT_S) -> Path:
     """Run ``src`` with papermill into ``dst`` (working directory: ``src``'s folder), its kernel on Unix sockets
-    (:func:`_ipc_kernel_manager`)."""
+    (:func:`_ipc_kernel_manager`); a cell that runs longer than ``timeout_s`` fails it."""
     import papermill as pm  # optional (the book extra)
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ def execute_notebook(src: Path, dst: Path, parameters: dict | None = None) -> Pa
         kernel_name="python3",
         cwd=str(src.parent),
         progress_bar=False,
-        execution_timeout=CELL_TIMEOUT_S,  # a hung cell fails the build instead of blocking it forever
+        execution_timeout=timeout_s,  # a hung cell fails the build instead of blocking it forever
         kernel_manager_class=_ipc_kernel_manager(),
     )
     return dst

@@ -111,7 +111,9 @@ def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
 
 def explorer(runs: dict, metric: str = "wq_spectral_norm"):
     """An ipywidgets explorer (run, layer, heads, step range) of a per-head diagnostic, for JupyterLab.
-    Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well."""
+    Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well. It draws when
+    its button is pressed (``manual``): a figure drawn into its output widget while papermill executes the cell can
+    leave the executing client waiting for a reply that never comes."""
     import ipywidgets as w
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
@@ -136,7 +138,7 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         plt.show()
 
     return w.interactive(
-        show,
+        show, {"manual": True, "manual_name": "Draw"},
         run=w.Dropdown(options=list(frames)),
         layer=w.IntSlider(min=0, max=n_layer - 1, value=min(1, n_layer - 1)),
         heads=w.SelectMultiple(options=list(range(n_head)), value=tuple(range(n_head)), description="heads"),
