@@ -89,6 +89,34 @@ def test_every_name_the_prose_shows_is_glued(nb, executed_notebook):
     assert shown <= glued, f"{nb.name}: not glued: {sorted(shown - glued)}"
 
 
+# a verdict a page states on a figure of the paper: "Fig. 2 is partly reproduced", "**Fig. 3: reproduced.**"
+STATED_VERDICT = re.compile(r"(Fig\. \d+[a-z]?)(?: is|:) (partly reproduced|not reproduced|reproduced|not run here)\b")
+
+
+@pytest.fixture(scope="module")
+def scorecard_card():
+    from lpfa.pages.intro import scorecard
+
+    return scorecard()
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_pages_state_the_scorecards_verdicts(nb, executed_notebook, scorecard_card):
+    """A page that the scorecard links to shows its rows (the glued ``scorecard_note``, with each row's verdict), and
+    no page states a verdict on a figure of the paper that differs from the scorecard's."""
+    from lpfa.pages import VERDICT_WORDS
+
+    text = _text(executed_notebook(nb))
+    rows = scorecard_card[scorecard_card.page == nb.stem]
+    for row in rows.itertuples():
+        assert f"{row.paper[0].upper() + row.paper[1:]}: {VERDICT_WORDS[row.verdict]}.**" in text, \
+            f"{nb.name} does not show the scorecard's {row.paper} row"
+    verdict_of = {row.paper: VERDICT_WORDS[row.verdict] for row in scorecard_card.itertuples()}
+    for paper, said in STATED_VERDICT.findall(text):
+        if paper in verdict_of:
+            assert said == verdict_of[paper], f"{nb.name} says {paper} is {said}; the scorecard: {verdict_of[paper]}"
+
+
 def test_bf16_notebook_reproduces_the_paper_example(executed_notebook):
     nb = ROOT / "notebooks" / "01_bf16_rounding.ipynb"
     out = executed_notebook(nb)  # at the small profile, which keeps the paper's operands

@@ -89,3 +89,22 @@ def test_same_recipe_runs_differ_only_in_bookkeeping():
     for d in found.values():
         t = read_run_config(d)["train"]
         assert {k for k in DEFAULTS if t.get(k, DEFAULTS[k]) != want.get(k, DEFAULTS[k])} <= set(BOOKKEEPING)
+
+
+def test_scorecard_note_gives_a_page_its_own_rows_of_the_scorecard():
+    """A page's scorecard note is computed from the same rows as the intro's scorecard (computing only that page's
+    rows changes none of them), states each row's verdict, and a page that no row links to is refused by name."""
+    from lpfa.pages import VERDICT_WORDS
+    from lpfa.pages.intro import scorecard, scorecard_note
+
+    card = scorecard()
+    for page in ("06_loss_explosion", "02_delta_bias"):
+        rows = card[card.page == page].reset_index(drop=True)
+        assert len(rows) >= 1
+        pd.testing.assert_frame_equal(scorecard(pages=[page]), rows)
+        note = scorecard_note(page)
+        for row in rows.itertuples():
+            assert f"{row.paper[0].upper() + row.paper[1:]}: {VERDICT_WORDS[row.verdict]}.**" in note
+            assert row._3.rstrip(".")[1:] in note
+    with pytest.raises(ValueError, match="page='01_bf16_rounding'"):
+        scorecard_note("01_bf16_rounding")

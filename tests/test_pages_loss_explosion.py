@@ -76,7 +76,10 @@ def test_opening_text_carries_the_twins_numbers(fig2):
     conf = _json(runs["bf16"] / "config.json")["train"]
     text = opening_text("paper_recipe", None, TWINS, verdicts, conf, crit)
     bf16 = _json(runs["bf16"] / "summary.json")
-    assert text.startswith("**Fig. 2 is reproduced")
+    from lpfa.pages import VERDICT_WORDS
+    from lpfa.pages.loss_explosion import fig2_verdict, recipe_fates
+
+    assert text.startswith(f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(recipe_fates())]}: the loss exploded on ")
     assert f"the BF16 twin's loss exploded at step {bf16['explosion_step']:,}" in text
     assert f"**{_tokens(conf):,} tokens per step**" in text
     assert f"about step {PAPER_EXPLOSION_STEP:,}" in text
@@ -227,9 +230,31 @@ def test_recipe_fates_are_every_plain_run_of_the_recipe():
         assert row.end == (v["explosion_step"] if v["exploded"] else v["steps"])
     counts = fate_counts(fates)
     for precision in ("bf16", "fp32"):
-        g = [v for p, _, v in want.values() if p == precision]
-        assert f"in {sum(v['exploded'] for v in g)} of {len(g)} {precision.upper()} runs" in counts
+        g = [(s, v) for p, s, v in want.values() if p == precision]
+        seeds = {s for s, _ in g}
+        boom = {s for s, v in g if v["exploded"]}
+        assert (f"on {len(boom)} of {len(seeds)} seeds in {precision.upper()} runs "
+                f"({sum(v['exploded'] for _, v in g)} of {len(g)} runs") in counts
     assert f"{max(v['steps'] for p, _, v in want.values() if p == 'fp32'):,} steps" in counts
+
+
+def test_fig2_verdict_counts_only_runs_that_could_have_exploded():
+    """Fig. 2's verdict over the recipe's runs: a BF16 run stopped before the horizon does not count either way; one
+    that ran past it without exploding makes the verdict "partly"; an FP32 explosion, or none in BF16, refutes it."""
+    from lpfa.pages.loss_explosion import fig2_verdict
+
+    def fates(bf16_ends, bf16_exploded, fp32_exploded=(False,)):
+        ends = [*bf16_ends, *[9000] * len(fp32_exploded)]
+        return pd.DataFrame({"precision": ["bf16"] * len(bf16_ends) + ["fp32"] * len(fp32_exploded),
+                             "end": ends, "exploded": [*bf16_exploded, *fp32_exploded],
+                             "seed": range(len(ends))})
+
+    assert fig2_verdict(fates([5000, 5800, 5100], [True, True, False]), horizon=6000) == "reproduced"  # 5,100: too soon
+    assert fig2_verdict(fates([5000, 6300], [True, False]), horizon=6000) == "partly"
+    assert fig2_verdict(fates([5000, 5300], [True, False]), horizon=5500) == "reproduced"
+    assert fig2_verdict(fates([5000], [True], fp32_exploded=(False, True)), horizon=6000) == "not reproduced"
+    assert fig2_verdict(fates([6300], [False]), horizon=6000) == "not reproduced"
+    assert fig2_verdict(pd.DataFrame()) == "not run"
 
 
 def test_survival_table_and_text_on_known_runs():

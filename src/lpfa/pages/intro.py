@@ -22,12 +22,13 @@ from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_au
 from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
-from lpfa.pages import setting_of
+from lpfa.pages import VERDICT_WORDS, setting_of
 from lpfa.pages.delta_bias import replay_run
 from lpfa.pages.isolation import against_paper, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
     fate_counts,
     fig2_twins,
+    fig2_verdict,
     plot_twin_losses,
     recipe_fates,
     recipe_rows,
@@ -50,6 +51,9 @@ PARAMS = {"layer": integer(0), "fig2_experiment": text(nonempty=True), "replay_e
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
+# the pages the scorecard's rows link to (:func:`scorecard`'s ``pages``)
+SCORED_PAGES = ("02_delta_bias", "03_pktx_structure", "06_loss_explosion", "07_spectral_norms", "08_tie_frequency",
+                "09_sfa", "10_isolation", "16_kernel_bias", "17_stabilisers")
 FIG2_CLAIM = "BF16 flash attention makes the loss explode; FP32 attention on the same data does not"
 
 
@@ -73,7 +77,8 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
         result = "GPT-2 S at the paper's lr: " + seeds[0].lower() + seeds[1:]
     else:
         result = f"GPT-2 S at the paper's lr: {fate_counts(fates)}"
-    verdict = ("reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
+    verdict = (fig2_verdict(fates) if not fates.empty else
+               "reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
     rows = [_row(FIG2_CLAIM, "Fig. 2", result, verdict, "06_loss_explosion")]
     # Fig. 3: every head of the layer at the last diagnostics step before the BF16 explosion (as page 07 draws it)
     frames = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in pairs[first].items()}  # read once, used twice
@@ -104,6 +109,10 @@ def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
     bt = bias_test(result)
     run = replay_run(result, folder)
     setting = setting_of(Run(run).train) if run is not None else "a committed run"
+    if run is not None:  # the replayed run's own fate: whether its loss exploded, and when
+        v = Run(run).verdict()
+        setting += (f" (a BF16 run whose loss exploded at step {v['explosion_step']:,})" if v["exploded"] else
+                    f" (a BF16 run whose loss had not exploded by step {v['steps']:,}, its last)")
     ag = result.get("agreement") or {}
     exact = " bit for bit" if ag.get("compared") and ag["bit_equal"] == ag["compared"] else ""
     heads = ", ".join(str(h) for h in bt)
@@ -248,15 +257,50 @@ def _kernel_row(root) -> dict:
 
 
 def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str = "bf16_mechanism_replay",
-              twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None) -> pd.DataFrame:
+              twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None,
+              pages=None) -> pd.DataFrame:
     """One row per claim: ``claim``, ``paper`` (figure or section), ``our result`` (numbers from the committed runs),
     ``verdict`` (:data:`VERDICTS`) and ``page`` (the notebook that shows it). ``fig2_experiment``: the BF16/FP32 twins
     of Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5; ``twins_experiment``: the `repro` SFA
-    twin."""
-    rows = [*_fig2_rows(fig2_experiment, layer, root), *_mechanism_rows(replay_experiment, replay, root),
-            _sfa_row(fig2_experiment, twins_experiment, layer, root), _gpt2m_row(root),
-            _isolation_row(layer, root), _dose_row(root), _discussion_row(layer, root), _kernel_row(root)]
-    return pd.DataFrame(rows, columns=COLUMNS)
+    twin. ``pages`` (notebook names): only the rows that link to them, computing only those."""
+    def wanted(*names: str) -> bool:
+        return pages is None or any(name in pages for name in names)
+
+    rows = []
+    if wanted("06_loss_explosion", "07_spectral_norms", "08_tie_frequency"):
+        rows += _fig2_rows(fig2_experiment, layer, root)
+    if wanted("02_delta_bias", "03_pktx_structure"):
+        rows += _mechanism_rows(replay_experiment, replay, root)
+    if wanted("09_sfa"):
+        rows += [_sfa_row(fig2_experiment, twins_experiment, layer, root), _gpt2m_row(root)]
+    if wanted("10_isolation"):
+        rows.append(_isolation_row(layer, root))
+    if wanted("06_loss_explosion"):
+        rows.append(_dose_row(root))
+    if wanted("17_stabilisers"):
+        rows.append(_discussion_row(layer, root))
+    if wanted("16_kernel_bias"):
+        rows.append(_kernel_row(root))
+    card = pd.DataFrame(rows, columns=COLUMNS)
+    assert set(card.page) <= set(SCORED_PAGES), f"a row links to a page outside SCORED_PAGES: {set(card.page)}"
+    return card if pages is None else card[card.page.isin(pages)].reset_index(drop=True)
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
+
+
+def scorecard_note(page: str, **kwargs) -> str:
+    """What the scorecard says of the claims that page ``page`` (a notebook name) shows, as one Markdown paragraph:
+    "**Fig. 3: partly reproduced.** <our result>." per row, from :func:`scorecard` itself (``kwargs``: its
+    arguments), so that a page and the scorecard cannot disagree on a verdict. Raises ValueError for a page that no
+    row links to."""
+    card = scorecard(pages=[page], **kwargs)
+    if card.empty:
+        raise ValueError(f"page={page!r}: expected a page the scorecard links to, one of {', '.join(SCORED_PAGES)}")
+    return "On the book's scorecard: " + " ".join(
+        f"**{_capital(row.paper)}: {VERDICT_WORDS[row.verdict]}.** {_capital(row._3).rstrip('.')}."
+        for row in card.itertuples())
 
 
 def summary_text(card: pd.DataFrame) -> str:

@@ -29,7 +29,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_respon
 from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
-from lpfa.pages import and_join, setting_of
+from lpfa.pages import VERDICT_WORDS, and_join, setting_of
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -56,6 +56,9 @@ PARAMS = {
 CENSORED_LABEL = "no failure by the end of the run"
 # x offsets (factors of k) in the dose figure, so runs at one dose do not hide each other
 DODGE = {"control": 1.1, "other": 1 / 1.1}
+# the step by which a run of the recipe counts as having exploded or not (the survival text, Fig. 2's verdict): past
+# every committed BF16 explosion (4,883 to 5,818), within what one GPU run reaches
+HORIZON = 6000
 EXPLOSION_EXPERIMENTS = ("paper_recipe", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
 
 
@@ -140,7 +143,7 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
                    f"did not explode in {sfa['steps']:,} steps")
                 + " (the SFA page). ")
     if fates is not None and not fates.empty:
-        lead = f"**Fig. 2 is reproduced: {fate_counts(fates)}.** "
+        lead = f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}: {fate_counts(fates)}.** "
     else:
         lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** "
     return (lead + f"With {recipe}, the BF16 twin's loss exploded at step {b['explosion_step']:,} "
@@ -723,16 +726,36 @@ def recipe_fates(root=None) -> pd.DataFrame:
 
 
 def fate_counts(fates: pd.DataFrame) -> str:
-    """:func:`recipe_fates` in one clause: in how many BF16 and FP32 runs (over how many seeds) the loss exploded,
-    at which steps; the page's lead and the scorecard's Fig. 2 row both say it so."""
-    count = {p: (int(g.exploded.sum()), len(g), g.seed.nunique()) for p, g in fates.groupby("precision")}
-    (kb, nb, sb), (kf, nf, sf) = count.get("bf16", (0, 0, 0)), count.get("fp32", (0, 0, 0))
+    """:func:`recipe_fates` in one clause: on how many seeds, and in how many runs, the loss exploded with BF16 and
+    with FP32 attention, at which steps; the page's lead and the scorecard's Fig. 2 row both say it so. A seed counts
+    as exploded when one of its runs did."""
+    def count(precision: str) -> str:
+        g = fates[fates.precision == precision]
+        seeds = g.groupby("seed").exploded.any()
+        return (f"on {int(seeds.sum())} of {len(seeds)} seeds in {precision.upper()} runs ({int(g.exploded.sum())} of "
+                f"{len(g)} runs")
+
     steps = sorted(int(x) for x in fates[fates.precision == "bf16"]["explosion step"].dropna())
     fp32 = fates[fates.precision == "fp32"]
-    return (f"the loss exploded in {kb} of {nb} BF16 runs of the recipe ({sb} seeds"
+    return (f"the loss exploded {count('bf16')}"
             + (f"; at steps {', '.join(f'{x:,}' for x in steps)}" if steps else "")
-            + f") and in {kf} of {nf} FP32 runs ({sf} seeds"
+            + f") and {count('fp32')}"
             + (f"; {fp32.steps.min():,} to {fp32.steps.max():,} steps" if len(fp32) else "") + ")")
+
+
+def fig2_verdict(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
+    """Fig. 2's verdict (:data:`lpfa.pages.intro.VERDICTS`) over every committed run of the recipe
+    (:func:`recipe_fates`), counting the runs that exploded within ``horizon`` steps or ran that far
+    (:func:`lpfa.survival.failed_within`; a run stopped sooner cannot say): "reproduced" when every such BF16 run
+    exploded and no FP32 run did, "partly" when some BF16 runs did and no FP32 run, else "not reproduced". The page's
+    lead and the scorecard's Fig. 2 row both use it."""
+    if fates.empty:
+        return "not run"
+    bf16, fp32 = fates[fates.precision == "bf16"], fates[fates.precision == "fp32"]
+    k, n = failed_within(bf16["end"], bf16["exploded"], horizon)
+    if k == 0 or fp32.exploded.any():
+        return "not reproduced"
+    return "reproduced" if k == n else "partly"
 
 
 def survival_table(fates: pd.DataFrame) -> pd.DataFrame:
@@ -770,7 +793,7 @@ def plot_survival(fates: pd.DataFrame):
     return fig
 
 
-def survival_text(fates: pd.DataFrame, horizon: int = 6000) -> str:
+def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
     """How often the recipe's loss exploded, per precision: k of n runs within ``horizon`` steps with the exact 95%
     interval (:func:`lpfa.survival.clopper_pearson`; runs that stopped sooner are left out,
     :func:`lpfa.survival.failed_within`), the seeds, the explosion steps and the runs that stopped without one."""
@@ -797,7 +820,7 @@ def survival_text(fates: pd.DataFrame, horizon: int = 6000) -> str:
     return " ".join(parts)
 
 
-def batch_text(conf: dict, explosion_step: int | None, horizon: int = 6000) -> str:
+def batch_text(conf: dict, explosion_step: int | None, horizon: int = HORIZON) -> str:
     """What the smaller batch changes (Markdown), from the BF16 run's config ``conf`` against the paper's recipe:
     optimizer steps per token, the tokens the warmup spans, the gradient noise per step (its variance goes as one
     over the batch), and how many times the corpus has been seen by the explosion and by step ``horizon``."""
