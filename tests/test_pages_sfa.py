@@ -5,7 +5,9 @@ sizes, muon_long, dose) recomputed from their raw records and sweep files, and t
 import json
 
 import matplotlib
+import nbformat
 import pytest
+from conftest import ROOT
 
 from lpfa.experiments import MUON_LR2, SFA_MUON, SIZES
 from lpfa.pages import sfa
@@ -243,7 +245,13 @@ def test_gpt2m_scorecard_row_and_page_give_one_price(tmp_path):
 
     price = sfa.gpt2m_price()
     row = _gpt2m_row(None)
-    total = f"about {sfa.gpt2m_minutes(price, 6000):.0f} minutes of one H200"
+    total = f"about {sfa.gpt2m_minutes(price, sfa.GPT2M_STEPS):.0f} minutes of one H200"
     assert row["verdict"] == "not run" and row["page"] == "09_sfa" and total in row["our result"]
-    assert total in sfa.gpt2m_text(price, 6000, seed_table(recipe_rows()))
+    assert total in sfa.gpt2m_text(price, sfa.GPT2M_STEPS, seed_table(recipe_rows()))
+    # the page's default is the scorecard's: its parameters cell sets gpt2m_steps to the same constant
+    cell = next(c for c in nbformat.read(ROOT / "notebooks" / "09_sfa.ipynb", as_version=4).cells
+                if "parameters" in c.metadata.get("tags", []))
+    defaults = {}
+    exec(cell.source, {}, defaults)
+    assert defaults["gpt2m_steps"] == sfa.GPT2M_STEPS
     assert _gpt2m_row(tmp_path)["our result"] == "not run, not priced"

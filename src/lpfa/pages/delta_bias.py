@@ -19,10 +19,9 @@ from lpfa.results import run_dir
 from lpfa.run import Run, runaway_onset
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
-PARAMS = {
-    "experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True),
-    "compare": dict_of(text(nonempty=True), text(nonempty=True)),
-}
+# the parameters of a page drawn from one instrumented replay (pages 02-04): where the replay is
+REPLAY_PARAMS = {"experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True)}
+PARAMS = {**REPLAY_PARAMS, "compare": dict_of(text(nonempty=True), text(nonempty=True))}
 
 STRONG_T = 3  # a t statistic below this in every head: the replay's bias is weak
 SAME_SIGN_CHANCE = 0.6  # V one-signed at the tied keys below this share in every head: about what random signs give

@@ -35,7 +35,7 @@ from lpfa.pages.loss_explosion import (
     seed_table,
     seeds_text,
 )
-from lpfa.pages.sfa import gpt2m_minutes, gpt2m_price, sfa_findings
+from lpfa.pages.sfa import GPT2M_STEPS, gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
 from lpfa.params import integer, text
 from lpfa.replay import bias_test, load_replay, rank1_stats
@@ -45,9 +45,10 @@ from lpfa.scaling import tokens_per_step
 from lpfa.train import PRESETS
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
-PARAMS = {"layer": integer(0), "fig2_experiment": text(nonempty=True), "replay_experiment": text(nonempty=True),
-    "replay": text(nonempty=True), "twins_experiment": text(nonempty=True),
-    "repro_experiment": text(nonempty=True)}
+PARAMS = {
+    "layer": integer(0), "fig2_experiment": text(nonempty=True), "replay_experiment": text(nonempty=True),
+    "replay": text(nonempty=True), "twins_experiment": text(nonempty=True), "repro_experiment": text(nonempty=True),
+}
 
 VERDICTS = ("reproduced", "partly", "not reproduced", "not run", "shown", "not shown")
 COLUMNS = ["claim", "paper", "our result", "verdict", "page"]
@@ -167,7 +168,7 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
                 "partly" if ok else "not reproduced", "09_sfa")
 
 
-def _gpt2m_row(root, steps: int = 6_000) -> dict:
+def _gpt2m_row(root, steps: int = GPT2M_STEPS) -> dict:
     """Fig. 7c: GPT-2 M, priced from its committed throughput (:func:`lpfa.pages.sfa.gpt2m_price`) and not run."""
     claim = "The BF16 failure and SFA's fix carry over to GPT-2 M"
     price = gpt2m_price(root=root)

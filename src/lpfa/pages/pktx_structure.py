@@ -8,12 +8,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from lpfa.params import optional, text
+from lpfa.pages.delta_bias import REPLAY_PARAMS
 from lpfa.plotting import use_style
 from lpfa.replay import rank1_stats
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
-PARAMS = {"experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True)}
+PARAMS = REPLAY_PARAMS
 
 RECURRING = 0.5  # G's direction overlaps more than this with the previous step's: it recurs
 PREV, FIRST = "median overlap of G's direction, step to step", "median overlap with the first step's"  # table rows

@@ -7,13 +7,12 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 
-from lpfa.pages.delta_bias import detail_step
-from lpfa.params import optional, text
+from lpfa.pages.delta_bias import REPLAY_PARAMS, detail_step
 from lpfa.plotting import COLORS, use_style
 from lpfa.replay import detail_steps
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
-PARAMS = {"experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True)}
+PARAMS = REPLAY_PARAMS
 
 
 def _pv(arrays: dict, head: int, step: int):

@@ -41,6 +41,9 @@ PARAMS = {
     "recipe_twins": dict_of(text(), text(nonempty=True), required=("bf16", "sfa", "fp32")),
 }
 
+# steps of one GPT-2 M run in Fig. 7c's price: past every GPT-2 S explosion at the recipe (4,883 to 5,818); the
+# scorecard's row and page 09's default (its gpt2m_steps parameter)
+GPT2M_STEPS = 6_000
 VERDICT_COLUMNS = ["policy", "optimizer", "steps", "exploded", "explosion_step"]  # of :func:`twin_verdicts`, shown
 
 SWEPT = ("sfa", "attenuated", "silenced", "zeroed")  # the shares of rows a β sweep measures (lpfa.sfa_sweep)
