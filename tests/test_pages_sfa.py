@@ -67,6 +67,25 @@ def test_recipe_twins_text_and_provenance():
         "validate SFA on the `repro` preset's logit runaway.")
 
 
+def test_recipe_text_compares_sfa_with_fp32_on_held_out_text_too():
+    """The SFA/FP32 comparison states the validation losses at their last common evaluation, recomputed here from the
+    raw records, and how often the corpus had been seen by then: the FP32 run's training loss falls by memorising."""
+    from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
+
+    recipe = sfa.recipe_runs("paper_recipe", RECIPE)
+    found = sfa.sfa_findings(recipe)
+    evals = {label: {r["step"]: r["val_loss"] for r in read_records(recipe[label]) if "val_loss" in r}
+             for label in ("sfa", "fp32")}
+    step = max(set(evals["sfa"]) & set(evals["fp32"]) & set(range(found["loss step"] + 1)))
+    assert found["val step"] == step
+    conf = json.loads((recipe["fp32"] / "config.json").read_text())["train"]
+    epochs = step * conf["batch_size"] * conf["grad_accum"] * conf["block_size"] / GPU_CORPUS_TRAIN_TOKENS
+    text = sfa.sfa_text(found, n_layers=12)
+    assert (f"(validation loss at step {step:,}: {evals['sfa'][step]:.2f} with SFA, {evals['fp32'][step]:.2f} "
+            f"with FP32)") in text
+    assert f"corpus {epochs:.1f} times" in text
+
+
 def test_recipe_loss_figure_marks_the_bf16_explosion():
     recipe = sfa.recipe_runs("paper_recipe", RECIPE)
     found = sfa.sfa_findings(recipe)

@@ -19,6 +19,7 @@ import seaborn as sns
 import torch
 
 from lpfa.compare import experiment_table, head_metric_frame, layer_max, plot_losses
+from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MUON_LONG, MUON_LR2, SFA_MUON, SIZES
 from lpfa.model import GPT, GPTConfig
@@ -28,7 +29,7 @@ from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, format_table, use_style
 from lpfa.results import experiment_rows, run_dir
 from lpfa.run import Run, load_metrics, run_verdict
-from lpfa.scaling import committed_speed, minutes_for, run_price, wall_minutes
+from lpfa.scaling import committed_speed, minutes_for, run_price, tokens_per_step, wall_minutes
 from lpfa.sfa_sweep import sweep_frame
 from lpfa.train import PRESETS
 
@@ -145,8 +146,10 @@ def sfa_findings(runs: dict, smooth: int = 200, logit: float = 1000.0) -> dict:
     """SFA against its twins (``{"bf16": dir, "fp32": dir, "sfa": dir}``, same seed and data order), the Fig. 7 check:
     ``steps``, ``explosion step`` and ``runaway`` ((step, layer), or None) of each run (:func:`lpfa.run.run_verdict`);
     ``loss step``, the last step the SFA and FP32 runs both trained, and each one's training loss there (``loss``, mean
-    over ``smooth`` steps); per run, ``runaway layers``: the layers whose largest attention logit exceeded ``logit``
-    at a diagnostics step before the run's explosion (:func:`layer_peaks`)."""
+    over ``smooth`` steps); ``val step``, their last evaluation by then, and each one's validation loss there
+    (``val loss``), with the times the corpus had been seen by then (``epochs``, of ``corpus tokens``); per run,
+    ``runaway layers``: the layers whose largest attention logit exceeded ``logit`` at a diagnostics step before the
+    run's explosion (:func:`layer_peaks`)."""
     out = {"steps": {}, "explosion step": {}, "runaway": {}, "loss": {}, "runaway layers": {}}
     verdicts = {label: run_verdict(d) for label, d in runs.items()}
     peaks = layer_peaks(runs, verdicts=verdicts)
@@ -157,10 +160,19 @@ def sfa_findings(runs: dict, smooth: int = 200, logit: float = 1000.0) -> dict:
         out["runaway layers"][label] = sorted(int(layer) for layer in p.layer[p.value > logit])
     both = [label for label in ("sfa", "fp32") if label in runs]
     out["loss step"] = min(out["steps"][label] for label in both) - 1
+    out["val loss"], evals = {}, {}
     for label in both:
-        train, _, _ = load_metrics(runs[label])
+        train, val, _ = load_metrics(runs[label])
         loss = train.loss  # indexed by step
         out["loss"][label] = float(loss[loss.index <= out["loss step"]].iloc[-smooth:].mean())
+        evals[label] = val.val_loss[val.index <= out["loss step"]] if len(val) else pd.Series(dtype=float)
+    # the last evaluation both runs reached: a training loss can also fall by memorising the corpus
+    common = sorted(set.intersection(*(set(e.index) for e in evals.values()))) if evals else []
+    if common:
+        out["val step"] = int(common[-1])
+        out["val loss"] = {label: float(e.loc[common[-1]]) for label, e in evals.items()}
+        out["corpus tokens"] = GPU_CORPUS_TRAIN_TOKENS
+        out["epochs"] = out["val step"] * tokens_per_step(Run(runs["fp32"]).train) / GPU_CORPUS_TRAIN_TOKENS
     out["logit"], out["smooth"] = logit, smooth
     return out
 
@@ -178,6 +190,13 @@ def sfa_text(f: dict, n_layers: int) -> str:
     text = [head + f". At step {f['loss step']:,} its training loss ({f['smooth']}-step mean) was "
             f"{f['loss']['sfa']:.2f}, {abs(gap):.2f} {'above' if gap > 0 else 'below'} the FP32 twin's "
             f"{f['loss']['fp32']:.2f}."]
+    val = f.get("val loss", {})
+    if {"sfa", "fp32"} <= set(val):  # held-out loss: the runs see the corpus several times over
+        vgap = val["sfa"] - val["fp32"]
+        text.append(f"On held-out text the gap is {abs(vgap):.2f} (validation loss at step {f['val step']:,}: "
+                    f"{val['sfa']:.2f} with SFA, {val['fp32']:.2f} with FP32); the FP32 twin's validation loss is "
+                    f"{val['fp32'] - f['loss']['fp32']:.2f} above its training loss, since by step {f['val step']:,} "
+                    f"the runs had seen the {f['corpus tokens'] / 1e6:.0f}M-token corpus {f['epochs']:.1f} times.")
     if layers["sfa"]:
         ra = f["runaway"]
         text.append(f"**But SFA did not stop the logit runaway:** the largest attention logit exceeded "
