@@ -331,8 +331,11 @@ def _sfa_tie_inputs(T, D, g):
     return q, k, eps
 
 
-@pytest.mark.parametrize("name", ["paper_sfa", "fa2_sfa"])
-@pytest.mark.parametrize("T,block", [(SFA_P, SFA_P), (75, SFA_P), (75, 16)])
+# both SFA presets at one block; at T = 75 each preset with one block size: the top-two code is the presets' one
+# inner loop (they differ in rounding points, which every other test here covers), so a block size per preset is
+# enough to cross one and two compute tiles per policy block
+@pytest.mark.parametrize("name,T,block", [("paper_sfa", SFA_P, SFA_P), ("fa2_sfa", SFA_P, SFA_P),
+                                          ("paper_sfa", 75, SFA_P), ("fa2_sfa", 75, 16)])
 def test_sfa_top_two_matches_the_counting_pass(name, T, block):
     """The forward decides SFA's ties from the top two scores of its row-max pass (one reduction per tile); the
     reference (and ``sfa_count_pass=True``) count the scores within ε of the max in a pass of their own. Policy
