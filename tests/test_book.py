@@ -95,3 +95,47 @@ def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
             assert not narrow, f"figures narrower than 600 px at a 1280 px window: {narrow}"
         finally:
             browser.close()
+
+
+def test_notebook_page_has_launch_buttons_for_that_notebook(built_book):
+    """A notebook page's rocket menu opens on click and offers Binder (JupyterLab), JupyterHub and Colab, each a link
+    to that very notebook in _config.yml's repository (the one value); the setup cell is not on the page."""
+    import urllib.parse
+
+    import yaml
+    from playwright.sync_api import sync_playwright
+
+    from lpfa.publish import CLONE_DIR, github_parts, repository
+
+    url, branch = repository(ROOT)
+    owner, name = github_parts(url)
+    launch = yaml.safe_load((ROOT / "_config.yml").read_text())["launch_buttons"]
+    nb = "notebooks/01_bf16_rounding.ipynb"
+    expected = {
+        "Binder": f"{launch['binderhub_url']}/v2/gh/{owner}/{name}/{branch}?urlpath=lab/tree/{nb}",
+        "Colab": f"{launch['colab_url']}/github/{owner}/{name}/blob/{branch}/{nb}",
+    }
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=_chromium(), headless=True,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                                          "--no-first-run"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.goto((built_book / nb.replace(".ipynb", ".html")).as_uri(), wait_until="load")
+            menu = page.locator(".dropdown-launch-buttons")
+            menu.locator("button").click()
+            links = {}
+            for i in range(menu.locator("a").count()):
+                a = menu.locator("a").nth(i)
+                assert a.is_visible()
+                links[a.inner_text().strip()] = a.get_attribute("href")
+            assert set(links) == {"Binder", "JupyterHub", "Colab"}, links
+            for kind, href in expected.items():
+                assert links[kind] == href, (kind, links[kind])
+            hub = urllib.parse.urlsplit(links["JupyterHub"])
+            query = urllib.parse.parse_qs(hub.query)
+            assert f"{hub.scheme}://{hub.netloc}" == launch["jupyterhub_url"].rstrip("/")
+            assert query == {"repo": [url], "branch": [branch], "urlpath": [f"lab/tree/{name}/{nb}"]}, query
+            assert CLONE_DIR not in page.content()  # the setup cell is tagged remove-cell
+        finally:
+            browser.close()

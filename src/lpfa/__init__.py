@@ -32,6 +32,8 @@ Modules, one per concept:
 * :mod:`lpfa.results`, :mod:`lpfa.provenance` — the results store and its provenance records.
 * :mod:`lpfa.plotting` — the one figure style of the book; :mod:`lpfa.paths` — where things live.
 * :mod:`lpfa.book` — execute the notebooks with papermill and build the Jupyter Book.
+* :mod:`lpfa.publish` — the book's one repository value: its GitHub Pages address and each notebook's setup cell
+  (lpfa installed from the repository where it is missing: Colab, a JupyterHub).
 * :mod:`lpfa.cli` — the ``lpfa`` command: one verb per tool (``lpfa --help`` lists them).
 """
 
