@@ -2,6 +2,7 @@
 test_ddp.py)."""
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -511,3 +512,12 @@ def test_model_switches_run_under_bf16_autocast(switch, backend):
     assert {attn.capture[n].dtype for n in "qkv"} == {torch.bfloat16}
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_final_val_loss_is_printed_with_four_decimals(token_dir, tmp_path, capsys):
+    """The run's last line gives the final validation loss as every other loss of the log (4 decimals)."""
+    s = train(cfg(token_dir, tmp_path / "r", max_steps=2, attn_backend="sdpa"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"completed at step 2; final val loss {s['final_val_loss']:.4f}"), last
+    assert re.search(r"final val loss \d+\.\d{4}$", last)
+    assert (tmp_path / "r" / "log.txt").read_text().splitlines()[-1] == last

@@ -884,7 +884,8 @@ def train(cfg: TrainConfig) -> dict:
         verdict.pop("steps")  # "steps" stays the number of completed steps
         summary.update(verdict)
     run.summary(summary)
-    run.log(f"{status} at step {step}; final val loss {final_val}")
+    val_text = f"{final_val:.4f}" if final_val is not None else "not measured (the loss went non-finite)"
+    run.log(f"{status} at step {step}; final val loss {val_text}")
     if world > 1:
         dist.destroy_process_group()
     return summary
