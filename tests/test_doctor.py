@@ -230,6 +230,27 @@ def test_verdicts_follow_thresholds(lpfa_ckpt, data):
     assert doctor.unused_thresholds(d, thr) == ["wq_growth"]
 
 
+def test_healthy_verdict_says_what_it_cannot_rule_out(lpfa_ckpt, data, tmp_path, capsys):
+    """Next to a healthy verdict: the share of the committed runs' layers that ran away soon after and raised no alarm
+    either, read from the committed thresholds (lpfa.alarms.miss_rate); thresholds without it say they have none."""
+    thr = doctor.current_thresholds()
+    miss = thr[doctor.NO_ALARM]
+    assert miss["positives"] > 0 and 0 < miss["fnr"] <= 1 and miss["missed"] == round(miss["fnr"] * miss["positives"])
+    text = doctor.healthy_text(thr)
+    assert text.startswith("healthy = no alarm, not safe: ") and "\n" not in text
+    assert (f"stayed silent on {miss['fnr']:.0%} of the layers that ran away within the next {miss['lead_steps']:,} "
+            f"steps ({miss['missed']} of {miss['positives']} diagnostics samples of the committed runs)") in text
+    assert "carry no measured miss rate" in doctor.healthy_text(doctor.fixed_thresholds())
+    out = tmp_path / "report"
+    assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",
+                     "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    verdicts = next(i for i, line in enumerate(lines) if line.startswith("verdicts: "))
+    assert " healthy of 4 heads" in lines[verdicts] and lines[verdicts + 1] == text  # right under the verdict
+    assert f"healthy of 4 heads. {text}." in (out / "report.md").read_text()
+    assert doctor.unused_thresholds(doctor.doctor(lpfa_ckpt, data, **PROBE)["table"], thr) == []
+
+
 def test_cli_writes_report_that_round_trips(lpfa_ckpt, data, tmp_path, capsys):
     out = tmp_path / "report"
     assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",

@@ -34,8 +34,10 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
 ``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
 :func:`lpfa.alarms.current_thresholds`: the committed ``warning_thresholds.json``, which ``python -m lpfa.alarms
 --write`` learns from the committed runs' diagnostics, with their measured false-positive and false-negative rates
-(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks
-(``wq_growth`` needs two checkpoints) is reported and not used.
+(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). ``healthy`` means no alarm, not safe: next to it the
+doctor says how many of the layers that ran away soon after raised no alarm either in those runs
+(:func:`healthy_text`, from the thresholds' miss rate, :func:`lpfa.alarms.miss_rate`). A threshold on a measure the
+table lacks (``wq_growth`` needs two checkpoints) is reported and not used.
 
 **Input** (:func:`detect_format`, from the path alone): a folder whose ``config.json`` holds ``"format":
 "lpfa-checkpoint"`` (or ``"model"`` and ``"step"``) is an lpfa checkpoint (:func:`lpfa.checkpoints.load_checkpoint`);
@@ -88,7 +90,7 @@ from lpfa.checkpoints import load_checkpoint, load_hf_gpt2, load_nanogpt
 from lpfa.cli import _OneLineErrors
 from lpfa.diagnostics import spectral_norms, tie_fraction, v_sign_dominance, wq_outlier, wq_spectral_norms
 from lpfa.mechanism import delta_error, p_bar_ones
-from lpfa.monitor import read_thresholds
+from lpfa.monitor import NO_ALARM, read_thresholds
 from lpfa.plotting import use_style
 from lpfa.provenance import provenance, write_json
 from lpfa.run import Run, resolve_device
@@ -202,7 +204,20 @@ def diagnose(table, thresholds: dict | None = None):
 
 def unused_thresholds(table, thr: dict) -> list[str]:
     """The measures ``thr`` names that the table lacks (e.g. ``wq_growth``, which needs two checkpoints)."""
-    return [m for m in thr if m not in table]
+    return [m for m in thr if m not in table and m != NO_ALARM]
+
+
+def healthy_text(thr: dict) -> str:
+    """What a ``healthy`` verdict can and cannot rule out, in words: no threshold is reached now, but the thresholds
+    stay silent on a share of the layers that ran away soon after, measured on the committed runs they were learnt
+    from (``thr[NO_ALARM]``, :func:`lpfa.alarms.miss_rate`); thresholds without that entry carry no such rate."""
+    m = thr.get(NO_ALARM)
+    if not (isinstance(m, dict) and {"fnr", "missed", "positives", "lead_steps"} <= set(m)):
+        return ("healthy = no alarm, not safe: these thresholds carry no measured miss rate, so a healthy head may "
+                "still run away; it only rules out a head already past a threshold")
+    return (f"healthy = no alarm, not safe: at these thresholds the detector stayed silent on {m['fnr']:.0%} of the "
+            f"layers that ran away within the next {m['lead_steps']:,} steps ({m['missed']} of {m['positives']} "
+            "diagnostics samples of the committed runs); it only rules out a head already past a threshold")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,6 +480,8 @@ def summary_text(table, thr: dict, top: int = 10) -> str:
     c = verdict_counts(table)
     line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} "
             f"heads (thresholds: {_thresholds_text(thr, table)})")
+    if c["healthy"]:
+        line += "\n" + healthy_text(thr)
     return f"worst {min(top, len(table))} heads of {len(table)}:\n{text}\n{line}"
 
 
@@ -591,7 +608,7 @@ def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
           f"Format **{info['format']}**; probe: {probe['shape'][0]} × {probe['shape'][1]} tokens of {probe['data']} "
           f"({probe['split']}.bin, seed {probe['seed']}); {info['runtime_s']:.1f} s on {info['device']}.", "",
           f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of "
-          f"{len(table)} heads.",
+          f"{len(table)} heads." + (f" {healthy_text(thr)}." if c["healthy"] else ""),
           f"Thresholds ({info['thresholds_source']}): {_thresholds_text(thr, table)}.", "",
           "## The worst heads", "", _md_table(table[list(SHOWN)].head(10).rename(columns=SHOWN)), "",
           "## Per measure, layer × head", ""]
