@@ -34,8 +34,10 @@ def runs(experiment: str, root: str | Path | None = None) -> list[Path]:
     base = Path(root) if root else results_dir()
     folder = base / experiment
     if not folder.is_dir():
-        raise FileNotFoundError(f"experiment={experiment!r}: expected one of {', '.join(map(repr, experiments(base)))} "
-                                f"(the committed experiments under {base})")
+        known = experiments(base)
+        raise FileNotFoundError(f"experiment={experiment!r}: expected one of {', '.join(map(repr, known))} (the "
+                                f"committed experiments under {base})" if known else
+                                f"experiment={experiment!r}: expected a committed experiment, but {base} holds none")
     return sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: (run_date(p), p.name))
 
 
