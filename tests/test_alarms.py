@@ -35,7 +35,7 @@ def test_thresholds_separate_known_classes(tmp_path):
     assert set(pos.run) == {"exp/r1/bf16_0", "exp/r1/bf16_1"} and set(pos.step) == {500, 600, 700, 800, 900}
     assert (pos.layer == 1).all() and (s[s.run == "exp/r1/fp32_0"]["class"] == "negative").all()
     assert (s[s.run == "exp/r1/fp32_0"].precision == "fp32").all() and (pos.precision == "bf16").all()
-    thr = alarms.derive(s)
+    thr = alarms.derive(s, lead=500)
     # perfect separation: the threshold lies above every negative (the 0.1% cap allows none of 120) and at or below
     # every positive
     assert max(lo) < thr["max_logit"]["precursor"]["value"] <= 300 and thr["max_logit"]["runaway"]["value"] == 1000.0
@@ -47,6 +47,24 @@ def test_thresholds_separate_known_classes(tmp_path):
     lead = alarms.lead_times(s, thr)
     assert list(lead.index) == ["exp/r1/bf16_0", "exp/r1/bf16_1"] and (lead["max_logit lead"] == 500).all()
     assert alarms.thresholds(tmp_path, lead=500) == thr
+
+
+def test_no_alarm_miss_rate_counts_positives_no_threshold_flags(tmp_path):
+    """A longer lead makes steps 300 and 400 of each runaway positives: their logit, ties and W_Q (10, 0.01, 1x) are
+    among the clean runs', so no threshold flags them, and the miss rate of all measures together is 4 of 14."""
+    known_runs(tmp_path, np.random.default_rng(0))
+    s = alarms.labelled_samples(tmp_path, lead=700)
+    thr = alarms.derive(s, lead=700)
+    assert thr[monitor.NO_ALARM] == {"fnr": 4 / 14, "missed": 4, "positives": 14, "lead_steps": 700}
+    pos = s[s["class"] == "positive"]
+    assert alarms.miss_rate(pos, {})["missed"] == 14  # no threshold: every positive is missed
+    late = pos[pos.step >= 500]  # the 300s (logit, ties, W_Q 3x): flagged by each measure alone
+    for m in alarms.MEASURES:
+        assert alarms.miss_rate(late, {m: thr[m]})["missed"] == 0, m
+    assert alarms.miss_rate(late.assign(precision="fp32"), {"tie_fraction_bf16": thr["tie_fraction_bf16"]}) == {
+        "fnr": 1.0, "missed": 10, "positives": 10}  # ties of FP32 scores are not judged by the BF16 level
+    assert monitor.normalise_thresholds(thr) == monitor.normalise_thresholds(
+        {m: v for m, v in thr.items() if m != monitor.NO_ALARM})  # not a level: the monitor leaves it out
 
 
 def test_threshold_at_fpr_counts_rates_and_refuses_one_class():
@@ -113,7 +131,7 @@ def test_write_command_writes_what_the_runs_give_and_sees_a_stale_file(tmp_path,
     assert alarms.main(["--results", str(root)]) == 1 and "there is no such file" in capsys.readouterr().err
     assert alarms.main(["--write", "--results", str(root)]) == 0
     learnt = alarms.thresholds(root)
-    assert json.loads(path.read_text()) == learnt and set(learnt) == set(alarms.MEASURES)
+    assert json.loads(path.read_text()) == learnt and set(learnt) == {*alarms.MEASURES, monitor.NO_ALARM}
     assert monitor.AttentionMonitor(nn.Linear(2, 2)).thresholds == monitor.normalise_thresholds(learnt)
     assert alarms.main(["--results", str(root)]) == 0 and "holds the thresholds" in capsys.readouterr().out
     learnt["max_logit"]["precursor"]["value"] += 1

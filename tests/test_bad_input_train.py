@@ -6,6 +6,7 @@ that stderr is exactly one line, and that the line names the field and the value
 import ast
 import gzip
 import json
+import math
 import re
 import shutil
 from pathlib import Path
@@ -16,9 +17,10 @@ import torch
 from conftest import ROOT
 
 from lpfa import launch
-from lpfa.book import execute_notebook, profile_parameters
+from lpfa.book import execute_notebook, profile_parameters, toc_notebooks
 from lpfa.checkpoints import load_checkpoint
 from lpfa.data import ReplayLog
+from lpfa.params import Param, check_params, integer, undeclared
 from lpfa.run import checkpoints_of, load_metrics, read_records, run_verdict
 from lpfa.scaling import compare_runs
 from lpfa.structure import summarize_run
@@ -292,9 +294,13 @@ def test_a_killed_run_keeps_its_logs(trained, tmp_path):
 
 # ---- notebook parameters: the check cell right after each notebook's parameters cell ---------------------------
 def _cells(stem: str):
-    nb = nbformat.read(ROOT / "notebooks" / f"{stem}.ipynb", as_version=4)
+    path = ROOT / "notebooks" / f"{stem}.ipynb"
+    nb = nbformat.read(path if path.exists() else ROOT / "book" / f"{stem}.ipynb", as_version=4)
     i = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
     return nb.cells[i], nb.cells[i + 1]
+
+
+NOTEBOOK_PATHS = toc_notebooks(ROOT)  # notebooks/*.ipynb and book/intro.ipynb
 
 
 def _run_check(stem: str, **params) -> None:
@@ -370,6 +376,46 @@ def test_papermill_stops_at_the_check_with_a_clear_message(tmp_path):
         execute_notebook(nb, tmp_path / nb.name,
                          {**profile_parameters(ROOT, "small")["01_bf16_rounding"], "trials": "lots"})
     assert e.value.ename == "ValueError" and e.value.evalue == "trials='lots': expected an int >= 2"
+    done = nbformat.read(tmp_path / nb.name, as_version=4)
+    ran = [c for c in done.cells if c.cell_type == "code" and c.get("execution_count")]
+    assert "check_params" in ran[-1].source  # it stopped right after the parameters, before any computation
+
+
+def test_check_params_refuses_a_name_it_does_not_declare():
+    """A name the parameters cell does not declare (a misspelled ``papermill -p``) is one line naming it, its value and
+    the notebook's parameters; IPython's globals, "_"-names and the check cell's imports are not parameters."""
+    spec = {"trials": integer(2), "seed": integer(0)}
+    ipython = {"In": [""], "Out": {}, "get_ipython": print, "exit": print, "quit": print, "_": None, "_i1": "x",
+               "__builtins__": {}, "math": math, "integer": integer, "Param": Param}
+    check_params(spec, {**ipython, "trials": 5, "seed": 0})
+    with pytest.raises(ValueError) as e:
+        check_params(spec, {**ipython, "trials": 5, "seed": 0, "trails": 5})
+    assert str(e.value) == ("trails=5: not a parameter of this notebook (did you mean trials?); its parameters: "
+                            "trials, seed")
+    with pytest.raises(ValueError, match=r"^layers=\[1, 2\]: not a parameter of this notebook; its parameters: "
+                                         r"trials, seed$"):
+        check_params(spec, {"trials": 5, "seed": 0, "layers": [1, 2]})
+    assert undeclared(spec, {**ipython, "trials": 5, "Trials": None, "x": {"a": 1}}) == ["Trials", "x"]
+
+
+@pytest.mark.parametrize("stem", [p.stem for p in NOTEBOOK_PATHS])
+def test_every_notebook_refuses_an_undeclared_parameter(stem):
+    """Each notebook's parameters cell declares exactly its page's PARAMS (the check cell passes as it is), and a
+    name it does not declare stops the check cell."""
+    _run_check(stem)
+    with pytest.raises(ValueError, match=r"^not_a_param=5: not a parameter of this notebook; its parameters: "):
+        _run_check(stem, not_a_param=5)
+
+
+def test_papermill_stops_at_a_misspelled_parameter(tmp_path):
+    import papermill as pm
+
+    nb = ROOT / "notebooks" / "01_bf16_rounding.ipynb"
+    with pytest.raises(pm.PapermillExecutionError) as e:
+        execute_notebook(nb, tmp_path / nb.name, {**profile_parameters(ROOT, "small")["01_bf16_rounding"], "trails": 5})
+    assert e.value.ename == "ValueError"
+    assert e.value.evalue == ("trails=5: not a parameter of this notebook (did you mean trials?); its parameters: a, "
+                              "b, trials, n_keys, n_ones, gaps, seed")
     done = nbformat.read(tmp_path / nb.name, as_version=4)
     ran = [c for c in done.cells if c.cell_type == "code" and c.get("execution_count")]
     assert "check_params" in ran[-1].source  # it stopped right after the parameters, before any computation

@@ -48,6 +48,8 @@ def test_train_help_is_the_module_help(capsys):
     for preset in train.PRESETS:  # each preset and each field, with its type and default
         assert f"  {preset}" in via_cli
     assert "max_steps (int, default " in via_cli and "attn_policy (" in via_cli
+    assert cli.main(["train", "--help-all"]) == 0  # every field, by section
+    assert "\nbookkeeping fields (" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("verb", [v for v in VERBS if v not in ("tokens", "train")])

@@ -230,6 +230,27 @@ def test_verdicts_follow_thresholds(lpfa_ckpt, data):
     assert doctor.unused_thresholds(d, thr) == ["wq_growth"]
 
 
+def test_healthy_verdict_says_what_it_cannot_rule_out(lpfa_ckpt, data, tmp_path, capsys):
+    """Next to a healthy verdict: the share of the committed runs' layers that ran away soon after and raised no alarm
+    either, read from the committed thresholds (lpfa.alarms.miss_rate); thresholds without it say they have none."""
+    thr = doctor.current_thresholds()
+    miss = thr[doctor.NO_ALARM]
+    assert miss["positives"] > 0 and 0 < miss["fnr"] <= 1 and miss["missed"] == round(miss["fnr"] * miss["positives"])
+    text = doctor.healthy_text(thr)
+    assert text.startswith("healthy = no alarm, not safe: ") and "\n" not in text
+    assert (f"stayed silent on {miss['fnr']:.0%} of the layers that ran away within the next {miss['lead_steps']:,} "
+            f"steps ({miss['missed']} of {miss['positives']} diagnostics samples of the committed runs)") in text
+    assert "carry no measured miss rate" in doctor.healthy_text(doctor.fixed_thresholds())
+    out = tmp_path / "report"
+    assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",
+                     "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    verdicts = next(i for i, line in enumerate(lines) if line.startswith("verdicts: "))
+    assert " healthy of 4 heads" in lines[verdicts] and lines[verdicts + 1] == text  # right under the verdict
+    assert f"healthy of 4 heads. {text}." in (out / "report.md").read_text()
+    assert doctor.unused_thresholds(doctor.doctor(lpfa_ckpt, data, **PROBE)["table"], thr) == []
+
+
 def test_cli_writes_report_that_round_trips(lpfa_ckpt, data, tmp_path, capsys):
     out = tmp_path / "report"
     assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",
@@ -283,6 +304,26 @@ def test_report_table_gives_back_the_doctors_table(tmp_path, data):
     assert (again["verdict"].to_numpy() == diagnosed["verdict"].to_numpy()).all()
 
 
+def test_run_folder_means_its_latest_checkpoint(tmp_path, data, capsys):
+    """An lpfa.train run folder (config.json with "train") is read through lpfa.run.Run: its latest checkpoint, from
+    ckpt_history/ or ckpt/; the command line says which one it examined."""
+    run = tmp_path / "run"
+    early = save_checkpoint(run / "ckpt_history" / "step_000005", tiny_gpt(seed=1), step=5)
+    (run / "config.json").write_text(json.dumps({"train": {"max_steps": 10}, "model": {}}))
+    assert doctor.detect_format(run) == ("lpfa", early)
+    model = tiny_gpt(seed=2)
+    latest = save_checkpoint(run / "ckpt", model, step=10)
+    assert doctor.detect_format(run) == ("lpfa", latest)
+    (run / "config.json").unlink()  # a run folder without its config.json: still its checkpoints
+    assert doctor.detect_format(run) == ("lpfa", latest)
+    argv = ["doctor", str(run), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3"]
+    assert cli.main([*argv, "--top", "1"]) == 0
+    assert capsys.readouterr().out.startswith(f"{run} (lpfa: {latest}), probe 2 × 32 tokens")
+    t = doctor.doctor(run, data, **PROBE)["table"]
+    np.testing.assert_allclose(t.sort_values(["layer", "head"]).wq_spectral_norm, wq_spectral_norms(model).ravel(),
+                               rtol=1e-6)
+
+
 def test_help():
     assert cli.main(["doctor", "--help"]) == 0
 
@@ -302,6 +343,9 @@ def _bad_cases(tmp_path, lpfa_ckpt, data):
     bad_thr.write_text(json.dumps({"max_logit": {"precursor": "high"}}))
     not_json = tmp_path / "not_json.json"
     not_json.write_text("{max_logit")
+    no_ckpt = tmp_path / "no_ckpt"  # an lpfa.train run folder as committed under results/: no checkpoint kept
+    no_ckpt.mkdir()
+    (no_ckpt / "config.json").write_text(json.dumps({"train": {}, "model": {}}))
     return {
         "no thresholds file": ([str(lpfa_ckpt), *d, "--thresholds", str(tmp_path / "t.json")],
                                r"--thresholds='.*t\.json': expected a JSON file of thresholds"),
@@ -313,6 +357,8 @@ def _bad_cases(tmp_path, lpfa_ckpt, data):
         "missing path": ([str(tmp_path / "nope"), *d],
                          r"checkpoint .*nope does not exist; expected an lpfa checkpoint folder"),
         "unknown format": ([str(unknown), *d], r"cannot tell the format of checkpoint .*unknown"),
+        "run without checkpoint": ([str(no_ckpt), *d], r"run folder .*no_ckpt has no checkpoint; expected ckpt/ or "
+                                                       r"ckpt_history/step_NNNNNN/ in it"),
         "missing keys": ([str(broken), *d], r"1 missing keys, e\.g\. transformer\.h\.1\.attn\.c_attn\.weight"),
         "vocabulary": ([str(lpfa_ckpt), "--data", str(wide)],
                        r"token id 29\d, outside the model's vocabulary \(vocab_size 97\)"),

@@ -78,7 +78,7 @@ def test_replay_committed_learns_in_sample_and_replays_with_it(known_root):
     samples, thr, table = ew.replay_committed(lead=500, max_fpr=0.0, root=known_root)
     assert len(samples) == 6 * 20 * 2  # runs × diagnostics records × layers
     assert (samples["class"] == "positive").sum() == 2 * 5  # layer 1 of the runaways, steps 500..900
-    assert thr == alarms.derive(alarms.labelled_samples(known_root, lead=500), 0.0)
+    assert thr == alarms.derive(alarms.labelled_samples(known_root, lead=500), 0.0, lead=500)
     assert thr["max_logit"]["precursor"]["value"] == np.nextafter(max(
         v for name in ("fp32_0", "fp32_1") for v in samples[samples.run == f"exp/r1/{name}"].max_logit), np.inf)
     assert list(table.index) == sorted(f"exp/r1/{n}" for n in ("bf16_0", "bf16_1", "bf16_clean", "bf16_ties",

@@ -51,7 +51,7 @@ def test_intro_numbers_from_the_configs():
 
 
 def test_intro_numbers_name_a_missing_experiment(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"experiment 'nothing'"):
+    with pytest.raises(FileNotFoundError, match=r"^experiment='paper_recipe': expected a committed experiment, but "):
         intro_numbers("paper_recipe", "nothing", root=tmp_path)
 
 

@@ -192,7 +192,8 @@ def test_cost_text_from_the_committed_speeds(fig2):
 
 
 def test_twin_runs_name_a_missing_experiment(tmp_path):
-    with pytest.raises(FileNotFoundError, match=r"experiment 'nothing'"):
+    with pytest.raises(FileNotFoundError, match=r"^experiment='nothing': expected a committed experiment, but .* holds "
+                                                r"none$"):
         twin_runs("nothing", {"bf16": "bf16"}, root=tmp_path)
 
 

@@ -8,11 +8,12 @@ import matplotlib
 import numpy as np
 import pytest
 
+from lpfa.compare import layer_max
 from lpfa.pages import provenance_line
 from lpfa.pages import spectral_norms as sn
 from lpfa.pages.loss_explosion import recipe_rows
-from lpfa.results import run_dir, what
-from lpfa.run import read_records
+from lpfa.results import experiments, run_dir, what
+from lpfa.run import check_layer, read_records
 
 matplotlib.use("Agg")
 
@@ -63,8 +64,31 @@ def test_layer_heads_figure_draws_every_head_of_the_layer(runs):
         assert len(ax.lines) == values.shape[2]  # one line per head
         for h, line in enumerate(ax.lines):
             np.testing.assert_allclose(line.get_ydata(), values[:, 1, h])
-    with pytest.raises(ValueError, match=r"^layer=99: expected a layer that run 'bf16' logged, 0 to 11$"):
+    with pytest.raises(ValueError, match=r"^layer=99: expected a layer in \[0, 11\] of the committed runs$"):
         sn.plot_layer_heads(runs, 99)
+
+
+def test_a_bad_layer_or_experiment_is_named_in_one_line(runs):
+    """``-p layer 30`` and ``-p experiment nosuch`` stop the page's first call with one line naming the value and what
+    is expected: the layers of the committed runs' model (lpfa.run.check_layer; lpfa.compare.layer_max, by the layers
+    a run logged), the committed experiments (lpfa.results.runs)."""
+    bad_layer = r"^layer=30: expected a layer in \[0, 11\] of the committed runs$"
+    for call in (lambda: sn.page_texts("paper_recipe", runs, TWINS, 30, 200, ""),
+                 lambda: sn.plot_head_bars(runs, 30, 200)):
+        with pytest.raises(ValueError, match=bad_layer):
+            call()
+    with pytest.raises(ValueError, match=r"^layer=30: expected a layer in \[0, 11\] of the runs \(.*bf16_paper_recipe "
+                                         r"has no layer 30\)$"):
+        layer_max(runs["bf16"], "max_logit", 30)  # what pages 06, 08-11 and the intro read a layer through
+    with pytest.raises(ValueError, match=r"^layer=-1: expected a layer in \[0, 11\] of the committed runs$"):
+        check_layer(-1, runs)
+    assert check_layer(11, runs) == 11
+    for run in (None, "h200x2-2026-11-30"):
+        with pytest.raises(FileNotFoundError) as e:
+            sn.recipe_twins("nosuch", run, TWINS)
+        msg = str(e.value)
+        assert msg.startswith("experiment='nosuch': expected one of ") and "\n" not in msg
+        assert all(repr(name) in msg for name in experiments()) and "'paper_recipe'" in msg
 
 
 def test_short_twins_count_the_bit_identical_losses():

@@ -40,6 +40,22 @@ def test_run_dir_load_and_experiment_rows(tmp_path):
     assert results.experiment_rows("nothing", root=tmp_path) == {}
 
 
+def test_an_unknown_experiment_names_the_committed_ones(tmp_path):
+    """A misspelled experiment (a page's ``-p experiment nosuch``) is one line naming it and the experiments the store
+    has; experiment_rows still finds nothing for an experiment not run yet."""
+    _row(tmp_path / "isolation" / "h200-2026-01-01", "bf16")
+    _row(tmp_path / "seeds" / "h200-2026-01-01", "bf16_s1")
+    (tmp_path / "README.md").write_text("not an experiment")
+    assert results.experiments(tmp_path) == ["isolation", "seeds"]
+    expected = f"experiment='nosuch': expected one of 'isolation', 'seeds' (the committed experiments under {tmp_path})"
+    for call in (results.runs, results.run_dir):
+        with pytest.raises(FileNotFoundError) as e:
+            call("nosuch", root=tmp_path)
+        assert str(e.value) == expected
+    assert results.experiment_rows("nosuch", root=tmp_path) == {}
+    assert {"paper_recipe", "isolation", "seeds"} <= set(results.experiments())  # the project's store
+
+
 def test_load_takes_each_file_from_the_latest_run_that_has_it(tmp_path):
     """A run may measure only some parts (the 2026-12-01 attention benchmark has no memory.json): without a run named,
     each file comes from the latest run that holds it; a named run gives its own file or a clear error."""

@@ -2,6 +2,7 @@
 test_ddp.py)."""
 
 import json
+import re
 from dataclasses import fields
 from pathlib import Path
 
@@ -173,15 +174,21 @@ def test_config_file(tmp_path):
     assert make_config(None, str(f), {"lr": 0.1}).lr == 0.1  # an override wins over the file
 
 
-def test_help_lists_every_preset_and_field(capsys):
+def test_help_all_lists_every_preset_and_field_by_section(capsys):
     from dataclasses import MISSING
 
-    from lpfa.train import FIELD_CHECKS, PRESET_HELP, field_help, main
+    from lpfa.train import FIELD_CHECKS, PRESET_HELP, field_help, field_sections, main
 
     with pytest.raises(SystemExit) as e:
-        main(["--help"])
+        main(["--help-all"])
     assert e.value.code == 0
     out = capsys.readouterr().out
+    sections = field_sections()
+    assert list(sections) == ["data", "model", "optimisation", "precision and device", "bookkeeping"]
+    assert [n for names in sections.values() for n in names] == [f.name for f in fields(TrainConfig)]
+    heads = [out.index(f"\n{s} fields (") for s in sections]
+    assert heads == sorted(heads)  # the sections in the source's order, each field under its own
+    assert heads[1] < out.index("\n  attn_policy (") < heads[2] < out.index("\n  lr (") < heads[3]
     assert set(PRESET_HELP) == set(PRESETS)
     assert set(FIELD_CHECKS) == set(field_help()) == {f.name for f in fields(TrainConfig)}
     for name in PRESETS:
@@ -190,6 +197,23 @@ def test_help_lists_every_preset_and_field(capsys):
         default = f.default_factory() if f.default is MISSING else f.default
         assert f"  {f.name} ({f.type}, default {json.dumps(default)}): {field_help()[f.name]}\n" in out, f.name
     assert "--debug" in out
+
+
+def test_help_is_short_presets_and_the_common_fields(capsys):
+    """``--help`` fits a screen: usage, the presets and the fields most runs change; it points to --help-all."""
+    from lpfa.train import COMMON_FIELDS, PRESET_HELP, field_help, main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: python -m lpfa.train") and len(out.splitlines()) <= 60
+    assert all(PRESET_HELP[name] in out for name in PRESETS)
+    listed = re.findall(r"^  (\w+) \(\w+, default ", out, flags=re.M)
+    assert listed == list(COMMON_FIELDS) and 8 <= len(listed) <= 12
+    assert all(f"  {name} (" in out and field_help()[name] in out for name in COMMON_FIELDS)
+    assert f"--help-all lists all {len(fields(TrainConfig))} fields, by section" in out
+    assert "  delta_dose_sign (" not in out and "Outputs in ``out_dir``" not in out
 
 
 def test_resume_with_a_changed_field_names_it(token_dir, tmp_path, capsys):
@@ -511,3 +535,12 @@ def test_model_switches_run_under_bf16_autocast(switch, backend):
     assert {attn.capture[n].dtype for n in "qkv"} == {torch.bfloat16}
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in m.parameters() if p.grad is not None)
+
+
+def test_final_val_loss_is_printed_with_four_decimals(token_dir, tmp_path, capsys):
+    """The run's last line gives the final validation loss as every other loss of the log (4 decimals)."""
+    s = train(cfg(token_dir, tmp_path / "r", max_steps=2, attn_backend="sdpa"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"completed at step 2; final val loss {s['final_val_loss']:.4f}"), last
+    assert re.search(r"final val loss \d+\.\d{4}$", last)
+    assert (tmp_path / "r" / "log.txt").read_text().splitlines()[-1] == last

@@ -23,7 +23,9 @@ heads (a layer is flagged when any of its heads is):
 
 Each precursor threshold is the smallest value that flags at most :data:`MAX_FPR` of the negative samples, reported with
 its false-positive rate (share of negatives at or above it), false-negative rate (share of positives below it) and the
-sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own. The cap is strict because a
+sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own. The entry
+:data:`lpfa.monitor.NO_ALARM` says what no alarm is worth (:func:`miss_rate`): the share of positives that no threshold
+flags, all measures together, which ``lpfa doctor`` prints next to a ``healthy`` verdict. The cap is strict because a
 run is checked hundreds of times: a threshold chosen per sample for the best balance (Youden's J) flagged 12–31 % of
 the negative samples, and so every run where neither happened (the early-warning page,
 ``notebooks/15_early_warning.ipynb``).
@@ -143,9 +145,25 @@ def threshold_at_fpr(pos, neg, max_fpr: float = MAX_FPR) -> dict:
             "positives": int(len(pos)), "negatives": int(len(neg))}
 
 
-def derive(samples: pd.DataFrame, max_fpr: float = MAX_FPR) -> dict:
+def miss_rate(positives: pd.DataFrame, thr: dict) -> dict:
+    """What no alarm is worth: of the ``positives`` (samples of class "positive", :func:`labelled_samples`), those
+    that no level of ``thr`` flags, all measures together (``tie_fraction_bf16`` only in BF16 layers, as :func:`derive`
+    learns it; ``max_logit`` below its runaway level too). ``{"fnr", "missed", "positives"}``."""
+    flagged = np.zeros(len(positives), dtype=bool)
+    for measure, column in (("max_logit", "max_logit"), ("wq_outlier", "wq_outlier"),
+                            ("tie_fraction_bf16", "tie_fraction")):
+        judged = (positives.precision == "bf16").to_numpy() if measure == "tie_fraction_bf16" else True
+        for level in thr.get(measure, {}).values():
+            flagged |= judged & (positives[column].to_numpy() >= level["value"])  # NaN flags nothing
+    missed = int((~flagged).sum())
+    return {"fnr": missed / len(positives), "missed": missed, "positives": int(len(positives))}
+
+
+def derive(samples: pd.DataFrame, max_fpr: float = MAX_FPR, lead: int = LEAD_STEPS) -> dict:
     """Thresholds from :func:`labelled_samples` (see the module docstring) at a per-sample false-positive rate of at
-    most ``max_fpr``; a measure without both classes is absent (all of them without samples: no committed run)."""
+    most ``max_fpr``; a measure without both classes is absent (all of them without samples: no committed run).
+    With a precursor level, :data:`lpfa.monitor.NO_ALARM` gives their :func:`miss_rate` and the ``lead`` the
+    samples were labelled with (``lead_steps``)."""
     out = {}
     if samples.empty:
         return {"max_logit": {"runaway": {"value": RunawayCriterion().logit}}}
@@ -159,13 +177,16 @@ def derive(samples: pd.DataFrame, max_fpr: float = MAX_FPR) -> dict:
         except ValueError:
             continue
     out.setdefault("max_logit", {})["runaway"] = {"value": RunawayCriterion().logit}
+    if len(pos) and any("precursor" in v for v in out.values()):
+        out[monitor.NO_ALARM] = {**miss_rate(pos, out), "lead_steps": int(lead)}
     return out
 
 
 def thresholds(root=None, lead: int = LEAD_STEPS, max_fpr: float = MAX_FPR) -> dict:
     """``{measure: {"precursor": {"value", "fpr", "fnr", "positives", "negatives"}}}`` for :data:`MEASURES`, plus
-    ``max_logit["runaway"]``, learnt from the committed runs under ``root`` (default: the project's results)."""
-    return derive(labelled_samples(root, lead), max_fpr)
+    ``max_logit["runaway"]`` and the miss rate of them all (:data:`lpfa.monitor.NO_ALARM`), learnt from the committed
+    runs under ``root`` (default: the project's results)."""
+    return derive(labelled_samples(root, lead), max_fpr, lead)
 
 
 def learnt_thresholds(root=None) -> dict:

@@ -154,10 +154,13 @@ PRECURSORS = {
 
 
 def layer_max(run_dir: str | Path, metric: str, layer: int):
-    """Series indexed by step: the largest value over heads of a per-head diagnostic in one layer."""
+    """Series indexed by step: the largest value over heads of a per-head diagnostic in one layer; a layer the run
+    did not log is a one-line error naming it and the layers it logged."""
     f = head_metric_frame(run_dir, metric)
     if layer not in set(f.layer):
-        raise ValueError(f"{run_dir} has no layer {layer} (layers {sorted(set(f.layer))})")
+        logged = sorted(set(f.layer))
+        raise ValueError(f"layer={layer!r}: expected a layer in [{logged[0]}, {logged[-1]}] of the runs ({run_dir} has "
+                         f"no layer {layer})" if logged else f"layer={layer!r}: {run_dir} logged no {metric!r}")
     return f[f.layer == layer].groupby("step").value.max()
 
 

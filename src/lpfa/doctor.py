@@ -34,16 +34,20 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
 ``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
 :func:`lpfa.alarms.current_thresholds`: the committed ``warning_thresholds.json``, which ``python -m lpfa.alarms
 --write`` learns from the committed runs' diagnostics, with their measured false-positive and false-negative rates
-(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). A threshold on a measure the table lacks
-(``wq_growth`` needs two checkpoints) is reported and not used.
+(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). ``healthy`` means no alarm, not safe: next to it the
+doctor says how many of the layers that ran away soon after raised no alarm either in those runs
+(:func:`healthy_text`, from the thresholds' miss rate, :func:`lpfa.alarms.miss_rate`). A threshold on a measure the
+table lacks (``wq_growth`` needs two checkpoints) is reported and not used.
 
 **Input** (:func:`detect_format`, from the path alone): a folder whose ``config.json`` holds ``"format":
 "lpfa-checkpoint"`` (or ``"model"`` and ``"step"``) is an lpfa checkpoint (:func:`lpfa.checkpoints.load_checkpoint`);
 a folder whose ``config.json`` holds ``"model_type"`` or ``"n_positions"`` is a Hugging Face GPT-2 folder
 (:func:`~lpfa.checkpoints.load_hf_gpt2`); a file (``ckpt.pt``), or a folder holding ``ckpt.pt`` (nanoGPT's
 ``out_dir``), is a nanoGPT checkpoint (:func:`~lpfa.checkpoints.load_nanogpt`, ``weights_only=True``); an lpfa run
-folder (with ``ckpt/``) means its last checkpoint. The model runs in FP32 (PyTorch SDPA attention, whatever backend
-or policy it trained with), so q, k, v, X and dO are the high-precision values each BF16 policy is then applied to.
+folder (``config.json`` with ``"train"``, or ``ckpt/`` or ``ckpt_history/``) means its latest checkpoint
+(:func:`run_checkpoint`), and one that keeps none is a one-line error. The model runs in FP32 (PyTorch SDPA
+attention, whatever backend or policy it trained with), so q, k, v, X and dO are the high-precision values each BF16
+policy is then applied to.
 
 A checkpoint trained with logit soft-capping (``paper_softcap``, one of the stabilisers) keeps its cap in the probe
 (FP32-level lpfa attention with the same cap, :func:`probe_overrides`) and in every measure but ``max_logit``, which
@@ -86,10 +90,10 @@ from lpfa.checkpoints import load_checkpoint, load_hf_gpt2, load_nanogpt
 from lpfa.cli import _OneLineErrors
 from lpfa.diagnostics import spectral_norms, tie_fraction, v_sign_dominance, wq_outlier, wq_spectral_norms
 from lpfa.mechanism import delta_error, p_bar_ones
-from lpfa.monitor import read_thresholds
+from lpfa.monitor import NO_ALARM, read_thresholds
 from lpfa.plotting import use_style
 from lpfa.provenance import provenance, write_json
-from lpfa.run import resolve_device
+from lpfa.run import Run, resolve_device
 
 FORMATS = ("lpfa", "nanogpt", "hf")
 # GPTConfig fields set on loading: the probe runs every layer in FP32 with PyTorch's SDPA, no dropout
@@ -200,18 +204,49 @@ def diagnose(table, thresholds: dict | None = None):
 
 def unused_thresholds(table, thr: dict) -> list[str]:
     """The measures ``thr`` names that the table lacks (e.g. ``wq_growth``, which needs two checkpoints)."""
-    return [m for m in thr if m not in table]
+    return [m for m in thr if m not in table and m != NO_ALARM]
+
+
+def healthy_text(thr: dict) -> str:
+    """What a ``healthy`` verdict can and cannot rule out, in words: no threshold is reached now, but the thresholds
+    stay silent on a share of the layers that ran away soon after, measured on the committed runs they were learnt
+    from (``thr[NO_ALARM]``, :func:`lpfa.alarms.miss_rate`); thresholds without that entry carry no such rate."""
+    m = thr.get(NO_ALARM)
+    if not (isinstance(m, dict) and {"fnr", "missed", "positives", "lead_steps"} <= set(m)):
+        return ("healthy = no alarm, not safe: these thresholds carry no measured miss rate, so a healthy head may "
+                "still run away; it only rules out a head already past a threshold")
+    return (f"healthy = no alarm, not safe: at these thresholds the detector stayed silent on {m['fnr']:.0%} of the "
+            f"layers that ran away within the next {m['lead_steps']:,} steps ({m['missed']} of {m['positives']} "
+            "diagnostics samples of the committed runs); it only rules out a head already past a threshold")
 
 
 # --------------------------------------------------------------------------------------------------
 # the checkpoint
 
 
+def run_checkpoint(path) -> Path:
+    """The latest checkpoint folder of the :mod:`lpfa.train` run folder ``path`` (:attr:`lpfa.run.Run.checkpoints`:
+    ``ckpt/`` and ``ckpt_history/step_NNNNNN/``); :class:`DoctorError` naming the folder when it keeps none."""
+    run = Run(path)
+    try:
+        kept = run.checkpoints
+    except ValueError as e:  # a damaged ckpt/config.json
+        raise DoctorError(f"run folder {run.path}: " + " ".join(str(e).split())) from e
+    if not kept:
+        raise DoctorError(f"run folder {run.path} has no checkpoint; expected ckpt/ or ckpt_history/step_NNNNNN/ in "
+                          "it (lpfa train writes ckpt/ every ckpt_interval steps and at the end; the runs committed "
+                          "under results/ keep none)")
+    return kept[max(kept)]
+
+
 def detect_format(path) -> tuple[str, Path]:
-    """``(format, path to load)`` for ``path``, one of :data:`FORMATS` (rules in the module docstring)."""
+    """``(format, path to load)`` for ``path``, one of :data:`FORMATS` (rules in the module docstring); a run
+    folder of :mod:`lpfa.train` (``config.json`` with ``"train"``) gives its latest checkpoint
+    (:func:`run_checkpoint`)."""
     p = Path(path)
-    expected = ("expected an lpfa checkpoint folder (config.json with 'format': 'lpfa-checkpoint'), a nanoGPT ckpt.pt "
-                "(or a folder holding one) or a Hugging Face GPT-2 folder (config.json with 'model_type': 'gpt2')")
+    expected = ("expected an lpfa checkpoint folder (config.json with 'format': 'lpfa-checkpoint'), an lpfa run folder "
+                "(config.json with 'train'), a nanoGPT ckpt.pt (or a folder holding one) or a Hugging Face GPT-2 "
+                "folder (config.json with 'model_type': 'gpt2')")
     if not p.exists():
         raise DoctorError(f"checkpoint {p} does not exist; {expected}")
     if p.is_file():
@@ -228,11 +263,13 @@ def detect_format(path) -> tuple[str, Path]:
             return "lpfa", p
         if isinstance(cfg, dict) and ("model_type" in cfg or "n_positions" in cfg):
             return "hf", p
+        if isinstance(cfg, dict) and "train" in cfg:  # an lpfa.train run folder: its latest checkpoint
+            return "lpfa", run_checkpoint(p)
         raise DoctorError(f"cannot tell the format of checkpoint {p} from its config.json; {expected}")
     if (p / "ckpt.pt").is_file():
         return "nanogpt", p / "ckpt.pt"
-    if (p / "ckpt" / "config.json").is_file():  # an lpfa.train run folder: its last checkpoint
-        return "lpfa", p / "ckpt"
+    if (p / "ckpt").is_dir() or (p / "ckpt_history").is_dir():  # a run folder without its config.json
+        return "lpfa", run_checkpoint(p)
     raise DoctorError(f"cannot tell the format of checkpoint {p} (no config.json, no ckpt.pt); {expected}")
 
 
@@ -443,6 +480,8 @@ def summary_text(table, thr: dict, top: int = 10) -> str:
     c = verdict_counts(table)
     line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} "
             f"heads (thresholds: {_thresholds_text(thr, table)})")
+    if c["healthy"]:
+        line += "\n" + healthy_text(thr)
     return f"worst {min(top, len(table))} heads of {len(table)}:\n{text}\n{line}"
 
 
@@ -569,7 +608,7 @@ def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
           f"Format **{info['format']}**; probe: {probe['shape'][0]} × {probe['shape'][1]} tokens of {probe['data']} "
           f"({probe['split']}.bin, seed {probe['seed']}); {info['runtime_s']:.1f} s on {info['device']}.", "",
           f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of "
-          f"{len(table)} heads.",
+          f"{len(table)} heads." + (f" {healthy_text(thr)}." if c["healthy"] else ""),
           f"Thresholds ({info['thresholds_source']}): {_thresholds_text(thr, table)}.", "",
           "## The worst heads", "", _md_table(table[list(SHOWN)].head(10).rename(columns=SHOWN)), "",
           "## Per measure, layer × head", ""]
@@ -618,8 +657,9 @@ def doctor(checkpoint, data=None, batches: int = 4, seq_len: int | None = None, 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _OneLineErrors(prog="lpfa doctor", description=__doc__.split("\n\n")[0] + " (see lpfa.doctor's docstring)")
-    p.add_argument("checkpoint", help="an lpfa checkpoint folder (or run folder), a nanoGPT ckpt.pt (or its folder), "
-                                      "or a Hugging Face GPT-2 folder")
+    p.add_argument("checkpoint", help="an lpfa checkpoint folder, an lpfa run folder (its latest checkpoint, ckpt/ or "
+                                      "ckpt_history/step_N/), a nanoGPT ckpt.pt (or its folder), or a Hugging Face "
+                                      "GPT-2 folder")
     p.add_argument("--data", default=None,
                    help="a nanoGPT token folder (val.bin, else train.bin); default: the embedded corpus")
     p.add_argument("--batches", type=int, default=4, help="sequences in the probe batch (default 4)")
@@ -646,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     info = r["info"]
     shape = info["probe"]["shape"]
-    print(f"{info['checkpoint']} ({info['format']}), probe {shape[0]} × {shape[1]} tokens, "
+    loaded = "" if Path(info["loaded"]) == Path(info["checkpoint"]) else f": {info['loaded']}"
+    print(f"{info['checkpoint']} ({info['format']}{loaded}), probe {shape[0]} × {shape[1]} tokens, "
           f"{info['runtime_s']:.1f} s on {info['device']}")
     print(summary_text(r["table"], r["thresholds"], a.top))
     if a.out:

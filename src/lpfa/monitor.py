@@ -73,6 +73,8 @@ OVERHEAD_GOAL = 0.02  # the monitor's cost goal: at most 2 % of the step time at
 EPS = 1e-3  # scores within EPS of their row's max count as tied (lpfa.train's tie_eps)
 # the thresholds used when none are given: written by `python -m lpfa.alarms --write`, shipped with the package
 THRESHOLDS_FILE = Path(__file__).with_name("warning_thresholds.json")
+# not a measure: the thresholds' entry saying how many runaways they miss, all levels together (lpfa.alarms.miss_rate)
+NO_ALARM = "no_alarm"
 
 
 class MonitorError(ValueError):
@@ -106,12 +108,15 @@ class AttentionEvent:
 
 def normalise_thresholds(thresholds: dict) -> dict[str, dict[str, float]]:
     """``{measure: {level: value}}`` from :func:`lpfa.alarms.thresholds`' format (a level a number, or a dict with
-    ``"value"``); a one-line error for a measure the monitor does not compute, an unknown level or a missing value."""
+    ``"value"``); a one-line error for a measure the monitor does not compute, an unknown level or a missing value.
+    The :data:`NO_ALARM` entry (a miss rate, not a level) is left out."""
     if not isinstance(thresholds, dict):
         raise MonitorError(f"thresholds must be a dict like lpfa.alarms.thresholds() returns, "
                            f"got {type(thresholds).__name__}")
     out = {}
     for measure, levels in thresholds.items():
+        if measure == NO_ALARM:
+            continue
         if measure not in MEASURE_COLUMNS:
             raise MonitorError(f"thresholds name measure {measure!r}; the monitor computes "
                                f"{', '.join(MEASURE_COLUMNS)}")

@@ -3,7 +3,9 @@
 A :class:`Param` says what one value may be (its type and range) and turns a wrong one into
 ``ValueError("<name>=<value!r>: expected <what>")``. Notebooks check their parameters right after the
 ``parameters`` cell, so that ``papermill -p trials lots`` stops there with ``trials='lots': expected an int >= 1``
-instead of a TypeError deep in a later cell::
+instead of a TypeError deep in a later cell, and a misspelled name (``papermill -p trails 5``) stops with
+``trails=5: not a parameter of this notebook (did you mean trials?); its parameters: ...`` instead of running the
+defaults::
 
     check_params({"trials": integer(1), "a": real(), "run": optional(text()), "n_ones": list_of(integer(0))}, globals())
 
@@ -12,12 +14,15 @@ instead of a TypeError deep in a later cell::
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Param", "check_params", "integer", "real", "boolean", "text", "optional", "list_of", "dict_of"]
+__all__ = ["Param", "check_params", "undeclared", "integer", "real", "boolean", "text", "optional", "list_of",
+           "dict_of"]
 
 
 @dataclass(frozen=True)
@@ -36,9 +41,29 @@ class Param:
         return self.convert(value)
 
 
+IPYTHON_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})  # IPython's own globals (and "_"-names)
+
+
+def undeclared(spec: dict[str, Param], namespace: dict) -> list[str]:
+    """The names of ``namespace`` that a parameters cell or papermill's injected cell could have set but ``spec``
+    does not declare: not IPython's own (:data:`IPYTHON_NAMES`, names starting with "_"), not a module, function or
+    class (what the check cell imports)."""
+    return [name for name, value in namespace.items()
+            if name not in spec and name not in IPYTHON_NAMES and not name.startswith("_")
+            and not isinstance(value, (types.ModuleType, type)) and not callable(value)]
+
+
 def check_params(spec: dict[str, Param], namespace: dict) -> None:
     """Check the parameters named in ``spec`` (``{name: Param}``) as found in ``namespace`` (a notebook's
-    ``globals()``): the first wrong one raises ValueError ``"<name>=<value!r>: expected <what>"``."""
+    ``globals()``, right after its parameters cell and papermill's injected one): the first wrong one raises ValueError
+    ``"<name>=<value!r>: expected <what>"``, and a name the notebook does not declare (``papermill -p trails 5``)
+    ``"trails=5: not a parameter of this notebook; its parameters: ..."`` (:func:`undeclared`)."""
+    extra = undeclared(spec, namespace)
+    if extra:
+        close = difflib.get_close_matches(extra[0], list(spec), n=1)
+        raise ValueError(f"{extra[0]}={namespace[extra[0]]!r}: not a parameter of this notebook"
+                         + (f" (did you mean {close[0]}?)" if close else "")
+                         + f"; its parameters: {', '.join(spec)}")
     for name, param in spec.items():
         if name not in namespace:
             raise ValueError(f"{name}: not defined by the parameters cell (the check names a parameter that does not "

@@ -21,13 +21,23 @@ def run_date(run: Path) -> str:
         return ""
 
 
+def experiments(root: str | Path | None = None) -> list[str]:
+    """The committed experiments: the folders of the results store (``results/<experiment>/``), sorted."""
+    base = Path(root) if root else results_dir()
+    return sorted(p.name for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+
+
 def runs(experiment: str, root: str | Path | None = None) -> list[Path]:
     """Run folders of ``experiment``, oldest first: by the date in their provenance, then by name (names start
-    with the device and the date, so a 2-GPU run of the same day would sort before a 4-GPU one by name alone)."""
+    with the device and the date, so a 2-GPU run of the same day would sort before a 4-GPU one by name alone).
+    An experiment that is not in the store is a one-line FileNotFoundError naming the ones that are."""
     base = Path(root) if root else results_dir()
     folder = base / experiment
     if not folder.is_dir():
-        raise FileNotFoundError(f"no results for experiment {experiment!r} under {base} (expected {folder}/<run>/)")
+        known = experiments(base)
+        raise FileNotFoundError(f"experiment={experiment!r}: expected one of {', '.join(map(repr, known))} (the "
+                                f"committed experiments under {base})" if known else
+                                f"experiment={experiment!r}: expected a committed experiment, but {base} holds none")
     return sorted((p for p in folder.iterdir() if p.is_dir()), key=lambda p: (run_date(p), p.name))
 
 

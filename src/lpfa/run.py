@@ -67,6 +67,16 @@ def read_run_config(run_dir: str | Path, require: tuple[str, ...] = ("train",)) 
     return conf
 
 
+def check_layer(layer: int, runs, what: str = "the committed runs") -> int:
+    """``layer`` when every run folder of ``runs`` (a dict of them, or an iterable) has it, by its config's
+    ``n_layer``; else ValueError ``"layer=30: expected a layer in [0, 11] of the committed runs"``."""
+    folders = list(runs.values()) if isinstance(runs, dict) else list(runs)
+    n_layer = min(int(read_run_config(d, require=("model",))["model"]["n_layer"]) for d in folders)
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layer:
+        raise ValueError(f"layer={layer!r}: expected a layer in [0, {n_layer - 1}] of {what}")
+    return layer
+
+
 def read_records(run_dir: str | Path) -> list[dict]:
     """Every record of a run's metrics file (plain or gzip-compressed), in order. Needs only the standard library. A
     file is parsed once while it is unchanged (the tables read the same 30k-step runs many times); the records are

@@ -301,6 +301,9 @@ PRESETS: dict[str, dict] = {  # what each one is: PRESET_HELP
                          attn_policy="paper", eval_interval=500, diag_interval=200, ckpt_interval=2000,
                          log_interval=50),
 }
+# the fields most runs change: the short --help lists these (--help-all every field)
+COMMON_FIELDS = ("data", "model", "attn_policy", "max_steps", "batch_size", "lr", "device", "out_dir", "diag_interval",
+                 "on_warning", "resume")
 # nanoGPT's names for TrainConfig fields, for the hint after an unknown one
 NANOGPT_NAMES = {"learning_rate": "lr", "max_iters": "max_steps", "lr_decay_iters": "max_steps",
                  "warmup_iters": "warmup_steps", "gradient_accumulation_steps": "grad_accum",
@@ -416,7 +419,7 @@ def make_config(preset: str | None = None, config_file: str | None = None,
             where = f" (in {source[key]})" if key in source else ""
             close = NANOGPT_NAMES.get(key) or next(iter(difflib.get_close_matches(key, names, n=1)), None)
             raise ValueError(f"{key}={d[key]!r}{where}: unknown TrainConfig field; expected one of the fields "
-                             f"`python -m lpfa.train --help` lists" + (f" (did you mean {close}?)" if close else ""))
+                             "`python -m lpfa.train --help-all` lists" + (f" (did you mean {close}?)" if close else ""))
     try:
         return TrainConfig(**d)
     except ValueError as e:
@@ -884,35 +887,89 @@ def train(cfg: TrainConfig) -> dict:
         verdict.pop("steps")  # "steps" stays the number of completed steps
         summary.update(verdict)
     run.summary(summary)
-    run.log(f"{status} at step {step}; final val loss {final_val}")
+    val_text = f"{final_val:.4f}" if final_val is not None else "not measured (the loss went non-finite)"
+    run.log(f"{status} at step {step}; final val loss {val_text}")
     if world > 1:
         dist.destroy_process_group()
     return summary
 
 
-def help_epilog() -> str:
-    """The presets and every TrainConfig field (type, default, meaning, what it accepts): the end of ``--help``."""
-    meaning = field_help()
-    lines = ["presets (--preset NAME):"]
-    lines += [f"  {name:<10} {PRESET_HELP[name]}" for name in PRESETS]
-    lines += ["", "fields (key=value on the command line, field: value in a --config file):"]
-    for f in fields(TrainConfig):
+def field_sections() -> dict[str, list[str]]:
+    """``{section: [field, ...]}``: TrainConfig's fields under the section comments of its source (``# data``,
+    ``# model``, ...), in order; one section "fields" when the source is not there (a frozen install)."""
+    try:
+        src = inspect.getsource(TrainConfig)
+    except (OSError, TypeError):
+        return {"fields": [f.name for f in fields(TrainConfig)]}
+    out, section = {}, "fields"
+    for line in src.splitlines():
+        head = re.match(r"^    # (\w[^#]*)$", line)  # a section comment (a continuation is "#" and two spaces)
+        name = re.match(r"^    (\w+): [\w\[\], ]+ = ", line)
+        if head:
+            section = head[1].strip()
+        elif name:
+            out.setdefault(section, []).append(name[1])
+    return out
+
+
+def _field_lines(names) -> list[str]:
+    """Each named field's two lines of help: type, default and meaning, then what it accepts."""
+    meaning, by_name = field_help(), {f.name: f for f in fields(TrainConfig)}
+    lines = []
+    for name in names:
+        f = by_name[name]
         default = f.default_factory() if f.default is MISSING else f.default
         lines.append(f"  {f.name} ({f.type}, default {json.dumps(default)}): {meaning.get(f.name, '')}")
         lines.append(f"      expected: {FIELD_CHECKS[f.name].expected}")
+    return lines
+
+
+def help_epilog(full: bool = False) -> str:
+    """The end of ``--help``: the presets and the fields people change most (:data:`COMMON_FIELDS`); with ``full``
+    (``--help-all``) every TrainConfig field by section (type, default, meaning, what it accepts)."""
+    lines = ["presets (--preset NAME):"]
+    lines += [f"  {name:<10} {PRESET_HELP[name]}" for name in PRESETS]
+    where = "key=value on the command line, field: value in a --config file"
+    if full:
+        for section, names in field_sections().items():
+            lines += ["", f"{section} fields ({where}):", *_field_lines(names)]
+        return "\n".join(lines)
+    n = len(fields(TrainConfig))
+    lines += ["", f"the fields most runs change ({where}):", *_field_lines(COMMON_FIELDS), "",
+              f"--help-all lists all {n} fields, by section ({', '.join(field_sections())})."]
     return "\n".join(lines)
+
+
+def _short_doc() -> str:
+    """The module docstring up to its command-line examples: the description of the short ``--help``."""
+    parts = __doc__.split("\n\n")
+    return "\n\n".join(parts[:4])
+
+
+class _HelpAll(argparse.Action):
+    """``--help-all``: the whole module docstring and every field, by section; then exit."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="list every TrainConfig field, by section, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.description, parser.epilog = __doc__, help_epilog(full=True)
+        parser.print_help()
+        parser.exit()
 
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # one line, without the usage block
-        self.exit(2, f"error: {message} (python -m lpfa.train --help lists the options and fields)\n")
+        self.exit(2, f"error: {message} (python -m lpfa.train --help lists the options, --help-all every field)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m lpfa.train``. A mistake in the command line, the config, the data or the run folder prints one
     line on stderr and exits with status 2; ``--debug`` raises it with its traceback instead."""
-    p = _ArgumentParser(prog="python -m lpfa.train", description=__doc__, epilog=help_epilog(),
+    p = _ArgumentParser(prog="python -m lpfa.train", description=_short_doc(), epilog=help_epilog(),
                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--help-all", action=_HelpAll)
     p.add_argument("--preset", help="start from a preset (listed below)")
     p.add_argument("--config", help="a YAML file of TrainConfig fields (it may name a preset)")
     p.add_argument("--debug", action="store_true", help="on an error, show its traceback instead of one line")

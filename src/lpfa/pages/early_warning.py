@@ -143,7 +143,7 @@ def replay_committed(lead: int = alarms.LEAD_STEPS, max_fpr: float = alarms.MAX_
     lead = integer(1).check("lead", lead)
     max_fpr = real(0, 1, hi_open=True).check("max_fpr", max_fpr)
     samples = alarms.labelled_samples(root, lead=lead)
-    thr = alarms.derive(samples, max_fpr)
+    thr = alarms.derive(samples, max_fpr, lead)
     return samples, thr, warning_table(root, thresholds=thr)
 
 

@@ -332,7 +332,10 @@ def styled(card: pd.DataFrame, link: bool = True):
 def plot_fig2(experiment: str = "paper_recipe", root=None):
     """Fig. 2 here: the training and eval losses of the first committed BF16/FP32 pair of ``experiment``
     (:func:`lpfa.pages.loss_explosion.fig2_twins`), a dotted line where the BF16 twin exploded. None without a pair."""
-    pairs = fig2_twins(experiment, root=root)
+    try:
+        pairs = fig2_twins(experiment, root=root)
+    except FileNotFoundError:  # the experiment is not in the store
+        return None
     if not pairs:
         return None
     runs = next(iter(pairs.values()))

@@ -34,6 +34,7 @@ from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
 from lpfa.results import experiment_rows, load, run_dir
+from lpfa.results import runs as experiment_runs
 from lpfa.results import what as results_what
 from lpfa.run import Run, run_verdict
 from lpfa.scaling import PAPER_EXPLOSION_STEP, committed_speed, paper_explosion_tokens, tokens_per_step, wall_minutes
@@ -68,8 +69,10 @@ EXPLOSION_EXPERIMENTS = ("paper_recipe", "isolation", "seeds", "sfa_muon", "muon
 
 def recipe_rows(experiment: str = "paper_recipe", run: str | None = None, root=None) -> dict:
     """``{label: run folder}`` of ``experiment``: over all its run folders (``run`` None,
-    :func:`lpfa.results.experiment_rows`) or in run folder ``run``."""
+    :func:`lpfa.results.experiment_rows`) or in run folder ``run``. An experiment that is not committed is a one-line
+    error naming the ones that are (:func:`lpfa.results.runs`)."""
     if run is None:
+        experiment_runs(experiment, root)  # an experiment not in the store: one line naming those that are
         return experiment_rows(experiment, root=root)
     folder = run_dir(experiment, run, root)
     return {p.name: p for p in sorted(folder.iterdir()) if (p / "config.json").is_file()}

@@ -19,6 +19,7 @@ from lpfa.pages.loss_explosion import recipe_rows
 from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, use_style
 from lpfa.results import run_dir
+from lpfa.run import check_layer
 from lpfa.scaling import first_difference
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -54,7 +55,8 @@ def short_twins(short_experiment: str, twins: dict, runs: dict) -> tuple[dict | 
 def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral_norm", ax=None):
     """Fig. 3 as the paper draws it: ``metric`` of every head of ``layer`` at ``step``, one bar per (head, run), each
     run in its mode's colour (:data:`lpfa.plotting.COLORS`), with hatching for the low-precision runs so that BF16 and
-    FP32 differ by more than colour."""
+    FP32 differ by more than colour. A layer the runs lack is a one-line error (:func:`lpfa.run.check_layer`)."""
+    check_layer(layer, runs)
     use_style()
     rows = []
     for label, d in runs.items():
@@ -99,11 +101,9 @@ def plot_layer_max(runs: dict):
 
 def plot_layer_heads(runs: dict, layer: int):
     """Fig. 11 per head: ‖W_Q[h]‖₂ of every head of ``layer`` against the step, one panel per run (``{label: run
-    folder}``), one line per head; a ValueError where a run did not log ``layer``."""
+    folder}``), one line per head; a one-line error for a layer the runs lack (:func:`lpfa.run.check_layer`)."""
+    check_layer(layer, runs)
     frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
-    for label, f in frames.items():
-        if layer not in set(f.layer):
-            raise ValueError(f"layer={layer!r}: expected a layer that run {label!r} logged, 0 to {int(f.layer.max())}")
     use_style()
     fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
     for ax, (label, f) in zip(axes[0], frames.items()):
@@ -211,7 +211,9 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
 def page_texts(experiment: str, runs: dict, twins: dict, layer: int, step: int, short_experiment: str) -> dict:
     """Every sentence page 07 glues into its prose, by name: the twins' run (``runs`` of ``experiment``), the W_Q
     ratio at ``step`` (:func:`wq_ratio_text`), its growth (:func:`growth_text`) and the comparison with the same
-    twins in ``short_experiment`` (:func:`short_twins`, :func:`wq_comparison_text`)."""
+    twins in ``short_experiment`` (:func:`short_twins`, :func:`wq_comparison_text`). A ``layer`` the runs lack is a
+    one-line error (:func:`lpfa.run.check_layer`)."""
+    check_layer(layer, runs)
     folder = runs["bf16"].parent
     items, at = growth_text(runs, layer)
     short, same = short_twins(short_experiment, twins, runs)
