@@ -23,6 +23,7 @@ from packaging.version import Version
 
 from lpfa import publish
 from lpfa.book import toc_notebooks
+from lpfa.params import check_params
 
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -221,7 +222,10 @@ def _run_setup_cell(monkeypatch, cwd: Path, hide_lpfa: bool, torch_installed: bo
         monkeypatch.setitem(sys.modules, "lpfa", None)  # `import lpfa` now raises ImportError
     cell = next(c for c in nbformat.read(ROOT / "notebooks" / "01_bf16_rounding.ipynb", as_version=4).cells
                 if c.get("id") == publish.SETUP_CELL_ID)
-    exec(compile(cell.source, "setup-cell", "exec"), {})
+    namespace = {}
+    exec(compile(cell.source, "setup-cell", "exec"), namespace)
+    # what the cell leaves behind passes the page's parameter check, which refuses names it does not declare
+    check_params({}, {k: v for k, v in namespace.items() if k != "__builtins__"})
     return calls
 
 

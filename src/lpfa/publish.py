@@ -73,7 +73,8 @@ except ImportError:
     subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", f"{{root}}[book]", *cpu], check=True)
     importlib.invalidate_caches()
     os.environ["LPFA_ROOT"] = str(root)
-    os.chdir(root / "{folder}")"""
+    os.chdir(root / "{folder}")
+    del here, root, cpu  # the parameter check refuses names that are not the page's parameters"""
 
 
 def with_setup_cell(nb, source: str):
