@@ -1,5 +1,6 @@
-"""The book's build, without building it: the kernels get their share of the cores, the progress bar names the
-notebooks running, and a failed notebook leaves its log."""
+"""The book's build, without building it: the default profile trains nothing (pages 05 and 13 read the committed CPU
+run), the kernels get their share of the cores, the progress bar names the notebooks running, and a failed notebook
+leaves its log."""
 
 import pytest
 from conftest import ROOT
@@ -47,3 +48,32 @@ def test_a_failed_notebook_keeps_its_log_and_partial_copy(tmp_path, monkeypatch)
     assert "parameters {'max_steps': 0}" in text and "ValueError: max_steps=0" in text and "Traceback" in text
     assert log.with_suffix(".ipynb").read_text() == "{}"
 
+
+def test_default_profile_trains_nothing_on_pages_05_and_13(monkeypatch):
+    """The default parameters of pages 05 and 13 select the committed CPU run (results/cpu_smoke): the page modules
+    called as the book calls them, with training made to fail, read it; with train=True they would train."""
+    from lpfa.pages import structure as ps
+    from lpfa.pages import training as tr
+
+    def no_training(*a, **k):
+        raise AssertionError("the default profile trained a model")
+
+    monkeypatch.setattr(tr, "train_smoke", no_training)
+    monkeypatch.setattr(ps, "load_model", no_training)
+    p13 = book.notebook_parameters(ROOT / "notebooks" / "13_training.ipynb")
+    assert p13["train"] is False
+    out, summary, where = tr.smoke_run(p13["train"], p13["preset"], p13["max_steps"], p13["attn_policy"],
+                                       p13["diag_interval"], p13["out_dir"])
+    assert out == tr.committed_smoke() and summary["steps"] == p13["max_steps"]  # the run page 13 would train
+    assert f"committed run `{out.parent.name}`" in where
+    p05 = book.notebook_parameters(ROOT / "notebooks" / "05_structure.ipynb")
+    assert not (p05["hf_gpt2"] or p05["checkpoint"] or p05["train"])
+    summary, texts = ps.model_summary(p05["hf_gpt2"], p05["checkpoint"], p05["train"], p05["train_steps"],
+                                      p05["n_seqs"], p05["seq_len"], p05["eps"], p05["seed"])
+    assert summary["batch"] == [p05["n_seqs"], p05["seq_len"]] and "committed run" in texts["model_source"]
+    with pytest.raises(AssertionError, match="trained a model"):  # the switch does train
+        tr.smoke_run(True)
+    with pytest.raises(AssertionError, match="trained a model"):
+        ps.model_summary(train=True)
+    small = book.notebook_parameters(ROOT / "notebooks" / "13_training.ipynb", "small")
+    assert small["train"] is True  # the tests' small profile still trains on the CPU, briefly
