@@ -65,7 +65,8 @@ def test_default_profile_trains_nothing_on_pages_05_and_13(monkeypatch):
     out, summary, where = tr.smoke_run(p13["train"], p13["preset"], p13["max_steps"], p13["attn_policy"],
                                        p13["diag_interval"], p13["out_dir"])
     assert out == tr.committed_smoke() and summary["steps"] == p13["max_steps"]  # the run page 13 would train
-    assert f"committed run `{out.parent.name}`" in where
+    prov = __import__("json").loads((out.parent / "provenance.json").read_text())
+    assert f"committed run `{out.parent.name}`" in where and f"{prov['torch_threads']} torch thread" in where
     p05 = book.notebook_parameters(ROOT / "notebooks" / "05_structure.ipynb")
     assert not (p05["hf_gpt2"] or p05["checkpoint"] or p05["train"])
     summary, texts = ps.model_summary(p05["hf_gpt2"], p05["checkpoint"], p05["train"], p05["train_steps"],

@@ -68,8 +68,10 @@ def smoke_run(train: bool = False, preset: str = "cpu-smoke", max_steps: int = 3
         return out, summary, "on this machine's CPU"
     out = committed_smoke(experiment, root)
     prov = json.loads((out.parent / "provenance.json").read_text())
+    n = prov.get("torch_threads")
     return out, json.loads((out / "summary.json").read_text()), (
-        f"on a CPU ({prov.get('platform', prov['device'])}) in the committed run `{out.parent.name}` of "
+        f"on a CPU ({prov.get('platform', prov['device'])}"
+        + (f", {n} torch thread{'s' * (n > 1)}" if n else "") + f") in the committed run `{out.parent.name}` of "
         f"`results/{experiment}` (commit `{prov['git_commit']}`; `train=True` trains it here)")
 
 
