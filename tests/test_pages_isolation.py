@@ -12,6 +12,7 @@ import torch
 from lpfa.compare import layer_max
 from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION
 from lpfa.mechanism import DELTA_FORMULAS
+from lpfa.pages import RERUN_PAGE
 from lpfa.pages.isolation import (
     VERDICT_NOTES,
     delta_consistency,
@@ -181,7 +182,7 @@ def test_isolation_plan_prices_the_rows_not_run():
     minutes = math.ceil(n / 2) * 2_000 * PRESETS["repro"]["batch_size"] * PRESETS["repro"]["block_size"] / tps / 60
     assert text.startswith(f"**Not run yet**: {', '.join(f'`{x}`' for x in pending)}. With the two references again, "
                            f"{n} runs at 2,000 steps take about {minutes:.0f} minutes on 2 H200s")
-    assert f'ONLY="bf16 fp32 {" ".join(pending)}"' in text and "max_steps=2000" in text
+    assert text.endswith(f"; {RERUN_PAGE} gives the commands).") and "bash" not in text  # the commands: book/rerun.md
     with pytest.raises(ValueError, match=r"^planned_steps=0, gpus=4: expected both >= 1$"):
         isolation_plan(some, planned_steps=0)
 
@@ -221,8 +222,7 @@ def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
     text = recipe_plan(recipe)
     assert text.startswith("**Not run yet**: `b_paper_recipe`, `c_paper_recipe`. Each needs one H200 for the BF16 "
                            f"twin's {train['time_budget_s'] / 60:.0f} minutes")
-    assert f'`ONLY="b_paper_recipe c_paper_recipe" BATCH={train["batch_size"]} ' in text
-    assert f"BUDGET={train['time_budget_s']:.0f} " in text
+    assert text.endswith(f"two per 2-GPU run, at its batch of {train['batch_size']} ({RERUN_PAGE} gives the commands).")
     assert recipe_plan(recipe, root=tmp_path).endswith("They run at the BF16 twin's batch once that twin is committed "
                                                        "(`scripts/gpu/paper_recipe.sh`).")
     assert recipe_plan(_recipe({"a": "no explosion"}, {"a": "stable"})) == ""

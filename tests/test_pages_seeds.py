@@ -9,6 +9,7 @@ import pytest
 
 from lpfa.compare import divergence_step, experiment_table, layer_max
 from lpfa.experiments import SEEDS
+from lpfa.pages import RERUN_PAGE
 from lpfa.pages.seeds import SEED_COLUMNS, seed_runs, seeds_committed, seeds_plan, seeds_summary
 from lpfa.scaling import committed_speed
 from lpfa.train import PRESETS
@@ -86,7 +87,7 @@ def test_seeds_plan_prices_the_seeds_while_none_is_committed(tmp_path):
     assert text.startswith(f"**Not run yet**: only seed 1337 is in the table. The {len(SEEDS)} runs of "
                            f"`lpfa.experiments.SEEDS` ({', '.join(SEEDS)}) at 3,000 steps each take about "
                            f"{minutes:.0f} minutes on 4 H200s")
-    assert 'EXTRA="compile=true max_steps=3000"' in text
+    assert text.endswith(f"with `compile=true` ({RERUN_PAGE} gives the commands).")
     with pytest.raises(ValueError, match=r"^planned_steps=8000, gpus=0: expected both >= 1$"):
         seeds_plan(gpus=0)
 

@@ -10,7 +10,7 @@ import pytest
 from conftest import ROOT
 
 from lpfa.experiments import MUON_LR2, SFA_MUON, SIZES
-from lpfa.pages import sfa
+from lpfa.pages import RERUN_PAGE, sfa
 from lpfa.pages.loss_explosion import recipe_rows
 from lpfa.results import experiment_rows, run_dir, what
 from lpfa.run import read_records, run_verdict
@@ -178,12 +178,13 @@ def test_second_looks_hold_the_committed_rows_and_the_plans_cost_the_rest(measur
         assert caption == f"results/{exp}/{next(iter(rows.values())).parent.name}: precursor values at step {step:,}"
     assert sfa.plans_text(measured, 8000, 4) == ""
     plans = sfa.plans_text({}, 8000, 4).split("\n\n")
-    assert len(plans) == 4 and plans[0].startswith("**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)")
+    assert len(plans) == 2 and plans[0].startswith("**Not run yet** (`sfa_muon`: `bf16_muon`, `fp32_muon`, `sfa_muon`)")
+    assert all(p.endswith(f"({RERUN_PAGE} gives the commands).") for p in plans)  # the commands: book/rerun.md
     tps = committed_speed().loc["compiled", "median tokens/s"]
     minutes = wall_minutes(8000, tps, PRESETS["repro"], runs=3, gpus=4)
     assert f"3 runs take about {minutes:.0f} minutes on 4 H200s" in plans[0]
     assert f"({tps:,.0f} tokens/s per GPU" in plans[0]
-    assert plans[2].startswith("**Not run yet** (`sizes`") and "(estimated: the measured `repro` throughput" in plans[2]
+    assert plans[1].startswith("**Not run yet** (`sizes`") and "(estimated: the measured `repro` throughput" in plans[1]
 
 
 def test_muon_section_on_the_committed_rows(measured):

@@ -13,6 +13,7 @@ from lpfa.compare import head_metric_frame
 from lpfa.model import GPT, GPTConfig
 from lpfa.pages.structure import (
     gpu_structures,
+    gpu_structures_runs,
     gpu_structures_text,
     load_model,
     model_batch,
@@ -79,7 +80,9 @@ def test_gpu_structures_and_their_section():
     text = gpu_structures_text(measured, [0.9, 0.95], ["structure", "repro_runaway"])
     shown = what(json.loads((run_dir("structure") / "provenance.json").read_text()))
     assert not shown.startswith("issue")
-    assert text.startswith(f"Run `{run_dir('structure').name}` of `results/structure`: {shown}.\n\n")
+    runs = gpu_structures_runs(measured)  # the run records, in a collapsed block apart from the findings
+    assert runs.startswith(f"Run `{run_dir('structure').name}` of `results/structure`: {shown}.\n\n")
+    assert shown not in text and gpu_structures_runs([]) == "No GPU-trained checkpoint is measured yet."
     for label, s in files.items():
         b = np.asarray(s["ties"]["bf16"])
         assert f"`{label}` (`" in text and describe(s) in text and f"{b.mean():.1%} of rows have tied maxima" in text

@@ -820,7 +820,7 @@ def test_stabiliser_plan_times_each_row_at_its_precisions_speed():
         return
     text = stabiliser_plan(pending)
     assert f"FP32, compiled: {tps:,.0f} tokens/s (`{name}`)" in text
-    assert re.search(r'ONLY="([^"]*)"', text).group(1).split() == pending[:sharing]
+    assert re.search(r"in this order: `([^`]*)`", text).group(1).split() == pending[:sharing]
     if "fp32_qknorm" in pending:
         assert f"`fp32_qknorm` {STABILISER_STEPS * 24 * 1024 / tps / 60:.1f} min" in text
 
@@ -862,6 +862,7 @@ def _stabiliser_root(tmp, walls: dict[str, float]):
 def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_path):
     """Rows group in order into calls of as many rows as shared the H200; an eager row (sr_reseed: no eager run is
     measured) gets its own call; a row whose measured speed needs more than the budget is named."""
+    from lpfa.pages import RERUN_PAGE
     from lpfa.pages.stabilisers import STABILISER_BUDGET_S, stabiliser_plan
 
     root = _stabiliser_root(tmp_path, {"bf16_gated": 900.0, "fp32_gated": STABILISER_BUDGET_S + 60.0})
@@ -870,9 +871,10 @@ def test_stabiliser_plan_gives_an_unmeasured_kind_of_row_a_call_of_its_own(tmp_p
     assert f"BF16, compiled: {6000 * 24 * 1024 / 900:,.0f} tokens/s (`bf16_gated`)" in text
     assert "`bf16_qkclip` 15.0 min" in text and f"`fp32_softcap` {(STABILISER_BUDGET_S + 60) / 60:.1f} min" in text
     assert "`sr_reseed` speed not measured" in text and "`bf16_qkclip_muon` speed not measured" in text  # eager; Muon
-    assert 'ONLY="fp32_qknorm bf16_qkclip"' in text
+    assert ("They run 2 to an H200, in this order: `fp32_qknorm bf16_qkclip`, then `sr_reseed`, then `fp32_softcap`, "
+            "then `bf16_qkclip_muon`;") in text
     assert f"(`fp32_qknorm` would stop before step 6,000 at {STABILISER_BUDGET_S:,} s)" in text
-    assert text.endswith("the others in the same way: `sr_reseed` then `fp32_softcap` then `bf16_qkclip_muon`.")
+    assert text.endswith(f"({RERUN_PAGE} gives the commands).")
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 
@@ -1192,7 +1194,8 @@ def test_stabiliser_plan_scales_a_row_by_its_speed_alone(tmp_path):
     assert f"`bf16_softcap` {6000 * 24 * 1024 / (shared * 2 / 3) / 60:.1f} min" in text
     assert f"`bf16_muon_recipe` {6000 * 24 * 1024 / (shared / 2) / 60:.1f} min" in text
     assert "`fp32_softcap` 16.7 min" in text  # not timed alone: its kind's shared speed as it is
-    assert 'ONLY="bf16_softcap bf16_muon_recipe"' in text and "scaled by the row's tokens/s alone" in text
+    assert "in this order: `bf16_softcap bf16_muon_recipe`, then `fp32_softcap`;" in text
+    assert "scaled by the row's tokens/s alone" in text
 
 
 def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):

@@ -6,8 +6,15 @@ the parameters of a *profile*), and runs ``jupyter-book build`` on the stage; th
 ``<out>/_build/html`` (``<out>`` is the repository by default).
 
 Profiles live in ``notebooks/parameters.yml``: ``default`` is what the book shows (each notebook's
-own defaults plus any overrides there), ``small`` is the quick set CI uses. Notebooks that train call
-:func:`train_quietly`, so that the training log lands in the run folder, not on the page. Command line::
+own defaults plus any overrides there), ``small`` is the quick set CI uses. The default profile trains nothing and
+runs no long computation: the pages read committed runs (``results/``), and training on the CPU is a parameter
+(``train=True``). Notebooks that train call :func:`train_quietly`, so that the training log lands in the run folder,
+not on the page.
+
+The notebooks execute ``jobs`` at a time, each kernel limited to its share of the CPU cores (:func:`kernel_threads`),
+so that a busy machine is not oversubscribed; the progress bar names the notebooks running and how long each has run
+(:func:`running_postfix`), and a notebook that fails leaves its log and its partly executed copy in
+``<out>/_build/logs/``. Command line::
 
     lpfa book                      # default profile, HTML in _build/html
     lpfa book --profile small --out /tmp/book
@@ -22,8 +29,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import traceback
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 import yaml
@@ -32,8 +41,9 @@ from tqdm.auto import tqdm
 from lpfa.paths import repo_root
 
 BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
-CELL_TIMEOUT_S = 1200  # the slowest default cell (300 CPU training steps) takes about 2 minutes
+CELL_TIMEOUT_S = 1200  # a hung cell fails the build; the longest, 300 CPU training steps (train=True), takes minutes
 CONSOLE_LOG = "console.txt"  # what a quiet block would have printed, in the run folder
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # what torch and numpy's BLAS read
 
 
 @contextlib.contextmanager
@@ -93,6 +103,20 @@ def profile_parameters(root: Path, profile: str) -> dict[str, dict]:
     return (profiles or {}).get(profile) or {}
 
 
+def notebook_parameters(notebook: Path, profile: str = "default", root: Path | None = None) -> dict:
+    """The parameters ``notebook`` runs with in the book at ``profile``: its ``parameters`` cell's values, then the
+    profile's overrides (:func:`profile_parameters`). Lets a test call a page module as the book would, without
+    executing the notebook."""
+    import nbformat  # optional (the book extra)
+
+    root = Path(root) if root else repo_root()
+    cell = next(c for c in nbformat.read(notebook, as_version=4).cells if "parameters" in c.metadata.get("tags", []))
+    ns: dict = {}
+    exec(cell.source, ns)  # the cell holds assignments of literals (tests/test_notebooks.py)
+    values = {k: v for k, v in ns.items() if not k.startswith("__")}
+    return {**values, **(profile_parameters(root, profile).get(Path(notebook).stem) or {})}
+
+
 def _ipc_kernel_manager():
     """A kernel manager whose kernel talks over Unix sockets in a folder of its own. Kernels launched at the same time
     by several processes (the book's parallel execution, the test workers) can be handed the same TCP ports; a
@@ -132,6 +156,93 @@ def execute_notebook(src: Path, dst: Path, parameters: dict | None = None, timeo
     return dst
 
 
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity; ``os.cpu_count()`` counts the host's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def kernel_threads(jobs: int, cores: int | None = None) -> int:
+    """Threads per notebook kernel when ``jobs`` run at once on ``cores`` cores (default :func:`cpu_cores`): their
+    share, at least 1. More threads than cores make torch's OpenMP workers wait on each other, which on a busy
+    machine slows a kernel down many times over."""
+    return max(1, (cores or cpu_cores()) // max(1, jobs))
+
+
+def _limit_threads(threads: int) -> None:
+    """A build worker's initializer: the kernels it starts inherit ``threads`` as their thread count."""
+    for var in THREAD_VARS:
+        os.environ[var] = str(threads)
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(seconds), 60)
+    return f"{m}:{s:02d}"
+
+
+def running_postfix(running: dict[str, float], now: float | None = None) -> str:
+    """The progress bar's postfix: each running notebook (``{name: start time}``, :func:`time.monotonic`) with how
+    long it has run, the longest first: ``"13_training 2:31, 05_structure 0:12"``."""
+    now = time.monotonic() if now is None else now
+    return ", ".join(f"{name} {_clock(now - t0)}" for name, t0 in sorted(running.items(), key=lambda kv: kv[1]))
+
+
+def _execute_logged(src: Path, dst: Path, parameters: dict | None, log: Path) -> float:
+    """:func:`execute_notebook` in a build worker; returns its wall time in seconds. A failure writes ``log`` (the
+    notebook, its parameters, the error with the failing cell's traceback, and where papermill left the partly
+    executed copy) and raises RuntimeError naming it."""
+    t0 = time.monotonic()
+    try:
+        execute_notebook(src, dst, parameters)
+    except Exception as e:  # noqa: BLE001  (logged, then raised again with the log's path)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        kept = log.with_suffix(".ipynb")
+        if dst.is_file():
+            shutil.copy2(dst, kept)
+        log.write_text(f"{src.name} failed after {time.monotonic() - t0:.0f} s with parameters {parameters or {}}\n"
+                       f"partly executed copy: {kept if kept.is_file() else '(none written)'}\n\n"
+                       + "".join(traceback.format_exception(e)))
+        raise RuntimeError(f"{src.name} failed: {type(e).__name__}: {str(e)[:2000]}\nlog: {log}") from None
+    return time.monotonic() - t0
+
+
+def execute_all(todo: list[tuple[Path, Path, dict | None]], jobs: int, logs: Path, desc: str = "executing notebooks",
+                threads: int | None = None) -> dict[str, float]:
+    """Execute ``todo`` (``(notebook, executed copy, parameters)``) ``jobs`` at a time in fresh worker processes, each
+    kernel with :func:`kernel_threads` threads (or ``threads``); returns ``{notebook stem: seconds}``. The progress
+    bar counts the notebooks done and names those running (:func:`running_postfix`). After a failure no more start;
+    those running finish, then RuntimeError names every failed notebook and its log under ``logs``."""
+    threads = threads or kernel_threads(jobs)
+    queue, running, times, failed = list(todo), {}, {}, []
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn"), initializer=_limit_threads,
+                             initargs=(threads,)) as pool, \
+            tqdm(total=len(todo), desc=f"{desc} ({jobs} at a time, {threads} thread{'s' * (threads > 1)} each)",
+                 unit="nb") as bar:
+        while queue or running:
+            while queue and len(running) < jobs and not failed:  # exactly `jobs` in flight: the postfix names them
+                src, dst, params = queue.pop(0)
+                fut = pool.submit(_execute_logged, src, dst, params, logs / f"{src.stem}.log")
+                running[fut] = (src.stem, time.monotonic())
+            if not running:
+                break
+            done, _ = wait(running, timeout=1.0, return_when=FIRST_COMPLETED)
+            for fut in done:
+                name, _ = running.pop(fut)
+                try:
+                    times[name] = fut.result()
+                    bar.write(f"  {name}: {times[name]:.0f} s")
+                except Exception as e:  # noqa: BLE001  (collected: the build fails below, naming each)
+                    failed.append(str(e))
+                    bar.write(f"  {name}: FAILED ({e})")
+                bar.update(1)
+            bar.set_postfix_str(running_postfix({n: t0 for n, t0 in running.values()}), refresh=True)
+    if failed:
+        raise RuntimeError(f"{len(failed)} notebook(s) failed:\n" + "\n".join(failed))
+    return times
+
+
 def _jupyter_book() -> str:
     exe = Path(sys.executable).parent / "jupyter-book"
     found = str(exe) if exe.exists() else shutil.which("jupyter-book")
@@ -146,7 +257,7 @@ def build(profile: str = "default", out: str | Path | None = None, root: Path | 
 
     ``executed``: ``{notebook path: its executed copy}`` of notebooks already run at this profile (the tests run each
     notebook once and build the book from those copies); the rest execute here, ``jobs`` at a time (default: one per
-    CPU core), each in its own kernel."""
+    CPU core, :func:`cpu_cores`), each in its own kernel (:func:`execute_all`)."""
     root = Path(root) if root else repo_root()
     out = Path(out) if out else root
     params = profile_parameters(root, profile)
@@ -170,13 +281,13 @@ def build(profile: str = "default", out: str | Path | None = None, root: Path | 
             (stage / nb.relative_to(root)).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(done[nb], stage / nb.relative_to(root))
     todo = [nb for nb in notebooks if nb not in done]
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(todo) or 1))
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:  # fresh workers
-        futures = {pool.submit(execute_notebook, nb, stage / nb.relative_to(root), params.get(nb.stem)): nb
-                   for nb in todo}
-        for f in tqdm(as_completed(futures), total=len(todo), desc=f"executing notebooks ({profile}, {jobs} at a time)",
-                      unit="nb"):
-            f.result()  # a failing notebook stops the build with its error
+    jobs = max(1, min(jobs or cpu_cores(), len(todo) or 1))
+    t0 = time.monotonic()
+    times = execute_all([(nb, stage / nb.relative_to(root), params.get(nb.stem)) for nb in todo], jobs,
+                        out / "_build" / "logs", desc=f"executing notebooks ({profile})")
+    if times:
+        print(f"executed {len(times)} notebooks in {time.monotonic() - t0:.0f} s; the slowest: "
+              + ", ".join(f"{n} {t:.0f} s" for n, t in sorted(times.items(), key=lambda kv: -kv[1])[:3]))
     cmd = [_jupyter_book(), "build", str(stage), "--path-output", str(out), "--all", "-W", "--keep-going"]
     subprocess.run(cmd, check=True)
     index = out / "_build" / "html" / "index.html"

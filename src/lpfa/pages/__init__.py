@@ -21,6 +21,9 @@ from lpfa.train import PRESETS
 # what fixes a preset's training, beyond the batch a GPU run chooses
 _RECIPE_KEYS = ("model", "block_size", "lr", "min_lr", "lr_schedule", "warmup_steps")
 _SETTINGS = {"gpt2-s-paper": "the paper's GPT-2 S recipe", "repro": "the `repro` preset"}
+# where the book keeps the commands that rerun an experiment (book/rerun.md, by its title): a page names it, and
+# states no command of its own
+RERUN_PAGE = "the page *Reading, rerunning and changing the notebooks*"
 # a scorecard verdict (lpfa.pages.intro.VERDICTS) as a page says it: "Fig. 2 is partly reproduced"
 VERDICT_WORDS = {"reproduced": "reproduced", "partly": "partly reproduced", "not reproduced": "not reproduced",
                  "not run": "not run here", "shown": "shown", "not shown": "not shown"}

@@ -20,6 +20,7 @@ from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_IS
 from lpfa.experiments import rows as design_rows
 from lpfa.explosion import RunawayCriterion, heads_text
 from lpfa.mechanism import DELTA_FORMULAS, delta_formulas
+from lpfa.pages import RERUN_PAGE
 from lpfa.params import integer, real, text
 from lpfa.results import experiment_rows
 from lpfa.run import (
@@ -278,7 +279,7 @@ def o_exact_notes(consistency, table=None, rows=None) -> dict:
 def isolation_plan(rows: dict, planned_steps: int = 8_000, gpus: int = 4) -> str:
     """Page 10's next step for the rows of :data:`lpfa.experiments.ISOLATION` not in ``rows`` (``{label: run
     folder}``): their names, the minutes of ``planned_steps`` steps of them and the two references again on ``gpus``
-    GPUs at the committed compiled speed (:func:`lpfa.scaling.committed_speed`), and the command; "" when every row
+    GPUs at the committed compiled speed (:func:`lpfa.scaling.committed_speed`); "" when every row
     is committed."""
     if planned_steps < 1 or gpus < 1:
         raise ValueError(f"planned_steps={planned_steps}, gpus={gpus}: expected both >= 1")
@@ -289,10 +290,8 @@ def isolation_plan(rows: dict, planned_steps: int = 8_000, gpus: int = 4) -> str
     minutes = wall_minutes(planned_steps, tps, PRESETS["repro"], runs=len(pending) + 2, gpus=gpus)
     return (f"**Not run yet**: {', '.join(f'`{label}`' for label in pending)}. With the two references again, "
             f"{len(pending) + 2} runs at {planned_steps:,} steps take about {minutes:.0f} minutes on {gpus} H200s with "
-            f"`compile=true` ({tps:,.0f} tokens/s per GPU, `results/compile_throughput`):\n\n"
-            f"`EXPERIMENT=isolation ONLY=\"bf16 fp32 {' '.join(pending)}\" NAME=isolation EXTRA=\"compile=true "
-            f"max_steps={planned_steps}\" REPLAY=0 PHASE=start BUDGET=... WAIT=... bash scripts/gpu/twins.sh`, then "
-            "`PHASE=wait` and `PHASE=finish` (the script's header).")
+            f"`compile=true` ({tps:,.0f} tokens/s per GPU, `results/compile_throughput`; {RERUN_PAGE} gives the "
+            "commands).")
 
 
 def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
@@ -378,7 +377,7 @@ def recipe_runaway_text(recipe, root=None) -> str:
 
 def recipe_plan(recipe, root=None) -> str:
     """Page 10's next step for the rows of :func:`recipe_isolation_table` (``recipe``) not run yet: their names, and the
-    command that runs them at the committed BF16 twin's batch and time budget, two per 2-GPU run (or where they run
+    GPU time they need at the committed BF16 twin's batch and time budget, two per 2-GPU run (or where they run
     while that twin is not committed); "" when every row has run."""
     pending = [label for label in recipe.index if recipe.loc[label, "verdict"] == "not run yet"]
     if not pending:
@@ -387,7 +386,5 @@ def recipe_plan(recipe, root=None) -> str:
     t = Run(twin["bf16_paper_recipe"]).train if twin else None
     return (f"**Not run yet**: {', '.join(f'`{label}`' for label in pending)}. "
             + (f"Each needs one H200 for the BF16 twin's {t['time_budget_s'] / 60:.0f} minutes plus compilation, two "
-               f"per 2-GPU run, at its batch of {t['batch_size']}:\n\n`ONLY=\"{' '.join(pending[:2])}\" "
-               f"BATCH={t['batch_size']} PHASE=start BUDGET={t['time_budget_s']:.0f} WAIT=540 "
-               "bash scripts/gpu/paper_recipe.sh`" if t else
+               f"per 2-GPU run, at its batch of {t['batch_size']} ({RERUN_PAGE} gives the commands)." if t else
                "They run at the BF16 twin's batch once that twin is committed (`scripts/gpu/paper_recipe.sh`)."))

@@ -29,7 +29,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_respon
 from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
-from lpfa.pages import VERDICT_WORDS, and_join, setting_of
+from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, setting_of
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -679,8 +679,8 @@ def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, 
         f"`results/{compile_throughput}`), i.e. {target_steps:,} steps in about {minutes['eager']:.0f} or "
         f"{minutes['compiled']:.0f} minutes. Runs sharing a GPU gain no total throughput, so give each run its own "
         "GPU: "
-        "`PHASE=start EXPERIMENT=twins BUDGET=... bash scripts/gpu/twins.sh` places them round-robin on the machine's "
-        "GPUs (`--gpus`), or `rerun=True` on this page.\n\n"
+        f"`lpfa.launch` places them round-robin on the machine's GPUs (`--gpus`; {RERUN_PAGE} gives the commands), or "
+        "`rerun=True` on this page.\n\n"
         f"**The paper's scale.** The paper's recipe (`gpt2-s-paper`: GPT-2 small, T = {pp['block_size']}, "
         f"{tokens_per_step(pp):,} tokens/step, peak lr {pp['lr']:g}, {pp['warmup_steps']:,} warmup steps) explodes "
         f"after about {PAPER_EXPLOSION_STEP:,} steps, {paper_explosion_tokens() / 1e9:.1f}B tokens. With the `paper` "

@@ -222,8 +222,8 @@ def paper_scale(cmp: dict, gpus: int = 8, budget_min: int = 24):
         "ps_paper_min": f"{ideal.loc['paper', col]:.0f}", "ps_authors_min": f"{ideal.loc[auth, col]:.0f}",
         "ps_eff": f"{eff:.0%}",
         "ps_paper_min_eff": f"{real.loc['paper', col]:.0f}", "ps_authors_min_eff": f"{real.loc[auth, col]:.0f}",
-        "ps_verdict": (f"With perfect scaling {verdict} a {budget_min}-minute run; a short test run on as many "
-                       "GPUs as are at hand has to measure the scaling before the 8-GPU run is planned."),
+        "ps_verdict": (f"With perfect scaling {verdict} a {budget_min}-minute run; the scaling above is measured on "
+                       f"two GPUs, not on {gpus}."),
         "ps_corpus": f"{GPU_CORPUS_TRAIN_TOKENS / 1e6:.0f}M", "ps_epochs": epochs,
         "ps_status": (f"Committed paper-scale runs: {', '.join(f'`{label}`' for label in scale_runs)}." if scale_runs
                       else "Neither the 8-GPU runs nor a short scaling test run exist yet."),

@@ -12,6 +12,7 @@ import pandas as pd
 
 from lpfa.experiments import SEEDS
 from lpfa.experiments import rows as design_rows
+from lpfa.pages import RERUN_PAGE
 from lpfa.pages.loss_explosion import fate_counts, recipe_fates
 from lpfa.params import integer, optional, real, text
 from lpfa.results import experiment_rows, run_dir
@@ -120,7 +121,7 @@ def seed_spread_text(summary, table) -> str:
 def seeds_plan(experiment: str = "seeds", planned_steps: int = 8_000, gpus: int = 4, root=None) -> str:
     """Page 11's next step while ``results/<experiment>`` holds no run: the runs of :data:`lpfa.experiments.SEEDS`, the
     minutes of ``planned_steps`` steps each on ``gpus`` GPUs at the committed compiled speed
-    (:func:`lpfa.scaling.committed_speed`), and the command; "" once a run is committed."""
+    (:func:`lpfa.scaling.committed_speed`); "" once a run is committed."""
     if planned_steps < 1 or gpus < 1:
         raise ValueError(f"planned_steps={planned_steps}, gpus={gpus}: expected both >= 1")
     if seeds_committed(experiment, root):
@@ -129,9 +130,7 @@ def seeds_plan(experiment: str = "seeds", planned_steps: int = 8_000, gpus: int 
     minutes = wall_minutes(planned_steps, tps, PRESETS["repro"], runs=len(SEEDS), gpus=gpus)
     return (f"**Not run yet**: only seed 1337 is in the table. The {len(SEEDS)} runs of `lpfa.experiments.SEEDS` "
             f"({', '.join(SEEDS)}) at {planned_steps:,} steps each take about {minutes:.0f} minutes on {gpus} H200s "
-            f"with `compile=true`:\n\n`EXPERIMENT=seeds NAME=seeds EXTRA=\"compile=true max_steps={planned_steps}\" "
-            "REPLAY=0 PHASE=start BUDGET=... WAIT=... bash scripts/gpu/twins.sh`, then `PHASE=wait` and "
-            "`PHASE=finish`.")
+            f"with `compile=true` ({RERUN_PAGE} gives the commands).")
 
 
 def recipe_text(root=None) -> str:

@@ -23,7 +23,7 @@ from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MUON_LONG, MUON_LR2, SFA_MUON, SIZES
 from lpfa.model import GPT, GPTConfig
-from lpfa.pages import and_join, provenance_line
+from lpfa.pages import RERUN_PAGE, and_join, provenance_line
 from lpfa.pages.loss_explosion import recipe_rows, seed_table
 from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, format_table, use_style
@@ -416,7 +416,7 @@ def second_look_table(experiment: str, rows: dict, table: pd.DataFrame, step: in
 def plans_text(measured: dict, planned_steps: int, gpus: int) -> str:
     """For each experiment of :data:`SECOND_LOOKS` not in ``measured`` (:func:`second_looks`): its rows, what they
     would cost at ``planned_steps`` steps on ``gpus`` H200s (the committed compiled ``repro`` throughput,
-    :func:`lpfa.scaling.committed_speed`, scaled by parameter count for another size) and the command; "" if none."""
+    :func:`lpfa.scaling.committed_speed`, scaled by parameter count for another size); "" if none."""
     text = []
     for exp, (labels, _, size) in SECOND_LOOKS.items():
         if exp in measured:
@@ -432,8 +432,7 @@ def plans_text(measured: dict, planned_steps: int, gpus: int) -> str:
             + (f" (estimated: the measured `repro` throughput, {tps:,.0f} tokens/s, scaled by its "
                f"{n['repro'] / 1e6:.0f}M against {n[size] / 1e6:.0f}M parameters)" if size != "repro"
                else f" ({tps:,.0f} tokens/s per GPU, `results/compile_throughput`)")
-            + f":\n\n`EXPERIMENT={exp} NAME={exp} EXTRA=\"compile=true max_steps={planned_steps}\" REPLAY=0 "
-            "PHASE=start BUDGET=... WAIT=... bash scripts/gpu/twins.sh`, then `PHASE=wait` and `PHASE=finish`.")
+            + f" ({RERUN_PAGE} gives the commands).")
     return "\n\n".join(text)
 
 

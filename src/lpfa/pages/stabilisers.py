@@ -31,7 +31,7 @@ from lpfa.compare import PRECURSORS, experiment_table, layer_max, precursor_pane
 from lpfa.experiments import BASES, FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABILISER_RERUN, STABILISERS
 from lpfa.experiments import rows as rows_of
 from lpfa.mechanism import error_persistence
-from lpfa.pages import and_join
+from lpfa.pages import RERUN_PAGE, and_join
 from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
 from lpfa.results import experiment_rows, load
@@ -328,8 +328,9 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     """How the ``pending`` stabiliser rows would run: grouped, in order, into launches of as many rows as the committed
     launches shared one H200 between (:func:`stabiliser_speeds`), each timed at the shared speed of a committed run of
     its kind (:func:`_speed_key`, else of any kind), scaled by the two rows' speeds alone (:func:`stabiliser_costs`)
-    where both were timed; a row with no speed gets a launch of its own. Ends with the first launch's command
-    (:data:`STABILISER_BUDGET_S`). Empty without the recipe's BF16 run or a committed stabiliser run."""
+    where both were timed; a row with no speed gets a launch of its own; names a row that would not reach
+    :data:`STABILISER_STEPS` within :data:`STABILISER_BUDGET_S`. Empty without the recipe's BF16 run or a committed
+    stabiliser run."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
@@ -373,19 +374,15 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     scaled = (", each scaled by the row's tokens/s alone on one GPU over that run's (`benchmarks/stabiliser_cost.py`)"
               if any(label in alone for label in pending) else "")
     over = [label for label in calls[0] if speed(label) is not None and tokens / speed(label) > STABILISER_BUDGET_S]
-    first = " ".join(calls[0])
-    later = " then ".join("`" + " ".join(c) + "`" for c in calls[1:])
+    launches = ", then ".join("`" + " ".join(c) + "`" for c in calls)
     return (f"Sharing one H200 {sharing} ways, a committed run trained ({measured}; compilation, evaluations and "
             f"checkpoints included){scaled}, so {STABILISER_STEPS:,} steps at batch {batch} take "
             + ", ".join(f"`{label}` {minutes(label)}" for label in pending)
-            + f". To run the first of them: `ONLY=\"{first}\" EXPERIMENT=stabilisers BATCH={batch} DOCTOR_STEP=5000 "
-            f"DOCTOR_EVERY=1000 PHASE=start BUDGET={STABILISER_BUDGET_S} WAIT=20 "
-            f"EXTRA=\"stop_at_step={STABILISER_STEPS}\" bash scripts/gpu/paper_recipe.sh`, then the same with "
-            "`PHASE=finish WAIT=300`, which runs `lpfa doctor` on each run's last checkpoint at or before step 5,000 "
-            "and before its explosion, for the δ-bias and similarity links"
+            + f". They run {sharing} to an H200, in this order: {launches}; `lpfa doctor` then examines each run's "
+            "last checkpoint at or before step 5,000 and before its explosion, for the δ-bias and similarity links"
             + (f" ({', '.join(f'`{x}`' for x in over)} would stop before step {STABILISER_STEPS:,} at "
                f"{STABILISER_BUDGET_S:,} s)" if over else "")
-            + (f"; the others in the same way: {later}." if later else "."))
+            + f" ({RERUN_PAGE} gives the commands).")
 
 
 def pending_text(pending: list[str], root=None) -> str:

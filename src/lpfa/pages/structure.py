@@ -1,6 +1,7 @@
 """Page 05, structure (Figs. 8, 9): the two ingredients the mechanism needs, rows with tied maxima and rank-1 matrices
-(PK)[T]ᵀX[T] that point the same way, measured (:func:`lpfa.structure.summarize`) in a model trained here, in the
-GPU-trained twins' logged ties, in the replay of the failing BF16 run and in the GPU-trained checkpoints."""
+(PK)[T]ᵀX[T] that point the same way, measured (:func:`lpfa.structure.summarize`) in a CPU-trained model (by default
+the committed run of ``scripts/cpu_smoke.py``, :func:`model_summary`; ``train=True`` trains it here), in the GPU-
+trained twins' logged ties, in the replay of the failing BF16 run and in the GPU-trained checkpoints."""
 
 from __future__ import annotations
 
@@ -17,16 +18,18 @@ from lpfa.attention.policy import is_fp32_level
 from lpfa.book import train_quietly
 from lpfa.checkpoints import load_checkpoint, load_hf_gpt2
 from lpfa.compare import head_metric_frame
-from lpfa.params import integer, list_of, optional, real, text
+from lpfa.pages import RERUN_PAGE
+from lpfa.pages.training import SMOKE_EXPERIMENT, committed_smoke
+from lpfa.params import boolean, integer, list_of, optional, real, text
 from lpfa.plotting import COLORS, use_style
 from lpfa.replay import load_replay, rank1_stats
 from lpfa.results import run_dir, what
-from lpfa.structure import describe, load_summary
+from lpfa.structure import describe, load_summary, summarize
 from lpfa.train import make_config
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
 PARAMS = {
-    "hf_gpt2": optional(text()), "checkpoint": optional(text()), "train_steps": integer(1),
+    "hf_gpt2": optional(text()), "checkpoint": optional(text()), "train": boolean(), "train_steps": integer(1),
     "n_seqs": integer(1), "seq_len": integer(1), "eps": real(0), "seed": integer(0),
     "gpu_experiment": text(), "replay_experiment": text(), "replay": text(nonempty=True),
     "structure_experiments": list_of(text(nonempty=True), nonempty=False),
@@ -52,6 +55,41 @@ def load_model(hf_gpt2: str | None = None, checkpoint: str | None = None, train_
         ck = load_checkpoint(out / "ckpt", model_overrides={"attn_backend": "math"})
         model, tokenizer, source = ck.model, "auto", f"the cpu-smoke recipe trained here for {train_steps} steps"
     return model.eval(), tokenizer, source
+
+
+def committed_summary(n_seqs: int, seq_len: int, eps: float, seed: int, experiment: str = SMOKE_EXPERIMENT,
+                      root=None) -> tuple[dict, dict]:
+    """The committed CPU run's Figs. 8, 9 summary (``structure.json`` of :func:`lpfa.pages.training.committed_smoke`)
+    and :func:`model_texts`' words for it; a ValueError when ``n_seqs``, ``seq_len``, ``eps`` or ``seed`` differ from
+    what it was measured with (``train=True`` measures them here)."""
+    run = committed_smoke(experiment, root)
+    s = json.loads((run / "structure.json").read_text())
+    asked, had = (n_seqs, seq_len, eps, seed), (*s["batch"], s["eps"], s["seed"])
+    if tuple(asked) != tuple(had):
+        raise ValueError(f"(n_seqs, seq_len, eps, seed)={asked}: the committed run `{run.parent.name}` was measured "
+                         f"with {had}; set train=True to measure other values here")
+    meta = json.loads((run / "config.json").read_text()).get("data_meta", {})
+    m = s["model"]
+    texts = {"model_source": (f"the cpu-smoke recipe trained on a CPU for {s['step']} steps (the committed run "
+                              f"`{run.parent.name}` of `results/{experiment}`; `train=True` trains it here)"),
+             "model_shape": f"{m['n_layer']} layers × {m['n_head']} heads, d = {m['n_embd']}",
+             "input_shape": f"{n_seqs} validation sequences of {seq_len} tokens",
+             "input_tokenizer": f"`{meta.get('tokenizer', 'auto')}`"}
+    return s, texts
+
+
+def model_summary(hf_gpt2: str | None = None, checkpoint: str | None = None, train: bool = False,
+                  train_steps: int = 150, n_seqs: int = 4, seq_len: int = 128, eps: float = 1e-3, seed: int = 0,
+                  experiment: str = SMOKE_EXPERIMENT) -> tuple[dict, dict]:
+    """Page 05's model measured: ``(summary, texts)``, :func:`lpfa.structure.summarize` on ``n_seqs`` sequences of
+    ``seq_len`` tokens of :func:`load_model`'s model (``hf_gpt2``, else ``checkpoint``, else with ``train`` the
+    cpu-smoke recipe trained here) with :func:`model_texts`' words; with none of the three, the committed CPU run's
+    summary (:func:`committed_summary`), so that the default book trains nothing."""
+    if not (hf_gpt2 or checkpoint or train):
+        return committed_summary(n_seqs, seq_len, eps, seed, experiment)
+    model, tokenizer, source = load_model(hf_gpt2, checkpoint, train_steps)
+    idx, meta = model_batch(model, tokenizer, n_seqs, seq_len, seed)
+    return summarize(model, idx, eps, seed), model_texts(model, source, meta, n_seqs, seq_len)
 
 
 def model_batch(model, tokenizer: str, n_seqs: int, seq_len: int, seed: int):
@@ -264,13 +302,20 @@ def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> l
     return out
 
 
+def gpu_structures_runs(measured: list[dict]) -> str:
+    """What each run of :func:`gpu_structures` is, from its provenance (Markdown, one paragraph per run): the record
+    that page 05 keeps in a collapsed block, apart from the findings (:func:`gpu_structures_text`)."""
+    if not measured:
+        return "No GPU-trained checkpoint is measured yet."
+    return "\n\n".join(f"Run `{m['run']}` of `results/{m['experiment']}`: {m['what']}." for m in measured)
+
+
 def gpu_structures_text(measured: list[dict], replay_within: list[float], experiments: list[str]) -> str:
-    """Page 05's section on the GPU-trained checkpoints (Markdown): per run of :func:`gpu_structures` what it is, per
-    summary its policy, step and batch with :func:`lpfa.structure.describe`, then :func:`compare_text`; where none was
-    measured in ``experiments``, what is missing and how a GPU machine makes it."""
+    """Page 05's section on the GPU-trained checkpoints (Markdown): per summary of :func:`gpu_structures` its run,
+    policy, step and batch with :func:`lpfa.structure.describe`, then :func:`compare_text`; where none was measured in
+    ``experiments``, what is missing (:func:`gpu_structures_runs` says what each run is)."""
     md = []
     for m in measured:
-        md.append(f"Run `{m['run']}` of `results/{m['experiment']}`: {m['what']}.")
         md += [f"`{label}` (`{s['policy'] if s['attn_backend'] == 'lpfa' else s['attn_backend']}`) at step "
                f"{s['step']:,}, {s['batch'][0]} validation sequences of {s['batch'][1]} tokens, in BF16 autocast: "
                + describe(s) for label, s in m["summaries"]]
@@ -281,7 +326,6 @@ def gpu_structures_text(measured: list[dict], replay_within: list[float], experi
             f"**Not run yet** for the GPU-trained checkpoints (no `structure.json` in the latest run of "
             f"{', '.join(f'`results/{e}`' for e in experiments)}): the logged ties above count each run at its own "
             "score precision, so the BF16-rounded ties of the FP32-trained twin, the closest thing here to the paper's "
-            "pretrained GPT-2, need its checkpoint, which stays on the GPU machine. There, `python -m lpfa.structure "
-            "--run RUN --out RUN/structure.json` computes both figures' statistics from the last checkpoint; the "
-            "finish phase of `scripts/gpu/twins.sh` runs it for every run and brings the files back.")
+            "pretrained GPT-2, need its checkpoint, which stays on the GPU machine; `python -m lpfa.structure` "
+            f"computes both figures' statistics from it there ({RERUN_PAGE} gives the command).")
     return "\n\n".join(md)

@@ -1,14 +1,17 @@
 """Page 13, training: ``lpfa.train`` end to end on the CPU, and GPT-2 S's training speed with each attention backend.
 
-The page trains the CPU smoke preset on the embedded corpus (:func:`train_smoke`), shows its loss and the per-head
-W_Q spectral norms it logs (the quantity whose growth in one early layer precedes the loss explosion, Figs. 3, 11),
-and reads ``benchmarks/train_throughput.py``'s committed run (``results/train_throughput``): tokens/s of GPT-2 S with
-each backend against SDPA in the same mode (:func:`throughput_table`, goals :data:`TRAIN_GOALS`), and the FP32 twin
-``fp32_split`` against ``sdpa_fp32`` in speed and in error against float64 (:func:`twin_text`).
+The page shows a run of the CPU smoke preset on the embedded corpus: by default the committed one
+(``results/cpu_smoke``, made by ``scripts/cpu_smoke.py``, :func:`smoke_run`), with ``train=True`` one trained here
+(:func:`train_smoke`); its loss and the per-head W_Q spectral norms it logs (the quantity whose growth in one early
+layer precedes the loss explosion, Figs. 3, 11), and reads ``benchmarks/train_throughput.py``'s committed run
+(``results/train_throughput``): tokens/s of GPT-2 S with each backend against SDPA in the same mode
+(:func:`throughput_table`, goals :data:`TRAIN_GOALS`), and the FP32 twin ``fp32_split`` against ``sdpa_fp32`` in
+speed and in error against float64 (:func:`twin_text`).
 """
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -19,7 +22,7 @@ import pandas as pd
 from lpfa.attention import PRESETS as POLICIES
 from lpfa.book import train_quietly
 from lpfa.compare import plot_losses
-from lpfa.params import integer, optional, text
+from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
 from lpfa.results import load, run_dir
 from lpfa.run import Run, load_metrics
@@ -27,9 +30,12 @@ from lpfa.train import PRESETS, make_config
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
 PARAMS = {
-    "preset": text(*PRESETS), "max_steps": integer(1), "attn_policy": text(*POLICIES),
+    "train": boolean(), "preset": text(*PRESETS), "max_steps": integer(1), "attn_policy": text(*POLICIES),
     "diag_interval": integer(0), "out_dir": optional(text()),
 }
+
+# the committed CPU run (scripts/cpu_smoke.py): results/<SMOKE_EXPERIMENT>/<run>/<SMOKE_LABEL>/, read by pages 05 and 13
+SMOKE_EXPERIMENT, SMOKE_LABEL = "cpu_smoke", "smoke"
 
 # the training-throughput goals: compiled GPT-2 S tokens/s as a fraction of compiled SDPA's
 TRAIN_GOALS = {"lpfa_fa2_compiled": 0.95, "lpfa_paper_compiled": 0.9}
@@ -44,6 +50,29 @@ def train_smoke(preset: str = "cpu-smoke", max_steps: int = 300, attn_policy: st
     cfg = make_config(preset, None, {"max_steps": max_steps, "attn_policy": attn_policy, "diag_interval": diag_interval,
                                      "out_dir": str(out), "progress": False, "eval_interval": max(max_steps // 3, 1)})
     return out, train_quietly(cfg)
+
+
+def committed_smoke(experiment: str = SMOKE_EXPERIMENT, root=None) -> Path:
+    """The training-run folder of the latest committed run of ``results/<experiment>`` (``scripts/cpu_smoke.py``)."""
+    return run_dir(experiment, None, root) / SMOKE_LABEL
+
+
+def smoke_run(train: bool = False, preset: str = "cpu-smoke", max_steps: int = 300, attn_policy: str = "fa2",
+              diag_interval: int = 50, out_dir: str | None = None, experiment: str = SMOKE_EXPERIMENT,
+              root=None) -> tuple[Path, dict, str]:
+    """Page 13's run: with ``train``, :func:`train_smoke` of the other arguments, here on this machine's CPU; else the
+    committed run (:func:`committed_smoke`), so that the default book trains nothing. Returns ``(run folder,
+    summary, where)``: ``where`` says on which machine it ran, for the page's text."""
+    if train:
+        out, summary = train_smoke(preset, max_steps, attn_policy, diag_interval, out_dir)
+        return out, summary, "on this machine's CPU"
+    out = committed_smoke(experiment, root)
+    prov = json.loads((out.parent / "provenance.json").read_text())
+    n = prov.get("torch_threads")
+    return out, json.loads((out / "summary.json").read_text()), (
+        f"on a CPU ({prov.get('platform', prov['device'])}"
+        + (f", {n} torch thread{'s' * (n > 1)}" if n else "") + f") in the committed run `{out.parent.name}` of "
+        f"`results/{experiment}` (commit `{prov['git_commit']}`; `train=True` trains it here)")
 
 
 def smoke_notes(out: str | Path, summary: dict, preset: str) -> dict[str, str]:
