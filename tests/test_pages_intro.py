@@ -108,3 +108,7 @@ def test_scorecard_note_gives_a_page_its_own_rows_of_the_scorecard():
             assert row._3.rstrip(".")[1:] in note
     with pytest.raises(ValueError, match="page='01_bf16_rounding'"):
         scorecard_note("01_bf16_rounding")
+    # on a results tree without the runs its rows read, the note says so and names what is missing
+    note = scorecard_note("07_spectral_norms", fig2_experiment="no_such_experiment")
+    assert note.startswith("The book's scorecard rows for this page are not computed here: ")
+    assert "no_such_experiment" in note

@@ -55,9 +55,9 @@ SECOND_LOOKS = {"sfa_muon": (SFA_MUON, "fp32_muon", "repro"), "sizes": (SIZES, "
 
 def recipe_runs(experiment: str, twins: dict) -> dict:
     """``{label: run folder}`` of Fig. 7's twins at the paper's recipe: those of ``twins`` (``{label: twin folder
-    name}``) committed in any run folder of ``experiment`` (:func:`lpfa.pages.loss_explosion.recipe_rows`, each from
-    the latest that has it); empty when ``experiment`` is "" (no such section)."""
-    rows = recipe_rows(experiment) if experiment else {}
+    name}``) committed in any run folder of ``experiment`` (:func:`lpfa.results.experiment_rows`, each from the latest
+    that has it); empty when ``experiment`` is "" (no such section) or not committed (the page says it is not run)."""
+    rows = experiment_rows(experiment) if experiment else {}  # {} where it is not committed: the page says so
     return {label: rows[name] for label, name in twins.items() if name in rows}
 
 
