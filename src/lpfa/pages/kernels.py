@@ -26,7 +26,7 @@ from lpfa.attention import PRESETS, attention
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
 from lpfa.params import boolean, integer, optional, text
 from lpfa.paths import repo_root
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.results import file_run, load, run_date, run_dir
 from lpfa.results import runs as result_runs
 
@@ -268,8 +268,8 @@ def tuning_notes(best, run: str | None = None) -> dict[str, str]:
 
 
 def tuning_display(best):
-    """:func:`tuning_sweeps` as the page shows it (TFLOP/s whole, ratios to two decimals)."""
-    return best.style.format({"TFLOP/s": "{:.0f}", "SDPA-flash TFLOP/s": "{:.0f}", "ratio to SDPA-flash": "{:.2f}"})
+    """:func:`tuning_sweeps` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(best)
 
 
 def sfa_overhead_table(data: dict):
@@ -303,9 +303,9 @@ def sfa_overhead():
 
 
 def sfa_overhead_display(table):
-    """:func:`sfa_overhead_table` as the page shows it: TFLOP/s whole, the costs over base as signed percentages."""
-    return table.style.format({c: ("{:.0f}" if c.endswith("TFLOP/s") else "{:+.1%}") for c in table.columns
-                               if c != "spread"} | {"spread": "{:.1%}"})
+    """:func:`sfa_overhead_table` as the page shows it (:func:`lpfa.plotting.format_table`): the costs over base and
+    their spread as percentages."""
+    return format_table(table, percent=tuple(c for c in table.columns if not c.endswith("TFLOP/s")))
 
 
 def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> dict[str, str]:
@@ -345,9 +345,8 @@ def overhead_table(data: dict):
 
 
 def overhead_display(table):
-    """:func:`overhead_table` as the page shows it: µs whole, the GPU-time ratio to two decimals."""
-    return table.style.format({c: "{:.0f}" for c in ("host µs", "GPU µs", "back to back µs", "do_bench µs")}
-                              | {"GPU time × SDPA-flash": "{:.2f}"})
+    """:func:`overhead_table` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(table)
 
 
 def overhead_text(table) -> dict[str, str]:
@@ -396,10 +395,8 @@ def shapes_table(shapes: dict):
 
 
 def shapes_display(shapes: dict):
-    """:func:`shapes_table` as the page shows it: TFLOP/s whole, ratios to two decimals, SFA's cost as a percentage."""
-    return shapes_table(shapes).style.format({"fwd TFLOP/s": "{:.0f}", "bwd TFLOP/s": "{:.0f}",
-                                              "fwd+bwd TFLOP/s": "{:.0f}", "× SDPA-flash": "{:.2f}",
-                                              "SFA over base": "{:+.1%}"}, na_rep="–")
+    """:func:`shapes_table` as the page shows it (:func:`lpfa.plotting.format_table`), SFA's cost as a percentage."""
+    return format_table(shapes_table(shapes), percent=("SFA over base",))
 
 
 def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dict[str, str]:
@@ -473,8 +470,8 @@ def host_layers_table(runs: dict[str, dict]):
 
 
 def host_layers_display(table):
-    """:func:`host_layers_table` as the page shows it: µs whole with thousands separators, the ratio to one decimal."""
-    return table.style.format("{:,.0f}", na_rep="–").format({"fwd+bwd × SDPA-flash": "{:.1f}"})
+    """:func:`host_layers_table` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(table)
 
 
 def host_layers_text(table) -> str:
