@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from lpfa.paths import repo_root
 
-BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
+BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib", "results/tables")  # tables: the pages link them
 CELL_TIMEOUT_S = 1200  # the slowest default cell (300 CPU training steps) takes about 2 minutes
 CONSOLE_LOG = "console.txt"  # what a quiet block would have printed, in the run folder
 
