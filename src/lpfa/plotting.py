@@ -145,6 +145,38 @@ def _missing(x) -> bool:
         return False
 
 
+def facet_lines(frames: dict, facet: str, ylabel: str, title: str = "", ncols: int = 4, width: float = 7.0):
+    """Small multiples instead of one panel of many same-coloured lines: one panel per value of column ``facet``
+    (a layer, a head) of the frames (``{run label: DataFrame with step, facet, value}``), each panel holding every
+    run in its mode's colour and dash (:func:`color_of`, :func:`dash_of`), so that no colour repeats within a panel.
+    Integer panel names, three step ticks per panel, one legend below. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    use_style()
+    keys = sorted({k for f in frames.values() for k in f[facet].unique()})
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 1.55 * nrows + 1.0), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for label, f in frames.items():
+            g = f[f[facet] == key].sort_values("step")
+            ax.plot(g.step, g.value, lw=1.2, color=color_of(label), ls=dash_of(label), label=label)
+        ax.set_title(f"{facet} {int(key)}")
+        ax.xaxis.set_major_locator(MaxNLocator(3, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(4))
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.supylabel(ylabel)
+    if title:
+        fig.suptitle(title)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels))
+    return fig
+
+
 def _number(x, digits: int) -> str:
     """One table cell: integers with thousands separators, other numbers to ``digits`` significant digits, missing
     values as an en dash, booleans as yes/no."""
