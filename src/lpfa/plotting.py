@@ -253,11 +253,11 @@ _CHAR_PX, _CELL_PAD_PX = 9.0, 18  # a table character's width (16 px font, digit
 
 
 def _width_px(shown, index: bool = True) -> float:
-    """A rough width in px of ``shown`` (cells already text) as the page renders it: per column its longest cell or
-    header word (headers wrap between words), plus the index's levels."""
+    """A rough narrowest width in px of ``shown`` (cells already text) as the page renders it, which is what must fit
+    the column (the browser wraps cells between words to fit, never within a word): per column its longest word of
+    a cell or the header, plus the index's levels."""
     def col(header, cells) -> float:
-        words = [len(w) for w in str(header).split()] or [0]
-        return max([max(words)] + [len(str(c)) for c in cells]) * _CHAR_PX + _CELL_PAD_PX
+        return max(len(w) for text in [header, *cells] for w in str(text).split() or [""]) * _CHAR_PX + _CELL_PAD_PX
     total = sum(col(h, shown[h] if not isinstance(shown[h], type(shown)) else shown[h].iloc[:, 0])
                 for h in shown.columns)
     if index:
