@@ -254,10 +254,13 @@ _CHAR_PX, _CELL_PAD_PX = 9.0, 18  # a table character's width (16 px font, digit
 
 def _width_px(shown, index: bool = True) -> float:
     """A rough narrowest width in px of ``shown`` (cells already text) as the page renders it, which is what must fit
-    the column (the browser wraps cells between words to fit, never within a word): per column its longest word of
-    a cell or the header, plus the index's levels."""
-    def col(header, cells) -> float:
-        return max(len(w) for text in [header, *cells] for w in str(text).split() or [""]) * _CHAR_PX + _CELL_PAD_PX
+    the column (the browser wraps cells between words and after hyphens to fit, never elsewhere): per column its
+    longest word of a cell or the header, plus the index's levels."""
+    import re
+
+    def col(header, cells) -> float:  # (cells may hold HTML: a link, a code span)
+        words = [w for text in [header, *cells] for w in re.split(r"\s+|(?<=-)", re.sub(r"<[^>]+>", "", str(text)))]
+        return max(map(len, words), default=0) * _CHAR_PX + _CELL_PAD_PX
     total = sum(col(h, shown[h] if not isinstance(shown[h], type(shown)) else shown[h].iloc[:, 0])
                 for h in shown.columns)
     if index:
