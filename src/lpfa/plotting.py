@@ -166,7 +166,7 @@ def facet_lines(frames: dict, facet: str, ylabel: str, title: str = "", ncols: i
         ax.xaxis.set_major_locator(MaxNLocator(3, integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(4))
     for ax in axes.flat[len(keys):]:
-        ax.set_visible(False)
+        ax.remove()
     for ax in axes[-1]:
         ax.set_xlabel("step")
     fig.supylabel(ylabel)
@@ -249,7 +249,7 @@ def format_table(df, units: dict | None = None, percent=(), digits: int | dict =
 
 
 TABLE_WIDTH_PX = 680  # the page's text column at a 1280 px window is 688 px wide; a table must fit it
-_CHAR_PX, _CELL_PAD_PX = 9.0, 18  # a table character's width (16 px font, digits and lower case) and a cell's padding
+_CHAR_PX, _CELL_PAD_PX = 10.0, 18  # a table character's width (16 px font; digits, ×, capitals) and a cell's padding
 
 
 def _width_px(shown, index: bool = True) -> float:

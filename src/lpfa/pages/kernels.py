@@ -396,12 +396,13 @@ def shapes_table(shapes: dict):
 
 def shapes_display(shapes: dict):
     """:func:`shapes_table` as the page shows it (:func:`lpfa.plotting.format_table`): the forward+backward ratio to
-    SDPA-flash, one row per implementation and one column per shape; the full table is a CSV (:func:`shapes_note`)."""
+    SDPA-flash, one row per shape and one column per implementation; the full table is a CSV
+    (:func:`full_shapes_table`)."""
     ratio = shapes_table(shapes)["× SDPA-flash"].unstack("shape")
     ratio = ratio.loc[list(dict.fromkeys(shapes_table(shapes).index.get_level_values("impl"))),
                       list(dict.fromkeys(shapes_table(shapes).index.get_level_values("shape")))]
     ratio.index.name, ratio.columns.name = "implementation", "B×H×T×D"
-    return format_table(ratio).set_caption("Forward+backward speed ÷ SDPA-flash's, per shape")
+    return format_table(ratio.T).set_caption("Forward+backward speed ÷ SDPA-flash's, per shape (B×H×T×D)")
 
 
 def full_shapes_table():
