@@ -13,7 +13,7 @@ from lpfa.compare import same_recipe_runs
 from lpfa.explosion import RunawayCriterion
 from lpfa.pages import setting_of
 from lpfa.params import dict_of, optional, text
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
 from lpfa.results import run_dir
 from lpfa.run import Run, runaway_onset
@@ -254,16 +254,9 @@ def trajectory_table(replays: dict) -> pd.DataFrame:
 
 
 def style_trajectory(table: pd.DataFrame):
-    """:func:`trajectory_table` for the page: shares as percentages, t to one decimal."""
-    return table.style.format(
-        {
-            "positive steps": "{:.0%}",
-            "t": "{:.1f}",
-            "tied rows": "{:.0%}",
-            "share of error from tied rows": "{:.0%}",
-            "V one-signed at P̄ = 1": "{:.0%}",
-        }
-    )
+    """:func:`trajectory_table` for the page (:func:`lpfa.plotting.format_table`): shares as percentages."""
+    return format_table(table, percent=("positive steps", "tied rows", "share of error from tied rows",
+                                        "V one-signed at P̄ = 1"), digits=2)
 
 
 def trajectory_text(table: pd.DataFrame) -> str:
