@@ -249,7 +249,12 @@ def format_table(df, units: dict | None = None, percent=(), digits: int | dict =
 
 
 TABLE_WIDTH_PX = 680  # the page's text column at a 1280 px window is 688 px wide; a table must fit it
-_CHAR_PX, _CELL_PAD_PX = 10.0, 18  # a table character's width (16 px font; digits, ×, capitals) and a cell's padding
+_CELL_PAD_PX = 18  # a table cell's padding
+
+
+def _text_px(word: str) -> float:
+    """A word's width in px in a table's 16 px font: digits, capitals and symbols are wider than lower case."""
+    return sum(8.3 if c.islower() or c in " .,:;'-()[]/" else 10.4 for c in word)
 
 
 def _width_px(shown, index: bool = True) -> float:
@@ -260,7 +265,7 @@ def _width_px(shown, index: bool = True) -> float:
 
     def col(header, cells) -> float:  # (cells may hold HTML: a link, a code span)
         words = [w for text in [header, *cells] for w in re.split(r"\s+|(?<=-)", re.sub(r"<[^>]+>", "", str(text)))]
-        return max(map(len, words), default=0) * _CHAR_PX + _CELL_PAD_PX
+        return max(map(_text_px, words), default=0) + _CELL_PAD_PX
     total = sum(col(h, shown[h] if not isinstance(shown[h], type(shown)) else shown[h].iloc[:, 0])
                 for h in shown.columns)
     if index:
