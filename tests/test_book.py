@@ -31,48 +31,64 @@ def _chromium() -> str:
     pytest.fail("no Chromium found: `make browser` (or `apt-get install chromium`) installs Debian's")
 
 
-def test_figure_renders_in_headless_chromium(built_book, tmp_path):
-    from playwright.sync_api import sync_playwright
-
-    page_path = built_book / "notebooks" / "01_bf16_rounding.html"
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=_chromium(),
-            headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run", "--disable-quic"],
-        )
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.goto(page_path.as_uri(), wait_until="load")
-            imgs = page.locator("main img")
-            assert imgs.count() >= 1
-            for i in range(imgs.count()):
-                img = imgs.nth(i)
-                img.scroll_into_view_if_needed()
-                natural = img.evaluate("el => [el.complete, el.naturalWidth, el.naturalHeight]")
-                assert natural[0] and natural[1] > 200 and natural[2] > 200, natural
-                box = img.bounding_box()
-                assert box and box["width"] > 200 and box["height"] > 100, box
-            shot = tmp_path / "figure.png"
-            imgs.first.screenshot(path=str(shot))
-            assert shot.stat().st_size > 5_000
-            assert "BF16 rounding, bit by bit" in page.title()
-        finally:
-            browser.close()
+# per page, in the browser: the text column's width, every table's width and body rows, every figure's rendered and
+# natural width, and rendered text that still holds Markdown or MyST syntax (code spans left out)
+_PAGE_JS = r"""() => {
+  const article = document.querySelector('main article') || document.querySelector('main');
+  const para = [...article.querySelectorAll('p')].find(p => p.getBoundingClientRect().width > 0);
+  const column = para ? para.getBoundingClientRect().width : article.clientWidth;
+  const tables = [...article.querySelectorAll('table')].map(t => ({
+      width: t.getBoundingClientRect().width, rows: t.querySelectorAll('tbody tr').length,
+      classes: t.className, head: (t.querySelector('thead') || t).innerText.slice(0, 60).replace(/\s+/g, ' ')}));
+  const figures = [...article.querySelectorAll('img')].map(i => ({
+      src: i.getAttribute('src'), width: i.getBoundingClientRect().width, natural: i.naturalWidth,
+      complete: i.complete, height: i.getBoundingClientRect().height}));
+  const texts = [...article.querySelectorAll('p, li, dd, dt, td, th, h1, h2, h3, h4, caption')].map(el => {
+      const copy = el.cloneNode(true);
+      copy.querySelectorAll('code, pre, .math, mjx-container').forEach(c => c.remove());
+      return [el.tagName, copy.textContent.trim()];
+  });
+  return {column, tables, figures, texts};
+}"""
 
 
-def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
-    """The intro opens with the computed scorecard (a row per claim, each with a verdict and a link to its page), and
-    every figure of every page renders at least 600 px wide in a 1280 px window (legible at page width)."""
+def _png_text_px(png, rendered_width: float) -> float | None:
+    """The smallest text of a figure as the page renders it, in CSS px: its size in pt (the PNG's
+    :data:`lpfa.plotting.PNG_TEXT_KEY`, written when the notebook drew it) × its dpi / 72 (pixels of the PNG) × the
+    rendered width over the PNG's width. None for a PNG without that key (not drawn through lpfa's style)."""
+    from PIL import Image
+
+    from lpfa.plotting import PNG_TEXT_KEY
+
+    with Image.open(png) as im:
+        if PNG_TEXT_KEY not in im.info:
+            return None
+        return float(im.info[PNG_TEXT_KEY]) * float(im.info["lpfa:dpi"]) / 72 * rendered_width / im.width
+
+
+MIN_FIGURE_PX = 600  # a figure renders at least this wide at a 1280 px window
+MIN_TEXT_PX = 9  # and its smallest text at least this tall, in CSS px
+MAX_BODY_ROWS = 20  # lpfa.plotting.MAX_ROWS: a longer table is a summary with a CSV beside it
+
+
+def test_every_page_in_chromium(built_book, tmp_path):
+    """One Chromium session at a 1280 px window over every page of the book: the intro's scorecard has a row per claim
+    with a verdict and a link to its page; on every page no rendered text holds a literal `{doc}`, `{glue`, `**` or a
+    paragraph starting "* " (Markdown that did not render); every table went through lpfa.plotting.format_table, fits
+    the text column and has at most MAX_BODY_ROWS body rows; every figure loads, renders at least MIN_FIGURE_PX wide
+    and its smallest text at least MIN_TEXT_PX tall (:func:`_png_text_px`)."""
     from playwright.sync_api import sync_playwright
 
     from lpfa.pages.intro import VERDICTS
+    from lpfa.plotting import MAX_ROWS, TABLE_CLASS
 
+    assert MAX_ROWS == MAX_BODY_ROWS
+    problems, n_tables, n_figures, widest, tallest = [], 0, 0, 0.0, 0
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=_chromium(), headless=True,
                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                                          "--no-first-run"])
+                                          "--disable-component-update", "--disable-sync", "--no-first-run",
+                                          "--disable-quic"])
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 900})
             page.goto((built_book / "book" / "intro.html").as_uri(), wait_until="load")
@@ -83,18 +99,49 @@ def test_intro_scorecard_and_figure_widths_in_chromium(built_book):
                 assert cells.nth(3).inner_text().strip() in VERDICTS
                 href = cells.nth(4).locator("a").get_attribute("href")
                 assert (built_book / "book" / href).resolve().is_file(), href
-            narrow = []
             for f in toc_files(ROOT):
-                page.goto((built_book / f"{f}.html").as_uri(), wait_until="load")
-                imgs = page.locator("main img")
-                for i in range(imgs.count()):
-                    imgs.nth(i).scroll_into_view_if_needed()
-                    box = imgs.nth(i).bounding_box()
-                    if box is None or box["width"] < 600:
-                        narrow.append((f, i, box and round(box["width"])))
-            assert not narrow, f"figures narrower than 600 px at a 1280 px window: {narrow}"
+                html = built_book / f"{f}.html"
+                page.goto(html.as_uri(), wait_until="load")
+                page.evaluate("window.scrollTo(0, document.body.scrollHeight)")  # lazy images load
+                page.wait_for_load_state("load")
+                r = page.evaluate(_PAGE_JS)
+                for tag, text in r["texts"]:
+                    for bad in ("{doc}", "{glue", "**"):
+                        if bad in text:
+                            problems.append(f"{f}: {tag} holds {bad!r}: {text[:80]!r}")
+                    if tag == "P" and text.startswith("* "):
+                        problems.append(f"{f}: a paragraph starts with '* ': {text[:80]!r}")
+                for t in r["tables"]:
+                    n_tables += 1
+                    widest, tallest = max(widest, t["width"]), max(tallest, t["rows"])
+                    if TABLE_CLASS not in t["classes"].split():
+                        problems.append(f"{f}: table {t['head']!r} did not go through format_table")
+                    if t["width"] > r["column"] + 1:
+                        problems.append(f"{f}: table {t['head']!r} is {t['width']:.0f} px wide, the column "
+                                        f"{r['column']:.0f}")
+                    if t["rows"] > MAX_BODY_ROWS:
+                        problems.append(f"{f}: table {t['head']!r} has {t['rows']} body rows")
+                for g in r["figures"]:
+                    n_figures += 1
+                    if not (g["complete"] and g["natural"] > 200 and g["height"] > 100):
+                        problems.append(f"{f}: figure {g['src']} did not load ({g})")
+                        continue
+                    if g["width"] < MIN_FIGURE_PX:
+                        problems.append(f"{f}: figure {g['src']} renders {g['width']:.0f} px wide")
+                    text_px = _png_text_px((html.parent / g["src"]).resolve(), g["width"])
+                    if text_px is None or text_px < MIN_TEXT_PX:
+                        problems.append(f"{f}: figure {g['src']}'s smallest text renders at "
+                                        f"{text_px and round(text_px, 1)} px")
+            first = page.locator("main img").first  # the last page's first figure, as a reader sees it
+            first.scroll_into_view_if_needed()
+            shot = tmp_path / "figure.png"
+            first.screenshot(path=str(shot))
+            assert shot.stat().st_size > 5_000
         finally:
             browser.close()
+    assert n_tables >= 30 and n_figures >= 30, (n_tables, n_figures)
+    assert not problems, (f"{len(problems)} problems (widest table {widest:.0f} px, longest {tallest} rows):\n"
+                          + "\n".join(problems))
 
 
 def test_notebook_page_has_launch_buttons_for_that_notebook(built_book):

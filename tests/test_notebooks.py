@@ -142,11 +142,12 @@ def test_papermill_parameters_override(tmp_path):
 
 
 def _text(nb_path) -> str:
-    """The text a page's code cells put out, values glued for its Markdown (myst-nb glue: papermill.record mimes)
-    included."""
+    """The text a page's code cells put out, values glued for its Markdown (myst-nb glue: papermill.record mimes) and
+    its tables (HTML: lpfa.plotting.format_table's Stylers have no text form) included."""
     return "\n".join(
         str(o.get("text", ""))
-        + "".join(str(v) for k, v in o.get("data", {}).items() if k.endswith(("text/plain", "text/markdown")))
+        + "".join(str(v) for k, v in o.get("data", {}).items() if k.endswith(("text/plain", "text/markdown",
+                                                                               "text/html")))
         for c in nbformat.read(nb_path, as_version=4).cells if c.cell_type == "code" for o in c.outputs)
 
 

@@ -129,6 +129,16 @@ def test_threshold_and_replay_tables_and_the_figure(known_root):
     assert len(diagonal) == 1 and diagonal[0].get_xdata()[1] == diagonal[0].get_ydata()[1] == 1000 * 1.05
 
 
+def test_replay_summary_counts_every_run_once(known_root):
+    """The page's replay table is a summary per attention and outcome; its counts add up to the full table's."""
+    _, _, table = ew.replay_committed(lead=500, max_fpr=0.0, root=known_root)
+    s = ew.replay_summary(table)
+    assert s["runs"].sum() == len(table) and s.loc[("low precision", "ran away"), "runs"] == 2
+    assert s.loc[("fp32", "neither"), "runs"] == 2 and pd.isna(s.loc[("fp32", "neither"), "warned ahead"])
+    ran = table[table["runaway step"].notna()]
+    assert s.loc[("low precision", "ran away"), "warned ahead"] == int(ran["warned before"].sum())
+
+
 def independent_counts(report: dict, thr: dict) -> dict:
     """Verdict counts of a report.json's heads, straight from its rows: runaway where max_logit is not finite or at
     least the runaway level, else precursor where any measure reaches its precursor level, else healthy."""

@@ -49,7 +49,7 @@ def test_agreement_notes_recompute_the_first_step_apart(cmp):
     assert (notes["fp32_eps"], notes["bf16_eps"], notes["ag_tight"]) == ("1.2e-07", "7.8e-03", "1e-5")
     late = common[-sc.LATE_STEPS:]
     assert notes["ag_late_loss_a"] == f"{statistics.mean(a[s]['loss'] for s in late):.3f} on 1 GPU"
-    assert sc.agreement_display(cmp).shape == sc.agreement_table(cmp).shape
+    assert sc.agreement_display(cmp).data.shape == sc.agreement_table(cmp).shape
 
 
 def test_speed_notes_read_the_model_size_and_step_time(cmp):

@@ -46,23 +46,31 @@ def test_provenance_line_quotes_the_run_folders_provenance(runs):
     assert not line.endswith(".")
 
 
+def _panels(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
 def test_layer_max_figure_draws_each_layers_largest_head(runs):
+    """One panel per layer, every run in it in its own colour (no colour repeats within a panel)."""
     fig = sn.plot_layer_max(runs)
-    assert len(fig.axes) == len(runs)
-    for ax, run in zip(fig.axes, runs.values()):
-        steps, values = _logged(run)
-        assert len(ax.lines) == values.shape[1]  # one line per layer
-        line = ax.lines[1]  # layer 1
-        assert list(line.get_xdata()) == sorted(set(steps.tolist()))
-        np.testing.assert_allclose(line.get_ydata(), values[:, 1, :].max(axis=1))
+    logged = {label: _logged(run) for label, run in runs.items()}
+    n_layer = next(iter(logged.values()))[1].shape[1]
+    assert len(_panels(fig)) == n_layer
+    for layer, ax in enumerate(_panels(fig)):
+        assert [line.get_label() for line in ax.lines] == list(runs)
+        assert len({line.get_color() for line in ax.lines}) == len(runs)
+        for line, (steps, values) in zip(ax.lines, logged.values()):
+            assert list(line.get_xdata()) == sorted(set(steps.tolist()))
+            np.testing.assert_allclose(line.get_ydata(), values[:, layer, :].max(axis=1))
 
 
 def test_layer_heads_figure_draws_every_head_of_the_layer(runs):
     fig = sn.plot_layer_heads(runs, 1)
-    for ax, run in zip(fig.axes, runs.values()):
-        _, values = _logged(run)
-        assert len(ax.lines) == values.shape[2]  # one line per head
-        for h, line in enumerate(ax.lines):
+    logged = {label: _logged(run)[1] for label, run in runs.items()}
+    assert len(_panels(fig)) == next(iter(logged.values())).shape[2]  # one panel per head
+    for h, ax in enumerate(_panels(fig)):
+        assert len({line.get_color() for line in ax.lines}) == len(ax.lines) == len(runs)
+        for line, values in zip(ax.lines, logged.values()):
             np.testing.assert_allclose(line.get_ydata(), values[:, 1, h])
     with pytest.raises(ValueError, match=r"^layer=99: expected a layer in \[0, 11\] of the committed runs$"):
         sn.plot_layer_heads(runs, 99)

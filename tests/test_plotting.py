@@ -67,3 +67,61 @@ def test_explorer_draws_when_asked(tmp_path, monkeypatch):
     widget.update()
     assert drawn == [3]  # layer 1's three heads
     plt.close("all")
+
+
+def test_table_cells_missing_thousands_significant_figures_and_empty_columns():
+    """The one table formatter: NaN, None and pandas' NA as "–", integers (and whole floats, as a missing value makes
+    a column of counts) with thousands separators, other numbers to the significant figures asked (per column too),
+    booleans as words, and a column with no value at all dropped."""
+    import pandas as pd
+
+    from lpfa.plotting import TABLE_CLASS, format_table
+
+    df = pd.DataFrame({"tokens/s": [438106.0, 1234567.0], "ratio": [1.0, 0.0123456], "loss": [2.23284, float("nan")],
+                       "steps": [5450.0, None], "first": pd.array([20, None], dtype="Int64"),
+                       "empty": [None, float("nan")], "ok": [True, False]})
+    shown = format_table(df, digits={"loss": 2}).data
+    assert "empty" not in shown.columns
+    assert list(shown["tokens/s"]) == ["438,106", "1,234,567"]
+    assert list(shown["ratio"]) == ["1.00", "0.0123"]
+    assert list(shown["loss"]) == ["2.2", "–"]
+    assert list(shown["steps"]) == ["5,450", "–"] and list(shown["first"]) == ["20", "–"]
+    assert list(shown["ok"]) == ["yes", "no"]
+    assert f'class="{TABLE_CLASS}' in format_table(df).to_html()
+
+
+def test_table_wider_than_the_page_column_is_split_into_parts_that_fit():
+    import pandas as pd
+
+    from lpfa.plotting import TABLE_WIDTH_PX, Tables, _width_px, format_table
+
+    wide = pd.DataFrame([[123456.789 * (i + j) for j in range(14)] for i in range(12)],
+                        columns=[f"a long column header {j}" for j in range(14)])
+    shown = format_table(wide)
+    assert isinstance(shown, Tables) and len(shown.parts) > 1
+    assert all(_width_px(part.data) <= TABLE_WIDTH_PX for part in shown.parts)
+    assert sum(part.data.shape[1] for part in shown.parts) == 14
+    assert shown._repr_html_().count("<table") == len(shown.parts)
+
+
+def test_style_keeps_every_text_at_least_the_smallest_size():
+    """Under the book's style a figure's titles, labels, tick labels and legend are all at least MIN_TEXT_PT; a text
+    set smaller is what smallest_text_pt reports."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import MIN_TEXT_PT, smallest_text_pt, use_style
+
+    use_style()
+    fig, axes = plt.subplots(1, 2)
+    for ax in axes:
+        ax.plot([0, 1], [0, 1], label="a line")
+        ax.set(title="title", xlabel="x", ylabel="y")
+        ax.legend(title="legend")
+    fig.suptitle("figure")
+    assert smallest_text_pt(fig) >= MIN_TEXT_PT
+    axes[0].text(0.5, 0.5, "small", fontsize=7)
+    assert smallest_text_pt(fig) == 7
+    plt.close(fig)

@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 
 from lpfa.paths import repo_root
 
-BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib")
+BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "references.bib", "results/tables")  # tables: the pages link them
 CELL_TIMEOUT_S = 1200  # a hung cell fails the build; the longest, 300 CPU training steps (train=True), takes minutes
 CONSOLE_LOG = "console.txt"  # what a quiet block would have printed, in the run folder
 THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")  # what torch and numpy's BLAS read

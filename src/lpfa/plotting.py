@@ -46,6 +46,55 @@ def use_style() -> None:
 
     _register_bundled_fonts()
     sns.set_theme(context="notebook", style="whitegrid", palette="colorblind", rc=STYLE)
+    _tag_notebook_pngs()
+
+
+MIN_TEXT_PT = 9  # the smallest text a figure may have at the page's width
+PNG_TEXT_KEY = "lpfa:smallest_text_pt"  # a page figure's PNG says its smallest text in pt (and "lpfa:dpi" its dpi)
+
+
+def smallest_text_pt(fig) -> float:
+    """The font size (pt) of the smallest visible, non-empty text of ``fig`` (titles, labels, tick labels, legend,
+    annotations), as drawn; inf for a figure without text."""
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    sizes = [t.get_fontsize() for t in fig.findobj(Text)
+             if t.get_visible() and t.get_text().strip() and t.get_window_extent().width > 0]
+    return min(sizes, default=math.inf)
+
+
+def _tag_notebook_pngs() -> None:
+    """In a notebook kernel, have every figure's PNG carry its smallest text size and dpi as PNG text
+    (:data:`PNG_TEXT_KEY`), so that the book's browser test can tell the text's size as the page renders it."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is None:
+        return
+    import matplotlib
+    from matplotlib.figure import Figure
+
+    png = shell.display_formatter.formatters["image/png"]
+    backend = matplotlib.get_backend()
+    if Figure not in png.type_printers and "inline" in backend:  # the inline backend may register its printer late
+        from matplotlib_inline.backend_inline import configure_inline_support
+
+        configure_inline_support(shell, backend)  # (once: a second call leaves the printers alone)
+    try:
+        draw = png.lookup_by_type(Figure)
+    except KeyError:
+        return
+    if getattr(draw, "lpfa_tagged", False):
+        return
+
+    def tagged(fig):
+        return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig):g}", "lpfa:dpi": f"{fig.dpi:g}"})
+
+    tagged.lpfa_tagged = True
+    png.for_type(Figure, tagged)
 
 
 def _register_bundled_fonts() -> None:
@@ -80,41 +129,164 @@ def color_of(label: str) -> str:
     return COLORS["other"]
 
 
+TABLE_CLASS = "lpfa-table"  # the class of every table a page shows (format_table); the book's test looks for it
+MAX_ROWS = 20  # the most body rows a page's table has: longer ones are summarised, the full table a CSV under results/
+
+
+def _missing(x) -> bool:
+    """None, NaN, pandas' NA or NaT, or an empty string."""
+    if x is None or (isinstance(x, str) and not x):
+        return True
+    try:
+        import pandas as pd
+
+        return bool(pd.isna(x))
+    except (TypeError, ValueError):  # a list or array: a value
+        return False
+
+
+def facet_lines(frames: dict, facet: str, ylabel: str, title: str = "", ncols: int = 4, width: float = 7.0):
+    """Small multiples instead of one panel of many same-coloured lines: one panel per value of column ``facet``
+    (a layer, a head) of the frames (``{run label: DataFrame with step, facet, value}``), each panel holding every
+    run in its mode's colour and dash (:func:`color_of`, :func:`dash_of`), so that no colour repeats within a panel.
+    Integer panel names, three step ticks per panel, one legend below. Returns the figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    use_style()
+    keys = sorted({k for f in frames.values() for k in f[facet].unique()})
+    nrows = math.ceil(len(keys) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width, 1.55 * nrows + 1.0), sharex=True, sharey=True,
+                             squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for label, f in frames.items():
+            g = f[f[facet] == key].sort_values("step")
+            ax.plot(g.step, g.value, lw=1.2, color=color_of(label), ls=dash_of(label), label=label)
+        ax.set_title(f"{facet} {int(key)}")
+        ax.xaxis.set_major_locator(MaxNLocator(3, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(4))
+    for ax in axes.flat[len(keys):]:
+        ax.remove()
+    for ax in axes[-1]:
+        ax.set_xlabel("step")
+    fig.supylabel(ylabel)
+    if title:
+        fig.suptitle(title)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels))
+    return fig
+
+
 def _number(x, digits: int) -> str:
     """One table cell: integers with thousands separators, other numbers to ``digits`` significant digits, missing
     values as an en dash, booleans as yes/no."""
-    if x is None or (isinstance(x, (float, np.floating)) and math.isnan(x)):
+    if _missing(x):
         return "–"
     if isinstance(x, (bool, np.bool_)):
         return "yes" if x else "no"
     if isinstance(x, (int, np.integer)) or (isinstance(x, (float, np.floating)) and float(x).is_integer()
-                                            and abs(x) >= 1000):
+                                            and abs(x) >= 10 ** (digits - 1)):
         return f"{int(x):,}"
     if isinstance(x, (float, np.floating)):
         if not math.isfinite(x):
             return str(x)
         v = float(f"{x:.{digits}g}")
+        if v and abs(v) < 10 ** -(digits + 1):  # tiny: scientific, not a row of zeros
+            return f"{v:.{digits - 1}e}"
         return f"{v:,.{max(digits - 1 - int(math.floor(math.log10(abs(v)))), 0)}f}" if v else "0"
     return str(x)
 
 
-def format_table(df, units: dict | None = None, percent=(), digits: int = 3, max_columns: int = 8, index: bool = True,
-                 raw=("seed", "init_seed")):
-    """A DataFrame as a page shows it: numbers to ``digits`` significant digits (integers with thousands
-    separators), the ``percent`` columns as percentages, missing values as "–", booleans as yes/no, ``units``
-    (``{column: unit}``) in the column names, and a table with more than ``max_columns`` columns transposed when that
-    makes it fit the page column (at most ``max_columns`` rows). ``raw`` columns (seeds) are shown as they are.
-    Returns a pandas Styler."""
+def _whole(values) -> bool:
+    """Whether every value that is not missing is a float with an integer value (and there is one)."""
+    present = [v for v in values if not _missing(v)]
+    return bool(present) and all(isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
+                                 for v in present)
+
+
+def format_table(df, units: dict | None = None, percent=(), digits: int | dict = 3, max_columns: int = 8,
+                 index: bool = True, raw=("seed", "init_seed"), classes: str = ""):
+    """A DataFrame as a page shows it, the one formatter of every table of the book: numbers to ``digits``
+    significant digits (an int, or ``{column: digits}`` with 3 for the others; integers with thousands separators),
+    the ``percent`` columns as percentages, missing values as "–" (a column with no value at all is dropped),
+    booleans as yes/no, ``units`` (``{column: unit}``) in the column names, a numeric index formatted like the cells,
+    and a table with more than ``max_columns`` columns transposed when that makes it fit the page column (at most
+    ``max_columns`` rows). ``raw`` columns (seeds) are shown as they are. The table carries the class
+    :data:`TABLE_CLASS` (and ``classes``). Returns a pandas Styler."""
+    import pandas as pd
+
     shown = df.copy()
+    shown = shown[[c for c in shown.columns if not all(_missing(v) for v in shown[c])]]
+    ndig = (lambda c: digits.get(c, 3)) if isinstance(digits, dict) else (lambda c: digits)
     for col in shown.columns:
         if col in raw:
             shown[col] = [str(v) for v in shown[col]]
         elif col in percent:
-            shown[col] = [("–" if v is None or v != v else f"{v:.{max(digits - 2, 0)}%}") for v in shown[col]]
+            shown[col] = [("–" if _missing(v) else f"{v:.{max(ndig(col) - 2, 0)}%}") for v in shown[col]]
+        elif _whole(shown[col]):  # counts and steps, made floats by a missing value: integers
+            shown[col] = [_number(v if _missing(v) else int(v), ndig(col)) for v in shown[col]]
         else:
-            shown[col] = [_number(v, digits) for v in shown[col]]
+            shown[col] = [_number(v, ndig(col)) for v in shown[col]]
+    if isinstance(shown.index, pd.MultiIndex):
+        shown.index = pd.MultiIndex.from_arrays(
+            [[_number(v, 3) if isinstance(v, (float, np.floating)) else v for v in shown.index.get_level_values(i)]
+             for i in range(shown.index.nlevels)], names=shown.index.names)
+    elif shown.index.dtype.kind == "f":
+        shown.index = pd.Index([_number(v, 3) for v in shown.index], name=shown.index.name)
     shown.columns = [f"{c} ({units[c]})" if units and c in units else c for c in shown.columns]
-    if len(shown.columns) > max_columns and len(shown.index) <= max_columns:
+    if len(shown.index) <= max_columns and (len(shown.columns) > max_columns or (
+            _width_px(shown, index) > TABLE_WIDTH_PX >= _width_px(shown.T, index))):
         shown = shown.T
-    styler = shown.style
-    return styler if index else styler.hide(axis="index")
+    parts, start = [], 0
+    for stop in range(1, len(shown.columns) + 1):  # columns split into tables that each fit the page column
+        if stop - start > 1 and _width_px(shown.iloc[:, start:stop], index) > TABLE_WIDTH_PX:
+            parts.append(shown.iloc[:, start:stop - 1])
+            start = stop - 1
+    parts.append(shown.iloc[:, start:])
+    attrs = f'class="{" ".join(filter(None, (TABLE_CLASS, classes)))}"'
+    stylers = [(part.style if index else part.style.hide(axis="index")).set_table_attributes(attrs) for part in parts]
+    return stylers[0] if len(stylers) == 1 else Tables(stylers)
+
+
+TABLE_WIDTH_PX = 680  # the page's text column at a 1280 px window is 688 px wide; a table must fit it
+_CELL_PAD_PX = 18  # a table cell's padding
+
+
+def _text_px(word: str) -> float:
+    """A word's width in px in a table's 16 px font: digits, capitals and symbols are wider than lower case."""
+    return sum(8.3 if c.islower() or c in " .,:;'-()[]/" else 10.4 for c in word)
+
+
+def _width_px(shown, index: bool = True) -> float:
+    """A rough narrowest width in px of ``shown`` (cells already text) as the page renders it, which is what must fit
+    the column (the browser wraps cells between words and after hyphens to fit, never elsewhere): per column its
+    longest word of a cell or the header, plus the index's levels."""
+    import re
+
+    def col(header, cells) -> float:  # (cells may hold HTML: a link, a code span)
+        words = [w for text in [header, *cells] for w in re.split(r"\s+|(?<=-)", re.sub(r"<[^>]+>", "", str(text)))]
+        return max(map(_text_px, words), default=0) + _CELL_PAD_PX
+    total = sum(col(h, shown[h] if not isinstance(shown[h], type(shown)) else shown[h].iloc[:, 0])
+                for h in shown.columns)
+    if index:
+        for i in range(shown.index.nlevels):
+            total += col(shown.index.names[i] or "", shown.index.get_level_values(i))
+    return total
+
+
+class Tables:
+    """Several parts of one table (:func:`format_table` split its columns so that each part fits the page column),
+    shown one below the other; ``parts``: their Stylers."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def _repr_html_(self) -> str:
+        return "\n".join(p.to_html() for p in self.parts)
+
+    def to_html(self) -> str:
+        return self._repr_html_()
+
+    def set_caption(self, caption: str):
+        self.parts[0].set_caption(caption)
+        return self

@@ -10,7 +10,7 @@ import pandas as pd
 
 from lpfa.bf16 import PAPER_OPERANDS, BF16Addition, binade, explain_add, fp32_fields
 from lpfa.params import integer, list_of, real
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 
 FP32_MAX = 3.4028234663852886e38
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -92,6 +92,15 @@ def rounding_cases(a: float, b: float) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("case")
 
 
+EXACT_COLUMNS = ("a", "b", "exact", "BF16")  # of rounding_cases: exact binary values, shown to the last digit
+
+
+def cases_display(a: float, b: float):
+    """:func:`rounding_cases` as the page shows it (:func:`lpfa.plotting.format_table`; the operands, exact sum and
+    BF16 result to their last digit)."""
+    return format_table(rounding_cases(a, b), raw=EXACT_COLUMNS, max_columns=len(ROUNDING_CASES) + 1)
+
+
 def plot_accumulation_bias(df: pd.DataFrame, accumulate: tuple[str, ...] | None = None):
     """Figure of :func:`lpfa.bf16.accumulation_bias`: mean signed error (± 2 standard errors) against the number of
     ``p_bar == 1`` terms; one column per score gap, one row per accumulation mode (``accumulate``, default every mode
@@ -136,6 +145,11 @@ def bias_table(df: pd.DataFrame) -> pd.DataFrame:
     gap, weights and values, one column per number of ``p_bar == 1`` terms."""
     return df.pivot_table(index=["accumulate", "gap", "weights", "values"], columns="n_ones",
                           values="mean_err_ulp").round(4)
+
+
+def bias_display(df: pd.DataFrame):
+    """:func:`bias_table` as the page shows it (:func:`lpfa.plotting.format_table`), its unit in the caption."""
+    return format_table(bias_table(df)).set_caption("Mean signed error [BF16 ulp]; columns: keys tied at the row max")
 
 
 def _error_text(row) -> str:

@@ -13,7 +13,7 @@ from lpfa.compare import same_recipe_runs
 from lpfa.explosion import RunawayCriterion
 from lpfa.pages import setting_of
 from lpfa.params import dict_of, optional, text
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
 from lpfa.results import run_dir
 from lpfa.run import Run, runaway_onset
@@ -140,7 +140,7 @@ def plot_delta_bias(result: dict):
     use_style()
     f = delta_bias_frame(result)
     heads = sorted(f["head"].unique())
-    fig, axes = plt.subplots(1, len(heads), figsize=(4.4 * len(heads), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(heads), figsize=(min(7.0, 3.5 * len(heads)), 3.4), squeeze=False, sharey=True)
     for ax, h in zip(axes[0], heads):
         g = f[f["head"] == h]
         ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="all rows")
@@ -161,15 +161,15 @@ def plot_worst_token(arrays: dict, head: int, step: int | None = None):
     step = detail_step(arrays, head, step)
     use_style()
     do, err = arrays[f"h{head}_s{step}_worst_do"], arrays[f"h{head}_s{step}_worst_o_err"]
-    fig, axes = plt.subplots(1, 3, figsize=(11, 2.8))
+    fig, axes = plt.subplots(3, 1, figsize=(7.0, 5.6), sharex=True)  # one above the other: the page's width
     axes[0].bar(range(len(do)), do, color=COLORS["neutral"])
     axes[0].set_title("dO[T, i]", fontsize=9)
     axes[1].bar(range(len(err)), err, color=COLORS["bf16"])
     axes[1].set_title("O_lp[T, i] − O_hp[T, i]", fontsize=9)
     axes[2].bar(range(len(err)), do * err, color=COLORS["sfa"])
     axes[2].set_title("dO ∘ (O_lp − O_hp): sums to δ_lp − δ_hp", fontsize=9)
+    axes[2].set_xlabel("feature i")
     for ax in axes:
-        ax.set_xlabel("feature i")
         ax.axhline(0, color="black", lw=0.5)
     fig.suptitle(f"head {head}, step {step}", fontsize=9)
     return fig
@@ -253,16 +253,9 @@ def trajectory_table(replays: dict) -> pd.DataFrame:
 
 
 def style_trajectory(table: pd.DataFrame):
-    """:func:`trajectory_table` for the page: shares as percentages, t to one decimal."""
-    return table.style.format(
-        {
-            "positive steps": "{:.0%}",
-            "t": "{:.1f}",
-            "tied rows": "{:.0%}",
-            "share of error from tied rows": "{:.0%}",
-            "V one-signed at P̄ = 1": "{:.0%}",
-        }
-    )
+    """:func:`trajectory_table` for the page (:func:`lpfa.plotting.format_table`): shares as percentages."""
+    return format_table(table, percent=("positive steps", "tied rows", "share of error from tied rows",
+                                        "V one-signed at P̄ = 1"), digits=2)
 
 
 def trajectory_text(table: pd.DataFrame) -> str:

@@ -33,7 +33,7 @@ from lpfa.dose import rescue_headline
 from lpfa.experiments import FP32_RERUN, RESCUE_DOSE, STABILISER_RERUN
 from lpfa.monitor import OVERHEAD_GOAL, add_derived, amortised_overhead, crossings, default_thresholds
 from lpfa.params import integer, real
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.results import experiment_rows
 from lpfa.results import runs as launches
 from lpfa.run import Run, layer_precision, run_verdict
@@ -172,6 +172,49 @@ def replay_table(table: pd.DataFrame) -> pd.DataFrame:
     return table[REPLAY_COLUMNS].sort_values(["attention", "runaway step"])
 
 
+def replay_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """:func:`warning_table` in a few rows, per attention precision and outcome (ran away; exploded without running
+    away; neither): the runs, how many the monitor warned, how many of those ahead of the failure and the median lead
+    (steps) of those."""
+    outcome = np.where(table["runaway step"].notna(), "ran away",
+                       np.where(table["explosion step"].notna(), "exploded", "neither"))
+    rows = {}
+    for (att, out), g in table.groupby([table["attention"], pd.Series(outcome, index=table.index)], sort=True):
+        warned = g["first warning step"].notna()
+        ahead = g["warned before"] & warned
+        lead = g.loc[ahead, "lead"].astype(float)
+        rows[(att, out)] = {"runs": len(g), "warned": int(warned.sum()),
+                            "warned ahead": None if out == "neither" else int(ahead.sum()),
+                            "median lead (steps)": lead.median() if len(lead) else None}
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index.names = ["attention", "outcome"]
+    return out
+
+
+def replay_display(table: pd.DataFrame):
+    """:func:`replay_summary` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(replay_summary(table))
+
+
+def full_replay_table():
+    """The full table behind :func:`replay_summary` for :mod:`lpfa.pages.tables`: :func:`replay_table` of every
+    committed run replayed at the default lead and false-positive rate, what it is, and the experiments it read."""
+    _, _, table = replay_committed()
+    what = (f"Page 15's full table: every committed run with per-head diagnostics replayed through the monitor with "
+            f"thresholds learnt at lead {alarms.LEAD_STEPS:,} steps and at most {alarms.MAX_FPR:.1%} false positives")
+    return replay_table(table), what, [f"results/{e}" for e in sorted({k.split("/")[0] for k in table.index})]
+
+
+def replay_text() -> str:
+    """What page 15's replay table (:func:`replay_display`) shows, with a link to every run's row."""
+    from lpfa.pages.tables import link
+
+    return ("Per attention precision and outcome: the runs, how many the monitor warned, how many of those ahead of "
+            "the failure (a warning in a run where neither happened is a false alarm), and the median lead of the "
+            "warnings ahead. Every run's row, with its steps and the head that warned, is in "
+            f"{link('early_warning_replay')} (at the default lead and false-positive rate).")
+
+
 def plot_first_warnings(table: pd.DataFrame):
     """The failed runs of :func:`warning_table`: the monitor's first warning step against the failure step (the
     runaway, else the explosion), by attention precision, with the diagonal where the warning meets the failure."""
@@ -296,4 +339,4 @@ def page_texts(samples, thr: dict, table: pd.DataFrame, rescue: pd.DataFrame, co
     s = warning_summary(table)
     return {"ew_headline": headline(s), "ew_runs": s["runs"], "ew_fpr": f"{max_fpr:.1%}", "ew_lead": f"{lead_steps:,}",
             "ew_samples": f"{len(samples):,}", "ew_rescue": rescue_headline(rescue), "ew_dose": f"{RESCUE_DOSE}",
-            "ew_overhead": overhead_text(cost), "ew_doctor": doctor_text(reports, thr)}
+            "ew_overhead": overhead_text(cost), "ew_doctor": doctor_text(reports, thr), "ew_table": replay_text()}

@@ -38,6 +38,7 @@ from lpfa.pages.loss_explosion import (
 from lpfa.pages.sfa import GPT2M_STEPS, gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
 from lpfa.params import integer, text
+from lpfa.plotting import format_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
 from lpfa.results import run_dir
 from lpfa.run import Run, run_verdict
@@ -325,13 +326,13 @@ def fig2_text(card: pd.DataFrame) -> str:
 
 def styled(card: pd.DataFrame, link: bool = True):
     """The scorecard for a page: page names as links (``../notebooks/<page>.html`` from the intro), the claims and
-    results HTML-escaped with their `code` spans as ``<code>``, no index."""
+    results HTML-escaped with their `code` spans as ``<code>``, no index (:func:`lpfa.plotting.format_table`)."""
     shown = card.copy()
     for col in ("claim", "our result"):  # the HTML table does not render Markdown: `code` by hand, the rest escaped
         shown[col] = [re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(str(t), quote=False)) for t in shown[col]]
     if link:
         shown["page"] = [f'<a href="../notebooks/{p}.html">{p[:2]}</a>' for p in shown["page"]]
-    return shown.style.hide(axis="index").set_table_attributes('class="scorecard"')
+    return format_table(shown, index=False, classes="scorecard")
 
 
 def plot_fig2(experiment: str = "paper_recipe", root=None):

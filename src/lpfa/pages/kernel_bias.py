@@ -18,6 +18,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.ticker import NullLocator
 
 from lpfa.audit import (
     FAMILIES,
@@ -36,7 +37,7 @@ from lpfa.audit import (
 )
 from lpfa.params import integer, text
 from lpfa.paths import results_dir
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.results import run_dir
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -182,7 +183,7 @@ def plot_bias(df, where: str):
     styles = [(COLORS["fp32"], "o"), (COLORS["bf16"], "s"), (COLORS["sfa"], "D")]
     fam = {f: (*styles[i % 3], (i - (len(fams) - 1) / 2) * 0.22) for i, f in enumerate(fams)}  # colour, marker, dodge
     order = [k for k in KERNELS if k in set(ran.kernel)]
-    fig, axes = plt.subplots(1, 3, figsize=(10, 0.42 * len(order) + 1.8), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(7, 0.3 * len(order) + 2.2), sharey=True)
     for ax, q in zip(axes, QUANTITY_LABELS):
         d = ran[ran.quantity == q].dropna(subset=["mean"])
         d = d.assign(y=d.kernel.map(order.index) + d.family.map(lambda f: fam[f][2]))
@@ -195,14 +196,18 @@ def plot_bias(df, where: str):
         ax.set_xscale("symlog", linthresh=1e-11)
         lim = 3 * max(d.ci_low.abs().max(), d.ci_high.abs().max(), 1e-6)
         ax.set_xlim(-lim, lim)
+        e = math.floor(math.log10(lim / 3))  # three ticks, -10^e, 0, 10^e: a panel is 2 inches wide
+        ax.set_xticks([-(10.0 ** e), 0, 10.0 ** e], [f"−1e{e}", "0", f"1e{e}"])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_title(QUANTITY_LABELS[q])
         ax.set_xlabel("signed mean error")
-        ax.tick_params(axis="x", labelsize=9, rotation=30)
+        ax.set_ylabel("")
     axes[0].set_yticks(range(len(order)), order)
-    axes[0].set_ylabel("")
     axes[0].invert_yaxis()
-    sns.move_legend(axes[0], "upper left", bbox_to_anchor=(0, -0.2), ncol=len(fams), title="inputs")
-    fig.suptitle(f"Signed bias against float64, 95% CI over the rows ({where})", fontsize=11)
+    handles, labels = axes[0].get_legend_handles_labels()
+    axes[0].get_legend().remove()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(fams), title="inputs")
+    fig.suptitle(f"Signed bias against float64, 95% CI over the rows ({where})")
     return fig
 
 
@@ -213,6 +218,43 @@ def bias_table(df) -> pd.DataFrame:
     cols = ["T", "mean", "ci_low", "ci_high", "n"] if "T" in ran.columns else ["mean", "ci_low", "ci_high", "n"]
     shown = ran[ran.kernel != "float64"].set_index(["kernel", "family", "quantity"])[cols]
     return shown.assign(**{"CI excludes 0": (shown.ci_low > 0) | (shown.ci_high < 0)})
+
+
+QUANTITY_SHORT = {"o": "O", "o_radial": "O radial", "delta": "δ", "dq_u": "dQ·u"}  # the summary table's words
+
+
+def bias_summary(df) -> pd.DataFrame:
+    """Page 16's table, :func:`bias_table` in one row per kernel that ran (but float64) and one column per family
+    (``captured:NAME`` as "captured"): the quantities whose 95% interval excludes 0, each with the sign of its mean
+    ("δ +, O radial −"), "none" where no interval does, "–" where the kernel did not run on the family."""
+    t = bias_table(df).reset_index()
+    fams = _families(t)
+    rows = {}
+    for kernel, g in t.groupby("kernel", sort=False):
+        rows[kernel] = {}
+        for fam in fams:
+            f = g[g.family == fam]
+            biased = [f"{QUANTITY_SHORT.get(q, q)} {'+' if m > 0 else '−'}"
+                      for q, m, x in zip(f.quantity, f["mean"], f["CI excludes 0"]) if x]
+            rows[kernel][fam.split(":")[0]] = None if f.empty else (", ".join(biased) or "none")
+    out = pd.DataFrame.from_dict(rows, orient="index")
+    out.index.name = "kernel"
+    return out
+
+
+def bias_display(df):
+    """:func:`bias_summary` as the page shows it (:func:`lpfa.plotting.format_table`), with its caption."""
+    return format_table(bias_summary(df)).set_caption(
+        "Quantities whose 95% interval of the signed mean error excludes 0, with the sign of the mean")
+
+
+def full_bias_table():
+    """The full table behind :func:`bias_summary` for :mod:`lpfa.pages.tables`: :func:`bias_table` of the latest
+    committed GPU audit, what it is, and the folder it was read from."""
+    page = load_page("latest")
+    what = (f"Page 16's full table: the signed mean error against float64 of every kernel, family and quantity of the "
+            f"GPU audit results/kernel_bias/{page.folder.name} at its largest T, with its 95% interval")
+    return bias_table(page.df), what, [f"results/kernel_bias/{page.folder.name}"]
 
 
 def exclusion_texts(df) -> tuple[str, str, str]:
@@ -395,4 +437,13 @@ def page_texts(page, silenced, T: int) -> dict:
             "kb_n": n, "kb_excl": excl, "kb_rand": rand, "kb_pr2721": pr2721_text(df), "kb_sr": sr_text(df),
             "kb_triton": triton_text(df), "kb_cap": captured_bias_text(df, silenced),
             "kb_toplogit": top_logit_text(silenced), "kb_sfa": sfa_text(silenced), "kb_fp8": fp8_text(df),
-            "kb_gpu": unavailable_text(df, where)}
+            "kb_gpu": unavailable_text(df, where), "kb_table": table_text()}
+
+
+def table_text() -> str:
+    """What page 16's table (:func:`bias_display`) shows, with a link to every interval (:mod:`lpfa.pages.tables`)."""
+    from lpfa.pages.tables import link
+
+    return ("Per kernel and input family, the quantities whose 95% interval excludes 0, with the sign of the mean; "
+            "`O radial` is (O − O₆₄)·sign(O₆₄), negative where the kernel shrinks |O| towards 0. Every interval, with "
+            f"its bounds, is in {link('kernel_bias_audit', 'the committed H200 audit')}.")

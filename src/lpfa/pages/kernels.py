@@ -26,7 +26,7 @@ from lpfa.attention import PRESETS, attention
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
 from lpfa.params import boolean, integer, optional, text
 from lpfa.paths import repo_root
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.results import file_run, load, run_date, run_dir
 from lpfa.results import runs as result_runs
 
@@ -143,7 +143,7 @@ def plot_speed(bench: dict):
     fig, ax = plt.subplots(figsize=(7, 0.32 * len(df) + 1))
     ax.barh(df.index[::-1], df.values[::-1], color=colors[::-1])
     for y, v in enumerate(df.values[::-1]):
-        ax.text(v, y, f" {v:.0f}", va="center", fontsize=8)
+        ax.text(v, y, f" {v:.0f}", va="center", fontsize=9)
     B, H, T, D = bench["shape"]
     ax.set_xlabel(f"forward + backward TFLOP/s (causal, B={B}, H={H}, T={T}, D={D})")
     return fig
@@ -268,8 +268,8 @@ def tuning_notes(best, run: str | None = None) -> dict[str, str]:
 
 
 def tuning_display(best):
-    """:func:`tuning_sweeps` as the page shows it (TFLOP/s whole, ratios to two decimals)."""
-    return best.style.format({"TFLOP/s": "{:.0f}", "SDPA-flash TFLOP/s": "{:.0f}", "ratio to SDPA-flash": "{:.2f}"})
+    """:func:`tuning_sweeps` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(best)
 
 
 def sfa_overhead_table(data: dict):
@@ -303,9 +303,9 @@ def sfa_overhead():
 
 
 def sfa_overhead_display(table):
-    """:func:`sfa_overhead_table` as the page shows it: TFLOP/s whole, the costs over base as signed percentages."""
-    return table.style.format({c: ("{:.0f}" if c.endswith("TFLOP/s") else "{:+.1%}") for c in table.columns
-                               if c != "spread"} | {"spread": "{:.1%}"})
+    """:func:`sfa_overhead_table` as the page shows it (:func:`lpfa.plotting.format_table`): the costs over base and
+    their spread as percentages."""
+    return format_table(table, percent=tuple(c for c in table.columns if not c.endswith("TFLOP/s")))
 
 
 def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> dict[str, str]:
@@ -345,9 +345,8 @@ def overhead_table(data: dict):
 
 
 def overhead_display(table):
-    """:func:`overhead_table` as the page shows it: µs whole, the GPU-time ratio to two decimals."""
-    return table.style.format({c: "{:.0f}" for c in ("host µs", "GPU µs", "back to back µs", "do_bench µs")}
-                              | {"GPU time × SDPA-flash": "{:.2f}"})
+    """:func:`overhead_table` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(table)
 
 
 def overhead_text(table) -> dict[str, str]:
@@ -396,10 +395,24 @@ def shapes_table(shapes: dict):
 
 
 def shapes_display(shapes: dict):
-    """:func:`shapes_table` as the page shows it: TFLOP/s whole, ratios to two decimals, SFA's cost as a percentage."""
-    return shapes_table(shapes).style.format({"fwd TFLOP/s": "{:.0f}", "bwd TFLOP/s": "{:.0f}",
-                                              "fwd+bwd TFLOP/s": "{:.0f}", "× SDPA-flash": "{:.2f}",
-                                              "SFA over base": "{:+.1%}"}, na_rep="–")
+    """:func:`shapes_table` as the page shows it (:func:`lpfa.plotting.format_table`): the forward+backward ratio to
+    SDPA-flash, one row per shape and one column per implementation; the full table is a CSV
+    (:func:`full_shapes_table`)."""
+    ratio = shapes_table(shapes)["× SDPA-flash"].unstack("shape")
+    ratio = ratio.loc[list(dict.fromkeys(shapes_table(shapes).index.get_level_values("impl"))),
+                      list(dict.fromkeys(shapes_table(shapes).index.get_level_values("shape")))]
+    ratio.index.name, ratio.columns.name = "implementation", "B×H×T×D"
+    return format_table(ratio.T).set_caption("Forward+backward speed ÷ SDPA-flash's, per shape (B×H×T×D)")
+
+
+def full_shapes_table():
+    """The full table behind :func:`shapes_display` for :mod:`lpfa.pages.tables`: :func:`shapes_table` of the latest
+    committed run that holds ``shapes.json``, what it is, and that folder."""
+    folder = bench_run_of("shapes.json")
+    what = (f"Page 12's full shapes table: TFLOP/s forward, backward and forward+backward per shape and "
+            "implementation, the ratio to SDPA-flash and SFA's cost over its base preset, from "
+            f"results/{EXPERIMENT}/{folder.name}")
+    return shapes_table(bench_file("shapes.json", folder.name)), what, [f"results/{EXPERIMENT}/{folder.name}"]
 
 
 def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dict[str, str]:
@@ -473,8 +486,8 @@ def host_layers_table(runs: dict[str, dict]):
 
 
 def host_layers_display(table):
-    """:func:`host_layers_table` as the page shows it: µs whole with thousands separators, the ratio to one decimal."""
-    return table.style.format("{:,.0f}", na_rep="–").format({"fwd+bwd × SDPA-flash": "{:.1f}"})
+    """:func:`host_layers_table` as the page shows it (:func:`lpfa.plotting.format_table`)."""
+    return format_table(table)
 
 
 def host_layers_text(table) -> str:
@@ -607,6 +620,30 @@ class KernelsPage:
     tuning: object
 
 
+def ncu_display(table):
+    """:func:`ncu_table` as the page shows it (:func:`lpfa.plotting.format_table`): the kernels of at least
+    :data:`NCU_BIG_US`, the attention kernels proper, with :data:`NCU_SHOWN`; every kernel is in a CSV."""
+    return format_table(table.loc[table["µs"] >= NCU_BIG_US, NCU_SHOWN]).set_caption(
+        f"The kernels of at least {NCU_BIG_US:g} µs")
+
+
+def full_ncu_table():
+    """The full table behind :func:`ncu_display` for :mod:`lpfa.pages.tables`: :func:`ncu_table` of the latest
+    committed Nsight Compute run, what it is, and that folder."""
+    ncu, folder = load_ncu()
+    what = (f"Page 12's full Nsight Compute table: every kernel of at least {NCU_MIN_US:g} µs of one forward and "
+            f"backward per target, from results/attention_ncu/{folder.name}")
+    return ncu_table(ncu)[NCU_SHOWN], what, [f"results/attention_ncu/{folder.name}"]
+
+
+def full_table_notes() -> dict[str, str]:
+    """Page 12's links to its full tables (:mod:`lpfa.pages.tables`): ``shapes_full`` and ``ncu_full``."""
+    from lpfa.pages.tables import link
+
+    return {"shapes_full": f"Every shape's TFLOP/s, with SFA's cost over its base, is in {link('attention_shapes')}.",
+            "ncu_full": f"Every kernel of at least {NCU_MIN_US:g} µs is in {link('attention_ncu')}."}
+
+
 def load_page(run: str | None) -> KernelsPage:
     """Page 12's committed results for benchmark run ``run`` (None: the latest): see :class:`KernelsPage`."""
     ncu, ncu_run = load_ncu()
@@ -622,4 +659,4 @@ def page_texts(p: KernelsPage) -> dict[str, str]:
     return {**provenance_notes(p.run), **speed_notes(p.bench), **overhead_notes(p.overhead, p.run),
             "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes),
             **ncu_notes(p.ncu, p.ncu_table, p.ncu_run), **sfa_overhead_notes(p.sfa, p.sfa_run),
-            **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run)}
+            **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run), **full_table_notes()}

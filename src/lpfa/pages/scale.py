@@ -97,8 +97,9 @@ def agreement_table(cmp: dict):
 
 
 def agreement_display(cmp: dict):
-    """:func:`agreement_table` as the page shows it: every relative difference to two significant digits."""
-    return agreement_table(cmp).apply(lambda col: col.map("{:.1e}".format))
+    """:func:`agreement_table` as the page shows it: every relative difference to two significant digits
+    (:func:`lpfa.plotting.format_table`)."""
+    return format_table(agreement_table(cmp), digits=2)
 
 
 def plot_compare(cmp: dict, labels=("1 GPU", "2 GPUs"), threshold: float | None = None):

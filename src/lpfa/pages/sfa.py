@@ -275,6 +275,12 @@ def last_sweep_table(frames: dict, layer: int) -> pd.DataFrame:
     return last.xs(layer, level="layer")
 
 
+def last_sweep_display(frames: dict, layer: int):
+    """:func:`last_sweep_table` as the page shows it: its shares as percentages (:func:`lpfa.plotting.format_table`)."""
+    table = last_sweep_table(frames, layer)
+    return format_table(table, percent=tuple(table.columns), digits=4)
+
+
 def sweep_text(frames: dict, verdicts: pd.DataFrame, runs: dict, layer: int) -> str:
     """Page 09's findings on the ``repro`` twins (``runs``, their :func:`twin_verdicts` and the ``sweep_frame`` of the
     SFA and BF16 runs' sweeps, ``frames``): whether SFA and BF16 exploded, ``layer``'s largest logit of each run

@@ -17,7 +17,7 @@ from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer
 from lpfa.pages import provenance_line
 from lpfa.pages.loss_explosion import recipe_rows
 from lpfa.params import dict_of, integer, optional, text
-from lpfa.plotting import color_of, use_style
+from lpfa.plotting import color_of, facet_lines, use_style
 from lpfa.results import run_dir
 from lpfa.run import check_layer
 from lpfa.scaling import first_difference
@@ -85,35 +85,20 @@ def plot_head_bars(runs: dict, layer: int, step: int, metric: str = "wq_spectral
 
 def plot_layer_max(runs: dict):
     """Fig. 11 per layer: each run's (``{label: run folder}``) largest ‖W_Q[h]‖₂ over the heads of each layer against
-    the step, one panel per run, one line per layer."""
-    use_style()
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
-    for ax, (label, d) in zip(axes[0], runs.items()):
-        f = head_metric_frame(d, "wq_spectral_norm").groupby(["step", "layer"]).value.max().unstack()
-        for lay in f.columns:
-            ax.plot(f.index, f[lay], lw=1.2, label=f"layer {lay}")
-        ax.set_title(f"{label}: largest head norm per layer", fontsize=10)
-        ax.set_xlabel("step")
-    axes[0, 0].set_ylabel("max over heads of ‖W_Q[h]‖₂")
-    axes[0, -1].legend(fontsize=9, ncol=2)
-    return fig
+    the step, one panel per layer with every run in its colour (:func:`lpfa.plotting.facet_lines`)."""
+    frames = {label: head_metric_frame(d, "wq_spectral_norm").groupby(["step", "layer"]).value.max().reset_index()
+              for label, d in runs.items()}
+    return facet_lines(frames, "layer", "max over heads of ‖W_Q[h]‖₂", "Largest head norm per layer")
 
 
 def plot_layer_heads(runs: dict, layer: int):
-    """Fig. 11 per head: ‖W_Q[h]‖₂ of every head of ``layer`` against the step, one panel per run (``{label: run
-    folder}``), one line per head; a one-line error for a layer the runs lack (:func:`lpfa.run.check_layer`)."""
+    """Fig. 11 per head: ‖W_Q[h]‖₂ of every head of ``layer`` against the step, one panel per head with every run
+    (``{label: run folder}``) in its colour (:func:`lpfa.plotting.facet_lines`); a one-line error for a layer the runs
+    lack (:func:`lpfa.run.check_layer`)."""
     check_layer(layer, runs)
     frames = {label: head_metric_frame(d, "wq_spectral_norm") for label, d in runs.items()}
-    use_style()
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.2 * len(runs), 3.2), sharey=True, squeeze=False)
-    for ax, (label, f) in zip(axes[0], frames.items()):
-        for h, g in f[f.layer == layer].groupby("head"):
-            ax.plot(g.step, g.value, lw=1, label=f"head {h}")
-        ax.set_title(f"{label}: layer {layer}, every head", fontsize=10)
-        ax.set_xlabel("step")
-    axes[0, 0].set_ylabel("‖W_Q[h]‖₂")
-    axes[0, -1].legend(fontsize=9, ncol=2)
-    return fig
+    return facet_lines({label: f[f.layer == layer] for label, f in frames.items()}, "head", "‖W_Q[h]‖₂",
+                       f"Layer {layer}, every head")
 
 
 def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: str = "fp32",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from lpfa import data as lpfa_data
 from lpfa.attention import get_policy
@@ -168,13 +169,19 @@ def plot_tie_grids(grids: dict):
     """The grids of :func:`tie_grids` side by side on one colour scale, with its colourbar."""
     use_style()
     top = max(float(g.values.max()) for g in grids.values())
-    fig, axes = plt.subplots(1, len(grids), figsize=(3.2 * len(grids), 3.0), squeeze=False)
-    for ax, ((label, s), g) in zip(axes[0], grids.items()):
+    ncols = min(2, len(grids))  # at most two grids abreast, so that the figure keeps the page's width
+    nrows = -(-len(grids) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.0, 2.9 * nrows), squeeze=False)
+    for ax, ((label, s), g) in zip(axes.flat, grids.items()):
         im = ax.imshow(g.values, cmap="viridis", vmin=0, vmax=max(top, 1e-3), aspect="auto")
-        ax.set_title(f"{label}, step {s:,}", fontsize=9)
+        ax.set_title(f"{label}, step {s:,}")
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
-    fig.colorbar(im, ax=axes[0].tolist(), label="rows with tied maxima")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # heads and layers: integer ticks
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes.flat[len(grids):]:
+        ax.remove()
+    fig.colorbar(im, ax=axes.ravel().tolist(), label="rows with tied maxima")
     return fig
 
 

@@ -18,7 +18,7 @@ from lpfa.diagnostics import DOMINANT_SIGN
 from lpfa.explosion import ExplosionCriterion, explosion_step, rise_step
 from lpfa.pages import provenance_line
 from lpfa.params import dict_of, integer, optional, text
-from lpfa.plotting import use_style
+from lpfa.plotting import format_table, use_style
 from lpfa.results import run_dir
 from lpfa.run import load_metrics, run_verdict
 
@@ -69,6 +69,18 @@ def tie_table(runs: dict) -> pd.DataFrame:
             rows.append({"run": label, "layer": lay, "early tie fraction": f[lay].iloc[:5].mean(),
                          "last": f[lay].iloc[-1], "rise step": rise_step(f[lay]), "explosion step": boom})
     return pd.DataFrame(rows).set_index(["run", "layer"])
+
+
+def tie_display(table: pd.DataFrame):
+    """:func:`tie_table` as the page shows it (:func:`lpfa.plotting.format_table`): one row per layer, per run its
+    early and last tie fraction and rise step, each run's loss explosion in the caption."""
+    runs = list(dict.fromkeys(table.index.get_level_values("run")))
+    wide = pd.concat({run: table.loc[run, ["early tie fraction", "last", "rise step"]] for run in runs}, axis=1)
+    wide.columns = [f"{run}: {c}" for run, c in wide.columns]
+    booms = {run: table.loc[run, "explosion step"].iloc[0] for run in runs}
+    caption = "Loss explosion: " + "; ".join(f"{run} at step {int(b):,}" if pd.notna(b) else f"{run} none"
+                                             for run, b in booms.items())
+    return format_table(wide).set_caption(caption)
 
 
 def tie_rise_text(runs: dict, table: pd.DataFrame) -> str:

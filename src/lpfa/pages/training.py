@@ -18,6 +18,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from lpfa.attention import PRESETS as POLICIES
 from lpfa.book import train_quietly
@@ -107,12 +108,17 @@ def plot_head_metric(run_dir: str | Path, metric: str = "wq_spectral_norm", laye
         raise ValueError(f"{run_dir} has no {metric!r} diagnostics (was diag_interval 0?)")
     values = np.array(diag[metric].tolist())  # (records, layers, heads)
     layers = list(range(values.shape[1])) if layers is None else list(layers)
-    fig, axes = plt.subplots(1, len(layers), figsize=(2.6 * len(layers), 2.6), sharey=True, squeeze=False)
-    for ax, layer in zip(axes[0], layers):
+    ncols = min(3, len(layers))  # the figure keeps the page's width: more layers, more rows
+    nrows = -(-len(layers) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.0, 2.3 * nrows + 0.4), sharey=True, squeeze=False)
+    for ax, layer in zip(axes.flat, layers):
         ax.plot(diag["step"], values[:, layer, :], lw=1)
-        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_title(f"layer {layer}")
         ax.set_xlabel("step")
-    axes[0, 0].set_ylabel(metric.replace("_", " "))
+        ax.xaxis.set_major_locator(MaxNLocator(3, integer=True))
+    for ax in axes.flat[len(layers):]:
+        ax.remove()
+    fig.supylabel(metric.replace("_", " "))
     return fig
 
 
