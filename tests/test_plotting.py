@@ -1,3 +1,4 @@
+import pytest
 
 
 def test_table_formats_numbers_units_and_missing_values():
@@ -125,3 +126,33 @@ def test_style_keeps_every_text_at_least_the_smallest_size():
     axes[0].text(0.5, 0.5, "small", fontsize=7)
     assert smallest_text_pt(fig) == 7
     plt.close(fig)
+
+
+def test_fit_page_width_shrinks_what_the_page_would_scale_down():
+    """A figure whose drawing (a legend outside its axes included) is wider than the page's column is shrunk, keeping
+    its aspect, until it fits PAGE_WIDTH_IN, so the page shows its text at its own size; a narrow one is left alone."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lpfa.plotting import PAGE_WIDTH_IN, fit_page_width, use_style
+
+    use_style()
+    fig, axes = plt.subplots(1, 3, figsize=(9.5, 3.0))
+    for ax in axes:
+        ax.plot(range(10), label="a line with a long label")
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1))  # outside: the drawing is wider than the figure
+    aspect = fig.get_figheight() / fig.get_figwidth()
+    width = fit_page_width(fig)
+    assert width == pytest.approx(PAGE_WIDTH_IN, rel=0.01)
+    assert fig.get_tightbbox().width + 2 * matplotlib.rcParams["savefig.pad_inches"] <= PAGE_WIDTH_IN * 1.01
+    assert fig.get_figheight() / fig.get_figwidth() == pytest.approx(aspect)
+    small, _ = plt.subplots(figsize=(4, 3))
+    assert fit_page_width(small) < PAGE_WIDTH_IN and tuple(small.get_size_inches()) == (4, 3)
+    from matplotlib.figure import Figure
+
+    bare = Figure(figsize=(10, 3))  # made without pyplot, as seaborn's grids may be: a bare canvas
+    bare.subplots().plot(range(3))
+    assert fit_page_width(bare) == pytest.approx(PAGE_WIDTH_IN, rel=0.01)
+    plt.close("all")

@@ -50,6 +50,29 @@ def use_style() -> None:
 
 
 MIN_TEXT_PT = 9  # the smallest text a figure may have at the page's width
+# the page's text column, 688 CSS px at a 1280 px window, holds a figure this wide at its own size or larger: its
+# 9-pt text then renders at 9 × 688 / (72 × 7) ≈ 12 px, 9 CSS pt
+PAGE_WIDTH_IN = 7.0
+
+
+def fit_page_width(fig, width_in: float = PAGE_WIDTH_IN) -> float:
+    """Shrink ``fig``, keeping its aspect, until its PNG as a page shows it (what it draws, labels and legends outside
+    the axes included, plus the ``savefig.pad_inches`` margin on each side) is at most ``width_in`` wide, so that the
+    page does not scale its text below :data:`MIN_TEXT_PT`; the constrained layout reflows the axes. Returns the PNG's
+    width in inches."""
+    import matplotlib
+
+    pad = matplotlib.rcParams["savefig.pad_inches"]
+    pad = 2 * pad if isinstance(pad, (int, float)) else 0.0
+    for _ in range(4):  # text keeps its size, so a shrink by the ratio can leave it a little wide: again
+        fig.draw_without_rendering()  # (any canvas: a figure made without pyplot has a bare one)
+        width = fig.get_tightbbox().width + pad
+        if width <= width_in * 1.005:
+            return width
+        f = (width_in - pad) / (width - pad)
+        fig.set_size_inches(fig.get_figwidth() * f, fig.get_figheight() * f)
+    fig.draw_without_rendering()
+    return fig.get_tightbbox().width + pad
 PNG_TEXT_KEY = "lpfa:smallest_text_pt"  # a page figure's PNG says its smallest text in pt (and "lpfa:dpi" its dpi)
 
 
@@ -91,6 +114,7 @@ def _tag_notebook_pngs() -> None:
         return
 
     def tagged(fig):
+        fit_page_width(fig)
         return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig):g}", "lpfa:dpi": f"{fig.dpi:g}"})
 
     tagged.lpfa_tagged = True
