@@ -251,3 +251,19 @@ def test_tie_frequency_page_shows_v_sign_dominance(executed_notebook):
     assert ("over the second half of the runs, the BF16 run has 1.4 times the FP32 twin's share of one-signed V "
             "columns: about the same" in text)
     assert "Not logged" not in text
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_rendered_pages_hold_no_widget(nb, executed_notebook):
+    """The book's kernels run static (lpfa.widgets): a page with a widget cell shows its figure drawn once and the line
+    saying where the controls live, and embeds no widget state."""
+    from lpfa.widgets import NOTE
+
+    source = nbformat.read(nb, as_version=4)
+    widget_cells = [c for c in source.cells if c.cell_type == "code" and re.search(r"explore[rs]?\(", c.source)]
+    done = nbformat.read(executed_notebook(nb), as_version=4)
+    outputs = [o for c in done.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert "widgets" not in done.metadata
+    notes = [o for o in outputs if NOTE in o.get("data", {}).get("text/markdown", "")]
+    assert len(notes) == len(widget_cells), nb.name

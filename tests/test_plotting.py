@@ -59,7 +59,9 @@ def test_explorer_draws_when_asked(tmp_path, monkeypatch):
     from conftest import write_diag_run
 
     from lpfa.compare import explorer
+    from lpfa.widgets import STATIC_ENV
 
+    monkeypatch.delenv(STATIC_ENV, raising=False)  # a reader's kernel (the book's draw once: tests/test_widgets.py)
     runs = {"bf16": write_diag_run(tmp_path, "bf16", [1.0, 5.0, 9.0], [0.0] * 3, [1.0, 2.0, 3.0])}
     drawn = []
     monkeypatch.setattr(plt, "show", lambda *a, **k: drawn.append(len(plt.gca().get_lines())))

@@ -120,11 +120,14 @@ def notebook_parameters(notebook: Path, profile: str = "default", root: Path | N
 def _ipc_kernel_manager():
     """A kernel manager whose kernel talks over Unix sockets in a folder of its own. Kernels launched at the same time
     by several processes (the book's parallel execution, the test workers) can be handed the same TCP ports; a
-    message then goes to the wrong kernel and papermill waits for it forever."""
+    message then goes to the wrong kernel and papermill waits for it forever. Its kernels run with
+    :data:`lpfa.widgets.STATIC_ENV` set: a rendered page gets static figures, not widgets that do nothing there."""
     import uuid
 
     from jupyter_client.manager import AsyncKernelManager  # optional (the book extra), as papermill
     from jupyter_core.paths import jupyter_runtime_dir
+
+    from lpfa.widgets import STATIC_ENV
 
     class IPCKernelManager(AsyncKernelManager):
         def __init__(self, **kwargs):
@@ -133,6 +136,11 @@ def _ipc_kernel_manager():
             os.makedirs(runtime, exist_ok=True)
             self.transport = "ipc"
             self.ip = os.path.join(runtime, f"lpfa-{uuid.uuid4().hex[:12]}")  # sockets <ip>-<n>, removed at shutdown
+
+        async def _async_pre_start_kernel(self, **kw):
+            # the page is rendered, not read live: widgets draw once (lpfa.widgets.interactive_or_static)
+            kw["env"] = {**(kw.get("env") or os.environ), STATIC_ENV: "1"}
+            return await super()._async_pre_start_kernel(**kw)
 
     return IPCKernelManager
 

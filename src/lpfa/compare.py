@@ -110,21 +110,22 @@ def growth_table(runs: dict, metric: str = "wq_spectral_norm"):
 
 
 def explorer(runs: dict, metric: str = "wq_spectral_norm"):
-    """An ipywidgets explorer (run, layer, heads, step range) of a per-head diagnostic, for JupyterLab.
-    Returns the widget; in a static page it shows nothing, so notebooks draw static figures as well. It draws when
-    its button is pressed (``manual``): a figure drawn into its output widget while papermill executes the cell can
-    leave the executing client waiting for a reply that never comes."""
-    import ipywidgets as w
+    """An explorer (run, layer, heads, step range) of a per-head diagnostic through
+    :func:`lpfa.widgets.interactive_or_static`: in JupyterLab an ipywidgets explorer, returned; on a static page (the
+    book build) the first run's layer 1 (or 0), every head and step, drawn once with a line saying where the controls
+    live. It draws when its button is pressed (``manual``): a drawing takes a moment."""
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
     from lpfa.plotting import use_style
+    from lpfa.widgets import interactive_or_static
 
     frames = {label: head_metric_frame(d, metric) for label, d in runs.items()}
     first = next(iter(frames.values()))
     n_layer, n_head = int(first.layer.max()) + 1, int(first["head"].max()) + 1
     lo, hi = int(first.step.min()), int(max(f.step.max() for f in frames.values()))
+    start = {"run": next(iter(frames)), "layer": min(1, n_layer - 1), "heads": tuple(range(n_head)), "steps": (lo, hi)}
 
-    def show(run, layer, heads, steps):
+    def draw(run, layer, heads, steps):
         use_style()
         f = frames[run]
         f = f[(f.layer == layer) & f["head"].isin(heads) & f.step.between(*steps)]
@@ -135,15 +136,18 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(f"{run}, layer {layer}", fontsize=9)
         ax.legend(ncol=4, fontsize=9)
-        plt.show()
+        return fig
 
-    return w.interactive(
-        show, {"manual": True, "manual_name": "Draw"},
-        run=w.Dropdown(options=list(frames)),
-        layer=w.IntSlider(min=0, max=n_layer - 1, value=min(1, n_layer - 1)),
-        heads=w.SelectMultiple(options=list(range(n_head)), value=tuple(range(n_head)), description="heads"),
-        steps=w.IntRangeSlider(min=lo, max=hi, value=(lo, hi), step=max(1, (hi - lo) // 100), description="steps"),
-    )
+    def controls():
+        import ipywidgets as w
+
+        return {"run": w.Dropdown(options=list(frames), value=start["run"], description="run"),
+                "layer": w.IntSlider(min=0, max=n_layer - 1, value=start["layer"], description="layer"),
+                "heads": w.SelectMultiple(options=list(range(n_head)), value=start["heads"], description="heads"),
+                "steps": w.IntRangeSlider(min=lo, max=hi, value=start["steps"], step=max(1, (hi - lo) // 100),
+                                          description="steps")}
+
+    return interactive_or_static(draw, controls, start, manual=True)
 
 
 PRECURSORS = {

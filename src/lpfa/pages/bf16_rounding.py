@@ -185,3 +185,25 @@ def bias_text(df: pd.DataFrame) -> str:
         lines.append(f"* BF16 accumulator, no ties, negative values: {_error_text(bf)} — positive, i.e. the magnitude "
                      "*shrinks*.")
     return "**FP32 accumulation, one BF16 rounding (the GEMM):**\n\n" + "\n".join(lines)
+
+
+def addition_view(a: float, b: float) -> tuple:
+    """Page 01's explorer drawing: the addition ``a + b`` rounded to BF16 bit by bit (:func:`lpfa.bf16.explain_add`)
+    and its sentence (:func:`addition_text`); an operand outside FP32's range a one-line ValueError naming it."""
+    a, b = PARAMS["a"].check("a", a), PARAMS["b"].check("b", b)
+    r = explain_add(a, b)
+    return r, addition_text(r)
+
+
+def addition_explorer(a: float, b: float):
+    """The reader's own operands for the addition (:func:`addition_view`, two number boxes starting at ``a``, ``b``)
+    through :func:`lpfa.widgets.interactive_or_static`. The page above already shows ``a + b``: a static page gets
+    only the line saying where the boxes live."""
+    from lpfa.widgets import interactive_or_static
+
+    def controls():
+        import ipywidgets as w
+
+        return {"a": w.FloatText(value=a, description="a"), "b": w.FloatText(value=b, description="b")}
+
+    return interactive_or_static(addition_view, controls, None)

@@ -331,3 +331,45 @@ def reruns_text(result: dict, replay_folder) -> str:
         + "; ".join(f"{label}: {ran}, {boom}" for label, ran, boom, _ in fates)
         + f". The loss exploded in {n_boom} of these {len(fates)} runs."
     )
+
+
+def step_explorer(result: dict, arrays: dict, view, step: int | None = None, static: bool = True):
+    """A replay's per-step figure with a head menu and a step slider over the detail steps
+    (:func:`lpfa.replay.detail_steps`) through :func:`lpfa.widgets.interactive_or_static`: ``view(result, arrays,
+    head, step)`` draws it (:func:`worst_token_view`, :func:`lpfa.pages.pktx_structure.rank1_view`,
+    :func:`lpfa.pages.pv_error.pv_error_view`). A static page shows the first head at ``step`` (default: its last
+    detail step; the pages' figures show the first), or with ``static`` False (the page already draws every step)
+    only the line saying where the slider lives."""
+    from lpfa.widgets import interactive_or_static
+
+    heads = [int(h) for h in result["heads"]]
+    steps = sorted({s for h in heads for s in detail_steps(arrays, h)})
+    if not steps:
+        raise ValueError(f"heads {heads}: the replay measured no step in detail for them")
+    start = {"head": heads[0], "step": detail_step(arrays, heads[0], step) if step is not None
+             else detail_steps(arrays, heads[0])[-1]}
+
+    def draw(head, step):
+        return view(result, arrays, head, step)
+
+    def controls():
+        import ipywidgets as w
+
+        return {"head": w.Dropdown(options=heads, value=start["head"], description="head"),
+                "step": w.SelectionSlider(options=steps, value=start["step"], description="step",
+                                          continuous_update=False)}
+
+    return interactive_or_static(draw, controls, start if static else None)
+
+
+def _replay_head(result: dict, head: int) -> int:
+    """``head`` if the replay measured it, else a one-line ValueError naming the heads it did."""
+    if head not in [int(h) for h in result["heads"]]:
+        raise ValueError(f"head={head!r}: expected a head this replay measured, one of {result['heads']}")
+    return int(head)
+
+
+def worst_token_view(result: dict, arrays: dict, head: int, step: int):
+    """Page 02's per-step figure (:func:`plot_worst_token`) at a replayed ``head`` and detail ``step``; a head or step
+    the replay did not measure is a one-line ValueError naming the ones it did."""
+    return plot_worst_token(arrays, _replay_head(result, head), step)

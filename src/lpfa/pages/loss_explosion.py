@@ -654,6 +654,62 @@ def plot_dose_response(table: pd.DataFrame, fit: dict | None = None, ax=None, wh
     return ax.figure
 
 
+def dose_view(table: pd.DataFrame, fit: dict | None, k: float, what: str = "explosion step",
+              affordable_steps: float | None = None) -> tuple:
+    """The dose figure (:func:`plot_dose_response`) with dose ``k`` picked out: its runs ringed, the fit's prediction
+    there with its 95% interval as a black bar, and a sentence (Markdown) naming the runs at ``k`` with their
+    ``what`` step and the prediction. ``k`` must be positive; a bad one is a one-line ValueError naming it."""
+    if isinstance(k, bool) or not isinstance(k, (int, float, np.integer, np.floating)) or not (
+            math.isfinite(k) and k > 0):
+        raise ValueError(f"k={k!r}: expected a positive dose (the ladder's: {_ks(table['k'][table['k'] > 0])})")
+    k = float(k)
+    fig = plot_dose_response(table, fit, what=what, affordable_steps=affordable_steps)
+    ax = fig.axes[0]
+    y = pd.to_numeric(table[what], errors="coerce").astype(float)
+    at_k = table.index[np.isclose(table["k"].astype(float), k)]
+    shown = y.where(y.notna(), table["steps"].astype(float))
+    groups = _groups(table)
+    dodge = [groups[table.at[label, "sign"], table.at[label, "base"]][4] for label in at_k]  # as the points are
+    ax.plot(table.loc[at_k, "k"].astype(float) * dodge, shown[at_k], ls="none", marker="o", ms=15, mfc="none",
+            mec="black", mew=1.2, zorder=4)
+    event = what.replace(" step", "")
+    runs = ", ".join(f"{label} (no {event} by step {int(table.at[label, 'steps']):,})" if pd.isna(y[label])
+                     else f"{label} (step {int(y[label]):,})" for label in at_k)
+    text = f"At dose k = {k:g}: " + (f"{len(at_k)} run(s), {runs}." if len(at_k) else "no committed run.")
+    pred, lo, hi = predict(fit, k) if fit is not None else (math.nan,) * 3
+    if math.isfinite(pred):
+        ax.errorbar([k], [pred], yerr=[[pred - lo], [hi - pred]], fmt="D", color="black", ms=6, capsize=4, zorder=5)
+        inside = "within" if fit["k_min"] <= k <= fit["k_max"] else "extrapolated beyond"
+        text += (f" The fit ({inside} its doses {fit['k_min']:g} to {fit['k_max']:g}) predicts the {event} at step "
+                 f"{pred:,.0f}, 95% prediction interval {lo:,.0f} to {hi:,.0f} (black diamond and bar).")
+    ax.set_title(f"dose k = {k:g}", fontsize=10)
+    return fig, text
+
+
+def dose_explorer(table: pd.DataFrame | None, fit: dict | None, k: float = 1.0, what: str = "explosion step",
+                  affordable_steps: float | None = None):
+    """The dose figure with a dose slider (:func:`dose_view`, the ladder's doses and 1) through
+    :func:`lpfa.widgets.interactive_or_static`; a static page shows it at ``k``. None (nothing shown) without a dose
+    table."""
+    from lpfa.widgets import interactive_or_static
+
+    if table is None:
+        return None
+
+    doses = sorted({*(float(x) for x in table["k"] if x > 0), 1.0, float(k)})
+
+    def view(k):
+        return dose_view(table, fit, k, what, affordable_steps)
+
+    def controls():
+        import ipywidgets as w
+
+        return {"k": w.SelectionSlider(options=[(f"{d:g}", d) for d in doses], value=float(k), description="dose k",
+                                       continuous_update=False)}
+
+    return interactive_or_static(view, controls, {"k": k})
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # what a longer run costs
 

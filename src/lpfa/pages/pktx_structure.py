@@ -88,3 +88,35 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
             + (f" For head(s) {', '.join(map(str, odd))} the first replayed step is the exception: its direction "
                f"overlaps at most {max(arrays[f'h{h}_overlap_first'][1:].max() for h in odd):.2f} with any later "
                "step's, while the later steps agree with each other." if odd else ""))
+
+
+def rank1_view(result: dict, arrays: dict, head: int, step: int, n_show: int = 16):
+    """Fig. 4 at one detail step: PK and X of ``head``'s ``n_show`` tokens with the largest |δ error| at ``step``
+    (rows = tokens), and the rank-1 similarities within that step against random vectors
+    (:func:`lpfa.replay.rank1_stats`). A head or step the replay did not measure is a one-line ValueError naming the
+    ones it did."""
+    from lpfa.pages.delta_bias import _replay_head, detail_step
+
+    head = _replay_head(result, head)
+    step = detail_step(arrays, head, step)
+    st = rank1_stats(arrays, head)
+    use_style()
+    fig = plt.figure(figsize=(7.5, 6.0))
+    grid = fig.add_gridspec(2, 2, width_ratios=[1, 2])
+    axes = [fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]), fig.add_subplot(grid[1, :])]
+    for ax, name, label in ((axes[0], "top_pk", "(PK)[T]"), (axes[1], "top_x", "X[T]")):
+        m = arrays[f"h{head}_s{step}_{name}"][:n_show]
+        v = float(np.quantile(np.abs(m), 0.99)) or float(np.abs(m).max()) or 1.0  # as plot_rank1
+        im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
+        ax.grid(False)
+        fig.colorbar(im, ax=ax, shrink=0.9)
+        ax.set_title(f"{label} (rows: tokens)", fontsize=10)
+        ax.set_xlabel("feature")
+    axes[0].set_ylabel(f"token (top {n_show} by |δ error|)")
+    for k in (f"within {step}", "random vectors"):
+        axes[2].hist(st[k], bins=40, range=(-1, 1), histtype="step", density=True,
+                     label=f"{k} (median {np.median(st[k]):.2f})")
+    axes[2].set_xlabel("cosine similarity of (PK)[T]ᵀX[T]")
+    axes[2].legend(fontsize=9)
+    fig.suptitle(f"layer {result['layer']}, head {head}, step {step}", fontsize=9)
+    return fig

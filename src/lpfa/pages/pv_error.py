@@ -72,3 +72,12 @@ def pv_error_text(result: dict, arrays: dict) -> str:
                          f"{st['signs']}); final Ō error {st['final']:+.2e}; the additions at P̄ = 1 keys account for "
                          f"{st['share']:.0%} of the summed |error increments|.")
     return "**Measured.**\n\n" + "\n".join(lines)
+
+
+def pv_error_view(result: dict, arrays: dict, head: int, step: int):
+    """:func:`plot_pv_error` at a replayed ``head`` and detail ``step``, titled with the layer, head and step; a head or
+    step the replay did not measure is a one-line ValueError naming the ones it did."""
+    from lpfa.pages.delta_bias import _replay_head
+
+    head = _replay_head(result, head)
+    return plot_pv_error(arrays, head, step, f"layer {result['layer']}, head {head}, step {step}")

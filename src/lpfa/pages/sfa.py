@@ -607,3 +607,58 @@ def gpt2m_text(price: pd.DataFrame, steps: int, seeds=None) -> str:
             f"{minutes['fp32_paper_recipe']:.0f} in FP32, so the three rows of Fig. 7c (BF16, FP32 and SFA, priced as "
             f"BF16) take about {total:.0f} minutes of one H200 for one seed. They are not among the committed runs: "
             "whether the BF16 failure and SFA's fix carry over to GPT-2 M is not tested in this book.")
+
+
+def beta_view(frames: dict, layer: int, beta: float) -> tuple:
+    """SFA's β picked out of the committed sweeps (``frames``, ``{label: sweep_frame}``): per run, the shares of
+    ``layer``'s rows SFA touches, that the clamp attenuates, silences and zeroes over the checkpoints at ``beta``
+    (one panel per run), and their values at each run's last checkpoint (:func:`last_sweep_table`'s rows at ``beta``).
+    A β the sweeps did not measure is a one-line ValueError naming the ones they did."""
+    import math
+
+    import numpy as np
+
+    from lpfa.plotting import COLORS
+
+    betas = sorted({float(b) for f in frames.values() for b in f.beta})
+    if isinstance(beta, bool) or not isinstance(beta, (int, float, np.integer, np.floating)) or not any(
+            math.isclose(beta, b) for b in betas):
+        raise ValueError(f"beta={beta!r}: expected a β of the sweeps, one of {', '.join(f'{b:g}' for b in betas)}")
+    beta = next(b for b in betas if math.isclose(beta, b))
+    shares = {label: _in_layer(f, layer) for label, f in frames.items()}
+    use_style()
+    fig, axes = plt.subplots(1, len(frames), figsize=(max(4.2 * len(frames), 7.5), 3.0), squeeze=False, sharey=True)
+    colours = dict(zip(SWEPT, (COLORS["sfa"], COLORS["accent"], COLORS["bf16"], COLORS["fp32"])))
+    for ax, (label, f) in zip(axes[0], shares.items()):
+        g = f[np.isclose(f.beta, beta)]
+        for what in SWEPT:
+            ax.plot(g.step, g[what], marker="o", ms=3, color=colours[what], label=what)
+        ax.set_title(f"{label}: layer {layer}, β = {beta:g}", fontsize=9)
+        ax.set_xlabel("checkpoint step")
+    axes[0, 0].set_ylabel("fraction of rows")
+    axes[0, -1].legend(fontsize=9)
+    last = last_sweep_table(frames, layer).xs(beta, level="beta")
+    return fig, last.style.format("{:.2%}")
+
+
+def beta_explorer(frames: dict, layer: int, beta: float | None = None):
+    """:func:`beta_view` with a β slider over the sweeps' βs through :func:`lpfa.widgets.interactive_or_static`; a
+    static page shows ``beta`` (default: the largest β swept, the least aggressive clamp). None (nothing shown) without
+    sweeps."""
+    from lpfa.widgets import interactive_or_static
+
+    if not frames:
+        return None
+
+    betas = sorted({float(b) for f in frames.values() for b in f.beta})
+    beta = betas[-1] if beta is None else beta
+
+    def view(beta):
+        return beta_view(frames, layer, beta)
+
+    def controls():
+        import ipywidgets as w
+
+        return {"beta": w.SelectionSlider(options=[(f"{b:g}", b) for b in betas], value=beta, description="β")}
+
+    return interactive_or_static(view, controls, {"beta": beta})
