@@ -638,7 +638,7 @@ def beta_view(frames: dict, layer: int, beta: float) -> tuple:
     axes[0, 0].set_ylabel("fraction of rows")
     axes[0, -1].legend(fontsize=9)
     last = last_sweep_table(frames, layer).xs(beta, level="beta")
-    return fig, last.style.format("{:.2%}")
+    return fig, format_table(last, percent=tuple(last.columns))
 
 
 def beta_explorer(frames: dict, layer: int, beta: float | None = None):
