@@ -47,7 +47,7 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
 test: $(VENV)/.installed-test browser
-	$(BIN)/python -m pytest -n $(JOBS) --dist worksteal $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(JOBS) $(PYTEST_ARGS)
 
 lab: $(VENV)/.installed-lab $(VENV)/.installed-book
 	$(BIN)/jupyter lab notebooks/
