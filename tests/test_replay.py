@@ -531,6 +531,19 @@ def test_replay_follows_the_trajectory_and_writes_its_files(tiny_run, tmp_path, 
             js["per_step"][0]["heads"][str(h)]["sum_all"], rel=1e-5, abs=1e-6)
 
 
+def test_side_pass_measures_what_the_step_sees_and_leaves_the_trajectory(tiny_run, tmp_path):
+    """A compiled run is measured by a side pass before each step: on an eager run, forced, it must measure exactly
+    what the step's own capture measures, and its gradients must not leak into the step (losses stay the run's)."""
+    from lpfa.replay import replay
+
+    kw = dict(step=10, layer=1, heads=[0, 1], steps=4, n_seq=2, device="cpu", detail_every=2)
+    own = replay(tiny_run, tmp_path / "own", **kw)
+    side = replay(tiny_run, tmp_path / "side", side_pass=True, **kw)
+    assert own["measured_by"] == "the step" and side["measured_by"] == "side pass" and side["compiled"] is False
+    assert side["agreement"]["bit_equal"] == side["agreement"]["compared"] == 4
+    assert [p["heads"] for p in side["per_step"]] == [p["heads"] for p in own["per_step"]]
+
+
 def test_replay_cli_max_s_stops_early_and_still_writes(tiny_run, tmp_path, capsys):
     from lpfa.replay import main
 

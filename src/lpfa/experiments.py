@@ -164,14 +164,15 @@ STABILISERS: dict[str, list[str]] = {
     # differently?
     "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
 }
-# The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again, eager, since the
-# instrumented replay (lpfa.replay) is eager and follows an eager run bit for bit; a checkpoint every 500 steps kept, so
-# the replay can start about 1,000 steps before the explosion; diagnostics every 100 steps. Its FP32 twin runs to
-# step 4,000 (compiled: it is replayed from that checkpoint, not compared bit for bit) and is replayed with the BF16
-# run's policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs both and their replays.
+# The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again, compiled as the
+# recipe runs are (both compiled seed-1337 runs exploded, at 5,136 and 5,485; the eager one of
+# results/mechanism/h200-2026-12-04 had not by 6,310); a checkpoint every 500 steps kept, so the instrumented replay
+# (lpfa.replay, compiled like the run, the layer measured by an eager side pass) can start about 1,000 steps before
+# the explosion; diagnostics every 100 steps. Its FP32 twin runs to step 4,000 and is replayed with the BF16 run's
+# policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs both and their replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
 MECHANISM: dict[str, list[str]] = {
-    "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=false", f"ckpt_interval={MECHANISM_CKPT}",
+    "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_CKPT}",
                        "ckpt_history=true", "diag_interval=100"],
     "fp32_mechanism": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_TWIN_STOP}",
                        f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"],
@@ -244,7 +245,7 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"{m}_qkclip_muon": (f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and "
                             "the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe")
        for m in ("bf16", "fp32")},
-    "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
+    "bf16_mechanism": "bf16_paper_recipe again, a checkpoint every 500 steps kept: replayed up to its explosion",
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",

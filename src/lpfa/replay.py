@@ -169,17 +169,32 @@ def loss_agreement(per_step: list[dict], records: list[dict]) -> dict:
             "max_abs_diff": max(diff) if diff else None}
 
 
+def _side_pass(model, attn, batch, n_micro: int, autocast) -> dict:
+    """The layer's x, q, k, v, O and dO on ``batch`` (micro-batch 0) from an eager forward and backward of ``model`` at
+    its current weights, its loss divided by ``n_micro`` as :func:`lpfa.train.train_step` divides it; the gradients
+    are then dropped, so the step that follows is the run's own."""
+    attn.capture = {"all": True}
+    x, y = batch
+    with autocast:
+        _, loss = model(x, y)
+        (loss / n_micro).backward()
+    cap, attn.capture = attn.capture, None
+    model.zero_grad(set_to_none=True)
+    return cap
+
+
 def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", heads: list[int] | None = None,
            steps: int = 100, n_seq: int = 8, device: str = "auto", command: str | None = None,
            max_s: float = 0.0, delta_err_every: int = 10, save_qkv: int = 0, measure_policy: str | None = None,
-           detail_every: int = 0) -> dict:
+           detail_every: int = 0, side_pass: bool | None = None) -> dict:
     """Replay ``steps`` training steps of ``run_dir`` from its checkpoint at ``step`` (default: the last before its
     explosion, else before its logit runaway, else before the first record above the runaway threshold, else the
     latest; ``choice`` in the result says which), measure ``layer``/``heads`` on ``n_seq`` sequences, and write
     ``out/replay.{json,npz}``; returns the result. ``max_s`` > 0 ends it early; ``delta_err_every`` thins the
     per-token δ errors kept (:func:`thin_delta_err`); ``measure_policy``, ``detail_every`` and ``save_qkv`` are
     described in the module docstring. ``agreement`` in the result compares the replayed losses with the run's
-    (:func:`loss_agreement`)."""
+    (:func:`loss_agreement`). A run trained with ``compile=true`` is replayed compiled, its layer measured by an eager
+    side pass before each step (``side_pass`` None: exactly then; True forces it on an eager run)."""
     t_start = time.time()
     given_step = step is not None
     run_dir, out = Path(run_dir), Path(out)
@@ -230,6 +245,10 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
         raise ValueError(f"detail_every={detail_every!r}: expected 0 (first and last step only) or a positive step "
                          "count")
     attn = model.transformer.h[layer].attn
+    # the run's own step: compiled if the run was (lpfa.train compiles the same way). A compiled step cannot capture
+    # the layer's tensors, so they come from a side pass (:func:`_side_pass`) at the same weights before each step.
+    side_pass = bool(cfg.compile) if side_pass is None else side_pass
+    step_model = torch.compile(model) if cfg.compile else model
 
     per_step, series, details = [], {h: {"delta_err": [], "g_u": [], "g_v": []} for h in heads}, {}
     last = step + steps - 1
@@ -248,9 +267,13 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
                 captured["cap"] = attn.capture
             attn.capture = {"all": True} if micro == 0 else None
 
-        loss, gnorm, _ = train_step(model, optimizers, cfg, s, batches, autocast, before_micro=capture_first)
-        cap = captured.get("cap", attn.capture)
-        attn.capture = None
+        if side_pass:
+            cap = _side_pass(model, attn, batches[0], len(batches), autocast)
+            loss, gnorm, _ = train_step(step_model, optimizers, cfg, s, batches, autocast)
+        else:
+            loss, gnorm, _ = train_step(model, optimizers, cfg, s, batches, autocast, before_micro=capture_first)
+            cap = captured.get("cap", attn.capture)
+            attn.capture = None
         if not (math.isfinite(loss) and math.isfinite(gnorm)):
             break  # training stops here too (lpfa.train): nothing after a non-finite step is the run's trajectory
         if save_qkv and s == step:
@@ -312,6 +335,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     out.mkdir(parents=True, exist_ok=True)
     result = {"run": str(run_dir), "verdict": verdict, "checkpoint_step": step, "steps": len(per_step), "layer": layer,
               "heads": heads, "choice": choice, "policy": policy, "own_policy": own_policy, "n_seq": n_seq,
+              "compiled": bool(cfg.compile), "measured_by": "side pass" if side_pass else "the step",
               "summary": summary_heads, "per_step": per_step,
               "agreement": loss_agreement(per_step, run.records), "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)
