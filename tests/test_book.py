@@ -1,5 +1,6 @@
 """The book builds from the executed notebooks, and its notebook page shows its figure in a real browser."""
 
+import json
 import re
 import shutil
 
@@ -67,6 +68,17 @@ def _png_text_px(png, rendered_width: float) -> float | None:
         return float(im.info[PNG_TEXT_KEY]) * float(im.info["lpfa:dpi"]) / 72 * rendered_width / im.width
 
 
+def _png_figure_problems(png) -> list[str]:
+    """What :func:`lpfa.plotting.figure_problems` found in a figure when the notebook drew it (a repeated colour in a
+    panel, fractional ticks on a whole-number axis), from the PNG's :data:`lpfa.plotting.PNG_PROBLEMS_KEY`."""
+    from PIL import Image
+
+    from lpfa.plotting import PNG_PROBLEMS_KEY
+
+    with Image.open(png) as im:
+        return json.loads(im.info.get(PNG_PROBLEMS_KEY, '["drawn without lpfa.plotting\'s checks"]'))
+
+
 MIN_FIGURE_PX = 600  # a figure renders at least this wide at a 1280 px window
 MIN_TEXT_PX = 12  # and its smallest text at least this tall, in CSS px: 9 pt (lpfa.plotting.MIN_TEXT_PT)
 MAX_BODY_ROWS = 20  # lpfa.plotting.MAX_ROWS: a longer table is a summary with a CSV beside it
@@ -77,7 +89,8 @@ def test_every_page_in_chromium(built_book, tmp_path):
     with a verdict and a link to its page; on every page no rendered text holds a literal `{doc}`, `{glue`, `**` or a
     paragraph starting "* " (Markdown that did not render); every table went through lpfa.plotting.format_table, fits
     the text column and has at most MAX_BODY_ROWS body rows; every figure loads, renders at least MIN_FIGURE_PX wide
-    and its smallest text at least MIN_TEXT_PX tall (:func:`_png_text_px`)."""
+    and its smallest text at least MIN_TEXT_PX tall (:func:`_png_text_px`); no panel repeats a colour in its legend
+    and no whole-number axis has fractional ticks (:func:`_png_figure_problems`)."""
     from playwright.sync_api import sync_playwright
 
     from lpfa.pages.intro import VERDICTS
@@ -129,10 +142,12 @@ def test_every_page_in_chromium(built_book, tmp_path):
                         continue
                     if g["width"] < MIN_FIGURE_PX:
                         problems.append(f"{f}: figure {g['src']} renders {g['width']:.0f} px wide")
-                    text_px = _png_text_px((html.parent / g["src"]).resolve(), g["width"])
+                    png = (html.parent / g["src"]).resolve()
+                    text_px = _png_text_px(png, g["width"])
                     if text_px is None or text_px < MIN_TEXT_PX:
                         problems.append(f"{f}: figure {g['src']}'s smallest text renders at "
                                         f"{text_px and round(text_px, 1)} px")
+                    problems += [f"{f}: figure {g['src']}, {p}" for p in _png_figure_problems(png)]
             first = page.locator("main article img").first  # the last page's first figure, as a reader sees it
             first.scroll_into_view_if_needed()
             shot = tmp_path / "figure.png"

@@ -158,3 +158,50 @@ def test_fit_page_width_shrinks_what_the_page_would_scale_down():
     bare.subplots().plot(range(3))
     assert fit_page_width(bare) == pytest.approx(PAGE_WIDTH_IN, rel=0.01)
     plt.close("all")
+
+
+def test_figure_problems_finds_repeated_colours_and_fractional_ticks():
+    """The two figure rules the browser test reads from every page's PNGs (lpfa.plotting.figure_problems): legend
+    entries a reader cannot tell apart, and fractional tick labels on an axis whose marks all sit at whole numbers.
+    Each case is one the book met (12 seeds in a 10-colour palette, three layers' bars ticked at -0.5, 0.5, ...);
+    the clean twins (the same data, styled or ticked apart) must pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.ticker import MaxNLocator
+
+    from lpfa.plotting import figure_problems, use_style
+
+    use_style()
+    fig, ax = plt.subplots()
+    for i in range(12):
+        ax.plot([0, 1000, 2000], np.arange(3) * (i + 1) * 0.1, label=f"seed {i}")
+    ax.legend()
+    found = figure_problems(fig)
+    assert sum("'seed 0' and 'seed 10' share colour" in p for p in found) == 1 and len(found) == 2, found
+    for i, line in enumerate(ax.get_lines()):  # a second cue (line style) tells the repeated colours apart
+        line.set_linestyle("--" if i >= 10 else "-")
+    ax.legend()
+    assert figure_problems(fig) == []
+    plt.close(fig)
+
+    fig, (a, b) = plt.subplots(2, 1, figsize=(7, 6))
+    a.bar(range(3), [0.2, 1.5, 0.7])  # three layers: matplotlib ticks them every 0.5
+    b.barh(range(3), [0.2, 1.5, 0.7])
+    found = figure_problems(fig)
+    assert len(found) == 2 and "panel 0: its x axis" in found[0] and "panel 1: its y axis" in found[1], found
+    assert "'−0.5'" in found[0] or "'-0.5'" in found[0]
+    a.xaxis.set_major_locator(MaxNLocator(integer=True))
+    b.yaxis.set_major_locator(MaxNLocator(integer=True))
+    assert figure_problems(fig) == []
+    plt.close(fig)
+
+    fig, ax = plt.subplots()  # a fraction on the values axis is fine; a reference line does not make it whole
+    ax.plot([0, 1, 2, 3, 4], [0.1, 0.35, 0.2, 0.6, 0.4])
+    ax.axhline(0.5)
+    ax.imshow(np.zeros((3, 5)), extent=(-0.5, 4.5, 2.5, -0.5), aspect="auto", alpha=0.1)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    assert figure_problems(fig) == []
+    plt.close(fig)

@@ -2,8 +2,8 @@
 
 ``run`` (detached, on the GPU machine) does everything before ``--deadline-s`` seconds from its start:
 
-1. starts ``bf16_mechanism`` (the paper-recipe BF16 run, compiled, a checkpoint every 500 steps kept, stopped 60 steps
-   after its loss explodes) and ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
+1. starts ``--bf16`` (default ``bf16_mechanism_compiled``: the paper-recipe BF16 run, compiled as the recipe runs are,
+   a checkpoint every 500 steps kept, stopped ``--explosion-stop`` steps after its loss explodes) and ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
 2. once the BF16 run has stopped, replays it from its last checkpoint at least ``--window`` steps before the explosion
    (a later one when the time left, at ``--s-per-step``, would not reach the explosion) to 50 steps past it; a run
    that did not explode is replayed up to its last step;
@@ -37,7 +37,7 @@ from lpfa.experiments import MECHANISM, MECHANISM_TWIN_STOP
 from lpfa.replay import choose_layer_heads
 from lpfa.run import Run, checkpoints_of
 
-BF16, FP32 = "bf16_mechanism", "fp32_mechanism"
+FP32 = "fp32_mechanism"
 PAST_EXPLOSION = 50  # replayed steps after the explosion step: the figures show it begin
 
 
@@ -77,14 +77,14 @@ def start_replay(base: Path, label: str, step: int, steps: int, max_s: float, he
     return subprocess.Popen(cmd, stdout=open(base / f"{label}_replay.log", "w"), stderr=subprocess.STDOUT)
 
 
-def pack(base: Path) -> Path:
+def pack(base: Path, bf16: str) -> Path:
     archive = base / "mechanism.tar.gz"
     tmp = base / "mechanism.tar.gz.part"
     with tarfile.open(tmp, "w:gz") as tar:
-        for f in ("launch.json", "driver.log", f"{BF16}_replay.log", f"{FP32}_replay.log"):
+        for f in ("launch.json", "driver.log", f"{bf16}_replay.log", f"{FP32}_replay.log"):
             if (base / f).exists():
                 tar.add(base / f, arcname=f)
-        for label in (BF16, FP32):
+        for label in (bf16, FP32):
             for f in launch.SMALL_FILES:
                 if (base / label / f).exists():
                     tar.add(base / label / f, arcname=f"{label}/{f}")
@@ -111,7 +111,7 @@ def run(a) -> int:
                 (base / r["label"] / "STOP").touch()
                 log(base, f"{r['label']} still training at the end: STOP")
         time.sleep(5)
-        log(base, f"packed {pack(base)} after {time.time() - t0:.0f} s")
+        log(base, f"packed {pack(base, a.bf16)} after {time.time() - t0:.0f} s")
     return 0
 
 
@@ -133,7 +133,7 @@ def _run(a, base: Path, t0: float) -> None:
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
               f"time_budget_s={budget:.0f}", "log_interval=100"]
     runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])]
-            for label, o in MECHANISM.items() if label == BF16 or not a.no_twin}
+            for label, o in MECHANISM.items() if label == a.bf16 or (label == FP32 and not a.no_twin)}
     launch.start(a.name, runs, a.preset, common, a.root)
     log(base,
         f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
@@ -143,24 +143,24 @@ def _run(a, base: Path, t0: float) -> None:
         st = {r["label"]: r for r in launch.status(a.name, a.root)}
         if FP32 not in procs and a.no_twin:
             procs[FP32] = None
-        if FP32 not in procs and not st[FP32]["alive"] and BF16 in procs:  # after the BF16 run: it has the GPU first
+        if FP32 not in procs and not st[FP32]["alive"] and a.bf16 in procs:  # after the BF16 run: it has the GPU first
             if a.twin_stop in checkpoints_of(base / FP32):
-                heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
+                heads = heads or choose_layer_heads(base / a.bf16, layer=int(a.layer))[1]
                 procs[FP32] = start_replay(base, FP32, a.twin_stop, a.twin_steps, left() - 30, heads, a, a.policy)
             else:
                 log(base, f"{FP32} ended without its step-{a.twin_stop} checkpoint: no control replay")
                 procs[FP32] = None
-        if BF16 not in procs and not st[BF16]["alive"]:
+        if a.bf16 not in procs and not st[a.bf16]["alive"]:
             speed = a.s_per_step * 1.25  # the twin's replay will share the GPU
             affordable = (left() - 40) / speed
-            ck, steps, why = bf16_window(base / BF16, a.window, affordable)
-            v = Run(base / BF16).verdict()
+            ck, steps, why = bf16_window(base / a.bf16, a.window, affordable)
+            v = Run(base / a.bf16).verdict()
             log(base,
-                f"{BF16}: {v['steps']} steps, loss exploded at {v['explosion_step']}, layer {v['runaway_layer']}'s "
+                f"{a.bf16}: {v['steps']} steps, loss exploded at {v['explosion_step']}, layer {v['runaway_layer']}'s "
                       f"logits ran away at {v['runaway_step']}; replaying {steps} steps from step {ck} ({why}; "
                       f"{speed:.3f} s/step assumed, {affordable:.0f} steps affordable)")
-            heads = heads or choose_layer_heads(base / BF16, layer=int(a.layer))[1]
-            procs[BF16] = start_replay(base, BF16, ck, steps, left() - 25, heads, a)
+            heads = heads or choose_layer_heads(base / a.bf16, layer=int(a.layer))[1]
+            procs[a.bf16] = start_replay(base, a.bf16, ck, steps, left() - 25, heads, a)
         running = [p for p in procs.values() if p is not None and p.poll() is None]
         if len(procs) == 2 and not running:
             break
@@ -192,9 +192,9 @@ def follow(a) -> int:
             print("the driver is no longer running and packed nothing", flush=True)
             break
         time.sleep(min(a.poll_s, max(0.0, t_end - time.time())))
-    for f in (f"{BF16}_replay.log", f"{FP32}_replay.log"):
-        if (base / f).is_file():  # tqdm's last line
-            print(f, (base / f).read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-1:], flush=True)
+    for f in sorted(base.glob("*_replay.log")):  # tqdm's last line
+        if f.is_file():
+            print(f.name, f.read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-1:], flush=True)
     if a.out and archive.exists():
         Path(a.out).mkdir(parents=True, exist_ok=True)
         shutil.copy(archive, Path(a.out) / archive.name)
@@ -210,6 +210,8 @@ def main(argv=None) -> int:
     r.add_argument("--preset", default="gpt2-s-paper")
     r.add_argument("--extra", nargs="*", default=[],
                    help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
+    r.add_argument("--bf16", default="bf16_mechanism_compiled", choices=[k for k in MECHANISM if k != FP32],
+                   help="the BF16 row of lpfa.experiments.MECHANISM to train and replay")
     r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
     r.add_argument("--no-twin", action="store_true", help="the BF16 run and its replay only (a short GPU session)")
     r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP,

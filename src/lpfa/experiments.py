@@ -164,16 +164,19 @@ STABILISERS: dict[str, list[str]] = {
     # differently?
     "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
 }
-# The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again, compiled as the
-# recipe runs are (both compiled seed-1337 runs exploded, at 5,136 and 5,485; the eager one of
-# results/mechanism/h200-2026-12-04 had not by 6,310); a checkpoint every 500 steps kept, so the instrumented replay
-# (lpfa.replay, compiled like the run, the layer measured by an eager side pass) can start about 1,000 steps before
-# the explosion; diagnostics every 100 steps. Its FP32 twin runs to step 4,000 and is replayed with the BF16 run's
-# policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs both and their replays.
+# The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again with a checkpoint
+# every 500 steps kept, so that the instrumented replay (lpfa.replay) can start about 1,000 steps before the explosion,
+# and diagnostics every 100 steps. bf16_mechanism ran eagerly (results/mechanism/h200-2026-12-04), since the replay
+# then followed only eager runs bit for bit; its loss had not exploded by step 6,310, while both compiled seed-1337
+# recipe runs exploded (5,136 and 5,485). bf16_mechanism_compiled trains compiled, as the recipe runs do; the replay
+# follows it compiled and measures the layer by an eager side pass. Its FP32 twin runs to step 4,000 and is replayed
+# with the BF16 run's policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16
+# row, the twin and their replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
+_MECHANISM_KEEP = [f"ckpt_interval={MECHANISM_CKPT}", "ckpt_history=true", "diag_interval=100"]
 MECHANISM: dict[str, list[str]] = {
-    "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_CKPT}",
-                       "ckpt_history=true", "diag_interval=100"],
+    "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=false", *_MECHANISM_KEEP],
+    "bf16_mechanism_compiled": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=true", *_MECHANISM_KEEP],
     "fp32_mechanism": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_TWIN_STOP}",
                        f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"],
 }
@@ -245,7 +248,9 @@ DESCRIPTIONS: dict[str, str] = {
     **{f"{m}_qkclip_muon": (f"{'BF16' if m == 'bf16' else 'FP32'} attention with QK-clip at τ = {QK_CLIP_TAU:g} and "
                             "the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe")
        for m in ("bf16", "fp32")},
-    "bf16_mechanism": "bf16_paper_recipe again, a checkpoint every 500 steps kept: replayed up to its explosion",
+    "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
+    "bf16_mechanism_compiled": "bf16_paper_recipe again, compiled, a checkpoint every 500 steps kept: replayed up to its "
+                               "explosion",
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
@@ -276,13 +281,16 @@ class Row:
 def _reference(experiment: str, label: str) -> str | None:
     """The stable run a row is held against: ``fp32`` in the one-change tables (isolation, twins, dose: in the dose
     experiment it is the isolation table's, see :func:`lpfa.dose.committed_runs`); elsewhere the FP32 run with the
-    same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``)."""
+    same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``; both mechanism
+    rows -> ``fp32_mechanism``)."""
     if experiment == "paper_recipe" and label.removesuffix("_paper_recipe") in RECIPE_ISOLATION:
         return "fp32_paper_recipe"
     if label.startswith("fp32"):
         return None
     if experiment in ("isolation", "twins", "dose"):
         return "fp32"
+    if experiment == "mechanism":  # one FP32 twin for both BF16 rows
+        return "fp32_mechanism"
     twin = "fp32" + label[label.index("_"):] if "_" in label else "fp32"
     return twin if twin in EXPERIMENTS[experiment] else None
 

@@ -6,6 +6,7 @@ the same colour in every figure.
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -81,15 +82,132 @@ def smallest_text_pt(fig) -> float:
     annotations), as drawn; inf for a figure without text."""
     from matplotlib.text import Text
 
-    fig.canvas.draw()
+    fig.draw_without_rendering()  # lays the text out (its extents) without rasterising the figure
     sizes = [t.get_fontsize() for t in fig.findobj(Text)
              if t.get_visible() and t.get_text().strip() and t.get_window_extent().width > 0]
     return min(sizes, default=math.inf)
 
 
+PNG_PROBLEMS_KEY = "lpfa:figure_problems"  # and what figure_problems found, as a JSON list
+
+
+def _legend_key(handle) -> tuple:
+    """What tells a legend entry apart when it is drawn: colour, line style, marker and hatch."""
+    from matplotlib.colors import to_hex
+
+    color = None
+    for get in ("get_color", "get_facecolor", "get_edgecolor"):
+        c = getattr(handle, get, lambda: None)()
+        arr = np.asarray(c, dtype=object) if c is not None else None
+        if arr is not None and arr.ndim == 2:  # a collection's colours, one row per member
+            c = tuple(arr[0]) if len(arr) else None
+        try:
+            color = to_hex(c, keep_alpha=False) if c is not None else None
+        except (ValueError, TypeError):
+            color = None
+        if color is not None:
+            break
+    return (color, str(getattr(handle, "get_linestyle", lambda: None)()),
+            str(getattr(handle, "get_marker", lambda: None)()), getattr(handle, "get_hatch", lambda: None)())
+
+
+def _legend_clashes(legend, where: str) -> list[str]:
+    """Entries of one legend that a reader cannot tell apart (:func:`_legend_key` equal, labels different)."""
+    seen: dict[tuple, str] = {}
+    out = []
+    for handle, text in zip(legend.legend_handles, legend.get_texts()):
+        label = text.get_text()
+        if handle is None or not label.strip() or not text.get_visible():
+            continue
+        key = _legend_key(handle)
+        if key[0] is None:
+            continue
+        if key in seen and seen[key] != label:
+            out.append(f"{where}: legend entries {seen[key]!r} and {label!r} share colour {key[0]} and style")
+        seen.setdefault(key, label)
+    return out
+
+
+def _data_values(ax, axis: str) -> list[float]:
+    """The data coordinates along ``axis`` ("x" or "y") of what ``ax`` draws in data coordinates: lines, scatter
+    points, bar centres and image pixel centres (reference lines drawn across the axes count on their data axis
+    only)."""
+    from matplotlib.image import AxesImage
+    from matplotlib.patches import Rectangle
+
+    i = 0 if axis == "x" else 1
+    data_axis = {id(ax.transData): (True, True), id(ax.get_xaxis_transform()): (True, False),
+                 id(ax.get_yaxis_transform()): (False, True)}
+    vals: list[float] = []
+    for line in ax.get_lines():
+        if not line.get_visible():
+            continue
+        kind = data_axis.get(id(line.get_transform()))
+        if kind is None and line.get_transform().contains_branch(ax.transData):
+            kind = (True, True)
+        if kind and kind[i]:
+            vals.extend(np.asarray(line.get_xdata() if i == 0 else line.get_ydata(), dtype=float).ravel())
+    for coll in ax.collections:
+        if coll.get_visible() and coll.get_offset_transform() is ax.transData:
+            off = np.asarray(coll.get_offsets(), dtype=float)
+            if off.ndim == 2 and len(off):
+                vals.extend(off[:, i])
+    for patch in ax.patches:  # bars: their centres (a bar's length along the other axis is a value, not a place)
+        if isinstance(patch, Rectangle) and patch.get_visible() and patch.get_transform().contains_branch(ax.transData):
+            vals.append(patch.get_x() + patch.get_width() / 2 if i == 0 else patch.get_y() + patch.get_height() / 2)
+    for im in ax.images:
+        if isinstance(im, AxesImage) and im.get_visible():
+            left, right, bottom, top = im.get_extent()
+            n = im.get_array().shape[1 - i]
+            lo, hi = (left, right) if i == 0 else (bottom, top)
+            vals.extend(lo + (np.arange(n) + 0.5) * (hi - lo) / n)
+    return [v for v in vals if math.isfinite(v)]
+
+
+def _tick_number(text: str) -> float | None:
+    t = text.replace("\u2212", "-").replace(",", "").replace("$", "").strip()
+    try:
+        return float(t)
+    except ValueError:
+        return None
+
+
+def figure_problems(fig) -> list[str]:
+    """What a reader of ``fig`` would trip on, as sentences (empty: none). Two rules of the book's figures:
+
+    * no colour repeats within a panel: two entries of one legend (an axes' or the figure's) never share colour,
+      line style, marker and hatch;
+    * integer axes get integer ticks: where everything an axis draws sits at whole numbers (layers, heads, steps,
+      seeds, the cells of an image), no tick label is a fraction ("-0.5", "2.5").
+    """
+    fig.draw_without_rendering()
+    out = []
+    for n, legend in enumerate(fig.legends):
+        out += _legend_clashes(legend, f"figure legend {n}")
+    panels = [ax for ax in fig.axes if ax.get_visible() and not hasattr(ax, "_colorbar")]
+    for n, ax in enumerate(panels):
+        where = f"panel {n}" + (f" ({ax.get_title()!r})" if ax.get_title() else "")
+        if ax.get_legend() is not None:
+            out += _legend_clashes(ax.get_legend(), where)
+        for axis, name in ((ax.xaxis, "x"), (ax.yaxis, "y")):
+            if axis.get_scale() != "linear":
+                continue
+            vals = np.asarray(_data_values(ax, name))
+            if len(np.unique(vals)) < 2 or not np.allclose(vals, np.round(vals), rtol=0, atol=1e-9):
+                continue
+            lo, hi = sorted(axis.get_view_interval())
+            shown = [t.get_text() for t, loc in zip(axis.get_ticklabels(), axis.get_ticklocs())
+                     if t.get_visible() and t.get_text().strip() and lo - 1e-9 <= loc <= hi + 1e-9]
+            fractions = [t for t in shown if (v := _tick_number(t)) is not None and v != round(v)]
+            if fractions:
+                out.append(f"{where}: its {name} axis draws whole numbers but has tick labels {fractions}")
+    return out
+
+
 def _tag_notebook_pngs() -> None:
     """In a notebook kernel, have every figure's PNG carry its smallest text size and dpi as PNG text
-    (:data:`PNG_TEXT_KEY`), so that the book's browser test can tell the text's size as the page renders it."""
+    (:data:`PNG_TEXT_KEY`), so that the book's browser test can tell the text's size as the page renders it, and what
+    :func:`figure_problems` found (:data:`PNG_PROBLEMS_KEY`)."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -115,7 +233,8 @@ def _tag_notebook_pngs() -> None:
 
     def tagged(fig):
         fit_page_width(fig)
-        return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig):g}", "lpfa:dpi": f"{fig.dpi:g}"})
+        return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig):g}", "lpfa:dpi": f"{fig.dpi:g}",
+                                   PNG_PROBLEMS_KEY: json.dumps(figure_problems(fig))})
 
     tagged.lpfa_tagged = True
     png.for_type(Figure, tagged)
