@@ -238,6 +238,14 @@ def test_precursor_table_and_divergence(tmp_path):
 
     ax = plot_logit_runaway({"bf16_s2": runs["bf16"], "x": runs["fp32"]}, 1).axes[0]
     assert [line.get_label() for line in ax.get_lines()] == ["bf16_s2", "x", "runaway threshold 1000"]
+    from lpfa.plotting import figure_problems
+
+    # seeds: one panel per seed with its twins, so that no colour repeats within a panel
+    fig = plot_logit_runaway({f"{m}_s{s}": runs[m] for s in (1, 2) for m in ("bf16", "fp32")}, 1, by_twin=True)
+    shown = [ax for ax in fig.axes if ax.get_title()]
+    assert [ax.get_title() for ax in shown] == ["s1", "s2"] and figure_problems(fig) == []
+    assert [[line.get_label() for line in ax.get_lines()] for ax in shown] == [["bf16", "fp32",
+                                                                                "runaway threshold 1000"]] * 2
 
 
 def test_experiment_table_and_seeds_summary(tmp_path):

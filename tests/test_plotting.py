@@ -170,6 +170,7 @@ def test_figure_problems_finds_repeated_colours_and_fractional_ticks():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
 
     from lpfa.plotting import figure_problems, use_style
@@ -184,6 +185,11 @@ def test_figure_problems_finds_repeated_colours_and_fractional_ticks():
     for i, line in enumerate(ax.get_lines()):  # a second cue (line style) tells the repeated colours apart
         line.set_linestyle("--" if i >= 10 else "-")
     ax.legend()
+    assert figure_problems(fig) == []
+    plt.close(fig)
+
+    fig, ax = plt.subplots()  # marker-only entries are told apart by their markers' colours, not the unset line's
+    ax.legend(handles=[Line2D([], [], ls="none", marker="D", mec=c, mfc=c, label=c) for c in ("#029e73", "#0173b2")])
     assert figure_problems(fig) == []
     plt.close(fig)
 

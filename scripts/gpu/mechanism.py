@@ -3,7 +3,8 @@
 ``run`` (detached, on the GPU machine) does everything before ``--deadline-s`` seconds from its start:
 
 1. starts ``--bf16`` (default ``bf16_mechanism_compiled``: the paper-recipe BF16 run, compiled as the recipe runs are,
-   a checkpoint every 500 steps kept, stopped ``--explosion-stop`` steps after its loss explodes) and ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
+   a checkpoint every 500 steps kept, stopped ``--explosion-stop`` steps after its loss explodes) and
+   ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
 2. once the BF16 run has stopped, replays it from its last checkpoint at least ``--window`` steps before the explosion
    (a later one when the time left, at ``--s-per-step``, would not reach the explosion) to 50 steps past it; a run
    that did not explode is replayed up to its last step;

@@ -116,7 +116,7 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
     live. It draws when its button is pressed (``manual``): a drawing takes a moment."""
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
-    from lpfa.plotting import use_style
+    from lpfa.plotting import line_styles, use_style
     from lpfa.widgets import interactive_or_static
 
     frames = {label: head_metric_frame(d, metric) for label, d in runs.items()}
@@ -130,8 +130,8 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         f = frames[run]
         f = f[(f.layer == layer) & f["head"].isin(heads) & f.step.between(*steps)]
         fig, ax = plt.subplots(figsize=(6, 3.2))
-        for h, g in f.groupby("head"):
-            ax.plot(g.step, g.value, label=f"head {h}")
+        for (h, g), style in zip(f.groupby("head"), line_styles(n_head)):
+            ax.plot(g.step, g.value, label=f"head {h}", **style)
         ax.set_xlabel("step")
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(f"{run}, layer {layer}", fontsize=9)
@@ -336,27 +336,71 @@ def experiment_table(
     return table, step
 
 
-def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = ""):
+MODES = ("bf16", "fp32", "sfa", "fa2")  # a run label's mode is its prefix (lpfa.plotting.COLORS has their colours)
+
+
+def _mode_and_twin(label: str) -> tuple[str | None, str]:
+    """``("bf16", "s2")`` for ``bf16_s2``: a label's mode and what it shares with its twins; ``(None, label)``."""
+    mode = next((m for m in MODES if label == m or label.startswith(m + "_")), None)
+    return (mode, label[len(mode):].lstrip("_") or "–") if mode else (None, label)
+
+
+def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", by_twin: bool = False):
     """The largest attention logit of ``layer`` over training for every run (``{label: run_dir}``), with the
     runaway threshold of :class:`lpfa.explosion.RunawayCriterion`. A label's colour is its mode's
-    (``bf16_s2`` → ``bf16``) where :data:`lpfa.plotting.COLORS` has one, else a cycle colour."""
+    (``bf16_s2`` → ``bf16``) where :data:`lpfa.plotting.COLORS` has one, else a cycle colour. ``by_twin`` (seeds: a mode
+    has several runs): each run in a panel of its own with its twins (``bf16_s2`` with ``fp32_s2``, titled "s2"), so
+    that no colour repeats within a panel."""
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
     from lpfa.plotting import COLORS, use_style
 
     use_style()
     criterion = criterion or RunawayCriterion()
-    fig, ax = plt.subplots(figsize=(7, 3.4))
-    for i, (label, d) in enumerate(runs.items()):
-        s = layer_max(d, "max_logit", layer)
-        color = COLORS.get(label, COLORS.get(label.split("_s")[0], plt.cm.tab10(i % 10)))
-        ax.plot(s.index, s.values, lw=1.1, label=label, color=color)
-    ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"layer {layer}: largest attention logit")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=9, ncol=2)
+    facet = by_twin
+    panels: dict[str, dict] = {}
+    for label, d in runs.items():
+        mode, twin = _mode_and_twin(label)
+        panels.setdefault(twin if facet else "", {})[mode if facet and mode else label] = d
+    n = len(panels)
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 if n == 1 else 2.6 * cols, 3.4 if n == 1 else 2.4 * rows + 0.8),
+                             squeeze=False, sharex=True, sharey=True)
+    i = 0
+    for ax, (name, members) in zip(axes.flat, panels.items()):
+        for label, d in members.items():
+            s = layer_max(d, "max_logit", layer)
+            color = COLORS.get(label, COLORS.get(label.split("_s")[0], plt.cm.tab10(i % 10)))
+            i += 1
+            ax.plot(s.index, s.values, lw=1.1, label=label, color=color)
+        ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
+        ax.set_yscale("log")
+        if facet:
+            ax.set_title(name, fontsize=10)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    if facet:
+        axes[0, 0].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k" if x else "0")  # (shared by all panels)
+        for c in range(cols):  # each column's lowest panel carries the step axis
+            low = axes[(n - 1 - c) // cols, c]
+            low.xaxis.set_tick_params(labelbottom=True)
+            low.set_xlabel("step")
+        fig.supylabel(f"layer {layer}: largest attention logit", fontsize=10)
+        handles = {h.get_label(): h for ax in axes.flat[:n] for h in ax.get_lines()}
+        if n < rows * cols:  # in the first empty slot
+            axes.flat[n].legend(handles.values(), handles.keys(), loc="center", fontsize=9)
+        else:
+            fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(4, len(handles)),
+                       fontsize=9)
+        if title:
+            fig.suptitle(title, fontsize=10)
+    else:
+        ax = axes[0, 0]
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"layer {layer}: largest attention logit")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=9, ncol=2)
     return fig
 
 

@@ -249,8 +249,8 @@ DESCRIPTIONS: dict[str, str] = {
                             "the Muon optimizer (Kimi K2's MuonClip), the paper's GPT-2 S recipe")
        for m in ("bf16", "fp32")},
     "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
-    "bf16_mechanism_compiled": "bf16_paper_recipe again, compiled, a checkpoint every 500 steps kept: replayed up to its "
-                               "explosion",
+    "bf16_mechanism_compiled": ("bf16_paper_recipe again, compiled, a checkpoint every 500 steps kept: replayed up to "
+                                "its explosion"),
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",

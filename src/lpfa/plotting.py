@@ -91,39 +91,60 @@ def smallest_text_pt(fig) -> float:
 PNG_PROBLEMS_KEY = "lpfa:figure_problems"  # and what figure_problems found, as a JSON list
 
 
-def _legend_key(handle) -> tuple:
-    """What tells a legend entry apart when it is drawn: colour, line style, marker and hatch."""
-    from matplotlib.colors import to_hex
+def _hex(c) -> str | None:
+    """A colour as "#rrggbb"; a collection's colours by their first row; None for none ("none", empty, unset)."""
+    from matplotlib.colors import to_hex, to_rgba
 
-    color = None
-    for get in ("get_color", "get_facecolor", "get_edgecolor"):
-        c = getattr(handle, get, lambda: None)()
-        arr = np.asarray(c, dtype=object) if c is not None else None
-        if arr is not None and arr.ndim == 2:  # a collection's colours, one row per member
-            c = tuple(arr[0]) if len(arr) else None
-        try:
-            color = to_hex(c, keep_alpha=False) if c is not None else None
-        except (ValueError, TypeError):
-            color = None
-        if color is not None:
-            break
-    return (color, str(getattr(handle, "get_linestyle", lambda: None)()),
-            str(getattr(handle, "get_marker", lambda: None)()), getattr(handle, "get_hatch", lambda: None)())
+    arr = np.asarray(c, dtype=object) if c is not None else None
+    if arr is not None and arr.ndim == 2:
+        c = tuple(arr[0]) if len(arr) else None
+    try:
+        return None if c is None or to_rgba(c)[3] == 0 else to_hex(c, keep_alpha=False)
+    except (ValueError, TypeError):
+        return None
+
+
+def _legend_key(handle) -> tuple:
+    """What tells a legend entry apart when it is drawn: the colours it shows (a line's, unless it draws no line; its
+    markers' face and edge; a patch's or collection's face and edge), line style, marker and hatch."""
+    ls = getattr(handle, "get_linestyle", lambda: None)()
+    line_drawn = ls not in (None, "None", "none", "", " ")
+    colours = [getattr(handle, "get_color", lambda: None)() if line_drawn else None]
+    colours += [getattr(handle, get, lambda: None)() for get in
+                ("get_markerfacecolor", "get_markeredgecolor", "get_facecolor", "get_edgecolor")]
+    marker = getattr(handle, "get_marker", lambda: None)()
+    if marker in (None, "None", "none", "", " "):
+        colours[1:3] = [None, None]
+    return (tuple(_hex(c) for c in colours), str(ls), str(marker), getattr(handle, "get_hatch", lambda: None)())
+
+
+def _legend_entries(legend) -> list[tuple[str, list]]:
+    """``(label, artists)`` per entry of ``legend``: every artist its handler drew for the entry (an error bar's line,
+    markers and bars), from the legend's packed boxes; each entry's one handle where those are not there."""
+    box = getattr(legend, "_legend_handle_box", None)  # (matplotlib keeps its entries there since 3.0)
+    if box is not None:
+        rows = [row for column in box.get_children() for row in column.get_children()]
+        if all(len(row.get_children()) == 2 for row in rows):
+            return [(row.get_children()[1].get_text(), row.get_children()[0].get_children()) for row in rows]
+    return [(t.get_text(), [h]) for h, t in zip(legend.legend_handles, legend.get_texts()) if h is not None]
 
 
 def _legend_clashes(legend, where: str) -> list[str]:
-    """Entries of one legend that a reader cannot tell apart (:func:`_legend_key` equal, labels different)."""
+    """Entries of one legend that a reader cannot tell apart (what their artists draw, :func:`_legend_key`, equal;
+    labels different)."""
     seen: dict[tuple, str] = {}
     out = []
-    for handle, text in zip(legend.legend_handles, legend.get_texts()):
-        label = text.get_text()
-        if handle is None or not label.strip() or not text.get_visible():
+    for label, artists in _legend_entries(legend):
+        if not label.strip():
             continue
-        key = _legend_key(handle)
-        if key[0] is None:
+        keys = [_legend_key(a) for a in artists if a.get_visible()]
+        colours = [c for k in keys for c in dict.fromkeys(k[0]) if c is not None]
+        if not colours:
             continue
+        key = tuple(sorted(keys, key=repr))
         if key in seen and seen[key] != label:
-            out.append(f"{where}: legend entries {seen[key]!r} and {label!r} share colour {key[0]} and style")
+            out.append(f"{where}: legend entries {seen[key]!r} and {label!r} share colour "
+                       f"{', '.join(dict.fromkeys(colours))} and style")
         seen.setdefault(key, label)
     return out
 
@@ -270,6 +291,16 @@ def color_of(label: str) -> str:
         if label.startswith(mode):
             return COLORS[mode]
     return COLORS["other"]
+
+
+def line_styles(n: int) -> list[dict]:
+    """``n`` line styles a reader can tell apart in one panel (one per layer or head): the colour-blind palette's ten
+    colours, then again dashed, then dotted (``ax.plot(..., **style)``)."""
+    import seaborn as sns
+
+    palette = sns.color_palette("colorblind", 10)
+    dashes = ["-", "--", ":", "-."]
+    return [{"color": palette[i % 10], "ls": dashes[(i // 10) % len(dashes)]} for i in range(n)]
 
 
 TABLE_CLASS = "lpfa-table"  # the class of every table a page shows (format_table); the book's test looks for it

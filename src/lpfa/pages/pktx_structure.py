@@ -7,6 +7,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from lpfa.pages.delta_bias import REPLAY_PARAMS
 from lpfa.plotting import use_style
@@ -35,6 +36,8 @@ def plot_rank1(arrays: dict, head: int, n_show: int = 16, title: str = ""):
         v = float(np.quantile(np.abs(m), 0.99)) or float(np.abs(m).max()) or 1.0
         im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
         ax.grid(False)
+        for axis in (ax.xaxis, ax.yaxis):  # tokens and features are whole numbers
+            axis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, shrink=0.9, label="value (clipped at the 99th pct of |·|)" if name == "top_x" else None)
         ax.set_title(f"{label} (rows: tokens)", fontsize=10)
         ax.set_xlabel("feature")
@@ -109,6 +112,8 @@ def rank1_view(result: dict, arrays: dict, head: int, step: int, n_show: int = 1
         v = float(np.quantile(np.abs(m), 0.99)) or float(np.abs(m).max()) or 1.0  # as plot_rank1
         im = ax.imshow(m, aspect="auto", cmap="RdBu_r", vmin=-v, vmax=v, interpolation="nearest")
         ax.grid(False)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=ax, shrink=0.9)
         ax.set_title(f"{label} (rows: tokens)", fontsize=10)
         ax.set_xlabel("feature")

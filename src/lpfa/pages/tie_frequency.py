@@ -18,7 +18,7 @@ from lpfa.diagnostics import DOMINANT_SIGN
 from lpfa.explosion import ExplosionCriterion, explosion_step, rise_step
 from lpfa.pages import provenance_line
 from lpfa.params import dict_of, integer, optional, text
-from lpfa.plotting import format_table, use_style
+from lpfa.plotting import format_table, line_styles, use_style
 from lpfa.results import run_dir
 from lpfa.run import load_metrics, run_verdict
 
@@ -43,8 +43,8 @@ def plot_ties(runs: dict):
     for ax, (label, d) in zip(axes[0], runs.items()):
         train, _, _ = load_metrics(d)
         f = _layer_ties(d)
-        for lay in f.columns:
-            ax.plot(f.index, f[lay], lw=1.2, label=f"layer {lay}")
+        for lay, style in zip(f.columns, line_styles(len(f.columns))):
+            ax.plot(f.index, f[lay], lw=1.2, label=f"layer {lay}", **style)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("rows with tied maxima (mean over heads)")
@@ -186,8 +186,8 @@ def plot_v_sign(frames: dict):
     fig, axes = plt.subplots(1, len(frames), figsize=(4.4 * len(frames), 3.2), squeeze=False, sharey=True)
     for ax, (label, f) in zip(axes[0], frames.items()):
         per_layer = f.groupby(["step", "layer"]).value.mean().unstack()
-        for lay in per_layer.columns:
-            ax.plot(per_layer.index, per_layer[lay], lw=1.2, label=f"layer {lay}")
+        for lay, style in zip(per_layer.columns, line_styles(len(per_layer.columns))):
+            ax.plot(per_layer.index, per_layer[lay], lw=1.2, label=f"layer {lay}", **style)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
         ax.set_ylabel("V columns with a dominant sign (mean over heads)")
