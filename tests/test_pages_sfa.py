@@ -5,7 +5,6 @@ sizes, muon_long, dose) recomputed from their raw records and sweep files, and t
 import json
 
 import matplotlib
-import nbformat
 import pytest
 from conftest import ROOT
 
@@ -260,6 +259,7 @@ def test_gpt2m_price_from_the_committed_logs():
 
 def test_gpt2m_scorecard_row_and_page_give_one_price(tmp_path):
     """The scorecard's Fig. 7c row and page 09's sentence state the same minutes (one function prices both)."""
+    from lpfa.book import notebook_parameters
     from lpfa.pages.intro import _gpt2m_row
     from lpfa.pages.loss_explosion import seed_table
 
@@ -269,9 +269,5 @@ def test_gpt2m_scorecard_row_and_page_give_one_price(tmp_path):
     assert row["verdict"] == "not run" and row["page"] == "09_sfa" and total in row["our result"]
     assert total in sfa.gpt2m_text(price, sfa.GPT2M_STEPS, seed_table(recipe_rows()))
     # the page's default is the scorecard's: its parameters cell sets gpt2m_steps to the same constant
-    cell = next(c for c in nbformat.read(ROOT / "notebooks" / "09_sfa.ipynb", as_version=4).cells
-                if "parameters" in c.metadata.get("tags", []))
-    defaults = {}
-    exec(cell.source, {}, defaults)
-    assert defaults["gpt2m_steps"] == sfa.GPT2M_STEPS
+    assert notebook_parameters(ROOT / "notebooks" / "09_sfa.ipynb")["gpt2m_steps"] == sfa.GPT2M_STEPS
     assert _gpt2m_row(tmp_path)["our result"] == "not run, not priced"
