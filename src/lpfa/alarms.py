@@ -46,7 +46,7 @@ from lpfa import monitor
 from lpfa.diagnostics import wq_outlier
 from lpfa.explosion import RunawayCriterion
 from lpfa.paths import results_dir
-from lpfa.run import Run, layer_precision, load_metrics, run_verdict
+from lpfa.run import Run, diag_frame, layer_precision, run_verdict
 
 LEAD_STEPS = 1000  # how long before the runaway a sample counts as a positive
 MAX_FPR = 0.001  # the largest share of negative samples a precursor threshold may flag
@@ -83,7 +83,7 @@ def layer_samples(run_dir) -> pd.DataFrame:
     ``wq_outlier`` (largest ‖W_Q[h]‖₂ over the layer's median, Fig. 3) and the layer's score ``precision``; a step
     logged twice (a resumed run) is one group of both records' heads. ValueError for a run without per-head
     diagnostics."""
-    _, _, diag = load_metrics(run_dir)
+    diag = diag_frame(run_dir)
     heads = {}
     for m in ("max_logit", "tie_fraction", "wq_spectral_norm"):
         if diag.empty or m not in diag:

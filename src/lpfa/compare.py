@@ -15,7 +15,7 @@ from lpfa.experiments import DESCRIPTIONS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion, attention_label, first_sustained, heads_text
 from lpfa.model import GPTConfig
 from lpfa.paths import results_dir
-from lpfa.run import load_metrics, read_run_config, run_verdict
+from lpfa.run import diag_frame, load_metrics, read_run_config, run_verdict
 from lpfa.train import TrainConfig
 
 
@@ -44,7 +44,7 @@ def plot_losses(runs: dict, smooth: int = 20, ax=None):
 def head_metric_frame(run_dir: str | Path, metric: str):
     """Long DataFrame (step, layer, head, value) of a per-head diagnostic of a run."""
 
-    _, _, diag = load_metrics(run_dir)
+    diag = diag_frame(run_dir)
     if diag.empty or metric not in diag:
         raise ValueError(f"{run_dir} has no {metric!r} diagnostics (was diag_interval 0?)")
     values = np.array(diag[metric].tolist())  # (records, layers, heads)

@@ -124,8 +124,17 @@ def load_metrics(run_dir: str | Path):
         raise ValueError(f"{metrics_path(run_dir)} has no training records (the run ended before its first step)")
     train = pd.DataFrame([r for r in recs if "loss" in r]).drop_duplicates("step", keep="last").set_index("step")
     val = pd.DataFrame([r for r in recs if "val_loss" in r]).drop_duplicates("step", keep="last")
-    diag = pd.DataFrame([{"step": r["step"], **r["diag"]} for r in recs if "diag" in r])
-    return train, (val.set_index("step") if len(val) else val), diag
+    return train, (val.set_index("step") if len(val) else val), _diag_frame(recs)
+
+
+def _diag_frame(recs) -> pd.DataFrame:
+    return pd.DataFrame([{"step": r["step"], **r["diag"]} for r in recs if "diag" in r])
+
+
+def diag_frame(run_dir: str | Path) -> pd.DataFrame:
+    """The diagnostics of :func:`load_metrics` alone (one row per diagnostics record), without building the frames of
+    every step's record: what the per-head readers need."""
+    return _diag_frame(read_records(run_dir))
 
 
 def _logged_max_logits(run_dir) -> tuple[list[int], list]:
