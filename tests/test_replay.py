@@ -659,6 +659,9 @@ def test_describe_replay():
                   "choice": {"layer": "runaway", "heads": "wq_growth", "checkpoint": "onset", "onset": [6400, 1]}})
     assert ("before layer 1's largest logit first passed 1000 at step 6,400, too late in the run for the runaway "
             "verdict" in t)
+    assert "eager forward" not in t
+    t = describe({**base, "verdict": v, "checkpoint_step": 6000, "compiled": True, "measured_by": "side pass"})
+    assert "The run was compiled, and so is its replay; the layer is measured by an eager forward" in t
 
 
 def test_runaway_onset(tmp_path):

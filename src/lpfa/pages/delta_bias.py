@@ -123,6 +123,10 @@ def describe(result: dict, replay_folder=None) -> str:
         if ag and ag["compared"]
         else ""
     )
+    if result.get("measured_by") == "side pass":
+        follows += (" The run was compiled, and so is its replay; the layer is measured by an eager forward and "
+                    "backward at each step's weights just before the step (their gradients dropped), so its q, k, v "
+                    "and dO may differ from the compiled step's in their last bits.")
     prov = result["provenance"]
     return (
         f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}{setting}): {result['steps']} "
