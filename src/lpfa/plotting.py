@@ -74,15 +74,18 @@ def fit_page_width(fig, width_in: float = PAGE_WIDTH_IN) -> float:
         fig.set_size_inches(fig.get_figwidth() * f, fig.get_figheight() * f)
     fig.draw_without_rendering()
     return fig.get_tightbbox().width + pad
+
+
 PNG_TEXT_KEY = "lpfa:smallest_text_pt"  # a page figure's PNG says its smallest text in pt (and "lpfa:dpi" its dpi)
 
 
-def smallest_text_pt(fig) -> float:
+def smallest_text_pt(fig, drawn: bool = False) -> float:
     """The font size (pt) of the smallest visible, non-empty text of ``fig`` (titles, labels, tick labels, legend,
-    annotations), as drawn; inf for a figure without text."""
+    annotations), as drawn; inf for a figure without text. ``drawn``: the figure is laid out as it stands (no draw)."""
     from matplotlib.text import Text
 
-    fig.draw_without_rendering()  # lays the text out (its extents) without rasterising the figure
+    if not drawn:
+        fig.draw_without_rendering()  # lays the text out (its extents) without rasterising the figure
     sizes = [t.get_fontsize() for t in fig.findobj(Text)
              if t.get_visible() and t.get_text().strip() and t.get_window_extent().width > 0]
     return min(sizes, default=math.inf)
@@ -193,15 +196,18 @@ def _tick_number(text: str) -> float | None:
         return None
 
 
-def figure_problems(fig) -> list[str]:
+def figure_problems(fig, drawn: bool = False) -> list[str]:
     """What a reader of ``fig`` would trip on, as sentences (empty: none). Two rules of the book's figures:
 
     * no colour repeats within a panel: two entries of one legend (an axes' or the figure's) never share colour,
       line style, marker and hatch;
     * integer axes get integer ticks: where everything an axis draws sits at whole numbers (layers, heads, steps,
       seeds, the cells of an image), no tick label is a fraction ("-0.5", "2.5").
+
+    ``drawn``: the figure is laid out as it stands (no draw).
     """
-    fig.draw_without_rendering()
+    if not drawn:
+        fig.draw_without_rendering()
     out = []
     for n, legend in enumerate(fig.legends):
         out += _legend_clashes(legend, f"figure legend {n}")
@@ -253,9 +259,9 @@ def _tag_notebook_pngs() -> None:
         return
 
     def tagged(fig):
-        fit_page_width(fig)
-        return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig):g}", "lpfa:dpi": f"{fig.dpi:g}",
-                                   PNG_PROBLEMS_KEY: json.dumps(figure_problems(fig))})
+        fit_page_width(fig)  # (it leaves the figure laid out at its final size)
+        return draw(fig, metadata={PNG_TEXT_KEY: f"{smallest_text_pt(fig, drawn=True):g}", "lpfa:dpi": f"{fig.dpi:g}",
+                                   PNG_PROBLEMS_KEY: json.dumps(figure_problems(fig, drawn=True))})
 
     tagged.lpfa_tagged = True
     png.for_type(Figure, tagged)
