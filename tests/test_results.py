@@ -1204,12 +1204,15 @@ def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
     has paper's sign with an interval excluding 0); with nothing committed both say "not run"."""
     from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
     from lpfa.pages.intro import _discussion_row, _kernel_row, scorecard, styled
-    from lpfa.pages.stabilisers import paper_claims, paper_claims_lead, stabiliser_table
+    from lpfa.pages.stabilisers import paper_claims, paper_claims_lead, seed_evidence, stabiliser_table
 
     card = scorecard().set_index("page")
-    judged = [c for c in paper_claims(stabiliser_table()[0]) if c["broken"] is not None]
+    table = stabiliser_table()[0]
+    judged = [c for c in paper_claims(table) if c["broken"] is not None]
     row = card.loc["17_stabilisers"]
-    assert row["our result"] == paper_claims_lead(judged)
+    evidence = seed_evidence(table, [c["label"] for c in judged])
+    assert row["our result"] == paper_claims_lead(judged, evidence)
+    assert "(one run each, at seed 1337)" in row["our result"]
     stand = sum(c["broken"] and c["holds"] for c in judged)
     assert row["verdict"] == ("reproduced" if stand == len(judged) == 3 else "partly" if stand else "not reproduced")
     full, _, folder = load_audit()

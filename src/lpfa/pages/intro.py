@@ -36,7 +36,7 @@ from lpfa.pages.loss_explosion import (
     seeds_text,
 )
 from lpfa.pages.sfa import GPT2M_STEPS, gpt2m_minutes, gpt2m_price, sfa_findings
-from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, stabiliser_table
+from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, seed_evidence, stabiliser_table
 from lpfa.params import integer, text
 from lpfa.plotting import format_table
 from lpfa.replay import bias_test, load_replay, rank1_stats
@@ -228,7 +228,8 @@ def _discussion_row(layer: int, root) -> dict:
                else "partly" if stand else "not reproduced")
     return _row("QK-norm and gated attention work by disrupting the structure of (PK)[T]ᵀX[T], QK-clipping by making "
                 "P̄ = 1 rarer", "Discussion (no experiment)",
-                paper_claims_lead(judged) if judged else "no BF16 stabiliser row with its link measured is committed",
+                paper_claims_lead(judged, seed_evidence(table, [c["label"] for c in judged])) if judged
+                else "no BF16 stabiliser row with its link measured is committed",
                 verdict, "17_stabilisers")
 
 

@@ -549,13 +549,14 @@ def paper_claims(table) -> list[dict]:
     return claims
 
 
-def paper_claims_lead(claims: list[dict]) -> str:
+def paper_claims_lead(claims: list[dict], evidence: str = "") -> str:
     """:func:`paper_claims` in one sentence (plain text): how many of the judged explanations stand (the row breaks
-    the link and holds), then each one's link and fate."""
+    the link and holds), on what ``evidence`` (:func:`seed_evidence`), then each one's link and fate."""
     judged = [c for c in claims if c["broken"] is not None]
     stand = [c for c in judged if c["broken"] and c["holds"]]
     return (f"{len(stand)} of the paper's {len(judged)} explanations measured here "
             + ("stands" if len(stand) == 1 else "stand")
+            + (f" ({evidence})" if evidence else "")
             + "".join(f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
                       f"{'holds' if c['holds'] else 'fails'}" for c in judged) + ".")
 
@@ -566,7 +567,18 @@ def paper_claims_text(table) -> str:
     claims = paper_claims(table)
     if not claims:
         return "None of QK-norm, gated attention and QK-clip is committed yet."
-    return f"**{paper_claims_lead(claims)}**\n\n" + "\n".join(c["item"] for c in claims)
+    evidence = seed_evidence(table, [c["label"] for c in claims if c["broken"] is not None])
+    return f"**{paper_claims_lead(claims, evidence)}**\n\n" + "\n".join(c["item"] for c in claims)
+
+
+def seed_evidence(table, labels) -> str:
+    """What a verdict on the rows ``labels`` of :func:`stabiliser_table` rests on: "one run each, at seed 1337". A row
+    is one run, and the plain BF16 recipe run's fate changes with the seed (page 06's survival curve), so a verdict
+    from one seed is one observation, not a property of the stabiliser."""
+    seeds = sorted({int(table.loc[label, "seed"]) for label in labels if label in table.index})
+    if not seeds:
+        return ""
+    return f"one run each, at seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
 
 
 def stabiliser_finding(table, layer: int = 1) -> str:
@@ -585,7 +597,7 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
                 and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
     return (f"**At the paper's recipe, {len(held)} of the {len(bf16)} committed BF16 stabiliser rows "
-            + (f"({_ticked(held)}) " if held else "")
+            + f"({'; '.join(x for x in (seed_evidence(table, bf16), _ticked(held)) if x)}) "
             + ("holds" if len(held) == 1 else "hold")
             + f": no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 twin's"
             + (f" (for {_ticked(twinless)} the plain FP32 run's: its own twin is not committed)" if twinless else "")
