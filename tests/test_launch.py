@@ -269,3 +269,39 @@ def test_committed_runs_match_their_definition():
                     wrong.append(f"{exp}/{folder.parent.parent.name}/{label}: {key}={train[key]!r}, defined {want!r}")
             checked += 1
     assert checked > 50 and not wrong, "\n".join(wrong)
+
+
+def test_mechanism_script_replays_from_the_checkpoint_the_time_allows(monkeypatch):
+    """scripts/gpu/mechanism.py's BF16 replay window (bf16_window): from the last kept checkpoint at least ``window``
+    steps before the explosion, to 50 steps past it; from a later one when those steps do not fit the time left; up to
+    the run's end when its loss did not explode; a one-line error without a checkpoint before the end."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mechanism_script", Path(__file__).parents[1] / "scripts" / "gpu" /
+                                                  "mechanism.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    fate = {"explosion_step": 5136}
+
+    class FakeRun:  # a run of 6,310 steps whose loss exploded (or not) where `fate` says
+        steps = 6310
+
+        def __init__(self, run_dir):
+            pass
+
+        def verdict(self):
+            return dict(fate)
+
+    kept = {s: None for s in range(500, 6500, 500)}  # a checkpoint every 500 steps, the last at 6,000
+    monkeypatch.setattr(m, "Run", FakeRun)
+    monkeypatch.setattr(m, "checkpoints_of", lambda run_dir: kept)
+    assert m.PAST_EXPLOSION == 50
+    ck, steps, why = m.bf16_window(Path("run"), 1000, 5000)
+    assert (ck, steps) == (4000, 1186) and "at least 1000 steps before step 5186" in why
+    ck, steps, why = m.bf16_window(Path("run"), 1000, 700)
+    assert (ck, steps) == (4500, 686) and "686 steps fit the time left" in why
+    fate["explosion_step"] = None
+    assert m.bf16_window(Path("run"), 1000, 5000)[:2] == (5000, 1310)
+    kept = {}
+    with pytest.raises(RuntimeError, match="no checkpoint before step 6310"):
+        m.bf16_window(Path("run"), 1000, 5000)
