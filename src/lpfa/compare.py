@@ -129,13 +129,13 @@ def explorer(runs: dict, metric: str = "wq_spectral_norm"):
         use_style()
         f = frames[run]
         f = f[(f.layer == layer) & f["head"].isin(heads) & f.step.between(*steps)]
-        fig, ax = plt.subplots(figsize=(6, 3.2))
+        fig, ax = plt.subplots(figsize=(6, 4.0))
         for (h, g), style in zip(f.groupby("head"), line_styles(n_head)):
             ax.plot(g.step, g.value, label=f"head {h}", **style)
         ax.set_xlabel("step")
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(f"{run}, layer {layer}", fontsize=9)
-        ax.legend(ncol=4, fontsize=9)
+        fig.legend(ncol=6, fontsize=9, loc="outside lower center")  # below the panel: the lines keep it all
         return fig
 
     def controls():

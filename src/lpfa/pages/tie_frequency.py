@@ -39,7 +39,7 @@ def plot_ties(runs: dict):
     """Fig. 13: per run (``{label: run folder}``), each layer's tie fraction (mean over heads) against the step, one
     line per layer, with the training loss (50-step rolling mean) on a second axis."""
     use_style()
-    fig, axes = plt.subplots(1, len(runs), figsize=(4.4 * len(runs), 3.4), squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(4.4 * len(runs), 4.6), squeeze=False)
     for ax, (label, d) in zip(axes[0], runs.items()):
         train, _, _ = load_metrics(d)
         f = _layer_ties(d)
@@ -47,11 +47,14 @@ def plot_ties(runs: dict):
             ax.plot(f.index, f[lay], lw=1.2, label=f"layer {lay}", **style)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
-        ax.set_ylabel("rows with tied maxima (mean over heads)")
+        ax.set_ylabel("rows with tied maxima\n(mean over heads)")
         ax2 = ax.twinx()
-        ax2.plot(train.index, train["loss"].rolling(50, min_periods=1).mean(), color="black", lw=0.8, alpha=0.5)
+        ax2.grid(False)
+        loss = ax2.plot(train.index, train["loss"].rolling(50, min_periods=1).mean(), color="black", lw=1.0, ls=":",
+                        label="training loss (right axis)")[0]  # black dotted: no layer's colour or style
         ax2.set_ylabel("training loss", fontsize=9)
-    axes[0, -1].legend(fontsize=9, ncol=2)
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    fig.legend(handles + [loss], labels + [loss.get_label()], fontsize=9, ncol=5, loc="outside lower center")
     return fig
 
 
@@ -183,15 +186,16 @@ def plot_v_sign(frames: dict):
     """Page 08's figure: per run (label → :func:`head_metric_frame` of ``v_sign_dominance``), the share of V's columns
     with a dominant sign, mean over heads, one line per layer against the step."""
     use_style()
-    fig, axes = plt.subplots(1, len(frames), figsize=(4.4 * len(frames), 3.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(frames), figsize=(4.4 * len(frames), 4.0), squeeze=False, sharey=True)
     for ax, (label, f) in zip(axes[0], frames.items()):
         per_layer = f.groupby(["step", "layer"]).value.mean().unstack()
         for lay, style in zip(per_layer.columns, line_styles(len(per_layer.columns))):
             ax.plot(per_layer.index, per_layer[lay], lw=1.2, label=f"layer {lay}", **style)
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
-        ax.set_ylabel("V columns with a dominant sign (mean over heads)")
-    axes[0, -1].legend(fontsize=9, ncol=2)
+    axes[0, 0].set_ylabel("V columns with a dominant sign\n(mean over heads)")  # (the panels share it)
+    handles, labels = axes[0, -1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=9, ncol=6, loc="outside lower center")
     return fig
 
 
