@@ -181,11 +181,18 @@ def test_figure_problems_finds_repeated_colours_and_fractional_ticks():
         ax.plot([0, 1000, 2000], np.arange(3) * (i + 1) * 0.1, label=f"seed {i}")
     ax.legend()
     found = figure_problems(fig)
-    assert sum("'seed 0' and 'seed 10' share colour" in p for p in found) == 1 and len(found) == 2, found
+    assert sum("'seed 0' and 'seed 10' look alike" in p for p in found) == 1 and len(found) == 2, found
     for i, line in enumerate(ax.get_lines()):  # a second cue (line style) tells the repeated colours apart
         line.set_linestyle("--" if i >= 10 else "-")
     ax.legend()
     assert figure_problems(fig) == []
+    plt.close(fig)
+
+    fig, ax = plt.subplots()  # near-identical colours (ΔE 2.9: matplotlib's blue against the book's) read as one
+    ax.plot([0, 1000], [0.2, 0.7], color="#1f77b4", label="fp32_outlier_heads")
+    ax.plot([0, 1000], [0.3, 0.5], color="#0072B2", label="fp32")
+    ax.legend()
+    assert ["look alike" in p for p in figure_problems(fig)] == [True]
     plt.close(fig)
 
     fig, ax = plt.subplots()  # marker-only entries are told apart by their markers' colours, not the unset line's

@@ -353,7 +353,7 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", 
     that no colour repeats within a panel."""
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
 
-    from lpfa.plotting import COLORS, use_style
+    from lpfa.plotting import COLORS, line_styles, use_style
 
     use_style()
     criterion = criterion or RunawayCriterion()
@@ -367,13 +367,14 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", 
     rows = -(-n // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(7 if n == 1 else 2.6 * cols, 3.4 if n == 1 else 2.4 * rows + 0.8),
                              squeeze=False, sharex=True, sharey=True)
-    i = 0
+    # a mode's own colour where a label names one (bf16, bf16_s2, ...); the others colours unlike those
+    fixed = {label: COLORS.get(label, COLORS.get(label.split("_s")[0])) for m in panels.values() for label in m}
+    free = iter(line_styles(sum(c is None for c in fixed.values()), avoid=[c for c in fixed.values() if c]))
+    styles = {label: {"color": c, "ls": "-"} if c else next(free) for label, c in fixed.items()}
     for ax, (name, members) in zip(axes.flat, panels.items()):
         for label, d in members.items():
             s = layer_max(d, "max_logit", layer)
-            color = COLORS.get(label, COLORS.get(label.split("_s")[0], plt.cm.tab10(i % 10)))
-            i += 1
-            ax.plot(s.index, s.values, lw=1.1, label=label, color=color)
+            ax.plot(s.index, s.values, lw=1.1, label=label, **styles[label])
         ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
         ax.set_yscale("log")
         if facet:
@@ -400,7 +401,11 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", 
         ax.set_xlabel("step")
         ax.set_ylabel(f"layer {layer}: largest attention logit")
         ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=9, ncol=2)
+        if len(runs) > 4:  # below the panel, which grows by the legend's rows: many lines leave no corner free
+            fig.set_size_inches(7, 3.4 + 0.3 * -(-(len(runs) + 1) // 4))
+            fig.legend(fontsize=9, ncol=4, loc="outside lower center")
+        else:
+            ax.legend(fontsize=9, ncol=2)
     return fig
 
 

@@ -132,23 +132,52 @@ def _legend_entries(legend) -> list[tuple[str, list]]:
     return [(t.get_text(), [h]) for h, t in zip(legend.legend_handles, legend.get_texts()) if h is not None]
 
 
+SAME_COLOUR_DE = 10.0  # CIELAB ΔE below which two colours read as one in a legend (the palette's closest pair: 21)
+
+
+def _lab(colour: str) -> np.ndarray:
+    """CIELAB (D65) of an sRGB colour "#rrggbb": where distance is how different colours look."""
+    from matplotlib.colors import to_rgb
+
+    rgb = np.array(to_rgb(colour))
+    lin = np.where(rgb <= 0.04045, rgb / 12.92, ((rgb + 0.055) / 1.055) ** 2.4)
+    xyz = np.array([[0.4124, 0.3576, 0.1805], [0.2126, 0.7152, 0.0722], [0.0193, 0.1192, 0.9505]]) @ lin
+    t = xyz / np.array([0.95047, 1.0, 1.08883])
+    f = np.where(t > 0.008856, np.cbrt(t), 7.787 * t + 16 / 116)
+    return np.array([116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])])
+
+
+def _look_alike(a: list[tuple], b: list[tuple]) -> bool:
+    """Whether two legend entries (their artists' :func:`_legend_key` s, sorted) draw alike: the same styles, and
+    colours closer than :data:`SAME_COLOUR_DE`."""
+    if len(a) != len(b):
+        return False
+    for (ca, *style_a), (cb, *style_b) in zip(a, b):
+        if style_a != style_b or [x is None for x in ca] != [x is None for x in cb]:
+            return False
+        if any(x is not None and np.linalg.norm(_lab(x) - _lab(y)) >= SAME_COLOUR_DE for x, y in zip(ca, cb)):
+            return False
+    return True
+
+
 def _legend_clashes(legend, where: str) -> list[str]:
-    """Entries of one legend that a reader cannot tell apart (what their artists draw, :func:`_legend_key`, equal;
-    labels different)."""
-    seen: dict[tuple, str] = {}
+    """Entries of one legend that a reader cannot tell apart (what their artists draw, :func:`_legend_key`, alike:
+    :func:`_look_alike`; labels different)."""
+    seen: list[tuple[list, str, list]] = []
     out = []
     for label, artists in _legend_entries(legend):
         if not label.strip():
             continue
-        keys = [_legend_key(a) for a in artists if a.get_visible()]
+        keys = sorted((_legend_key(a) for a in artists if a.get_visible()), key=repr)
         colours = [c for k in keys for c in dict.fromkeys(k[0]) if c is not None]
         if not colours:
             continue
-        key = tuple(sorted(keys, key=repr))
-        if key in seen and seen[key] != label:
-            out.append(f"{where}: legend entries {seen[key]!r} and {label!r} share colour "
-                       f"{', '.join(dict.fromkeys(colours))} and style")
-        seen.setdefault(key, label)
+        twin = next(((other, c) for k, other, c in seen if other != label and _look_alike(k, keys)), None)
+        if twin is not None:
+            out.append(f"{where}: legend entries {twin[0]!r} and {label!r} look alike (colour "
+                       f"{', '.join(dict.fromkeys(twin[1]))} against {', '.join(dict.fromkeys(colours))}, same style)")
+        else:
+            seen.append((keys, label, colours))
     return out
 
 
@@ -299,14 +328,17 @@ def color_of(label: str) -> str:
     return COLORS["other"]
 
 
-def line_styles(n: int) -> list[dict]:
-    """``n`` line styles a reader can tell apart in one panel (one per layer or head): the colour-blind palette's ten
-    colours, then again dashed, then dotted (``ax.plot(..., **style)``)."""
+def line_styles(n: int, avoid=()) -> list[dict]:
+    """``n`` line styles a reader can tell apart in one panel (one per layer, head or run): the colour-blind palette's
+    colours, then again dashed, then dotted (``ax.plot(..., **style)``); without the palette's colours that look like
+    one in ``avoid`` (colours the panel already gives other lines, :data:`SAME_COLOUR_DE`)."""
     import seaborn as sns
+    from matplotlib.colors import to_hex
 
-    palette = sns.color_palette("colorblind", 10)
+    palette = [c for c in sns.color_palette("colorblind", 10).as_hex()
+               if all(np.linalg.norm(_lab(c) - _lab(to_hex(a))) >= SAME_COLOUR_DE for a in avoid)]
     dashes = ["-", "--", ":", "-."]
-    return [{"color": palette[i % 10], "ls": dashes[(i // 10) % len(dashes)]} for i in range(n)]
+    return [{"color": palette[i % len(palette)], "ls": dashes[(i // len(palette)) % len(dashes)]} for i in range(n)]
 
 
 TABLE_CLASS = "lpfa-table"  # the class of every table a page shows (format_table); the book's test looks for it
