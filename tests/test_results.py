@@ -1141,7 +1141,7 @@ def test_stabiliser_costs_read_the_committed_benchmark():
     timed, and the sentence quotes the slowest row and the row measured furthest above its base (the noise)."""
     import json
 
-    from lpfa.experiments import BASES, STABILISERS
+    from lpfa.experiments import BASES, STABILISERS, stabiliser_seed
     from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs, stabiliser_table
 
     costs = stabiliser_costs()
@@ -1150,7 +1150,8 @@ def test_stabiliser_costs_read_the_committed_benchmark():
     for label, r in costs.iterrows():
         if isinstance(r["speed base"], str):
             assert r["÷ base"] == pytest.approx(r["tokens/s"] / costs.loc[r["speed base"], "tokens/s"], rel=1e-12)
-    assert {label for label in STABILISERS if label not in BASES} <= set(costs.index)
+    assert {label for label in STABILISERS if label not in BASES and stabiliser_seed(label)[1] is None} <= set(
+        costs.index)  # (another seed costs what its row costs: not timed again)
     text = stabiliser_cost_text(costs)
     clipped = [r.get("qk_clipped") for r in raw.values() if r.get("qk_clipped") is not None]
     assert clipped and ("QK-clip rescaled no head" in text) == (sum(clipped) == 0)
@@ -1208,9 +1209,9 @@ def test_scorecard_judges_the_discussion_and_the_production_kernels(tmp_path):
 
     card = scorecard().set_index("page")
     table = stabiliser_table()[0]
-    judged = [c for c in paper_claims(table) if c["broken"] is not None]
+    judged = [c for c in paper_claims(table) if c["broken"] is not None or c["seed_dependent"]]
     row = card.loc["17_stabilisers"]
-    evidence = seed_evidence(table, [c["label"] for c in judged])
+    evidence = seed_evidence(table, [label for c in judged for label in c["labels"]])
     assert row["our result"] == paper_claims_lead(judged, evidence)
     assert "(one run each, at seed 1337)" in row["our result"]
     stand = sum(c["broken"] and c["holds"] for c in judged)
@@ -1248,3 +1249,40 @@ def test_what_drops_the_tracker_label_and_keeps_the_rest():
     assert what({"what": "issue 5/6 twin runs"}) == "twin runs"
     assert what({"what": "the issue slots stay busy"}) == "the issue slots stay busy"
     assert what({}) == ""
+
+
+def test_stabiliser_verdicts_at_a_second_seed_agree_or_say_seed_dependent():
+    """Page 17 with a row at a second seed (lpfa.experiments.STABILISER_SEEDS), from edited copies of the committed
+    table: when the seeds agree, the claim's verdict says on how many seeds; when one seed holds and the other fails,
+    the claim, its lead, the finding and the scorecard's count call it seed-dependent, and no explanation stands on it;
+    the evidence names both seeds."""
+    from lpfa.pages.stabilisers import (
+        paper_claims,
+        paper_claims_lead,
+        paper_claims_text,
+        seed_evidence,
+        stabiliser_finding,
+        stabiliser_table,
+    )
+
+    table, _, _ = stabiliser_table(layer=1)
+    assert table.loc["bf16_qknorm", "seed"] == 1337 and not table.loc["bf16_qknorm", "exploded"]
+    same = table.loc[["bf16_qknorm"]].rename(index={"bf16_qknorm": "bf16_qknorm_s1"}).assign(seed=1)
+    agree = pd.concat([table, same])
+    text = paper_claims_text(agree)
+    item = next(line for line in text.splitlines() if "`bf16_qknorm_s1`" in line)
+    assert "`bf16_qknorm` (" in item and "(at 2 seeds)." in item and "seed-dependent" not in text
+    assert "(one run each, at seeds 1, 1337)" in text.splitlines()[0]
+
+    failed = same.assign(exploded=True, **{"explosion step": 4000})
+    mixed = pd.concat([table, failed])
+    claims = {c["label"]: c for c in paper_claims(mixed)}
+    qk = claims["bf16_qknorm"]
+    assert qk["seed_dependent"] and qk["labels"] == ["bf16_qknorm", "bf16_qknorm_s1"] and not qk["holds"]
+    assert "Verdict: **seed-dependent**: at seed 1337, consistent with the claim" in qk["item"]
+    assert "at seed 1, **against the claim**: the row breaks the link, yet it explodes (step 4,000)" in qk["item"]
+    lead = paper_claims_lead(list(claims.values()), seed_evidence(mixed, ["bf16_qknorm", "bf16_qknorm_s1"]))
+    assert "QK-norm: seed-dependent (seed 1337: " in lead and lead.startswith("0 of the paper's 3")
+    finding = stabiliser_finding(mixed)
+    assert "seed-dependent: `bf16_qknorm` holds at seed 1337 and not at seed 1" in finding
+    assert "`bf16_qknorm_s1` explodes (step 4,000)" in finding and "at seeds 1, 1337" in finding

@@ -222,13 +222,13 @@ def _discussion_row(layer: int, root) -> dict:
     """The paper's Discussion on why stabilisers work, judged on page 17's rows
     (:func:`lpfa.pages.stabilisers.paper_claims`)."""
     table, _, _ = stabiliser_table(layer=layer, root=root)
-    judged = [c for c in paper_claims(table) if c["broken"] is not None]
-    stand = [c for c in judged if c["broken"] and c["holds"]]
+    judged = [c for c in paper_claims(table) if c["broken"] is not None or c["seed_dependent"]]
+    stand = [c for c in judged if c["broken"] and c["holds"]]  # (a seed-dependent explanation does not stand)
     verdict = ("not run" if not judged else "reproduced" if len(stand) == len(judged) == len(PAPER_CLAIMS)
                else "partly" if stand else "not reproduced")
     return _row("QK-norm and gated attention work by disrupting the structure of (PK)[T]ᵀX[T], QK-clipping by making "
                 "P̄ = 1 rarer", "Discussion (no experiment)",
-                paper_claims_lead(judged, seed_evidence(table, [c["label"] for c in judged])) if judged
+                paper_claims_lead(judged, seed_evidence(table, [lb for c in judged for lb in c["labels"]])) if judged
                 else "no BF16 stabiliser row with its link measured is committed",
                 verdict, "17_stabilisers")
 

@@ -28,7 +28,16 @@ import pandas as pd
 from lpfa.attention.policy import get_policy
 from lpfa.audit import load_captured
 from lpfa.compare import PRECURSORS, experiment_table, layer_max, precursor_panels
-from lpfa.experiments import BASES, FP32_RERUN, RECIPE_ISOLATION, RERUNS, STABILISER_RERUN, STABILISERS
+from lpfa.experiments import (
+    BASES,
+    FP32_RERUN,
+    RECIPE_ISOLATION,
+    RERUNS,
+    STABILISER_RERUN,
+    STABILISER_SEEDS,
+    STABILISERS,
+    stabiliser_seed,
+)
 from lpfa.experiments import rows as rows_of
 from lpfa.mechanism import error_persistence
 from lpfa.pages import RERUN_PAGE, and_join
@@ -179,17 +188,24 @@ def stabiliser_table(layer: int = 1, root=None):
     :data:`DOCTOR_LINKS` and ``stabiliser`` (the row's switch). Returns ``(table, step, pending)``, ``pending`` the
     stabiliser rows not committed; an empty table and step None without the BF16 run."""
     cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
-    base = experiment_rows("paper_recipe", [*STABILISER_BASE, *cuts], root=root)
     found = experiment_rows("stabilisers", list(STABILISERS), root=root)
+    seeds = sorted({s for label in found if (s := stabiliser_seed(label)[1]) is not None})
+    seed_bases = [f"{mode}_paper_recipe_s{s}" for s in seeds for mode in ("bf16", "fp32")]  # a seeded row's base runs
+    base = experiment_rows("paper_recipe", [*STABILISER_BASE, *cuts, *seed_bases], root=root)
     pending = [label for label in STABILISERS if label not in found]
     if "bf16_paper_recipe" not in base:
         return pd.DataFrame(), None, pending
     design = rows_of("stabilisers")
     runs = {**base, **found}
 
+    def seed_base(label, mode):  # the recipe run of the row's seed: bf16_paper_recipe(_s<s>), fp32_paper_recipe(_s<s>)
+        s = stabiliser_seed(label)[1]
+        name = f"{mode}_paper_recipe" + (f"_s{s}" if s is not None else "")
+        return name if name in base else f"{mode}_paper_recipe"
+
     def twin(label):  # the label of the row's FP32 reference
         ref = design[label].reference if label in design else None
-        return ref if ref in found else "fp32_paper_recipe" if "fp32_paper_recipe" in base else label
+        return ref if ref in found else seed_base(label, "fp32") if "fp32_paper_recipe" in base else label
 
     def reference(label):
         return runs[twin(label)]
@@ -198,9 +214,10 @@ def stabiliser_table(layer: int = 1, root=None):
     logged = layer_max(base["bf16_paper_recipe"], "max_logit", layer).index
     step = int(max(s for s in logged if boom is None or s < boom))
     table, step = experiment_table(runs, layer=layer, step=step, reference=reference)
-    for short, col in STABILISER_LINKS.items():
+    for short, col in STABILISER_LINKS.items():  # against the BF16 recipe run of the row's own seed
         name = f"{col} @ {step}"
-        table[f"{short} ÷ bf16"] = table[name].astype(float) / float(table.loc["bf16_paper_recipe", name])
+        table[f"{short} ÷ bf16"] = [float(table.loc[label, name]) / float(table.loc[seed_base(label, "bf16"), name])
+                                    for label in table.index]
     table["FP32 twin"] = [twin(label) for label in table.index]
     vals = {label: load_metrics(d)[1] for label, d in runs.items()}  # each run's evals read once, twins shared
     gaps = {label: eval_loss_gap(vals[label], vals[twin(label)]) for label in table.index}
@@ -208,14 +225,15 @@ def stabiliser_table(layer: int = 1, root=None):
     table["gap step"] = pd.Series([gaps[label][0] for label in table.index], index=table.index, dtype=object)
     costs = stabiliser_costs(root)  # the speed alone on one GPU (benchmarks/stabiliser_cost.py); cuts not timed
     same = {STABILISER_RERUN: "bf16_paper_recipe", FP32_RERUN: "fp32_paper_recipe"}  # a rerun is its base again
-    table["speed ÷ base"] = pd.Series({label: costs["÷ base"].get(same.get(label, label)) for label in table.index},
-                                      dtype=object)
+    table["speed ÷ base"] = pd.Series(  # a row's other seed costs what the row costs
+        {label: costs["÷ base"].get(same.get(label, stabiliser_seed(label)[0])) for label in table.index}, dtype=object)
     doctor = {label: doctor_links(runs[label], layer) for label in table.index}
     for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
         table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
               for label in found if label not in RERUNS}
     named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
+             **{b: f"none{' (FP32)' if b.startswith('fp32') else ''}, seed {b.rsplit('_s', 1)[1]}" for b in seed_bases},
              STABILISER_RERUN: "none (run again)", FP32_RERUN: "none (FP32, run again)",
              **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
     table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
@@ -349,10 +367,11 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
 
     def speed(label) -> float | None:  # tokens/s sharing the H200
         own = [speeds[key(label)]] if key(label) in speeds else []
-        if label in alone:  # from a run of its kind, else of any kind, that was timed alone too
+        timed = stabiliser_seed(label)[0]  # (a row's other seed runs at the row's speed)
+        if timed in alone:  # from a run of its kind, else of any kind, that was timed alone too
             for tps, ref in own + sorted(speeds.values(), key=lambda v: v[1]):
                 if ref in alone:
-                    return tps * alone[label] / alone[ref]
+                    return tps * alone[timed] / alone[ref]
         return own[0][0] if own else None
 
     calls, call = [], []
@@ -513,51 +532,77 @@ def paper_claims(table) -> list[dict]:
     healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
     claims = []
     for name, (link, claim) in PAPER_CLAIMS.items():
-        label = f"bf16_{name}"
-        if label not in table.index:
+        labels = [label for label in (f"bf16_{name}", *(f"bf16_{name}_s{s}" for s in STABILISER_SEEDS))
+                  if label in table.index]  # the row at each committed seed
+        per = [_claim_on(table, label, name, link, base, healthy) for label in labels]
+        if not per:
             continue
-        r = table.loc[label]
-        fate = _loss_fate(r).removeprefix("its loss ") + (
-            f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
-            if r["runaway step"] is not None else "")
-        ratios = _link_ratios(r)
-        sim = r.get("rank-1 similarity")
-        if sim is not None and base is not None:
-            similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
-                          + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step "
-                             f"{table.loc[FP32_RERUN, 'doctor step']:,})" if healthy is not None else ""))
-        else:
-            similarity = "rank-1 similarity not measured (no doctor report)"
-        if link == "rank-1 similarity":
-            said = similarity + "; " + ratios
-            broken = None if sim is None or healthy is None else bool(sim < healthy)
-            short = (f"{sim:.3f} against the FP32 run's {healthy:.3f}" if broken is not None
-                     else "similarity not measured")
-        else:
-            said = ratios + "; " + similarity
-            broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
-            short = f"{r['ties ÷ bf16']:.2f}× the BF16 run's ties"
-        twin = f"fp32_{name}"
-        if twin in table.index and table.loc[twin].get("rank-1 similarity") is not None:
-            twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
-        else:  # the stabiliser changes the model: its own FP32 twin says what it does to the similarity without BF16
-            twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
-        failure = _failure(r)
-        claims.append({"who": claim.split(" works")[0], "label": label, "broken": broken, "holds": not failure,
-                       "short": short, "item": f"- The paper says {claim}. `{label}` ({fate}): {said}.{twin_text} "
-                                               f"Verdict: {_claim_verdict(broken, failure)}."})
+        who = claim.split(" works")[0]
+        if len(per) == 1:
+            c = per[0]
+            claims.append({"who": who, "label": c["label"], "labels": [c["label"]], "broken": c["broken"],
+                           "holds": c["holds"], "seed_dependent": False, "short": c["short"],
+                           "item": f"- The paper says {claim}. {c['said']} Verdict: {c['verdict']}."})
+            continue
+        outcomes = {(c["broken"], c["holds"]) for c in per}
+        dependent = len(outcomes) > 1 and all(c["broken"] is not None for c in per)
+        broken = None if any(c["broken"] is None for c in per) else all(c["broken"] for c in per)
+        verdict = ("**seed-dependent**: " + "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per)
+                   if dependent else f"{per[0]['verdict']} (at {len(per)} seeds)" if len(outcomes) == 1
+                   else "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per))
+        claims.append({"who": who, "label": per[0]["label"], "labels": labels, "broken": broken,
+                       "holds": all(c["holds"] for c in per), "seed_dependent": dependent,
+                       "short": "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
+                       "item": f"- The paper says {claim}. " + " ".join(c["said"] for c in per)
+                               + f" Verdict: {verdict}."})
     return claims
+
+
+def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
+    """One :data:`PAPER_CLAIMS` claim measured on one BF16 row ``label`` of :func:`stabiliser_table` (see
+    :func:`paper_claims`): its seed, ``broken``, ``holds``, ``short``, ``said`` (the row's links and fate, its FP32
+    twin) and ``verdict`` (:func:`_claim_verdict`)."""
+    r = table.loc[label]
+    fate = _loss_fate(r).removeprefix("its loss ") + (
+        f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
+        if r["runaway step"] is not None else "")
+    ratios = _link_ratios(r)
+    sim = r.get("rank-1 similarity")
+    if sim is not None and base is not None:
+        similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
+                      + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step "
+                         f"{table.loc[FP32_RERUN, 'doctor step']:,})" if healthy is not None else ""))
+    else:
+        similarity = "rank-1 similarity not measured (no doctor report)"
+    if link == "rank-1 similarity":
+        said = similarity + "; " + ratios
+        broken = None if sim is None or healthy is None else bool(sim < healthy)
+        short = f"{sim:.3f} against the FP32 run's {healthy:.3f}" if broken is not None else "similarity not measured"
+    else:
+        said = ratios + "; " + similarity
+        broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
+        short = f"{r['ties ÷ bf16']:.2f}× the BF16 run's ties"
+    seed = stabiliser_seed(label)[1]
+    twin = f"fp32_{name}" + (f"_s{seed}" if seed is not None else "")
+    if twin in table.index and table.loc[twin].get("rank-1 similarity") is not None:
+        twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
+    else:  # the stabiliser changes the model: its own FP32 twin says what it does to the similarity without BF16
+        twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
+    failure = _failure(r)
+    return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure, "short": short,
+            "said": f"`{label}` ({fate}): {said}.{twin_text}", "verdict": _claim_verdict(broken, failure)}
 
 
 def paper_claims_lead(claims: list[dict], evidence: str = "") -> str:
     """:func:`paper_claims` in one sentence (plain text): how many of the judged explanations stand (the row breaks
     the link and holds), on what ``evidence`` (:func:`seed_evidence`), then each one's link and fate."""
-    judged = [c for c in claims if c["broken"] is not None]
+    judged = [c for c in claims if c["broken"] is not None or c.get("seed_dependent")]
     stand = [c for c in judged if c["broken"] and c["holds"]]
     return (f"{len(stand)} of the paper's {len(judged)} explanations measured here "
             + ("stands" if len(stand) == 1 else "stand")
             + (f" ({evidence})" if evidence else "")
-            + "".join(f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
+            + "".join(f"; {c['who']}: seed-dependent ({c['short']})" if c.get("seed_dependent") else
+                      f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
                       f"{'holds' if c['holds'] else 'fails'}" for c in judged) + ".")
 
 
@@ -567,7 +612,8 @@ def paper_claims_text(table) -> str:
     claims = paper_claims(table)
     if not claims:
         return "None of QK-norm, gated attention and QK-clip is committed yet."
-    evidence = seed_evidence(table, [c["label"] for c in claims if c["broken"] is not None])
+    evidence = seed_evidence(table, [label for c in claims if c["broken"] is not None or c["seed_dependent"]
+                                     for label in c["labels"]])
     return f"**{paper_claims_lead(claims, evidence)}**\n\n" + "\n".join(c["item"] for c in claims)
 
 
@@ -596,12 +642,22 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     held = [label for label, f in fails.items() if not f]
     twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
                 and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
+    by_row: dict[str, list[str]] = {}  # a stabiliser's runs at each seed
+    for label in bf16:
+        by_row.setdefault(stabiliser_seed(label)[0], []).append(label)
+
+    def seeds(labels):
+        return ", ".join(str(int(table.loc[label, "seed"])) for label in labels)
+
+    dependent = [f"; seed-dependent: `{row}` holds at seed {seeds([x for x in runs if x in held])} and not at "
+                 f"seed {seeds([x for x in runs if x not in held])}"
+                 for row, runs in by_row.items() if 0 < sum(x in held for x in runs) < len(runs)]
     return (f"**At the paper's recipe, {len(held)} of the {len(bf16)} committed BF16 stabiliser rows "
             + f"({'; '.join(x for x in (seed_evidence(table, bf16), _ticked(held)) if x)}) "
             + ("holds" if len(held) == 1 else "hold")
             + f": no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 twin's"
             + (f" (for {_ticked(twinless)} the plain FP32 run's: its own twin is not committed)" if twinless else "")
-            + "".join(f"; {f}" for f in fails.values() if f) + ".**")
+            + "".join(f"; {f}" for f in fails.values() if f) + "".join(dependent) + ".**")
 
 
 def stabiliser_summary(table, step: int, layer: int = 1) -> str:
