@@ -357,11 +357,10 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", 
 
     use_style()
     criterion = criterion or RunawayCriterion()
-    facet = by_twin
     panels: dict[str, dict] = {}
     for label, d in runs.items():
         mode, twin = _mode_and_twin(label)
-        panels.setdefault(twin if facet else "", {})[mode if facet and mode else label] = d
+        panels.setdefault(twin if by_twin else "", {})[mode if by_twin and mode else label] = d
     n = len(panels)
     cols = min(3, n)
     rows = -(-n // cols)
@@ -377,11 +376,11 @@ def plot_logit_runaway(runs: dict, layer: int, criterion=None, title: str = "", 
             ax.plot(s.index, s.values, lw=1.1, label=label, **styles[label])
         ax.axhline(criterion.logit, color="black", ls=":", lw=0.8, label=f"runaway threshold {criterion.logit:g}")
         ax.set_yscale("log")
-        if facet:
+        if by_twin:
             ax.set_title(name, fontsize=10)
     for ax in axes.flat[n:]:
         ax.axis("off")
-    if facet:
+    if by_twin:
         axes[0, 0].xaxis.set_major_formatter(lambda x, _: f"{x / 1000:g}k" if x else "0")  # (shared by all panels)
         for c in range(cols):  # each column's lowest panel carries the step axis
             low = axes[(n - 1 - c) // cols, c]

@@ -537,22 +537,17 @@ def paper_claims(table) -> list[dict]:
         per = [_claim_on(table, label, name, link, base, healthy) for label in labels]
         if not per:
             continue
-        who = claim.split(" works")[0]
-        if len(per) == 1:
-            c = per[0]
-            claims.append({"who": who, "label": c["label"], "labels": [c["label"]], "broken": c["broken"],
-                           "holds": c["holds"], "seed_dependent": False, "short": c["short"],
-                           "item": f"- The paper says {claim}. {c['said']} Verdict: {c['verdict']}."})
-            continue
+        one = len(per) == 1
         outcomes = {(c["broken"], c["holds"]) for c in per}
         dependent = len(outcomes) > 1 and all(c["broken"] is not None for c in per)
-        broken = None if any(c["broken"] is None for c in per) else all(c["broken"] for c in per)
-        verdict = ("**seed-dependent**: " + "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per)
+        verdict = (per[0]["verdict"] if one
+                   else "**seed-dependent**: " + "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per)
                    if dependent else f"{per[0]['verdict']} (at {len(per)} seeds)" if len(outcomes) == 1
                    else "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per))
-        claims.append({"who": who, "label": per[0]["label"], "labels": labels, "broken": broken,
+        claims.append({"who": claim.split(" works")[0], "label": per[0]["label"], "labels": labels,
+                       "broken": None if any(c["broken"] is None for c in per) else all(c["broken"] for c in per),
                        "holds": all(c["holds"] for c in per), "seed_dependent": dependent,
-                       "short": "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
+                       "short": per[0]["short"] if one else "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
                        "item": f"- The paper says {claim}. " + " ".join(c["said"] for c in per)
                                + f" Verdict: {verdict}."})
     return claims
