@@ -181,7 +181,8 @@ def _regs_from_cubin(cubin: bytes):
 
 
 SASS_OPS = {"HGMMA": "tensor-core GEMMs (wgmma)", "HMMA": "older mma.sync GEMMs", "LDL": "local loads (spills)",
-            "STL": "local stores (spills)", "MUFU.EX2": "hardware exp2"}
+            "STL": "local stores (spills)", "MUFU.EX2": "hardware exp2", "FFMA": "FP32 fused multiply-adds",
+            "FMUL": "FP32 multiplies", "FADD": "FP32 adds"}
 
 
 def _sass_counts(cubin: bytes) -> dict | None:
@@ -191,7 +192,9 @@ def _sass_counts(cubin: bytes) -> dict | None:
     if sass is None:
         return None
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {op: sum(1 for o in ops if o == op or o.startswith(op + ".")) for op in SASS_OPS}
+    counts = {op: sum(1 for o in ops if o == op or o.startswith(op + ".")) for op in SASS_OPS}
+    counts["instructions"] = len(ops)
+    return counts
 
 
 def main(argv=None) -> int:

@@ -77,9 +77,11 @@ def main():
         "flash_forward": lambda: flash_forward(q, k, v, pol, scale, validate=False),
         "flash_backward": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
                                                  grad_dtype=torch.bfloat16),
-        "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False),
+        "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False, False),
         "attention/fwd": lambda: attention(q, k, v, policy=pol, backend="triton"),
         "attention/fwd_bwd": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),
+        "attention/fwd_bwd assume_finite": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton",
+                                                                           assume_finite=True)),
         "sdpa_flash/fwd": lambda: sdpa(q, k, v),
         "sdpa_flash/fwd_bwd": fwd_bwd(sdpa),
     }

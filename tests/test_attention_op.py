@@ -73,8 +73,8 @@ def test_tie_stats_with_triton_backend():
 def test_custom_op_registration():
     q, k, v = (t.detach() for t in _qkv(T=32))
     key = policy_key(PRESETS["fa2"].with_(block_q=16, block_k=16))
-    for for_backward in (False, True):
-        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward),
+    for for_backward, assume_finite in ((False, False), (True, False), (True, True)):
+        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward, assume_finite),
                               test_utils=("test_schema", "test_faketensor"))
 
 
@@ -88,13 +88,13 @@ def test_flags_kept_for_the_backward_are_the_ones_it_would_compute():
     k[1, 2, 7, 3] = float("nan")
     v[0, 1, 30, 0] = float("inf")
     key = policy_key(PRESETS["fa2"])
-    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True)
+    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True, False)
     assert torch.equal(flags, nonfinite_flags(v, q, k))
     assert flags[0].nonzero().flatten().tolist() == [1] and flags[2].nonzero().flatten().tolist() == [5]
-    assert _fwd_op(q, k, v, key, 0.25, False)[2].shape == (1, 0)  # nothing kept without a backward
+    assert _fwd_op(q, k, v, key, 0.25, False, False)[2].shape == (1, 0)  # nothing kept without a backward
     do = torch.randn_like(q)
-    kept = _bwd_op(do, q, k, v, o, lse, flags, key, 0.25)
-    recomputed = _bwd_op(do, q, k, v, o, lse, torch.zeros(1, 0, dtype=torch.int32), key, 0.25)
+    kept = _bwd_op(do, q, k, v, o, lse, flags, key, 0.25, False)
+    recomputed = _bwd_op(do, q, k, v, o, lse, torch.zeros(1, 0, dtype=torch.int32), key, 0.25, False)
     for a, b in zip(kept, recomputed):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
@@ -123,7 +123,7 @@ def test_custom_policies_under_torch_compile():
                       fullgraph=True)
     _close(g(q, k, v), attention(q, k, v, policy=pol2, backend="reference"), 0.99)
     with pytest.raises(KeyError, match="no precision policy is registered under 'nonsense'"):
-        _fwd_op(q, k, v, "nonsense", 0.25, False)
+        _fwd_op(q, k, v, "nonsense", 0.25, False, False)
 
 
 def test_backend_errors():
@@ -143,17 +143,17 @@ def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
     q, k, v = (torch.randn(B, T, H, D).bfloat16().transpose(1, 2) for _ in range(3))
     assert not q.is_contiguous()
     key = policy_key(PRESETS["paper"].with_(block_q=16, block_k=16))
-    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, True), test_utils=("test_schema", "test_faketensor"))
-    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True)
+    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, True, False), test_utils=("test_schema", "test_faketensor"))
+    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True, False)
     do = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)
-    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25),
+    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25, False),
                           test_utils=("test_schema", "test_faketensor"))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse, flags)]
-        fake_out = _bwd_op(*fake, key, 0.25)
-    for real, f in zip(_bwd_op(do, q, k, v, o, lse, flags, key, 0.25), fake_out):
+        fake_out = _bwd_op(*fake, key, 0.25, False)
+    for real, f in zip(_bwd_op(do, q, k, v, o, lse, flags, key, 0.25, False), fake_out):
         assert real.stride() == f.stride() and real.dtype == f.dtype
 
 
@@ -209,3 +209,45 @@ def test_inputs_are_validated_once_per_call(monkeypatch):
     with pytest.raises(ValueError, match="causal only"):
         flash_forward(q.detach(), k.detach(), v.detach(), "paper", 0.25, causal=False)
     assert calls["inputs"] == 2  # the direct call checked its inputs
+
+
+def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
+    """``assume_finite=True``: the same O and gradients bit for bit on finite inputs, from four kernel launches
+    instead of nine (no non-finite flags, one launch per kernel), eagerly and through the compiled op's path. What
+    it gives up: a NaN in V then reaches the rows that cannot see its key, as a plain GEMM spreads it."""
+    import lpfa.attention.triton_bwd as tb
+    import lpfa.attention.triton_common as tc
+    import lpfa.attention.triton_fwd as tf
+
+    launched = []
+    real = tc.launch
+
+    def count(kernel, *a, **k):
+        launched.append(kernel.fn.__name__)
+        return real(kernel, *a, **k)
+
+    for mod in (tc, tf, tb):
+        monkeypatch.setattr(mod, "launch", count)
+    pol = PRESETS["fa2"].with_(block_q=16, block_k=16)
+    base = [t.detach() for t in _qkv(T=40)]
+    grads, n = {}, {}
+    for assume in (False, True):
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        launched.clear()
+        o = attention(q, k, v, policy=pol, backend="triton", assume_finite=assume)
+        o.float().square().sum().backward()
+        grads[assume], n[assume] = (o, q.grad, k.grad, v.grad), list(launched)
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+    assert len(n[False]) == 9 and len(n[True]) == 4 and "_nonfinite_kernel" not in n[True]
+    key = policy_key(pol)
+    q, k, v = base
+    assert _fwd_op(q, k, v, key, 0.25, True, True)[2].shape == (1, 0)  # no flags kept for the backward
+    v = v.clone()
+    v[0, 1, 30, 0] = float("nan")  # key 30: rows 30.. see it
+    checked = attention(q, k, v, policy=pol, backend="triton")
+    trusted = attention(q, k, v, policy=pol, backend="triton", assume_finite=True)
+    assert not checked[0, 1, :30].isnan().any() and checked[0, 1, 30:, 0].isnan().all()
+    assert trusted[0, 1, :30, 0].isnan().any()
+    with pytest.raises(TypeError, match="assume_finite='yes': expected True or False"):
+        attention(q, k, v, policy=pol, backend="triton", assume_finite="yes")

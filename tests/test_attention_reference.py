@@ -210,3 +210,66 @@ def test_fp32_heads_are_computed_in_fp32():
     assert torch.equal(g_mix[:, [1, 3]], g_fp32[:, [1, 3]])
 
 # bad input: tests/test_bad_input.py
+
+
+# ---- exp="exp2": FlashAttention-2's exp2 of one FMA ---------------------------------------------
+
+
+def _fma_is_correctly_rounded(a: float, b: float, c: float, r: float) -> bool:
+    """r is a·b + c rounded to nearest FP32, ties to even, judged in exact rational arithmetic."""
+    from fractions import Fraction
+
+    exact = Fraction(a) * Fraction(b) + Fraction(c)
+    rt = torch.tensor(r, dtype=F)
+    lo, hi = (float(torch.nextafter(rt, torch.tensor(x, dtype=F))) for x in (-math.inf, math.inf))
+    d = exact - Fraction(r)
+    half = (Fraction(hi) - Fraction(r)) / 2 if d > 0 else (Fraction(r) - Fraction(lo)) / 2
+    even = int(rt.view(torch.int32)) % 2 == 0
+    return abs(d) < half or (abs(d) == half and even)
+
+
+def test_fma_f32_rounds_once_where_float64_would_round_twice():
+    from lpfa.attention.reference import LOG2E, fma_f32
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    n = 2000
+    a = torch.randn(n, generator=g)
+    c = torch.randn(n, generator=g) * torch.exp2(torch.randint(-40, 8, (n,), generator=g).float())
+    r = fma_f32(a, LOG2E, c)
+    assert all(_fma_is_correctly_rounded(float(x), LOG2E, float(z), float(y)) for x, y, z in zip(a, r, c))
+    # (1 + 2⁻¹²)² = 1 + 2⁻¹¹ + 2⁻²⁴ lies halfway between two FP32 values; ±2⁻⁸⁰ decides the side, which float64
+    # loses (it rounds to the midpoint, then ties go to even)
+    b = 1 + 2.0**-12
+    a = torch.tensor([b, b, -b, -b])
+    c = torch.tensor([2.0**-80, -(2.0**-80), 2.0**-80, -(2.0**-80)])
+    r = fma_f32(a, b, c)
+    naive = (a.double() * b + c.double()).float()
+    assert all(_fma_is_correctly_rounded(float(x), b, float(z), float(y)) for x, y, z in zip(a, r, c))
+    assert (r != naive).sum() == 2  # one per sign: the case the second rounding gets wrong
+    out = fma_f32(torch.tensor([-math.inf, math.inf, math.nan, 1.0]), LOG2E, torch.tensor([1.0, -1.0, 0.0, math.inf]))
+    assert out[0] == -math.inf and out[1] == math.inf and out[2].isnan() and out[3] == math.inf
+
+
+def test_exp2_policy_is_exp_of_the_shift_and_keeps_ties_at_one():
+    """P̄ = exp2(fma(S, log₂e, −fl(m·log₂e))) is exp(S − m) to the rounding of its argument; at a tied maximum it
+    is exp2 of the rounding error of fl(m·log₂e), within about |m|·2⁻²⁴ of 1, and exactly 1 in BF16."""
+    from lpfa.attention.reference import LOG2E, exp_shifted
+
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    s = torch.randn(64, 48, generator=g) * 4
+    m = s.amax(dim=-1, keepdim=True)
+    pol = get_policy("fa2")
+    assert pol.exp == "exp2" and get_policy("paper").exp == "exp"
+    p = exp_shifted(s, m, pol, "fp32")
+    truth = torch.exp(s.double() - m.double())
+    # the roundings of m·log₂e and of the FMA move exp2's argument by about (|m| + |S − m|)·2⁻²⁴·log₂e, and exp2
+    # by that times ln 2, relative; exp2 itself adds an ulp or two
+    bound = 2.0**-22 * (1 + m.double().abs() + (s - m).double().abs()) * truth
+    assert ((p.double() - truth).abs() <= bound).all()
+    at_max = p[s == m]
+    residual = m.double() * LOG2E - (m * LOG2E).double()  # what the FMA leaves at S = m
+    assert torch.equal(at_max.double(), torch.exp2(residual.float()).double().flatten())
+    assert ((at_max - 1).abs() <= 2.0**-23 * (1 + m.abs().flatten())).all() and (at_max.bfloat16() == 1).all()
+    assert (at_max != 1).any()  # the residual is not 0 for most maxima: exp2 is not exp(0) = 1
+    assert torch.equal(exp_shifted(torch.tensor([[-math.inf]]), torch.tensor([[2.0]]), pol, "fp32"),
+                       torch.zeros(1, 1))

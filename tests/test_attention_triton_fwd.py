@@ -366,3 +366,23 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             assert torch.equal(torch.isnan(o[:, 5:].float()), torch.isnan(ro[:, 5:]))
         except AssertionError as err:
             raise AssertionError(f"{err} (seed={seed}, beta={beta}, eps={e})") from err
+
+
+def test_exp2_policy_takes_the_fma_at_the_row_max():
+    """``exp="exp2"`` (FlashAttention-2's exp2(fma(S, log₂e, −fl(m·log₂e)))): in row 0, whose one visible score is its
+    max m, P̄ = exp2 of the rounding error of fl(m·log₂e), not exp(0) = 1, so lse = m + log P̄ moves m by an ulp. The
+    four m are chosen where that error is largest (P̄ = 1 − 2⁻²⁴ three times, 1 + 2⁻²³ once); the kernel must give
+    the reference's lse bit for bit there, and exp(S − m) must leave lse = m."""
+    ms = torch.tensor([2916 / 4096, 2977 / 4096, 3038 / 4096, 90 / 64])  # exact in FP32; S = (2m)·2·scale = m
+    H, T, D = len(ms), 16, 16
+    q, k, v = _inputs(1, H, T, D, torch.float32, seed=torch.seed() % 2**31)
+    q[0, :, 0], k[0, :, 0] = 0.0, 0.0
+    q[0, :, 0, 0], k[0, :, 0, 0] = 2 * ms, 2.0
+    pol = PRESETS["fp32"].with_(exp="exp2", block_q=16, block_k=16)
+    _, lse = flash_forward(q, k, v, pol, 0.25)
+    _, rlse = ref_forward(q, k, v, pol, 0.25)
+    _, rlse_exp = ref_forward(q, k, v, pol.with_(exp="exp"), 0.25)
+    assert torch.equal(rlse_exp[0, :, 0], ms)
+    assert (rlse[0, :, 0] != ms).all()
+    assert torch.equal(lse[0, :, 0], rlse[0, :, 0])
+    torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)

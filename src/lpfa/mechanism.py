@@ -49,7 +49,15 @@ import torch
 
 from lpfa.attention import get_policy
 from lpfa.attention.policy import BF16, DELTA_FORMULAS, SFA, reseeded
-from lpfa.attention.reference import _attention_fp32, _r, _scores, _sfa_row_max, backward_delta, forward
+from lpfa.attention.reference import (
+    _attention_fp32,
+    _r,
+    _scores,
+    _sfa_row_max,
+    backward_delta,
+    exp_shifted,
+    forward,
+)
 from lpfa.bf16 import round_to_bf16
 from lpfa.diagnostics import capture_qkv, tie_fraction
 
@@ -185,7 +193,7 @@ def p_bar(q, k, policy="paper_untiled", scale: float | None = None) -> torch.Ten
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s, vis = _causal_scores(q, k, pol, scale)
     m = _sfa_row_max(s, vis, pol)
-    return _r(torch.exp(_r(s - m[..., None], pol.scores)), pol.p_bar)
+    return _r(exp_shifted(s, m[..., None], pol, pol.scores), pol.p_bar)
 
 
 @torch.no_grad()
@@ -237,7 +245,7 @@ def sfa_attenuation(q, k, betas=(1.5, 2.0, 4.0, 8.0), eps: float = 1e-3, clamp: 
         s, vis = _causal_scores(q, k, pol, scale)
         m = _sfa_row_max(s, vis, pol)
         rm = s.amax(dim=-1)
-        l = torch.exp(_r(s - m[..., None], pol.scores)).double().sum(dim=-1).float()  # noqa: E741  (the paper's l)
+        l = exp_shifted(s, m[..., None], pol, pol.scores).double().sum(dim=-1).float()  # noqa: E741  (the paper's l)
         factor = l / l.clamp_min(clamp)
         touched = m != rm
         out[float(beta)] = {"sfa": float(touched.double().mean()), "attenuated": float((factor < 1).double().mean()),

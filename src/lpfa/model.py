@@ -73,6 +73,7 @@ class GPTConfig:
     qk_norm: bool = False
     gated_attn: bool = False
     gelu_approximate: str = "none"  # "tanh" for OpenAI/Hugging Face GPT-2 weights ("gelu_new")
+    attn_assume_finite: bool = False  # lpfa attention skips its non-finite checks (attention(assume_finite=True))
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -166,6 +167,7 @@ class CausalSelfAttention(nn.Module):
         self.dropout = config.dropout
         self.backend = config.layer_backend(layer)
         self.policy = config.policy(layer)
+        self.assume_finite = config.attn_assume_finite
         if self.policy is not None:  # a key for the Triton op before torch.compile traces it
             _register(self.policy)
         self.q_norm = LayerNorm(self.head_dim, config.bias) if config.qk_norm else None
@@ -191,7 +193,7 @@ class CausalSelfAttention(nn.Module):
             if cap.get("all"):  # lpfa.replay: the layer input, the output O and (after backward) dO
                 cap["x"] = x.detach()
         if self.backend == "lpfa":
-            y = attention(q, k, v, is_causal=True, policy=self.policy)
+            y = attention(q, k, v, is_causal=True, policy=self.policy, assume_finite=self.assume_finite)
         elif self.backend == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout if self.training else 0.0)

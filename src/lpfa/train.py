@@ -106,6 +106,8 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64:
     #  weights too
     compile: bool = False  # torch.compile the model
+    attn_assume_finite: bool = False  # lpfa attention skips its non-finite checks: four kernel launches per layer
+    #  instead of nine; safe while the loss is finite, which train() checks at every step
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
     #  seed + step) mod 2**32 (the stabiliser experiments; else one seed for the run, so a stable value at a stable
     #  position rounds the same way every step); eager only (compile=false)
@@ -256,6 +258,7 @@ FIELD_CHECKS: dict[str, Param] = {
                     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None),
     "dtype": text("auto", "bfloat16", "float32", "float64"),
     "compile": boolean(),
+    "attn_assume_finite": boolean(),
     "sr_reseed": boolean(),
     "out_dir": text(nonempty=True),
     "seed": integer(0),
@@ -464,6 +467,7 @@ def model_config(cfg: TrainConfig, vocab_size: int) -> GPTConfig:
         attn_backend=cfg.attn_backend, attn_policy=cfg.attn_policy, layer_policies=cfg.layer_policies,
         fp32_heads=cfg.fp32_heads, qk_norm=cfg.qk_norm, gated_attn=cfg.gated_attn, delta_dose=cfg.delta_dose,
         delta_dose_sign=cfg.delta_dose_sign, delta_dose_layers=cfg.delta_dose_layers,
+        attn_assume_finite=cfg.attn_assume_finite,
     )
 
 

@@ -22,6 +22,10 @@ causal, and the Triton kernels are causal only), ``scale`` (default 1/√D). SDP
 :class:`AttentionStats` to fill (tie counts of Fig. 13, P̄ = 1 entries, SFA-shifted, attenuated and zeroed rows); it
 costs an extra pass of the reference forward, so leave it None in training unless you want the numbers.
 Non-finite inputs propagate as :mod:`lpfa.attention.reference` describes (only to rows that see them).
+``assume_finite=True`` (Triton backend): the caller vouches that q, k, v and the gradient dO hold no inf or NaN, as
+a trainer that stops at a non-finite loss can. The kernels then skip their non-finite checks (five launches of nine
+per forward and backward); a non-finite value that does arrive spreads as in a plain GEMM, to rows that cannot see
+it. The reference backend is exact either way and ignores it.
 """
 
 from __future__ import annotations
@@ -94,6 +98,7 @@ def attention(
     policy: str | PrecisionPolicy = "fa2",
     stats: AttentionStats | None = None,
     backend: str = "auto",
+    assume_finite: bool = False,
     attn_mask: None = None,
     dropout_p: float = 0.0,
     enable_gqa: bool = False,
@@ -121,6 +126,8 @@ def attention(
         raise TypeError(f"stats of type {type(stats).__name__}: expected an lpfa.attention.AttentionStats or None")
     if not (isinstance(backend, str) and backend in ("auto", "reference", "triton")):
         raise ValueError(f"backend={backend!r}: expected 'auto', 'reference' or 'triton'")
+    if not isinstance(assume_finite, (bool, np.bool_)):
+        raise TypeError(f"assume_finite={assume_finite!r}: expected True or False")
     check_inputs(q, k, v)
     pol = get_policy(policy)
     if scale is None:
@@ -140,7 +147,7 @@ def attention(
         if stats is not None:  # the counts as the reference computes them, from a pass without V
             with torch.no_grad():
                 fill_stats(stats, q.detach().float(), k.detach().float(), scale, pol, True)
-        return triton_attention(q, k, v, pol, scale)
+        return triton_attention(q, k, v, pol, scale, bool(assume_finite))
     return ReferenceAttention.apply(q, k, v, pol, scale, is_causal, stats)
 
 

@@ -32,6 +32,16 @@ operands it keeps in FP32: exactly (``"ieee"``) or through BF16 tensor cores wit
   ``"o_exact"`` = the same with O recomputed from FP32 scores as well. With BF16 scores that O is not
   the one whose P the backward differentiates (P = exp(S − lse) from the BF16 S), so this δ is
   inconsistent with P (:func:`lpfa.mechanism.delta_formulas` measures it).
+* ``exp``: how ``exp(S − m)`` is evaluated (P̄ in the forward, the rescale c = exp(m − m_new), and the backward's
+  P = exp(S − lse)). ``"exp"``: exp of the difference S − m, rounded as the scores are (the paper's PyTorch code).
+  ``"exp2"``: FlashAttention-2's ``scale_apply_exp2`` (csrc/flash_attn/src/softmax.h): P̄ = exp2(fma(S, log₂e,
+  −fl(m·log₂e))), one FMA in FP32 whatever the scores' precision, with log₂e rounded to FP32; c =
+  exp2(fl(acc(m − m_new)·log₂e)); the backward's P = exp2(fma(S, log₂e, −fl(lse·log₂e))). FlashAttention-2 folds
+  the softmax scale into the FMA's constant (S unscaled, scale·log₂e); here S is already scaled, which is the same
+  arithmetic bit for bit when the scale is a power of two (head dims 16, 64 and 256), and differs by the rounding of
+  S·scale otherwise. At a tied maximum the FMA leaves the rounding error of fl(m·log₂e), at most half an FP32 ulp
+  of m·log₂e, so P̄ there is 1 to within about |m|·2⁻²⁴ (not exactly 1 in FP32), and exactly 1 once rounded to
+  BF16 (for |m| < 2¹⁵), as in FlashAttention-2.
 * ``backward``: BF16 GEMM outputs and gradient accumulators (the paper's code) or FP32 (FA2).
 * ``gemm``: how every GEMM (QKᵀ, P̄V; dP = dO Vᵀ, dV = Pᵀ dO, dQ = dS K, dK = dSᵀ Q) multiplies operands it
   keeps in FP32: ``"ieee"`` = exact FP32 products (``tl.dot(input_precision="ieee")``, CUDA cores) or
@@ -101,6 +111,7 @@ BF16, FP32 = "bf16", "fp32"
 _PRECISIONS = (BF16, FP32)
 DELTA_FORMULAS = ("o_stored", "dp_p", "o_fp32", "o_exact")
 DOSE_SIGNS = ("bias", "control")
+EXPS = ("exp", "exp2")  # PrecisionPolicy.exp: exp(S − m), or FlashAttention-2's exp2 of one FMA
 IEEE, BF16X6 = "ieee", "bf16x6"
 GEMMS = (IEEE, BF16X6)
 SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o and l, O)
@@ -201,6 +212,7 @@ class PrecisionPolicy:
     fp32_heads: frozenset[int] = field(default_factory=frozenset)
     dose: float = 1.0
     dose_sign: str = "bias"
+    exp: str = "exp"
     name: str = "custom"
 
     def __post_init__(self):
@@ -214,6 +226,9 @@ class PrecisionPolicy:
         if not (isinstance(self.delta, str) and self.delta in DELTA_FORMULAS):
             raise ValueError(f"PrecisionPolicy.delta={self.delta!r}: expected one of "
                              f"{', '.join(map(repr, DELTA_FORMULAS))}")
+        if not (isinstance(self.exp, str) and self.exp in EXPS):
+            raise ValueError(f"PrecisionPolicy.exp={self.exp!r}: expected 'exp' (exp(S − m)) or 'exp2' "
+                             "(FlashAttention-2's exp2(fma(S, log2 e, −m·log2 e)))")
         for f in ("block_q", "block_k"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
@@ -293,11 +308,12 @@ BF16 S, m, l and o tensors; P̄ computed in FP32 and rounded to BF16 for the P̄
 BF16; in-place BF16 updates ``o ← o·c`` then ``o ← o + Ō``; BF16 backward GEMMs and accumulators."""
 
 FA2 = PrecisionPolicy(
-    scores=FP32, p_bar=BF16, o_block=FP32, accumulator=FP32, o_store=BF16, delta="o_stored", backward=FP32,
-    block_q=128, block_k=128, name="fa2",
+    scores=FP32, p_bar=BF16, o_block=FP32, accumulator=FP32, o_store=BF16, delta="o_stored", exp="exp2",
+    backward=FP32, block_q=128, block_k=128, name="fa2",
 )
-"""FlashAttention-2's CUDA kernel as PyTorch SDPA runs it: FP32 S, row sums and accumulators, P̄ cast
-to BF16 before P̄V, O stored in BF16 (what nanoGPT users train with)."""
+"""FlashAttention-2's CUDA kernel as PyTorch SDPA runs it: FP32 S, row sums and accumulators, P̄ = exp2 of one
+FMA (``exp="exp2"``), cast to BF16 before P̄V, O stored in BF16 (what nanoGPT users train with). Runs committed
+before 2026-12-05 evaluated its P̄ as exp(S − m) (``exp="exp"``): the same values within an FP32 ulp or two."""
 
 FP32_POLICY = PrecisionPolicy(
     scores=FP32, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,

@@ -220,6 +220,44 @@ def _blocks(n: int, size: int | None):
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
+LOG2E = float(torch.tensor(math.log2(math.e), dtype=torch.float32))
+"""log₂e rounded to FP32 (1.44269502162933349609375), the constant of ``exp="exp2"`` (:attr:`PrecisionPolicy.exp`)."""
+
+
+def fma_f32(a: torch.Tensor, b, c: torch.Tensor) -> torch.Tensor:
+    """fl32(a·b + c) with one rounding (a fused multiply-add, as the GPU's ``fma.rn.f32``), for FP32 tensors (b may be
+    a Python float holding an FP32 value), broadcast. a·b is exact in float64 (24 + 24 significant bits); a·b + c is
+    rounded to float64 with its error e from TwoSum, then to FP32. That second rounding can only go wrong where the
+    float64 sum lies exactly halfway between two FP32 values while e ≠ 0: there the exact sum lies on e's side of the
+    midpoint, and that neighbour is taken. Non-finite operands give what a·b + c gives."""
+    p = a.double() * b
+    cd = c.double()
+    s = p + cd
+    bp = s - p
+    e = (p - (s - bp)) + (cd - bp)  # TwoSum: s + e = p + c exactly
+    r = s.float()
+    rd = r.double()
+    toward = torch.where(s > rd, math.inf, -math.inf).float()
+    other = torch.nextafter(r, toward).double()  # r's FP32 neighbour on s's side
+    off_mid = (s == (rd + other) / 2) & (e != 0) & torch.isfinite(s) & torch.isfinite(e)
+    return torch.where(off_mid & ((e > 0) == (other > rd)), other.float(), r)
+
+
+def exp_shifted(s: torch.Tensor, m: torch.Tensor, policy: PrecisionPolicy, prec: str) -> torch.Tensor:
+    """exp(S − m) as ``policy.exp`` evaluates it (FP32 tensors, m broadcast against S): ``"exp"``: exp of S − m rounded
+    to ``prec`` (the scores' precision in the forward, FP32 in the backward); ``"exp2"``: FlashAttention-2's
+    exp2(fma(S, log₂e, −fl(m·log₂e))), whatever ``prec``. −inf scores give 0 either way."""
+    if policy.exp == "exp2":
+        return torch.exp2(fma_f32(s, LOG2E, -(m * LOG2E)))
+    return torch.exp(_r(s - m, prec))
+
+
+def rescale(m_diff: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
+    """The running state's factor c = exp(m − m_new) from the rounded difference ``m_diff``: exp, or exp2 of
+    fl(m_diff·log₂e) for ``exp="exp2"`` (FlashAttention-2's ``exp2f((m − m_new)·scale·log₂e)``)."""
+    return torch.exp2(m_diff * LOG2E) if policy.exp == "exp2" else torch.exp(m_diff)
+
+
 def tanh_f32(x: torch.Tensor) -> torch.Tensor:
     """tanh as the soft-cap takes it (:attr:`PrecisionPolicy.softcap`), in FP32: sign(x)·(1 − e)/(1 + e) with
     e = exp(−2|x|), no cancellation for large |x| and within a few FP32 ulps of tanh (the kernels' formula)."""
@@ -314,8 +352,9 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             m_new = torch.where(row_live, _r(torch.maximum(m, rm), acc), m)
             # subtract 0 where every visible score so far is −inf (FA2's Check_inf): exp then gives 0, not NaN
             m_use = torch.where(m_new == -math.inf, torch.zeros_like(m_new), m_new)
-            # P̄ = exp(S − m); the subtraction is a BF16 op when S is BF16 (autocast), exp is FP32; 0 where masked
-            p_bar = torch.exp(_r(s - m_use[..., None], policy.scores))
+            # P̄ = exp(S − m); the subtraction is a BF16 op when S is BF16 (autocast), exp is FP32 (or FA2's exp2 of one
+            # FMA: policy.exp); 0 where masked
+            p_bar = exp_shifted(s, m_use[..., None], policy, policy.scores)
             block_raw = p_bar.double().sum(dim=-1).float()
             block_sum = block_raw
             if policy.row_sum_clamp is not None:
@@ -324,7 +363,7 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
             if stats is not None:
                 counts["ones"] += (p_pv == 1.0).sum(dim=(-1, -2))
             o_bar = _rs(pv, policy.o_block, policy, "o_block", j, qs)
-            c = torch.exp(_r(m - m_use, acc))  # m − m_new is an op on the m tensors; 0 on the first block
+            c = rescale(_r(m - m_use, acc), policy)  # m − m_new is an op on the m tensors; 0 on the first block
             c = torch.where(row_live, c, torch.ones_like(c))  # rows without a visible key here keep o and l
             l = _rs(c * l + block_sum, acc, policy, "l_add", j, qs)  # noqa: E741
             l_raw = _rs(c * l_raw + block_raw, acc, policy, "l_add", j, qs)  # the same rounding as l where unclamped
@@ -399,7 +438,7 @@ def _p_block(q, k, lse, qs, qe, ks, ke, scale, policy: PrecisionPolicy, causal: 
     tanh (:func:`_capped_scores`, None without a cap)."""
     vis = _mask(qs, qe, ks, ke, causal, q.device)
     s, t = _capped_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy)
-    p = torch.exp(s - lse[:, :, qs:qe, None])
+    p = exp_shifted(s, lse[:, :, qs:qe, None], policy, FP32)
     return (p if vis is None else p.masked_fill(~vis, 0.0)), vis, t
 
 

@@ -7,6 +7,7 @@ policy key block j up to the diagonal::
 
     S    = bf16(bf16(Q_i K_jᵀ)·scale)   or  Q_i K_jᵀ·scale                (policy.scores, as the forward)
     P    = exp(S − lse)                  FP32, 0 where key > query
+           (policy.exp "exp2": exp2(fma(S, log₂e, −fl(lse·log₂e))))
     dV_j = bw(dV_j + bw(op(P)ᵀ op(dO_i)))
     dP   = bw(dO_i V_jᵀ)
     dS   = P·scale·(dP − δ)
@@ -82,7 +83,9 @@ before the causal split; bit-identical results, for tests and benchmarks). ``val
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
 checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of V, Q, K that
 ``flash_forward(..., return_flags=True)`` returned for these inputs (None: computed here, in the one launch that dO's
-needs anyway).
+needs anyway). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or NaN, so no flags are computed
+and each kernel launches once instead of twice (three launches fewer); a non-finite operand then spreads as it would
+in a plain GEMM (``flash_forward``'s ``assume_finite``).
 """
 
 from __future__ import annotations
@@ -94,12 +97,13 @@ from lpfa.attention.triton_common import (
     MIN_TILE,
     _dot,
     _dot_visible,
-    _exp,
+    _exp_shifted,
     _interpreter,
     _keep_visible,
     _load_tile,
     _next_pow2,
     _rnd,
+    _shift_arg,
     _softcap,
     check_triton_inputs,
     gemm_mode,
@@ -148,6 +152,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
@@ -164,6 +169,7 @@ if triton is not None:
         do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = do.to(tl.float32)
         lse = tl.load(LSE + pid_bh.to(tl.int64) * T + offs_m, mask=row_ok, other=0.0)
+        lse = _shift_arg(lse, EXP2)  # fl(lse·log₂e) for exp2
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         # keys 0 .. the last query of this tile (later keys are invisible to every row here); dP and P
         # are elementwise functions of (query, key), so the key sub-tiles need no policy alignment
@@ -179,9 +185,9 @@ if triton is not None:
             s = _rnd(_dot(q, kt, QK_DOT), SCORES_BF16)
             s = _rnd(s * scale, SCORES_BF16)
             s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)
-            # P = exp(S − lse), 0 where key > query or out of range
+            # P = exp(S − lse) (or exp2(fma(S, log₂e, −lse·log₂e))), 0 where key > query or out of range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
-            p = tl.where(visible, _exp(s - lse[:, None], PRECISE_MATH), 0.0)
+            p = tl.where(visible, _exp_shifted(s, lse[:, None], False, PRECISE_MATH, EXP2), 0.0)
             # dP = bw(dO Vᵀ);  δ += rowsum(dP ∘ P) over visible keys (no 0·NaN from an invisible V)
             dp = _rnd(_dot(do, vt, DOV_DOT), BW_BF16)
             acc += tl.sum(tl.where(visible, dp * p, 0.0), axis=1)
@@ -189,14 +195,16 @@ if triton is not None:
 
     @triton.jit
     def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
-        """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse), dP = bw(u wᵀ) and
+                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
+                  EXP2: tl.constexpr):
+        """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse) (with EXP2
+        exp2(fma(S, log₂e, −lse)), ``lse`` then fl(lse·log₂e): _shift_arg), dP = bw(u wᵀ) and
         dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
         come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
         s = _rnd(_dot(x, yt, QK_DOT), SCORES_BF16)
         s = _rnd(s * scale, SCORES_BF16)
         s, t = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # S' = c·tanh(S / c) where policy.softcap is set
-        p = _keep_visible(_exp(s - lse, PRECISE_MATH), visible, 0.0)
+        p = _keep_visible(_exp_shifted(s, lse, False, PRECISE_MATH, EXP2), visible, 0.0)
         dp = _rnd(_dot(u, wt, DOV_DOT), BW_BF16)
         ds = p * scale * (dp - delta)
         if SOFTCAP > 0:  # through the cap: dS = dS'·(1 − t²)
@@ -210,7 +218,7 @@ if triton is not None:
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
         lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
@@ -223,14 +231,14 @@ if triton is not None:
             # in their own dtype: a BF16 tile goes to the tensor cores as it is (_dot converts where a GEMM needs FP32)
             qt = _load_tile(Q + offs_m[None, :] * stride_t + offs_d[:, None], row_ok[None, :] if MASKED else None)
             do = _load_tile(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], row_ok[:, None] if MASKED else None)
-            lse = _load_tile(LSE + row_base + offs_m, row_ok)
+            lse = _shift_arg(_load_tile(LSE + row_base + offs_m, row_ok), EXP2)
             delta = _load_tile(DELTA + row_base + offs_m, row_ok)
             # visible: key <= query, both in range
             visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :]) if MASKED else None
 
             # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
             pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, SCORES_BF16,
-                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP)
+                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
             dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
@@ -252,6 +260,7 @@ if triton is not None:
         DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
         NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads where
         # they are not
     ):
@@ -318,15 +327,18 @@ if triton is not None:
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP,
+                EXP2=EXP2)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP,
+                EXP2=EXP2)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
+                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP,
+                EXP2=EXP2)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -344,7 +356,8 @@ if triton is not None:
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                   OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
-                  DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr):
+                  DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                  EXP2: tl.constexpr):
         """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
         the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
         at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
@@ -360,7 +373,7 @@ if triton is not None:
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
             p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, SCORES_BF16, BW_BF16,
-                              QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP)
+                              QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2)
             # dQ partial += op(dS) K, over visible pairs
             dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT)
         return dq_part
@@ -381,6 +394,7 @@ if triton is not None:
         PRECISE_MATH: tl.constexpr,
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
         NONFINITE: tl.constexpr,  # as the dK/dV kernel's, for K
     ):
         pid_m = tl.program_id(0)  # query compute tile
@@ -409,7 +423,7 @@ if triton is not None:
         q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
         q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
         do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0)
+        lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -431,10 +445,10 @@ if triton is not None:
                 k_mid = k_blk
             dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP)
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2)
             dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP)
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             if BW_BF16:
                 dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
@@ -444,7 +458,8 @@ if triton is not None:
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
-def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides):
+def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
+           assume_finite: bool = False):
     """δ per row (B, H, T) by ``pol.delta`` alone (no dose). ``q, k, v``: the inputs as given (for the recomputing
     forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them, ``strides`` their layouts
     (H, then q, k, v's and dO's (B, H, T) strides)."""
@@ -462,7 +477,8 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
         return delta
     if pol.delta in ("o_fp32", "o_exact"):
         # O recomputed: S as the forward (o_fp32) or FP32
-        o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math)
+        o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math,
+                                 assume_finite=assume_finite)
         prod_bf16 = False
     else:  # "o_stored"
         o_src = o_
@@ -499,7 +515,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    input_flags: torch.Tensor | None = None, dq_block_m: int | None = None,
-                   dq_block_n: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dq_block_n: int | None = None,
+                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
@@ -541,13 +558,15 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         QK_DOT=gemm_mode(g, dot_bf16, is_bf["q"], is_bf["k"]),
         DOV_DOT=gemm_mode(g, dot_bf16, is_bf["do"], is_bf["v"]),
         PRECISE_MATH=bool(precise_math),
+        EXP2=pol.exp == "exp2",
     )
 
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
-    delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides)
+    delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides,
+                   assume_finite)
     if delta_dose_active(pol):
         ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math,
-                     flags, strides)
+                     flags, strides, assume_finite)
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
@@ -571,7 +590,9 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     # (NONFINITE: the non-finite path costs registers, and choosing on the host would need a sync)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
     # per-(batch, head) non-finite flags of Q and dO (dK/dV kernel) and K (dQ kernel), in one launch
-    if input_flags is None:
+    if assume_finite:  # the caller vouches for finite inputs: no flags (NONFINITE=False never reads them)
+        q_flags = k_flags = do_flags = torch.empty(1, device=q.device, dtype=torch.int32)
+    elif input_flags is None:
         q_flags, k_flags = nonfinite_flags(q_, k_)  # one launch per layout: no copies to line them up
         (do_flags,) = nonfinite_flags(do_)
     else:
@@ -579,7 +600,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
             raise ValueError(f"input_flags must be the (3, {B * H}) int32 flags of V, Q, K from flash_forward(..., "
                              f"return_flags=True), got {tuple(input_flags.shape)} {input_flags.dtype}")
         (do_flags,), q_flags, k_flags = nonfinite_flags(do_), input_flags[1], input_flags[2]
-    for nonfinite in (False, True):
+    for nonfinite in (False,) if assume_finite else (False, True):
         launch(
             _bwd_dkdv_kernel, (n_ktiles, B * H),
             q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale), *strides,
@@ -591,7 +612,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
-    for nonfinite in (False, True):
+    for nonfinite in (False,) if assume_finite else (False, True):
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
             q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale), *strides,

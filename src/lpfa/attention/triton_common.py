@@ -35,6 +35,7 @@ import torch
 
 import lpfa.attention as lpfa_attention
 from lpfa.attention.policy import BF16X6, GEMMS, PrecisionPolicy
+from lpfa.attention.reference import LOG2E as _LOG2E
 
 try:  # Triton is optional for the package as a whole
     import triton
@@ -267,6 +268,54 @@ if triton is not None:
             return libdevice.exp(x)
         else:
             return tl.exp(x)
+
+    LOG2E = tl.constexpr(_LOG2E)  # log₂e rounded to FP32 (lpfa.attention.reference.LOG2E)
+
+    @triton.jit
+    def _fma(a, b: tl.constexpr, c):
+        """fl32(a·b + c) rounded once, for a tensor a, a constant b and c broadcast to a's shape: ``tl.fma`` on a GPU.
+        The interpreter's fma rounds twice, so there the product (exact) and the sum are taken in float64 and then
+        rounded to FP32: that differs from one rounding only where the float64 sum lies exactly halfway between two
+        FP32 values (:func:`lpfa.attention.reference.fma_f32` handles that case too), far below the FP32 exp's own
+        error at the exp2 that follows."""
+        if _HW_ROUND:
+            return tl.fma(a, tl.full(a.shape, b, tl.float32), tl.broadcast_to(c, a.shape))
+        else:
+            return (a.to(tl.float64) * b + c.to(tl.float64)).to(tl.float32)
+
+    @triton.jit
+    def _exp2(x, PRECISE_MATH: tl.constexpr):
+        if PRECISE_MATH:
+            return libdevice.exp2(x)
+        else:
+            return tl.exp2(x)
+
+    @triton.jit
+    def _exp_shifted(s, m_arg, DIFF_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, EXP2: tl.constexpr):
+        """exp(S − m) as the policy evaluates it (:func:`lpfa.attention.reference.exp_shifted`), ``m_arg`` from
+        :func:`_shift_arg`, broadcast against S (a row's m or lse along its keys): exp(S − m) with the difference
+        rounded to BF16 where DIFF_BF16 (the forward's BF16 scores), or with EXP2 FlashAttention-2's
+        exp2(fma(S, log₂e, −fl(m·log₂e))), the product m·log₂e taken once per row."""
+        if EXP2:
+            return _exp2(_fma(s, LOG2E, -m_arg), PRECISE_MATH)
+        else:
+            return _exp(_rnd(s - m_arg, DIFF_BF16), PRECISE_MATH)
+
+    @triton.jit
+    def _shift_arg(m, EXP2: tl.constexpr):
+        """The row vector :func:`_exp_shifted` subtracts: m, or fl(m·log₂e) with EXP2."""
+        if EXP2:
+            return m * LOG2E
+        else:
+            return m
+
+    @triton.jit
+    def _rescale(m_diff, PRECISE_MATH: tl.constexpr, EXP2: tl.constexpr):
+        """c = exp(m − m_new) from the rounded difference: exp, or exp2(fl(m_diff·log₂e)) with EXP2."""
+        if EXP2:
+            return _exp2(m_diff * LOG2E, PRECISE_MATH)
+        else:
+            return _exp(m_diff, PRECISE_MATH)
 
     @triton.jit
     def _tanh(x, PRECISE_MATH: tl.constexpr):

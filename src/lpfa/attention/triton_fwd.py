@@ -6,7 +6,7 @@ The kernel performs the same block-by-block algorithm as :func:`lpfa.attention.r
     S      = bf16(bf16(Q_b K_jᵀ)·scale)   or  Q_b K_jᵀ·scale           (policy.scores)
     rm     = rowmax(S)  (SFA: β·rm or 0 where ≥ 2 scores lie within ε of rm)
     m_new  = acc(max(m, rm))                                          (policy.accumulator)
-    P̄      = exp(scores(S − m_new))
+    P̄      = exp(scores(S − m_new))  or  exp2(fma(S, log₂e, −fl(m_new·log₂e)))   (policy.exp)
     l      = acc(exp(acc(m − m_new))·l + clamp(rowsum(P̄)))
     Ō      = o_block(p_bar(P̄) V_j)                                   (policy.p_bar, policy.o_block)
     o      = acc(acc(o·c) + Ō)
@@ -93,6 +93,10 @@ the row-max pass (bit-identical; for tests and benchmarks). ``validate=False`` s
 :func:`lpfa.attention.attention` does. ``return_flags=True``: also return the (3, B·H) non-finite flags of V, Q, K
 (:func:`~lpfa.attention.triton_common.nonfinite_flags`, from the one launch that V's needs anyway), which
 :func:`lpfa.attention.triton_bwd.flash_backward` takes as ``input_flags`` instead of computing them again.
+``assume_finite=True``: the caller vouches that q, k, v hold no inf or NaN (a trainer that stops at a non-finite loss
+can), so the flags are not computed and the second launch is skipped: two launches fewer. A non-finite V then
+reaches rows that cannot see its key (through 0·inf = NaN in the P̄V product), as in a plain GEMM; flags returned
+with it are zeros.
 """
 
 from __future__ import annotations
@@ -103,17 +107,19 @@ from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
 from lpfa.attention.triton_common import (
     _dot,
     _dot_visible,
-    _exp,
+    _exp_shifted,
     _interpreter,
     _keep_visible,
     _load_tile,
     _log,
     _max_nan,
+    _rescale,
     _rnd,
     _rnd_l,
     _rnd_o,
     _row_max,
     _row_top2,
+    _shift_arg,
     _softcap,
     _top2,
     check_triton_inputs,
@@ -161,12 +167,13 @@ if triton is not None:
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr):
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 (SFA)
         also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA with
         sfa_count_pass): rs = #{S ≥ thr};
-        2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)). MASKED: see _scores_tile."""
+        2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)), or with EXP2 exp2(fma(S, log₂e, −m_use))
+        (m_use then holds fl(m·log₂e), _shift_arg). MASKED: see _scores_tile."""
         kb_hi = kb_lo + BK
         offs_d = tl.arange(0, HEAD_DIM)
         for t in range(t_lo, t_hi):
@@ -184,9 +191,9 @@ if triton is not None:
             elif PASS == 1:  # rs += #{visible S ≥ thr} (a masked −inf would count where thr is −inf)
                 rs += tl.sum(_keep_visible(s >= thr[:, None], visible, False).to(tl.int32), axis=1)
             else:
-                # P̄ = exp(scores(S − m_new)), 0 where masked; rowsum(P̄) in FP32
-                diff = _rnd(s - m_use[:, None], SCORES_BF16)  # a BF16 op when S is BF16
-                p = _keep_visible(_exp(diff, PRECISE_MATH), visible, 0.0)
+                # P̄ = exp(scores(S − m_new)) (a BF16 subtraction when S is BF16), or exp2(fma(S, log₂e, −m·log₂e));
+                # 0 where masked; rowsum(P̄) in FP32
+                p = _keep_visible(_exp_shifted(s, m_use[:, None], SCORES_BF16, PRECISE_MATH, EXP2), visible, 0.0)
                 block_sum += tl.sum(p, axis=1)
                 p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
                 offs_n = k_lo + loc_n
@@ -202,19 +209,19 @@ if triton is not None:
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2)
+                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m,
                 loc_n, T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2)
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
@@ -225,7 +232,7 @@ if triton is not None:
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                    PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr,
-                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -243,7 +250,7 @@ if triton is not None:
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS)
+            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS, EXP2=EXP2)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -262,7 +269,7 @@ if triton is not None:
                 rm, r2, rs, block_sum, o_blk = _block_pass(
                     rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
                     scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
+                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2)
                 tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
             m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
@@ -276,9 +283,9 @@ if triton is not None:
 
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
         rm, r2, rs, block_sum, o_blk = _block_pass(
-            rm, r2, rs, block_sum, o_blk, s, rm, m_use, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
-            scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False)
+            rm, r2, rs, block_sum, o_blk, s, rm, _shift_arg(m_use, EXP2), n_sub, t_full, q, K, V, stride_t, kb_lo,
+            offs_m, loc_n, T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             # a NaN sum stays NaN (torch.clamp_min)
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)
@@ -287,8 +294,9 @@ if triton is not None:
         j = kb_lo // BK
         o_bar = _rnd_o(o_blk, OBLOCK_BF16, SR_OBLOCK, sr_seed, 1, pid_bh, j, offs_m, offs_d, HEAD_DIM)
 
-        # c = exp(acc(m − m_new)): 0 on the first block (m = −inf); 1 in rows without a visible key here
-        c = _exp(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH)
+        # c = exp(acc(m − m_new)) (or exp2 of it times log₂e): 0 on the first block (m = −inf); 1 in rows without a
+        # visible key here
+        c = _rescale(_rnd(m_i - m_use, ACC_BF16), PRECISE_MATH, EXP2)
         c = tl.where(row_live, c, 1.0)
         # l = acc(c·l + rowsum(P̄));  o = acc(o·c);  o = acc(o + Ō);  m = m_new
         l_i = _rnd_l(c * l_i + block_sum, ACC_BF16, SR_ACC, sr_seed, 6, pid_bh, j, offs_m)
@@ -314,6 +322,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
+        EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
         pid_m = tl.program_id(0)  # query tile
@@ -358,7 +367,8 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, stride_t, j * BK, N_SUB, N_SUB, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS,
+                EXP2=EXP2)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -371,7 +381,7 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, stride_t, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS, EXP2=EXP2)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -390,7 +400,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
-                  validate: bool = True, return_flags: bool = False) -> tuple[torch.Tensor, ...]:
+                  validate: bool = True, return_flags: bool = False,
+                  assume_finite: bool = False) -> tuple[torch.Tensor, ...]:
     """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
     name) on q, k, v, (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. Returns ``(o, lse)``: O in
     ``policy.o_store``'s dtype (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and
@@ -426,9 +437,14 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     o = torch.empty(B, H, T, D, device=q.device, dtype=o_dtype)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
-    flags = nonfinite_flags(v, q, k) if return_flags else nonfinite_flags(v)  # row 0: V's, for this kernel
-    for nonfinite in (False, True):  # all batch·heads with V taken as finite, then those whose V is not (no host sync)
-        _forward_launch(grid, q, k, v, o, lse, strides, flags[0], T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+    if assume_finite:  # the caller vouches that V is finite: no flags to compute, no second launch
+        flags = torch.zeros(3, B * H, device=q.device, dtype=torch.int32) if return_flags else None
+    else:
+        flags = nonfinite_flags(v, q, k) if return_flags else nonfinite_flags(v)  # row 0: V's, for this kernel
+    v_flags = flags[0] if flags is not None else torch.empty(1, device=q.device, dtype=torch.int32)  # never read
+    for nonfinite in (False,) if assume_finite else (False, True):  # all batch·heads with V taken as finite, then
+        # those whose V is not (no host sync)
+        _forward_launch(grid, q, k, v, o, lse, strides, v_flags, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
                         inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, nonfinite, num_warps,
                         num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
@@ -463,6 +479,7 @@ def _forward_launch(grid, q, k, v, o, lse, strides, v_flags, T, scale, pol, D, b
         SOFTCAP=float(pol.softcap or 0.0),
         CAUSAL_SPLIT=bool(causal_split),
         SFA_COUNT_PASS=bool(sfa_count_pass),
+        EXP2=pol.exp == "exp2",
         NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
