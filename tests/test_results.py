@@ -887,6 +887,8 @@ def test_sr_persistence_on_the_committed_capture():
     assert list(table.index) == list(SR_POLICIES) and table.loc["paper", "÷ paper"] == 1.0
     assert ((table["its accumulation"] >= 0) & (table["its accumulation"] <= 3 ** 0.5 + 1e-12)).all()
     assert f"captured at step {meta['step']:,}" in text and f"{table.loc['paper_sr', '÷ paper']:.2f}×" in text
+    assert f"`paper_sr_scores`, the `sr_scores` row's policy) leaves {table.loc['paper_sr_scores', '÷ paper']:.2f}×" \
+        in text
 
 
 def test_rescue_table_reads_the_committed_rescue():
@@ -1142,7 +1144,7 @@ def test_stabiliser_costs_read_the_committed_benchmark():
     import json
 
     from lpfa.experiments import BASES, STABILISERS, stabiliser_seed
-    from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs, stabiliser_table
+    from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs, stabiliser_table, untimed_stabilisers
 
     costs = stabiliser_costs()
     raw = json.loads((results.run_dir("stabiliser_cost") / "summary.json").read_text())
@@ -1150,9 +1152,13 @@ def test_stabiliser_costs_read_the_committed_benchmark():
     for label, r in costs.iterrows():
         if isinstance(r["speed base"], str):
             assert r["÷ base"] == pytest.approx(r["tokens/s"] / costs.loc[r["speed base"], "tokens/s"], rel=1e-12)
-    assert {label for label in STABILISERS if label not in BASES and stabiliser_seed(label)[1] is None} <= set(
-        costs.index)  # (another seed costs what its row costs: not timed again)
+    # every row is timed, or named as not timed (another seed costs what its row costs: not timed again)
+    untimed = {label for label in STABILISERS if label not in BASES and stabiliser_seed(label)[1] is None} - set(
+        costs.index)
     text = stabiliser_cost_text(costs)
+    assert set(untimed_stabilisers(costs)) == untimed
+    assert all(f"`{label}`" in text.split("Not timed:")[-1] for label in untimed) and ("Not timed" in text) == bool(
+        untimed)
     clipped = [r.get("qk_clipped") for r in raw.values() if r.get("qk_clipped") is not None]
     assert clipped and ("QK-clip rescaled no head" in text) == (sum(clipped) == 0)
     rows = costs.loc[[label for label in costs.index if label in STABILISERS and label not in BASES]]

@@ -1,4 +1,4 @@
-"""Stochastic rounding at the O-path rounding points (``PrecisionPolicy.stochastic``, one of the stabilisers).
+"""Stochastic rounding at the scores' and the O-path rounding points (``PrecisionPolicy.stochastic``, a stabiliser).
 
 The reference's hash against a plain-Python lowbias32, the rounding's unbiasedness against float64, its edge
 values, the kernels against the reference bit for bit (Triton's interpreter), and the policy's checks.
@@ -103,10 +103,12 @@ def test_kernel_rounds_stochastically_as_the_reference(T, block, block_m, block_
 
 @pytest.mark.parametrize("fields,match", [
     (dict(stochastic={"p_bar"}),
-     r"stochastic=\{'p_bar'\}: expected a set of rounding points from 'o_block', 'accumulator', 'o_store'"),
+     r"stochastic=\{'p_bar'\}: expected a set of rounding points from 'scores', 'o_block', 'accumulator', 'o_store'"),
     (dict(stochastic="o_block"), r"stochastic='o_block': expected a set of rounding points"),
     (dict(stochastic={"o_block"}, o_block="fp32"),
      r"stochastic names 'o_block', but o_block='fp32': only a BF16 rounding point"),
+    (dict(stochastic={"scores"}, scores="fp32"),
+     r"stochastic names 'scores', but scores='fp32': only a BF16 rounding point"),
     (dict(sr_seed=-1), r"sr_seed=-1: expected an int in \[0, 2\*\*32\)"),
     (dict(sr_seed=1.5), r"sr_seed=1.5: expected an int"),
 ])
@@ -114,3 +116,31 @@ def test_policy_refuses_bad_stochastic_fields(fields, match):
     base = dict(scores="bf16", p_bar="bf16", o_block="bf16", accumulator="bf16", o_store="bf16")
     with pytest.raises(ValueError, match=match):
         PrecisionPolicy(**{**base, **fields})
+
+
+def test_scores_round_stochastically_by_position_whatever_the_tiling():
+    """``stochastic={"scores"}``: each score is one of the two BF16 neighbours of bf16(QKᵀ)'s product with the scale,
+    the choice hashed by (batch·head, query·T + key), so a block of S equals the same entries of the whole matrix
+    (the backward's tiles recompute exactly the forward's S), a batch element alone equals its slice of the batch,
+    and the rounding is unbiased: over 2¹⁶ entries the mean of S − S_fp32 is within 5 standard errors of 0, where
+    rounding to nearest of values in one position of their BF16 interval is not."""
+    from lpfa.attention.reference import _scores
+
+    pol = PRESETS["paper_sr_scores"].with_(sr_seed=torch.seed() % 2**32)
+    assert pol.stochastic == {"scores"}
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, T, D = 2, 2, 37, 16
+    q, k = (torch.randn(B, H, T, D, generator=g).bfloat16().float() for _ in range(2))
+    whole = _scores(q, k, 0.25, pol)
+    assert torch.equal(_scores(q[:, :, 5:21], k[:, :, 16:32], 0.25, pol, 5, 16, T), whole[:, :, 5:21, 16:32])
+    assert torch.equal(_scores(q[1:], k[1:], 0.25, pol, bh0=H), whole[1:])
+    nearest = _scores(q, k, 0.25, pol.with_(stochastic=frozenset()))
+    assert not torch.equal(whole, nearest)
+    # x between BF16 neighbours: the scaled GEMM output in FP32, its two roundings in float64
+    x = torch.full((1, 4, 128, 128), 1.5 + 2.0**-7 / 3, dtype=torch.float64).float()
+    ones = torch.eye(128).expand(1, 4, 128, 128)
+    s = _scores(x, ones, 1.0, pol)  # S = bf16_sr(bf16_sr(x·I)·1): x·I = x exactly
+    err = s.double() - x.double()
+    assert set(s.unique().tolist()) <= {1.5, 1.5 + 2.0**-7}
+    assert abs(err.mean().item()) <= 5 * err.std().item() / math.sqrt(err.numel())
+    assert (_scores(x, ones, 1.0, pol.with_(stochastic=frozenset())) == 1.5).all()  # nearest: always down

@@ -163,6 +163,9 @@ STABILISERS: dict[str, list[str]] = {
     # afresh each step (lpfa.train's sr_reseed; eager, since a new seed is a new policy to torch.compile) behave
     # differently?
     "sr_reseed": ["attn_policy=paper_sr", "sr_reseed=true", "compile=false"],
+    # the δ error traces to the BF16 scores (page 17), which sr rounds to nearest: the scores alone rounded
+    # stochastically, every other rounding as in the BF16 run
+    "sr_scores": ["attn_policy=paper_sr_scores"],
 }
 # A second seed for the rows whose verdicts decide page 17's conclusions (QK-norm, gated attention and QK-clip, BF16
 # and FP32; stochastic rounding): the plain BF16 recipe run's fate changes with the seed (results/paper_recipe), so
@@ -253,6 +256,8 @@ DESCRIPTIONS: dict[str, str] = {
     "sr": ("BF16 flash attention with Ō, the running o and l and O rounded stochastically (unbiased: a hash of "
            "position and value under one fixed seed, not redrawn per step), the paper's GPT-2 S recipe"),
     "sr_reseed": "as sr, with the stochastic rounding drawn afresh each step (sr_seed + step; eager, not compiled)",
+    "sr_scores": ("BF16 flash attention with the scores S (the QKᵀ output and its product with the scale) rounded "
+                  "stochastically, every other rounding to nearest, the paper's GPT-2 S recipe"),
     **{f"{m}_{name}": f"{'BF16' if m == 'bf16' else 'FP32'} attention with {what}, the paper's GPT-2 S recipe"
        for name, what in (("qknorm", "QK-norm (LayerNorm on q and k per head)"),
                           ("gated", "a sigmoid output gate per head and channel"),

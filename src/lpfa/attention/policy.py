@@ -51,13 +51,16 @@ operands it keeps in FP32: exactly (``"ieee"``) or through BF16 tensor cores wit
 * ``block_q``, ``block_k``: tile sizes; ``None`` = one block over the whole sequence (no tiling).
 * ``row_sum_clamp``: the paper clamps each block's row sum at 1e-10; ``None`` = no clamp.
 * ``sfa``: :class:`SFA` or ``None``.
-* ``stochastic``: rounding points, of ``"o_block"`` (Ō), ``"accumulator"`` (the running o and l: o·c, o + Ō,
-  o / l and l = c·l + rowsum(P̄); not m, a maximum of scores) and ``"o_store"`` (O), that round to BF16
-  stochastically instead of to nearest (a stabiliser, not in the paper; each must be a BF16 point of the policy).
+* ``stochastic``: rounding points, of ``"scores"`` (S: the QKᵀ GEMM output and its product with the scale, in the
+  forward and as the backward recomputes them; S − m and the soft-cap's roundings stay to nearest), ``"o_block"``
+  (Ō), ``"accumulator"`` (the running o and l: o·c, o + Ō, o / l and l = c·l + rowsum(P̄); not m, a maximum of
+  scores) and ``"o_store"`` (O), that round to BF16 stochastically instead of to nearest (a stabiliser, not in the
+  paper; each must be a BF16 point of the policy).
   A value x between the BF16 neighbours a < x < b rounds to b with probability (x − a)/(b − a), so the rounding
   is unbiased. The random threshold is a hash of ``sr_seed``, the rounding point, the (batch·head, row, column)
-  position, the key block and x's BF16-truncated bits (:func:`lpfa.attention.reference.stochastic_round_bf16`):
-  reproducible bit for bit, the same in the reference and the kernels, and insensitive to an FP32 ulp of x. The
+  position (for S: query·T + key, whatever the tiling), the key block and x's BF16-truncated bits
+  (:func:`lpfa.attention.reference.stochastic_round_bf16`): reproducible bit for bit, the same in the reference and
+  the kernels, and insensitive to an FP32 ulp of x. The
   step is not hashed: a value that stays in the same BF16 interval at the same position rounds the same way at
   every step; the rounding is unbiased over positions (the columns a row's δ sums, the tokens a W_Q gradient
   sums), and changes wherever the values do.
@@ -114,7 +117,7 @@ DOSE_SIGNS = ("bias", "control")
 EXPS = ("exp", "exp2")  # PrecisionPolicy.exp: exp(S − m), or FlashAttention-2's exp2 of one FMA
 IEEE, BF16X6 = "ieee", "bf16x6"
 GEMMS = (IEEE, BF16X6)
-SR_POINTS = ("o_block", "accumulator", "o_store")  # the rounding points that may round stochastically (Ō, o and l, O)
+SR_POINTS = ("scores", "o_block", "accumulator", "o_store")  # the rounding points that may round stochastically
 FP8_POINTS = ("p_bar", "v")  # the P̄V product's operands that PrecisionPolicy.fp8 may round to float8_e4m3fn
 E4M3_MAX = 448.0  # float8_e4m3fn's largest finite value (1.75·2⁸); its unit roundoff is 2⁻⁴, its smallest subnormal 2⁻⁹
 
@@ -345,7 +348,9 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "paper_untiled": replace(PAPER, block_q=None, block_k=None, name="paper_untiled"),
     # not in the paper (a stabiliser of the paper-recipe run): `paper` with Ō, the running o and l and O rounded
     # stochastically
-    "paper_sr": replace(PAPER, stochastic=frozenset(SR_POINTS), name="paper_sr"),
+    "paper_sr": replace(PAPER, stochastic=frozenset({"o_block", "accumulator", "o_store"}), name="paper_sr"),
+    # `paper` with only the scores S rounded stochastically: the rounding that makes the ties (P̄ = 1) unbiased
+    "paper_sr_scores": replace(PAPER, stochastic=frozenset({"scores"}), name="paper_sr_scores"),
     # logit soft-capping at Gemma 2's cap for attention logits (50), on `paper` and on the fast FP32 twin
     "paper_softcap": replace(PAPER, softcap=50.0, name="paper_softcap"),
     "fp32_softcap": replace(FP32_SPLIT, softcap=50.0, name="fp32_softcap"),
@@ -381,15 +386,16 @@ def fp32_twin(policy: PrecisionPolicy) -> PrecisionPolicy:
 
 
 def delta_o_policy(policy: PrecisionPolicy) -> PrecisionPolicy:
-    """The policy whose forward recomputes O for δ when ``policy.delta`` is ``"o_fp32"`` (the same scores S,
-    SFA, clamp and blocks; P̄, Ō, the accumulators and O in FP32) or ``"o_exact"`` (everything FP32)."""
+    """The policy whose forward recomputes O for δ when ``policy.delta`` is ``"o_fp32"`` (the same scores S, their
+    stochastic rounding included, SFA, clamp and blocks; P̄, Ō, the accumulators and O in FP32) or ``"o_exact"``
+    (everything FP32)."""
     if policy.delta == "o_exact":
         return fp32_twin(policy)
     if policy.delta != "o_fp32":
         raise ValueError(f"delta_o_policy is for delta 'o_fp32' or 'o_exact', got {policy.delta!r}")
     return replace(policy, p_bar=FP32, o_block=FP32, accumulator=FP32, o_store=FP32, delta="o_stored", backward=FP32,
-                   stochastic=frozenset(), fp8=frozenset(), fp32_heads=frozenset(), dose=1.0, dose_sign="bias",
-                   name=f"{policy.name}:o_fp32")
+                   stochastic=policy.stochastic & {"scores"}, fp8=frozenset(), fp32_heads=frozenset(), dose=1.0,
+                   dose_sign="bias", name=f"{policy.name}:o_fp32")
 
 
 def delta_dose_active(policy: PrecisionPolicy) -> bool:

@@ -73,7 +73,8 @@ def _r(x: torch.Tensor, prec: str) -> torch.Tensor:
 
 # ---- stochastic rounding (PrecisionPolicy.stochastic): a counter-based hash, the same bits as the kernels' ----
 _MASK32 = 0xFFFFFFFF
-SR_POINT_IDS = {"o_block": 1, "o_scale": 2, "o_add": 3, "o_div": 4, "o_store": 5, "l_add": 6}  # a hash stream each
+# a hash stream each: O's path, and the scores (their two roundings told apart by j: 0 the QKᵀ GEMM output, 1 ·scale)
+SR_POINT_IDS = {"o_block": 1, "o_scale": 2, "o_add": 3, "o_div": 4, "o_store": 5, "l_add": 6, "scores": 7}
 
 
 def _mul32(a, c: int):
@@ -91,20 +92,24 @@ def mix32(x):
     return x ^ (x >> 16)
 
 
-def stochastic_round_bf16(x: torch.Tensor, seed: int, point: str, j: int, row0: int) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, seed: int, point: str, j: int, row0: int, col0: int = 0,
+                          row_stride: int | None = None, bh0: int = 0) -> torch.Tensor:
     """Round the FP32 tensor ``x`` (B, H, n, D), or (B, H, n) for a per-row value (the row sum l), rows
     ``row0 .. row0 + n − 1`` of key block ``j``, to BF16 stochastically (:attr:`PrecisionPolicy.stochastic`):
     returned as FP32 holding BF16 values, rounded away from zero with probability (low 16 bits of x's FP32
     bits)/2¹⁶ against a hash of ``seed``, ``point``, the position and x (the module docstring gives the hash).
-    ±inf stay; NaN stays NaN."""
+    The position of element (r, c) is (row0 + r)·``row_stride`` + col0 + c mod 2³² (row_stride defaults to x's last
+    dimension; the scores use T and their key index), its batch·head index ``bh0`` onwards. ±inf stay; NaN stays NaN."""
     B, H, n = x.shape[:3]
     dev = x.device
     rows = torch.arange(row0, row0 + n, device=dev, dtype=torch.int64)
     per_row = x.dim() == 3
-    bh = torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1) if per_row else \
-        torch.arange(B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
+    bh = torch.arange(bh0, bh0 + B * H, device=dev, dtype=torch.int64).view(B, H, 1) if per_row else \
+        torch.arange(bh0, bh0 + B * H, device=dev, dtype=torch.int64).view(B, H, 1, 1)
     salt = mix32(mix32(mix32(mix32(seed) ^ SR_POINT_IDS[point]) ^ bh) ^ j)
-    pos = rows if per_row else rows[:, None] * x.shape[3] + torch.arange(x.shape[3], device=dev)[None, :]
+    stride = x.shape[-1] if row_stride is None else row_stride
+    pos = rows if per_row else \
+        (rows[:, None] * stride + col0 + torch.arange(x.shape[3], device=dev)[None, :]) & _MASK32
     bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _MASK32
     h = mix32(mix32(salt ^ pos) ^ (bits >> 16))
     out = (bits + (h >> 16)) & 0xFFFF0000
@@ -266,21 +271,34 @@ def tanh_f32(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x < 0, -t, t)
 
 
-def _capped_scores(q_b, k_b, scale, policy: PrecisionPolicy):
+def _rs_scores(x, policy: PrecisionPolicy, j: int, row0: int, col0: int, T: int | None, bh0: int):
+    """A rounding of the scores (j = 0: the QKᵀ GEMM output, 1: its product with the scale): stochastic where
+    ``policy.stochastic`` names "scores", hashed by the (query, key) position query·T + key, else :func:`_r`."""
+    if policy.scores == BF16 and "scores" in policy.stochastic:
+        return stochastic_round_bf16(x, policy.sr_seed, "scores", j, row0, col0, x.shape[-1] if T is None else T, bh0)
+    return _r(x, policy.scores)
+
+
+def _capped_scores(q_b, k_b, scale, policy: PrecisionPolicy, row0: int = 0, col0: int = 0, T: int | None = None,
+                   bh0: int = 0):
     """``(S, t)``: S = Q_b K_bᵀ · scale at the policy's precision (``bf16(bf16(QKᵀ)·scale)`` or FP32), soft-capped
     when ``policy.softcap`` is set (S' = c·tanh(S / c), each operation rounded as the scores are; t the rounded tanh,
-    for the backward's 1 − t²); t is None without a cap."""
+    for the backward's 1 − t²); t is None without a cap. ``row0``, ``col0``: the block's first query and key, ``T``
+    the sequence length (default: the block is the whole matrix) and ``bh0`` the first batch·head: the position the
+    stochastic rounding of the scores hashes (``policy.stochastic`` with "scores"; the soft-cap rounds to nearest)."""
     sc = policy.scores
-    s = _r(_r(_mm(q_b, k_b.transpose(-1, -2), policy.gemm), sc) * scale, sc)
+    s = _rs_scores(_mm(q_b, k_b.transpose(-1, -2), policy.gemm), policy, 0, row0, col0, T, bh0)
+    s = _rs_scores(s * scale, policy, 1, row0, col0, T, bh0)
     if policy.softcap is None:
         return s, None
     t = _r(tanh_f32(_r(s / policy.softcap, sc)), sc)
     return _r(t * policy.softcap, sc), t
 
 
-def _scores(q_b, k_b, scale, policy: PrecisionPolicy):
+def _scores(q_b, k_b, scale, policy: PrecisionPolicy, row0: int = 0, col0: int = 0, T: int | None = None,
+            bh0: int = 0):
     """S as the forward computes it (:func:`_capped_scores`, soft-cap included)."""
-    return _capped_scores(q_b, k_b, scale, policy)[0]
+    return _capped_scores(q_b, k_b, scale, policy, row0, col0, T, bh0)[0]
 
 
 def _mask(qs, qe, ks, ke, causal, device):
@@ -343,7 +361,7 @@ def forward(q, k, v, policy: PrecisionPolicy, scale: float, causal: bool = True,
                 break  # every key of this block lies above the diagonal
             vis = _mask(qs, qe, ks, ke, causal, dev)
             row_live = vis.any(dim=-1) if vis is not None else torch.ones(n, dtype=torch.bool, device=dev)
-            s = _scores(q_b, k[:, :, ks:ke], scale, policy)
+            s = _scores(q_b, k[:, :, ks:ke], scale, policy, qs, ks, T)
             if vis is not None:
                 s = s.masked_fill(~vis, -math.inf)
             rm, tied = _sfa_shift(s, vis, policy)
@@ -399,7 +417,7 @@ def fill_tie_stats(stats: AttentionStats, q, k, scale, policy: PrecisionPolicy, 
     B, H, T, _ = q.shape
     tied, rs_sum = [], []
     for b in range(B):  # one batch element at a time bounds the T × T memory
-        s = _scores(q[b : b + 1], k[b : b + 1], scale, policy)
+        s = _scores(q[b : b + 1], k[b : b + 1], scale, policy, bh0=b * H)
         if causal:
             s = s.masked_fill(~_mask(0, T, 0, T, True, q.device), -math.inf)
         rs, live = near_max_counts(s, eps, policy.scores)
@@ -437,7 +455,7 @@ def _p_block(q, k, lse, qs, qe, ks, ke, scale, policy: PrecisionPolicy, causal: 
     key is invisible (whatever S or lse hold there); ``visible`` as :func:`_mask` (None: all visible); t the soft-cap's
     tanh (:func:`_capped_scores`, None without a cap)."""
     vis = _mask(qs, qe, ks, ke, causal, q.device)
-    s, t = _capped_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy)
+    s, t = _capped_scores(q[:, :, qs:qe], k[:, :, ks:ke], scale, policy, qs, ks, q.shape[2])
     p = exp_shifted(s, lse[:, :, qs:qe, None], policy, FP32)
     return (p if vis is None else p.masked_fill(~vis, 0.0)), vis, t
 

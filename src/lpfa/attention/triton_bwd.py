@@ -103,8 +103,11 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _next_pow2,
     _rnd,
+    _rnd_s,
+    _score_pos,
     _shift_arg,
     _softcap,
+    _sr_pre,
     check_triton_inputs,
     gemm_mode,
     launch,
@@ -146,16 +149,18 @@ if triton is not None:
     @triton.jit
     def _bwd_delta_dpp_kernel(
         Q, K, V, DO, LSE, DELTA,
-        T, scale,
+        T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared)
         do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
         QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
         EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
         Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
         DO = DO + b * do_stride_b + h * do_stride_h
@@ -182,8 +187,9 @@ if triton is not None:
             kt = kt.to(tl.float32)
             vt = vt.to(tl.float32)
             # S = scores(scores(Q Kᵀ)·scale), exactly as the forward
-            s = _rnd(_dot(q, kt, QK_DOT), SCORES_BF16)
-            s = _rnd(s * scale, SCORES_BF16)
+            pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
+            s = _rnd_s(_dot(q, kt, QK_DOT), SCORES_BF16, SR_SCORES, s_pre, 0, pos)
+            s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)
             s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)
             # P = exp(S − lse) (or exp2(fma(S, log₂e, −lse·log₂e))), 0 where key > query or out of range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
@@ -194,15 +200,15 @@ if triton is not None:
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
-    def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
-                  QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr,
-                  EXP2: tl.constexpr):
+    def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, s_pre, pos, SCORES_BF16: tl.constexpr,
+                  BW_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                  SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse) (with EXP2
         exp2(fma(S, log₂e, −lse)), ``lse`` then fl(lse·log₂e): _shift_arg), dP = bw(u wᵀ) and
         dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
         come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
-        s = _rnd(_dot(x, yt, QK_DOT), SCORES_BF16)
-        s = _rnd(s * scale, SCORES_BF16)
+        s = _rnd_s(_dot(x, yt, QK_DOT), SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # stochastic: hashed by ``pos``
+        s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)
         s, t = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # S' = c·tanh(S / c) where policy.softcap is set
         p = _keep_visible(_exp_shifted(s, lse, False, PRECISE_MATH, EXP2), visible, 0.0)
         dp = _rnd(_dot(u, wt, DOV_DOT), BW_BF16)
@@ -214,11 +220,11 @@ if triton is not None:
 
     @triton.jit
     def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t,
-                    do_stride_t, row_base, scale, q_nonfinite, do_nonfinite,
+                    do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
         lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
@@ -237,8 +243,9 @@ if triton is not None:
             visible = key_ok[:, None] & row_ok[None, :] & (offs_n[:, None] <= offs_m[None, :]) if MASKED else None
 
             # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
-            pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, SCORES_BF16,
-                                BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2)
+            pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=True) if SR_SCORES else None
+            pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, s_pre, pos,
+                                SCORES_BF16, BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
             dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
@@ -248,7 +255,7 @@ if triton is not None:
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
         Q_NONFINITE, DO_NONFINITE,  # (B*H,) int32 flags: Q / dO of this batch·head hold an inf or NaN
-        T, scale,
+        T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr,
@@ -261,6 +268,7 @@ if triton is not None:
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
         NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads where
         # they are not
     ):
@@ -274,6 +282,7 @@ if triton is not None:
         else:
             q_nonfinite = 0
             do_nonfinite = 0
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
@@ -326,19 +335,19 @@ if triton is not None:
                 q_tail = q_hi
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP,
-                EXP2=EXP2)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP,
-                EXP2=EXP2)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False,
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, HEAD_DIM, BLOCK_M, SCORES_BF16,
-                BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP,
-                EXP2=EXP2)
+                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -353,11 +362,12 @@ if triton is not None:
         tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
 
     @triton.jit
-    def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite,
+    def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
+                  s_pre,
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                   OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                   DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  EXP2: tl.constexpr):
+                  EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
         the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
         at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
@@ -372,8 +382,9 @@ if triton is not None:
             # visible: key <= query, both in range
             visible = row_ok[:, None] & key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None]) if MASKED else None
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
-            p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, SCORES_BF16, BW_BF16,
-                              QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2)
+            pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
+            p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, s_pre, pos, SCORES_BF16,
+                              BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES)
             # dQ partial += op(dS) K, over visible pairs
             dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT)
         return dq_part
@@ -382,7 +393,7 @@ if triton is not None:
     def _bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ,
         K_NONFINITE,  # (B*H,) int32 flag: K of this batch·head holds an inf or NaN
-        T, scale,
+        T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
         HEAD_DIM: tl.constexpr,
@@ -395,6 +406,7 @@ if triton is not None:
         CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
         NONFINITE: tl.constexpr,  # as the dK/dV kernel's, for K
     ):
         pid_m = tl.program_id(0)  # query compute tile
@@ -405,6 +417,7 @@ if triton is not None:
                 return
         else:
             k_nonfinite = 0
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
         b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
@@ -444,11 +457,13 @@ if triton is not None:
             else:
                 k_mid = k_blk
             dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
-                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2)
+                                k_nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2,
+                                SR_SCORES=SR_SCORES)
             dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
-                                k_nonfinite, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2)
+                                k_nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2,
+                                SR_SCORES=SR_SCORES)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             if BW_BF16:
                 dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
@@ -469,7 +484,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
         t_m = min(max(_next_pow2(T), MIN_TILE), COMPUTE_TILE)
         launch(
             _bwd_delta_dpp_kernel, (triton.cdiv(T, t_m), B * H),
-            q_, k_, v_, do_, lse_, delta, T, float(scale), *strides,
+            q_, k_, v_, do_, lse_, delta, T, float(scale), pol.sr_seed, *strides,
             HEAD_DIM=D, BLOCK_M=t_m, BLOCK_N=t_m,
             SCORES_BF16=pol.scores == BF16, BW_BF16=pol.backward == BF16, **flags, SOFTCAP=float(pol.softcap or 0.0),
             enable_fp_fusion=False,
@@ -559,6 +574,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         DOV_DOT=gemm_mode(g, dot_bf16, is_bf["do"], is_bf["v"]),
         PRECISE_MATH=bool(precise_math),
         EXP2=pol.exp == "exp2",
+        SR_SCORES="scores" in pol.stochastic,
     )
 
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
@@ -603,7 +619,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False,) if assume_finite else (False, True):
         launch(
             _bwd_dkdv_kernel, (n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale), *strides,
+            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
@@ -615,7 +631,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for nonfinite in (False,) if assume_finite else (False, True):
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale), *strides,
+            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
             NONFINITE=nonfinite,

@@ -93,11 +93,37 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
+    def _sr_pre(seed, point: tl.constexpr, bh):
+        """The hash's start for one (seed, rounding point, batch·head): :func:`_sr_salt` before its key block."""
+        zero = bh * 0  # seed may arrive as a Python int (a seed of 1 specialised by Triton)
+        return _mix32(_mix32(_mix32((seed + zero).to(tl.uint32)) ^ point) ^ bh.to(tl.uint32))
+
+    @triton.jit
     def _sr_salt(seed, point: tl.constexpr, bh, j):
         """The hash's start for one (seed, rounding point, batch·head, key block): reference.stochastic_round_bf16."""
-        zero = bh * 0  # seed and j may arrive as Python ints (a literal j, a seed of 1 specialised by Triton)
-        x = _mix32(_mix32((seed + zero).to(tl.uint32)) ^ point)
-        return _mix32(_mix32(x ^ bh.to(tl.uint32)) ^ (j + zero).to(tl.uint32))
+        zero = bh * 0  # j may arrive as a Python int (a literal j)
+        return _mix32(_sr_pre(seed, point, bh) ^ (j + zero).to(tl.uint32))
+
+    @triton.jit
+    def _rnd_s(x, TO_BF16: tl.constexpr, SR: tl.constexpr, s_pre, j: tl.constexpr, pos):
+        """A rounding of the scores (j = 0: the QKᵀ GEMM output, 1: ·scale): stochastic when SR (policy.stochastic
+        names "scores"), with ``s_pre`` = _sr_pre(seed, 7, batch·head) and ``pos`` the uint32 positions query·T + key,
+        else _rnd (``s_pre`` and ``pos`` unused)."""
+        if TO_BF16 and SR:
+            x = _round_bf16_sr(x, _mix32(s_pre ^ j), pos)
+        else:
+            x = _rnd(x, TO_BF16)
+        return x
+
+    @triton.jit
+    def _score_pos(offs_q, offs_k, T, TRANSPOSED: tl.constexpr):
+        """The uint32 positions query·T + key of a score tile (rows = queries, or keys when TRANSPOSED), which the
+        stochastic rounding of the scores hashes (call it only then: ``pos = _score_pos(…) if SR else None``)."""
+        t = (offs_q * 0 + T).to(tl.uint32)  # T may arrive as a Python int (T = 1 is specialised)
+        if TRANSPOSED:
+            return offs_q.to(tl.uint32)[None, :] * t[None, :] + offs_k.to(tl.uint32)[:, None]
+        else:
+            return offs_q.to(tl.uint32)[:, None] * t[:, None] + offs_k.to(tl.uint32)[None, :]
 
     @triton.jit
     def _round_bf16_sr(x, salt, pos):

@@ -117,10 +117,13 @@ from lpfa.attention.triton_common import (
     _rnd,
     _rnd_l,
     _rnd_o,
+    _rnd_s,
     _row_max,
     _row_top2,
+    _score_pos,
     _shift_arg,
     _softcap,
+    _sr_pre,
     _top2,
     check_triton_inputs,
     gemm_mode,
@@ -144,30 +147,33 @@ if triton is not None:
         return key_ok[None, :] & (offs_n[None, :] <= offs_m[:, None])
 
     @triton.jit
-    def _scores_tile(q, K, stride_t, k_lo, k_hi, offs_m, loc_n, T, scale, HEAD_DIM: tl.constexpr,
+    def _scores_tile(q, K, stride_t, k_lo, k_hi, offs_m, loc_n, T, scale, s_pre, HEAD_DIM: tl.constexpr,
                      SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr,
-                     PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
+                     PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr, SR_SCORES: tl.constexpr):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
-        FP32. MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
+        FP32, the two BF16 roundings stochastic with SR_SCORES (``s_pre``: _sr_pre of the seed and batch·head).
+        MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
         [0, T) and its block, at or below the diagonal for every row: a plain load, no mask."""
         offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
         kt = _load_tile(K + offs_n[None, :] * stride_t + offs_d[:, None], key_ok)
         s = _dot(q, kt, QK_DOT)  # BF16 operands (exact), IEEE FP32 or BF16 split (policy.gemm), FP32 accumulation
-        s = _rnd(s, SCORES_BF16)  # the QKᵀ GEMM output
-        s = _rnd(s * scale, SCORES_BF16)  # ·scale (a BF16 op in the paper's code)
+        pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
+        s = _rnd_s(s, SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # the QKᵀ GEMM output
+        s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)  # ·scale (a BF16 op in the paper's code)
         s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
         visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
         return _keep_visible(s, visible, float("-inf"))
 
     @triton.jit
     def _block_tiles(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
-                     q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                     q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite, s_pre,
                      HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr):
+                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
+                     SR_SCORES: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 (SFA)
         also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA with
@@ -178,9 +184,10 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
         for t in range(t_lo, t_hi):
             k_lo = kb_lo + t * BLOCK_N
-            s = s_block if N_SUB == 1 else _scores_tile(q, K, stride_t, k_lo, kb_hi, offs_m, loc_n, T, scale, HEAD_DIM,
-                                                        SCORES_BF16, QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH,
-                                                        SOFTCAP=SOFTCAP)
+            s = s_block if N_SUB == 1 else _scores_tile(q, K, stride_t, k_lo, kb_hi, offs_m, loc_n, T, scale, s_pre,
+                                                        HEAD_DIM, SCORES_BF16, QK_DOT, MASKED=MASKED,
+                                                        PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP,
+                                                        SR_SCORES=SR_SCORES)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
                 if TOP2:  # and r2: the tile's top two (t1 ≥ t2, a tied max counting twice) merged into (rm, r2)
@@ -205,23 +212,24 @@ if triton is not None:
 
     @triton.jit
     def _block_pass(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, n_sub, t_full,
-                    q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite,
+                    q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale, v_nonfinite, s_pre,
                     HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr, N_SUB: tl.constexpr,
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
+                    SR_SCORES: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n,
-                T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2)
+                T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m,
-                loc_n, T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2)
+                loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
@@ -232,7 +240,7 @@ if triton is not None:
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                    PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr,
-                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -241,16 +249,20 @@ if triton is not None:
         rs = tl.zeros([BLOCK_M], dtype=tl.int32)
         block_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         o_blk = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # the scores' stochastic rounding hashes from this (policy.stochastic with "scores"; unused otherwise)
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
-        s = _scores_tile(q, K, stride_t, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, HEAD_DIM, SCORES_BF16,
-                         QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP) if N_SUB == 1 else None
+        s = _scores_tile(q, K, stride_t, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, s_pre, HEAD_DIM, SCORES_BF16,
+                         QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP,
+                         SR_SCORES=SR_SCORES) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles); with SFA
         # also r2, the second largest visible score (blocks of one tile too), so the tie test needs no count pass ----
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
-            v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS, EXP2=EXP2)
+            v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+            PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS, EXP2=EXP2,
+            SR_SCORES=SR_SCORES)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -268,8 +280,8 @@ if triton is not None:
             else:  # count against the block's final max in a pass of its own (over the S held, or the tiles again)
                 rm, r2, rs, block_sum, o_blk = _block_pass(
                     rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
-                    scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2)
+                    scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
+                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES)
                 tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
             m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
@@ -284,8 +296,8 @@ if triton is not None:
         # ---- P̄ = exp(scores(S − m_new)); rowsum(P̄) and Ō = P̄ V_j accumulate in FP32 over the tiles ------
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, _shift_arg(m_use, EXP2), n_sub, t_full, q, K, V, stride_t, kb_lo,
-            offs_m, loc_n, T, scale, v_nonfinite, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-            PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2)
+            offs_m, loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
+            PV_DOT, PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             # a NaN sum stays NaN (torch.clamp_min)
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)
@@ -323,6 +335,7 @@ if triton is not None:
         CAUSAL_SPLIT: tl.constexpr,  # False: every tile through the masked path (for comparison)
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
         NONFINITE: tl.constexpr,  # False: V taken as finite; True: only the batch·heads whose V is not (see below)
     ):
         pid_m = tl.program_id(0)  # query tile
@@ -368,7 +381,7 @@ if triton is not None:
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS,
-                EXP2=EXP2)
+                EXP2=EXP2, SR_SCORES=SR_SCORES)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -381,7 +394,8 @@ if triton is not None:
                 acc, l_i, m_i, q, K, V, stride_t, kb_lo, n_sub, t_full, offs_m, loc_n, T, v_nonfinite,
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
-                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS, EXP2=EXP2)
+                PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS, EXP2=EXP2,
+                SR_SCORES=SR_SCORES)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -480,6 +494,7 @@ def _forward_launch(grid, q, k, v, o, lse, strides, v_flags, T, scale, pol, D, b
         CAUSAL_SPLIT=bool(causal_split),
         SFA_COUNT_PASS=bool(sfa_count_pass),
         EXP2=pol.exp == "exp2",
+        SR_SCORES="scores" in pol.stochastic,
         NONFINITE=bool(nonfinite),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,

@@ -273,7 +273,7 @@ def stabiliser_cost_text(costs) -> str:
     """:func:`stabiliser_costs` in sentences: the speed of the BF16 stabiliser rows (and SFA) as a fraction of their
     base's, slowest first, then their FP32 twins'; for scale, what FP32 attention, Muon and eager mode cost the BF16
     run; whether QK-clip rescaled any head while it was timed; and how far any row measured above its base (the
-    timing's noise: a stabiliser only adds work)."""
+    timing's noise: a stabiliser only adds work); and the rows the benchmark has not timed."""
     if costs.empty:
         return "No speed benchmark of the stabilisers is committed yet (`benchmarks/stabiliser_cost.py`)."
     timed = costs.dropna(subset=["÷ base"])
@@ -303,7 +303,16 @@ def stabiliser_cost_text(costs) -> str:
     if over > 0:
         text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its "
                  f"base, so differences of about {100 * over:.0f} % or less are within the noise.")
+    untimed = untimed_stabilisers(costs)
+    if untimed:
+        text += f" Not timed: {_ticked(untimed)}."
     return text
+
+
+def untimed_stabilisers(costs) -> list[str]:
+    """The stabiliser rows (seed 1337, no base) that the committed speed benchmark has no timing of."""
+    return [label for label in STABILISERS
+            if label not in BASES and stabiliser_seed(label)[1] is None and label not in costs.index]
 
 
 # steps per row; seconds of training one launch of rows may take (time_budget_s): what fits a time-boxed GPU of 1,800 s
@@ -413,7 +422,9 @@ KEPT = 0.8  # an accumulation of at least this × √steps: the error kept its v
 
 
 SR_POLICIES = {"paper": "paper", "paper_sr": "paper_sr", "paper_sr reseeded": "paper_sr", "o_fp32": "o_fp32",
-               "scores_fp32": "scores_fp32"}  # error_persistence's rows on page 17: rounding points on or off O's path
+               "scores_fp32": "scores_fp32", "paper_sr_scores": "paper_sr_scores"}
+"""error_persistence's rows on page 17: stochastic rounding on O's path (one seed, reseeded), O's path or the scores in
+FP32, and stochastic rounding of the scores alone (the ``sr_scores`` stabiliser row's policy)."""
 
 
 def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=None):
@@ -454,6 +465,14 @@ def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=N
             "path does not touch." if abs(r["scores_fp32"]) < 0.1 and abs(r["paper_sr"]) > 0.5 else
             f"Stochastic rounding leaves {r['paper_sr']:.2f}× of the worst head's δ error with one seed and "
             f"{r['paper_sr reseeded']:.2f}× reseeded; FP32 scores leave {r['scores_fp32']:.3f}×.")
+    acc = table["its accumulation"]
+    med = table["median accumulation over heads"]
+    text += (f" Rounding the scores stochastically instead (`paper_sr_scores`, the `sr_scores` row's policy) leaves "
+             f"{r['paper_sr_scores']:.2f}× of that head's error, with accumulation {acc['paper_sr_scores']:.2f}: "
+             + ("it still keeps its sign" if acc["paper_sr_scores"] >= KEPT * math.sqrt(steps) else
+                "in that head the error no longer keeps its value from step to step")
+             + f"; over all heads the median accumulation is {med['paper_sr_scores']:.2f}, against `paper`'s "
+             f"{med['paper']:.2f}.")
     return table, text, meta
 
 
