@@ -11,7 +11,8 @@ token) against the H200's 989 TFLOP/s dense BF16 peak.
 (its kernels summed) against the step's wall time (their difference: time the GPU waited for the host), and the
 kernels with the most GPU time per step, so that a gap to SDPA can be split into attention kernels, copies and the rest.
 
-Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile] [--profile]``
+Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile] [--profile]
+[--compile-mode reduce-overhead] [--assume-finite]``
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def profile_steps(step, n: int = 2, top: int = 15) -> dict:
 
 
 def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, compile: bool = False,
-            profile: bool = False):
+            profile: bool = False, mode: str | None = None, assume_finite: bool = False):
     torch.manual_seed(0)
-    cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy)
+    cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy,
+                              attn_assume_finite=assume_finite)
     model = GPT(cfg).cuda()
-    fwd = torch.compile(model) if compile else model
+    fwd = torch.compile(model, mode=mode) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -104,12 +106,18 @@ def main():
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--compile", action="store_true", help="also time the COMPILED backends under torch.compile")
     p.add_argument("--profile", action="store_true", help="then profile two steps of each (GPU busy time, top kernels)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile's mode for the compiled rows (e.g. "
+                   "reduce-overhead: CUDA graphs), default torch's")
+    p.add_argument("--assume-finite", action="store_true", help="lpfa attention without its non-finite checks "
+                   "(GPTConfig.attn_assume_finite) in every lpfa row")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(a.out)
     write_json(out / "provenance.json",
                provenance(config={"model": "gpt2-s", "T": 1024, "batch": a.batch, "steps": a.steps,
                                                            "autocast": "bfloat16", "compile": a.compile,
+                                                           "compile_mode": a.compile_mode,
+                                                           "assume_finite": a.assume_finite,
                                                            "profile": a.profile}))
     rows = {}
     runs = [(name, backend, policy, False) for name, backend, policy in BACKENDS]
@@ -117,7 +125,8 @@ def main():
         runs += [(f"{name}_compiled", backend, policy, True) for name, backend, policy in BACKENDS if name in COMPILED]
     for name, backend, policy, compiled in runs:
         try:
-            rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile)
+            rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile,
+                                 mode=a.compile_mode if compiled else None, assume_finite=a.assume_finite)
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()  # measure's model and optimizer are gone by now: give their memory back

@@ -544,3 +544,28 @@ def test_final_val_loss_is_printed_with_four_decimals(token_dir, tmp_path, capsy
     assert last.endswith(f"completed at step 2; final val loss {s['final_val_loss']:.4f}"), last
     assert re.search(r"final val loss \d+\.\d{4}$", last)
     assert (tmp_path / "r" / "log.txt").read_text().splitlines()[-1] == last
+
+
+def test_compile_mode_reaches_torch_compile_and_assume_finite_the_model(token_dir, tmp_path, monkeypatch):
+    """``compile_mode`` is torch.compile's ``mode`` (CUDA graphs: reduce-overhead), refused without compile=true;
+    ``attn_assume_finite`` reaches every lpfa attention layer of the model."""
+    import lpfa.train as t
+
+    seen = {}
+
+    def fake_compile(model, **kw):  # records the call; the model runs eagerly
+        seen.update(kw)
+        return model
+
+    monkeypatch.setattr(t.torch, "compile", fake_compile)
+    c = cfg(token_dir, tmp_path / "run", max_steps=2, compile=True, compile_mode="reduce-overhead",
+            attn_assume_finite=True)
+    t.train(c)
+    assert seen == {"mode": "reduce-overhead"}
+    from lpfa.model import GPT
+
+    assert all(block.attn.assume_finite for block in GPT(t.model_config(c, 256)).transformer.h)
+    with pytest.raises(ValueError, match=r"compile_mode='max-autotune': expected compile=true"):
+        TrainConfig(compile_mode="max-autotune")
+    with pytest.raises(ValueError, match=r"compile_mode='fast'"):
+        TrainConfig(compile=True, compile_mode="fast")

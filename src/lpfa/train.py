@@ -106,6 +106,8 @@ class TrainConfig:
     dtype: str = "auto"  # autocast dtype: auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32; float64:
     #  weights too
     compile: bool = False  # torch.compile the model
+    compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or
+    #  max-autotune-no-cudagraphs; needs compile=true
     attn_assume_finite: bool = False  # lpfa attention skips its non-finite checks: four kernel launches per layer
     #  instead of nine; safe while the loss is finite, which train() checks at every step
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
@@ -175,6 +177,8 @@ class TrainConfig:
         if self.qk_clip and self.qk_norm:
             raise ValueError(f"qk_clip={self.qk_clip!r}: expected 0 with qk_norm=true (QK-norm's LayerNorm undoes a "
                              "rescale of W_Q and W_K, so QK-clip would do nothing)")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"compile_mode={self.compile_mode!r}: expected compile=true (the mode is torch.compile's)")
         if self.sr_reseed:
             if self.compile:
                 raise ValueError("sr_reseed=true: expected compile=false (a new seed is a new policy, which "
@@ -222,6 +226,8 @@ def recorded_config(run) -> TrainConfig:
         raise ValueError(f"{run.path / 'config.json'}: {e}") from e
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")  # torch.compile's modes
+
 # What each TrainConfig field accepts (its declared type, and the range or choices that make sense)
 FIELD_CHECKS: dict[str, Param] = {
     "data": text(nonempty=True),
@@ -258,6 +264,7 @@ FIELD_CHECKS: dict[str, Param] = {
                     lambda v: isinstance(v, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", v) is not None),
     "dtype": text("auto", "bfloat16", "float32", "float64"),
     "compile": boolean(),
+    "compile_mode": text(*COMPILE_MODES),
     "attn_assume_finite": boolean(),
     "sr_reseed": boolean(),
     "out_dir": text(nonempty=True),
@@ -742,7 +749,7 @@ def train(cfg: TrainConfig) -> dict:
         model.set_layer_policy(layer, name)
     raw_model = model
     if cfg.compile:
-        model = torch.compile(model)
+        model = torch.compile(model, mode=None if cfg.compile_mode == "default" else cfg.compile_mode)
     if world > 1:
         model = DDP(model, device_ids=[local_rank] if device.startswith("cuda") else None)
 
