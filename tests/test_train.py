@@ -548,7 +548,7 @@ def test_final_val_loss_is_printed_with_four_decimals(token_dir, tmp_path, capsy
 
 def test_compile_mode_reaches_torch_compile_and_assume_finite_the_model(token_dir, tmp_path, monkeypatch):
     """``compile_mode`` is torch.compile's ``mode`` (CUDA graphs: reduce-overhead), refused without compile=true;
-    ``attn_assume_finite`` reaches every lpfa attention layer of the model."""
+    ``attn_assume_finite`` (on by default in training) reaches every lpfa attention layer of the model, and off too."""
     import lpfa.train as t
 
     seen = {}
@@ -558,13 +558,15 @@ def test_compile_mode_reaches_torch_compile_and_assume_finite_the_model(token_di
         return model
 
     monkeypatch.setattr(t.torch, "compile", fake_compile)
-    c = cfg(token_dir, tmp_path / "run", max_steps=2, compile=True, compile_mode="reduce-overhead",
-            attn_assume_finite=True)
+    c = cfg(token_dir, tmp_path / "run", max_steps=2, compile=True, compile_mode="reduce-overhead")
+    assert c.attn_assume_finite  # the trainer's default: it stops at a non-finite loss
     t.train(c)
     assert seen == {"mode": "reduce-overhead"}
     from lpfa.model import GPT
 
     assert all(block.attn.assume_finite for block in GPT(t.model_config(c, 256)).transformer.h)
+    off = TrainConfig(**{**c.__dict__, "attn_assume_finite": False})
+    assert not any(block.attn.assume_finite for block in GPT(t.model_config(off, 256)).transformer.h)
     with pytest.raises(ValueError, match=r"compile_mode='max-autotune': expected compile=true"):
         TrainConfig(compile_mode="max-autotune")
     with pytest.raises(ValueError, match=r"compile_mode='fast'"):

@@ -108,8 +108,8 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or
     #  max-autotune-no-cudagraphs; needs compile=true
-    attn_assume_finite: bool = False  # lpfa attention skips its non-finite checks: four kernel launches per layer
-    #  instead of nine; safe while the loss is finite, which train() checks at every step
+    attn_assume_finite: bool = True  # lpfa attention skips its non-finite checks: four kernel launches per layer
+    #  instead of nine, the same bits on finite inputs; a non-finite loss stops the run either way (checked every step)
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
     #  seed + step) mod 2**32 (the stabiliser experiments; else one seed for the run, so a stable value at a stable
     #  position rounds the same way every step); eager only (compile=false)
