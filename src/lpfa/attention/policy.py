@@ -66,9 +66,10 @@ operands it keeps in FP32: exactly (``"ieee"``) or through BF16 tensor cores wit
   sums), and changes wherever the values do.
 * ``sr_seed``: the stochastic rounding's seed (an int in [0, 2³²)).
 * ``softcap``: logit soft-capping (Gemma 2; a stabiliser, not in the paper), ``None`` = off, else a cap c > 0:
-  S' = c·tanh(S / c), each of its three operations rounded as the scores are, and the backward's
-  dS = dS'·(1 − t²) with t the rounded tanh. tanh is taken as (1 − e)/(1 + e) with e = exp(−2|x|), in FP32
-  (the reference and the kernels alike). Part of the model, not of the precision: FP32 twins keep it.
+  S' = c·tanh(S·fl(1/c)) (a multiply by the FP32 reciprocal, as FlashAttention-2 caps, not a division), each of its
+  three operations rounded as the scores are, and the backward's dS = dS'·(1 − t²) with t the rounded tanh. tanh is
+  taken as (1 − e)/(1 + e) with e = exp2(|x|·fl(−2·log₂e)) = exp(−2|x|), in FP32 (the reference and the kernels
+  alike). Part of the model, not of the precision: FP32 twins keep it.
 * ``fp8``: operands of the P̄V product rounded to FP8 (float8_e4m3fn, round to nearest even), of ``"p_bar"`` and
   ``"v"``, as FlashAttention-3's FP8 forward feeds its tensor cores (not in the paper). P̄ ≤ 1 is
   converted without a scale (in place of its BF16 rounding; values below 2⁻¹⁰ become 0). V gets one FP32 scale

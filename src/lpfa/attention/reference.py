@@ -263,10 +263,20 @@ def rescale(m_diff: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     return torch.exp2(m_diff * LOG2E) if policy.exp == "exp2" else torch.exp(m_diff)
 
 
+TANH_LOG2 = float(torch.tensor(-2 * math.log2(math.e), dtype=torch.float32))
+"""−2·log₂e rounded to FP32: :func:`tanh_f32`'s e = exp2(|x|·TANH_LOG2) = exp(−2|x|)."""
+
+
+def f32(x: float) -> float:
+    """``x`` rounded to FP32 (as a Python float): the constants a kernel multiplies by."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def tanh_f32(x: torch.Tensor) -> torch.Tensor:
     """tanh as the soft-cap takes it (:attr:`PrecisionPolicy.softcap`), in FP32: sign(x)·(1 − e)/(1 + e) with
-    e = exp(−2|x|), no cancellation for large |x| and within a few FP32 ulps of tanh (the kernels' formula)."""
-    e = torch.exp(-2.0 * x.abs())
+    e = exp2(fl(|x|·fl(−2·log₂e))) = exp(−2|x|) (one multiply and the hardware exp2, as FlashAttention-2 takes its
+    exponentials), no cancellation for large |x| and within a few FP32 ulps of tanh (the kernels' formula)."""
+    e = torch.exp2(x.abs() * TANH_LOG2)
     t = (1.0 - e) / (1.0 + e)
     return torch.where(x < 0, -t, t)
 
@@ -282,16 +292,17 @@ def _rs_scores(x, policy: PrecisionPolicy, j: int, row0: int, col0: int, T: int 
 def _capped_scores(q_b, k_b, scale, policy: PrecisionPolicy, row0: int = 0, col0: int = 0, T: int | None = None,
                    bh0: int = 0):
     """``(S, t)``: S = Q_b K_bᵀ · scale at the policy's precision (``bf16(bf16(QKᵀ)·scale)`` or FP32), soft-capped
-    when ``policy.softcap`` is set (S' = c·tanh(S / c), each operation rounded as the scores are; t the rounded tanh,
-    for the backward's 1 − t²); t is None without a cap. ``row0``, ``col0``: the block's first query and key, ``T``
-    the sequence length (default: the block is the whole matrix) and ``bh0`` the first batch·head: the position the
-    stochastic rounding of the scores hashes (``policy.stochastic`` with "scores"; the soft-cap rounds to nearest)."""
+    when ``policy.softcap`` is set (S' = c·tanh(S·fl(1/c)), each operation rounded as the scores are; t the rounded
+    tanh, for the backward's 1 − t²); t is None without a cap. ``row0``, ``col0``: the block's first query and key,
+    ``T`` the sequence length (default: the block is the whole matrix) and ``bh0`` the first batch·head: the position
+    the stochastic rounding of the scores hashes (``policy.stochastic`` with "scores"; the soft-cap rounds to
+    nearest)."""
     sc = policy.scores
     s = _rs_scores(_mm(q_b, k_b.transpose(-1, -2), policy.gemm), policy, 0, row0, col0, T, bh0)
     s = _rs_scores(s * scale, policy, 1, row0, col0, T, bh0)
     if policy.softcap is None:
         return s, None
-    t = _r(tanh_f32(_r(s / policy.softcap, sc)), sc)
+    t = _r(tanh_f32(_r(s * f32(1 / policy.softcap), sc)), sc)  # S·fl(1/c): a multiply, as FlashAttention-2 caps
     return _r(t * policy.softcap, sc), t
 
 

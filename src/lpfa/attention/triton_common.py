@@ -36,6 +36,7 @@ import torch
 import lpfa.attention as lpfa_attention
 from lpfa.attention.policy import BF16X6, GEMMS, PrecisionPolicy
 from lpfa.attention.reference import LOG2E as _LOG2E
+from lpfa.attention.reference import TANH_LOG2 as _TANH_LOG2
 
 try:  # Triton is optional for the package as a whole
     import triton
@@ -343,19 +344,22 @@ if triton is not None:
         else:
             return _exp(m_diff, PRECISE_MATH)
 
+    TANH_LOG2 = tl.constexpr(_TANH_LOG2)  # −2·log₂e rounded to FP32 (lpfa.attention.reference.TANH_LOG2)
+
     @triton.jit
     def _tanh(x, PRECISE_MATH: tl.constexpr):
-        """tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp(−2|x|), in FP32: :func:`lpfa.attention.reference.tanh_f32`."""
-        e = _exp(-2.0 * tl.abs(x), PRECISE_MATH)
+        """tanh(x) = sign(x)·(1 − e)/(1 + e), e = exp2(|x|·fl(−2·log₂e)), in FP32:
+        :func:`lpfa.attention.reference.tanh_f32`."""
+        e = _exp2(tl.abs(x) * TANH_LOG2, PRECISE_MATH)
         t = (1.0 - e) / (1.0 + e)
         return tl.where(x < 0, -t, t)
 
     @triton.jit
     def _softcap(s, SCORES_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
-        """``(S', t)``: S' = scores(c·scores(tanh(scores(S / c)))) with c = SOFTCAP (policy.softcap, Gemma 2's logit
-        soft-capping) and t the rounded tanh, for the backward's 1 − t²; ``(S, S)`` when SOFTCAP is 0 (off)."""
-        if SOFTCAP > 0:
-            t = _rnd(_tanh(_rnd(s / SOFTCAP, SCORES_BF16), PRECISE_MATH), SCORES_BF16)
+        """``(S', t)``: S' = scores(c·scores(tanh(scores(S·fl(1/c))))) with c = SOFTCAP (policy.softcap, Gemma 2's
+        logit soft-capping) and t the rounded tanh, for the backward's 1 − t²; ``(S, S)`` when SOFTCAP is 0 (off)."""
+        if SOFTCAP > 0:  # S·fl(1/c): a multiply by a constant (1/c folded at compile time, FP32), not a division
+            t = _rnd(_tanh(_rnd(s * (1.0 / SOFTCAP), SCORES_BF16), PRECISE_MATH), SCORES_BF16)
             s = _rnd(t * SOFTCAP, SCORES_BF16)
         else:
             t = s
