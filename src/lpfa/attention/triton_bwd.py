@@ -31,6 +31,15 @@ Kernels
 * ``_bwd_dq_kernel``: one program per (query compute tile, batch·head), the mirror image: loops over
   policy key blocks j up to the diagonal, sub-tiles of keys, rounded accumulate per policy block.
 
+Why dQ has a kernel of its own, which recomputes P and dP: FlashAttention-2 adds each key tile's dS K into dQ with
+FP32 atomics, in an order that changes from run to run; the deterministic alternative without recomputation writes each
+key tile's partial to a workspace and sums the partials in a fixed order. For 64-key tiles and causal attention the
+workspace holds Σ_j (T − 64j) rows of D FP32 values per batch·head: 8.5× Q in FP32 at T = 1,024 (428 MB at B 16, H 12,
+D 64), 32× at T = 4,096 and 128× at T = 16,384 (6.5 GB at B 1, H 12). Writing and reading it back at the H200's peak
+4.8 TB/s takes at least 178 µs at the first shape, about what this whole dQ kernel measured there (184 µs, Nsight
+Compute, results/attention_ncu/h200-2026-12-02), before the dK/dV kernel's extra dS K GEMM; and the traffic grows
+as T², so the partials win at no shape here and lose by far at long T.
+
 Causal split: sub-tiles whose every (key, query) pair is visible (keys at or below the sub-tile's first query,
 queries inside their policy block and T, keys inside theirs) run without masks (plain loads, no ``tl.where``,
 ``visible = None``). Inside a policy block the sub-tiles stay in ascending order, so the FP32 partials keep
