@@ -186,7 +186,8 @@ SASS_OPS = {"HGMMA": "tensor-core GEMMs (wgmma)", "HMMA": "older mma.sync GEMMs"
 
 
 def _sass_counts(cubin: bytes) -> dict | None:
-    """How often each opcode of :data:`SASS_OPS` appears in the cubin's SASS (``cuobjdump -sass``), or None. Static
+    """How often each opcode of :data:`SASS_OPS` appears in the cubin's SASS (``cuobjdump -sass``), and the number of
+    all its instructions (``instructions``), or None. Static
     counts, not executed ones: a spill (LDL/STL) in the inner loop is what costs."""
     sass = _cuobjdump(cubin, "-sass")
     if sass is None:

@@ -225,7 +225,12 @@ def _blocks(n: int, size: int | None):
     return [(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-LOG2E = float(torch.tensor(math.log2(math.e), dtype=torch.float32))
+def f32(x: float) -> float:
+    """``x`` rounded to FP32 (as a Python float): the constants a kernel multiplies by."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+LOG2E = f32(math.log2(math.e))
 """log₂e rounded to FP32 (1.44269502162933349609375), the constant of ``exp="exp2"`` (:attr:`PrecisionPolicy.exp`)."""
 
 
@@ -263,13 +268,8 @@ def rescale(m_diff: torch.Tensor, policy: PrecisionPolicy) -> torch.Tensor:
     return torch.exp2(m_diff * LOG2E) if policy.exp == "exp2" else torch.exp(m_diff)
 
 
-TANH_LOG2 = float(torch.tensor(-2 * math.log2(math.e), dtype=torch.float32))
+TANH_LOG2 = f32(-2 * math.log2(math.e))
 """−2·log₂e rounded to FP32: :func:`tanh_f32`'s e = exp2(|x|·TANH_LOG2) = exp(−2|x|)."""
-
-
-def f32(x: float) -> float:
-    """``x`` rounded to FP32 (as a Python float): the constants a kernel multiplies by."""
-    return float(torch.tensor(x, dtype=torch.float32))
 
 
 def tanh_f32(x: torch.Tensor) -> torch.Tensor:
