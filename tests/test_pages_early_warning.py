@@ -125,7 +125,7 @@ def test_threshold_and_replay_tables_and_the_figure(known_root):
     failed = table[table["runaway step"].notna()]
     assert sorted(map(tuple, points)) == sorted(zip(failed["runaway step"].astype(float),
                                                     failed["first warning step"].astype(float)))
-    diagonal = [line for line in ax.lines if line.get_label() == "warning = failure"]
+    diagonal = [line for line in ax.lines if line.get_label() == "warning = runaway (or explosion)"]
     assert len(diagonal) == 1 and diagonal[0].get_xdata()[1] == diagonal[0].get_ydata()[1] == 1000 * 1.05
 
 

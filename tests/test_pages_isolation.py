@@ -99,8 +99,8 @@ def test_isolation_findings_on_a_small_table():
     assert isolation_findings(table, 1) == (
         "**Measured.**\n\n* **exploded**: `a` (step 1,995)\n* **precursor**: `b` (from step 5,200)\n"
         "* **neither**: `fp32`, `c`\n"
-        "* **against the paper**: it reports `b` stable, and here they are not; it reports `c` failing, and here they "
-        "neither explode nor run away.\n"
+        "* **against the paper**: it reports `b` stable, and here they are not; it reports `c` exploding, and here "
+        "neither their loss exploded nor their logits ran away.\n"
         "* **'layer-1 scores S rounded to BF16 in every head' predicts a precursor or worse**: it fits 3 of 4 rows; "
         "not `c` (layer 1 scores bf16, neither).\n"
         "* **'layer-1 δ computed from a BF16-rounded O in every head (the chain of Sec. 3.1)' predicts a precursor or "
@@ -192,12 +192,12 @@ def _recipe(verdicts: dict, papers: dict):
     paper = {"bf16_paper_recipe": "fails", "fp32_paper_recipe": "stable", **papers}
     return pd.DataFrame({"change": "x", "paper": paper,
                          "steps": 6000, "explosion step": None,
-                         "verdict": {"bf16_paper_recipe": "exploded", "fp32_paper_recipe": "no explosion", **verdicts},
+                         "verdict": {"bf16_paper_recipe": "loss exploded", "fp32_paper_recipe": "neither", **verdicts},
                          "runaway step": None, "runaway heads": {label: () for label in labels}}, index=labels)
 
 
 def test_recipe_iso_text_counts_rows_run_and_agreeing():
-    recipe = _recipe({"a": "no explosion", "b": "exploded", "c": "not run yet", "d": "too short"},
+    recipe = _recipe({"a": "neither", "b": "loss exploded", "c": "not run yet", "d": "too short"},
                      {"a": "stable", "b": "stable", "c": "stable", "d": "fails"})
     assert recipe_iso_text(recipe) == "3 of its 4 rows have run, 1 as the paper reports (`results/paper_recipe`)"
     quiet = _recipe({"a": "not run yet"}, {"a": "stable"})
@@ -205,7 +205,7 @@ def test_recipe_iso_text_counts_rows_run_and_agreeing():
 
 
 def test_recipe_display_table_joins_the_heads():
-    recipe = _recipe({"a": "no explosion"}, {"a": "stable"})
+    recipe = _recipe({"a": "neither"}, {"a": "stable"})
     recipe.at["a", "runaway heads"] = (3, 4)
     shown = recipe_display_table(recipe)
     assert list(shown.columns) == ["change", "paper", "steps", "explosion step", "verdict", "runaway step",
@@ -214,7 +214,7 @@ def test_recipe_display_table_joins_the_heads():
 
 
 def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
-    recipe = _recipe({"a_paper_recipe": "no explosion", "b_paper_recipe": "not run yet",
+    recipe = _recipe({"a_paper_recipe": "neither", "b_paper_recipe": "not run yet",
                       "c_paper_recipe": "not run yet"},
                      {"a_paper_recipe": "stable", "b_paper_recipe": "stable", "c_paper_recipe": "stable"})
     twin = experiment_rows("paper_recipe", ["bf16_paper_recipe"])["bf16_paper_recipe"]
@@ -225,4 +225,4 @@ def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
     assert text.endswith(f"two per 2-GPU run, at its batch of {train['batch_size']} ({RERUN_PAGE} gives the commands).")
     assert recipe_plan(recipe, root=tmp_path).endswith("They run at the BF16 twin's batch once that twin is committed "
                                                        "(`scripts/gpu/paper_recipe.sh`).")
-    assert recipe_plan(_recipe({"a": "no explosion"}, {"a": "stable"})) == ""
+    assert recipe_plan(_recipe({"a": "neither"}, {"a": "stable"})) == ""

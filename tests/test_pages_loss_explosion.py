@@ -79,7 +79,7 @@ def test_opening_text_carries_the_twins_numbers(fig2):
     from lpfa.pages import VERDICT_WORDS
     from lpfa.pages.loss_explosion import fig2_verdict, recipe_fates
 
-    assert text.startswith(f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(recipe_fates())]}: the loss exploded on ")
+    assert text.startswith(f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(recipe_fates())]}: the loss exploded in ")
     assert f"the BF16 twin's loss exploded at step {bf16['explosion_step']:,}" in text
     assert f"**{_tokens(conf):,} tokens per step**" in text
     assert f"about step {PAPER_EXPLOSION_STEP:,}" in text
@@ -234,9 +234,20 @@ def test_recipe_fates_are_every_plain_run_of_the_recipe():
         g = [(s, v) for p, s, v in want.values() if p == precision]
         seeds = {s for s, _ in g}
         boom = {s for s, v in g if v["exploded"]}
-        assert (f"on {len(boom)} of {len(seeds)} seeds in {precision.upper()} runs "
-                f"({sum(v['exploded'] for _, v in g)} of {len(g)} runs") in counts
+        assert (f"in {sum(v['exploded'] for _, v in g)} of {len(g)} {precision.upper()} runs, on {len(boom)} of "
+                f"{len(seeds)} seeds") in counts
     assert f"{max(v['steps'] for p, _, v in want.values() if p == 'fp32'):,} steps" in counts
+
+
+def test_horizon_text_counts_what_fig2_verdict_judges():
+    """The share by the horizon leaves out runs stopped sooner, says how many, and is the count the verdict uses."""
+    from lpfa.pages.loss_explosion import horizon_text
+
+    fates = pd.DataFrame({"precision": ["bf16"] * 4 + ["fp32"] * 2, "end": [5000, 6300, 5100, 5900, 9000, 3000],
+                          "exploded": [True, False, False, True, False, False]})
+    text = horizon_text(fates, horizon=6000)
+    assert "in 2 of 3 BF16 runs (95% interval 9%–99%) and 0 of 1 FP32 runs (95% interval 0%–97%)" in text
+    assert text.endswith("; the other 2 stopped too soon to say.")
 
 
 def test_fig2_verdict_counts_only_runs_that_could_have_exploded():
@@ -272,9 +283,10 @@ def test_survival_table_and_text_on_known_runs():
     assert bf.step.tolist() == [0, 5000, 5900, 7000] and bf.survival.tolist() == pytest.approx([1, 0.75, 0.5, 0.5])
     assert km[km.precision == "fp32"].survival.tolist() == [1.0, 1.0]
     text = survival_text(fates, horizon=6000)
-    assert "**BF16 attention: the loss exploded in 2 of 4 runs** within 6,000 steps (95% interval 7%–93%)" in text
-    assert "**FP32 attention: the loss exploded in 0 of 1 runs** within 6,000 steps" in text  # 4,000 stopped too soon
-    assert "`run2` (seed 3, compiled) ran 7,000 steps without exploding" in text
+    assert text.startswith("The loss exploded in 2 of 4 BF16 runs, on 2 of 3 seeds (at steps 5,000 and 5,900; the "
+                           "other 2 stopped without exploding at 6,500 to 7,000 steps) and in 0 of 2 FP32 runs")
+    assert "by then in 2 of 4 BF16 runs (95% interval 7%–93%) and 0 of 1 FP32 runs" in text  # 4,000: too soon
+    assert "`run2` (BF16, seed 3, compiled, 7,000 steps)" in text
     assert len(plot_survival(fates).axes[0].get_lines()) >= 2
     assert survival_text(pd.DataFrame()) == "No run of the paper's GPT-2 S recipe is committed."
 

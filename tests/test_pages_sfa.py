@@ -233,7 +233,7 @@ def test_gpt2m_price_from_the_committed_logs():
     the GPT-2 S explosion steps come from the recipe seeds."""
     import numpy as np
 
-    from lpfa.pages.loss_explosion import seed_table
+    from lpfa.pages.loss_explosion import recipe_fates
 
     price = sfa.gpt2m_price()
     folder = run_dir("gpt2m_price")
@@ -242,10 +242,12 @@ def test_gpt2m_price_from_the_committed_logs():
     tok = {label: float(np.median([r["tokens_per_s"] for r in recs if r["step"] >= 1])) for label, recs in raw.items()}
     minutes = {label: (recs[0]["step_s"] + 6000 * np.median([r["step_s"] for r in recs[1:]])) / 60
                for label, recs in raw.items()}
-    seeds = seed_table(recipe_rows())
-    text = sfa.gpt2m_text(price, 6000, seeds)
-    boom = sorted(int(s) for s in seeds["explosion step"].dropna())
+    fates = recipe_fates()
+    text = sfa.gpt2m_text(price, 6000, fates)
+    boom = sorted(int(s) for s in fates.loc[fates.precision == "bf16", "explosion step"].dropna())
     assert len(boom) >= 3
+    # every explosion step of the recipe, reruns of a seed included (the scorecard counts them all)
+    assert ", ".join(f"{s:,}" for s in boom[:-1]) in text
     for number in (f"{tok['bf16_paper_recipe']:,.0f} tokens/s with BF16", f"{tok['fp32_paper_recipe']:,.0f} tokens/s "
                    "with FP32", f"about {minutes['bf16_paper_recipe']:.0f} minutes in BF16",
                    f"{minutes['fp32_paper_recipe']:.0f} in FP32", f"{boom[-1]:,})",
@@ -254,20 +256,18 @@ def test_gpt2m_price_from_the_committed_logs():
         assert number in text, number
     assert tok["fp32_paper_recipe"] < tok["bf16_paper_recipe"]  # FP32 attention is the slower
     assert "not tested in this book" in text  # no GPT-2 M training run is committed
-    assert sfa.gpt2m_text(sfa.gpt2m_price("no_such_experiment"), 6000, seeds).startswith("GPT-2 M (Fig. 7c) is not run")
+    assert sfa.gpt2m_text(sfa.gpt2m_price("no_such_experiment"), 6000, fates).startswith("GPT-2 M (Fig. 7c) is not run")
 
 
 def test_gpt2m_scorecard_row_and_page_give_one_price(tmp_path):
     """The scorecard's Fig. 7c row and page 09's sentence state the same minutes (one function prices both)."""
     from lpfa.book import notebook_parameters
     from lpfa.pages.intro import _gpt2m_row
-    from lpfa.pages.loss_explosion import seed_table
-
     price = sfa.gpt2m_price()
     row = _gpt2m_row(None)
     total = f"about {sfa.gpt2m_minutes(price, sfa.GPT2M_STEPS):.0f} minutes of one H200"
     assert row["verdict"] == "not run" and row["page"] == "09_sfa" and total in row["our result"]
-    assert total in sfa.gpt2m_text(price, sfa.GPT2M_STEPS, seed_table(recipe_rows()))
+    assert total in sfa.gpt2m_text(price, sfa.GPT2M_STEPS)
     # the page's default is the scorecard's: its parameters cell sets gpt2m_steps to the same constant
     assert notebook_parameters(ROOT / "notebooks" / "09_sfa.ipynb")["gpt2m_steps"] == sfa.GPT2M_STEPS
     assert _gpt2m_row(tmp_path)["our result"] == "not run, not priced"

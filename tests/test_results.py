@@ -203,10 +203,10 @@ def test_scorecard_is_computed_from_the_committed_runs():
     from lpfa.pages.isolation import recipe_isolation_table
 
     recipe = recipe_isolation_table()
-    decided = recipe.index[recipe.verdict.isin(["exploded", "no explosion"])]
+    decided = recipe.index[recipe.verdict.isin(["loss exploded", "logits ran away", "neither"])]
     for label in decided.drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
-        assert (f"`{label.removesuffix('_paper_recipe')}` {recipe.loc[label, 'verdict']} in "
-                f"{int(recipe.loc[label, 'steps']):,} steps" in iso["our result"])
+        assert (f"`{label.removesuffix('_paper_recipe')}`: {recipe.loc[label, 'verdict']} "
+                f"({int(recipe.loc[label, 'steps']):,} steps)" in iso["our result"])
     counts = card["verdict"].value_counts()
     assert summary_text(card).startswith(f"Of the {len(card)} claims")
     assert all(f"{n} {v}" in summary_text(card) for v, n in counts.items())
@@ -239,7 +239,8 @@ def test_fig3_head_bars_before_the_explosion():
 
 def test_recipe_isolation_table_judges_rows_by_the_loss():
     """Page 10's rows at the paper's recipe: every defined row is listed; committed ones get the explosion verdict
-    of their files, the rest "not run yet"; a row has "no explosion" only past the step where the BF16 twin exploded."""
+    of their files, the rest "not run yet"; a row is judged "logits ran away" or "neither" only past the step where
+    the BF16 twin exploded."""
     from lpfa.experiments import RECIPE_ISOLATION
     from lpfa.pages.isolation import recipe_isolation_table
     from lpfa.results import experiment_rows
@@ -255,14 +256,15 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
             assert t.loc[label, "verdict"] == "not run yet"
             continue
         v = run_verdict(found[label])
-        want = "exploded" if v["exploded"] else "no explosion" if v["steps"] > boom else "too short"
+        want = ("loss exploded" if v["exploded"] else "too short" if v["steps"] <= boom else
+                "logits ran away" if v["runaway_step"] is not None else "neither")
         assert t.loc[label, "verdict"] == want and t.loc[label, "steps"] == v["steps"]
         assert (t.loc[label, "runaway step"] == v["runaway_step"]
                 or (v["runaway_step"] is None and pd.isna(t.loc[label, "runaway step"])))
     # pv_fp32 at the recipe (results/paper_recipe/h200-2026-12-01-s3): clean by the loss, but layer 1's logits ran away
-    assert t.loc["pv_fp32_paper_recipe", "verdict"] == "no explosion"
+    assert t.loc["pv_fp32_paper_recipe", "verdict"] == "logits ran away"
     assert t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
-    assert t.loc["delta_dp_paper_recipe", "verdict"] == "no explosion"
+    assert t.loc["delta_dp_paper_recipe", "verdict"] == "neither"
     assert pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
     assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
     # FP32 outlier heads (results/paper_recipe/h200-2026-12-02): the runaway moves to other heads of layer 1; each
@@ -710,7 +712,7 @@ def test_rank1_and_structure_texts_read_the_committed_replay_and_checkpoints():
     assert compare_text([], within) == []
 
 
-def test_isolation_ties_text_splits_failing_rows_by_their_ties():
+def test_isolation_ties_text_splits_runaway_rows_by_their_ties():
     import pandas as pd
 
     from lpfa.pages.isolation import isolation_ties_text
@@ -719,9 +721,10 @@ def test_isolation_ties_text_splits_failing_rows_by_their_ties():
                          "largest logit": {"fp32": 40.0, "a": 9000.0, "b": 2500.0}})
     text = isolation_ties_text(ties, "fp32", {"a", "b"})
     assert text.startswith("The `fp32` row's worst head never exceeds a tie fraction of 0.050. ")
-    assert "Failing rows with ties well above that: `a` (0.80). " in text
-    assert "**Failing without ties**: `b` (at most 0.060, largest logit 2,500)" in text
-    assert isolation_ties_text(ties, "fp32", {"a"}).endswith("Every failing row has ties well above the stable row's.")
+    assert "Rows whose logits ran away or loss exploded, with ties well above that: `a` (0.80). " in text
+    assert "**Running away without ties**: `b` (at most 0.060, largest logit 2,500)" in text
+    assert isolation_ties_text(ties, "fp32", {"a"}).endswith(
+        "Every row whose logits ran away or loss exploded has ties well above that.")
 
 
 def test_isolation_ties_reads_the_layer_maxima_of_the_committed_rows():

@@ -210,7 +210,8 @@ def replay_text() -> str:
     from lpfa.pages.tables import link
 
     return ("Per attention precision and outcome: the runs, how many the monitor warned, how many of those ahead of "
-            "the failure (a warning in a run where neither happened is a false alarm), and the median lead of the "
+            "the runaway, else the explosion (a warning in a run where neither happened is a false alarm), and the "
+            "median lead of the "
             "warnings ahead. Every run's row, with its steps and the head that warned, is in "
             f"{link('early_warning_replay')} (at the default lead and false-positive rate).")
 
@@ -226,11 +227,11 @@ def plot_first_warnings(table: pd.DataFrame):
     sns.scatterplot(failed, x="failure step", y="first warning", hue="attention", style="attention", s=60, ax=ax,
                     palette={"low precision": COLORS["bf16"], "fp32": COLORS["fp32"]})
     top = float(failed[["failure step", "first warning"]].max().max()) * 1.05
-    ax.plot([0, top], [0, top], ls=":", color="0.3", lw=1, label="warning = failure")
+    ax.plot([0, top], [0, top], ls=":", color="0.3", lw=1, label="warning = runaway (or explosion)")
     ax.set_xlabel("runaway step (else explosion step)")
     ax.set_ylabel("first warning step")
     ax.legend(fontsize=9)
-    ax.set_title("failed runs: the monitor's first warning against the failure", fontsize=10)
+    ax.set_title("runs whose logits ran away or loss exploded: the monitor's first warning", fontsize=10)
     return fig
 
 

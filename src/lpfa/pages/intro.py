@@ -24,11 +24,12 @@ from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.pages import VERDICT_WORDS, setting_of
 from lpfa.pages.delta_bias import replay_run
-from lpfa.pages.isolation import against_paper, isolation_table, recipe_isolation_table
+from lpfa.pages.isolation import against_paper, as_reported, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
     fate_counts,
     fig2_twins,
     fig2_verdict,
+    horizon_text,
     plot_twin_losses,
     recipe_fates,
     recipe_rows,
@@ -78,7 +79,7 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
         seeds = seeds_text(seed_table(recipe_rows(experiment, root=root)))
         result = "GPT-2 S at the paper's lr: " + seeds[0].lower() + seeds[1:]
     else:
-        result = f"GPT-2 S at the paper's lr: {fate_counts(fates)}"
+        result = f"GPT-2 S at the paper's lr: {fate_counts(fates)}. {horizon_text(fates)}"
     verdict = (fig2_verdict(fates) if not fates.empty else
                "reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
     rows = [_row(FIG2_CLAIM, "Fig. 2", result, verdict, "06_loss_explosion")]
@@ -188,19 +189,18 @@ def _isolation_row(layer: int, root) -> dict:
     # the same rows at the paper's recipe, where the BF16 loss explodes: judged by the loss itself
     recipe = recipe_isolation_table(root=root).drop(index=["bf16_paper_recipe", "fp32_paper_recipe"])
     ran = recipe[~recipe.verdict.isin(["not run yet", "too short"])]
-    as_reported = [label for label in ran.index
-                   if (ran.loc[label, "verdict"] == "exploded") == (ran.loc[label, "paper"] == "fails")]
+    reported = [label for label in ran.index if as_reported(ran.loc[label])]
     at_recipe = (f"; at the paper recipe, judged by the loss, {len(ran)} of {len(recipe)} rows run: "
-                 + ", ".join(f"`{label.removesuffix('_paper_recipe')}` {ran.loc[label, 'verdict']} in "
-                             f"{int(ran.loc[label, 'steps']):,} steps" for label in ran.index)
-                 + f" ({len(as_reported)} as reported)" if len(ran)
+                 + ", ".join(f"`{label.removesuffix('_paper_recipe')}`: {ran.loc[label, 'verdict']} "
+                             f"({int(ran.loc[label, 'steps']):,} steps)" for label in ran.index)
+                 + f" ({len(reported)} as reported)" if len(ran)
                  else "; none of its rows has run at the paper recipe yet")
-    complete = k == n and len(ran) == len(recipe) and len(as_reported) == len(ran)
+    complete = k == n and len(ran) == len(recipe) and len(reported) == len(ran)
     return _row("Which change removes the failure: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the outlier "
                 "heads", "Sec. 3.2",
                 f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by the precursor)"
                 + (f"; not: {', '.join(differ)}" if differ else "") + at_recipe,
-                "reproduced" if complete else "partly" if k or as_reported else "not reproduced", "10_isolation")
+                "reproduced" if complete else "partly" if k or reported else "not reproduced", "10_isolation")
 
 
 def _dose_row(root) -> dict:

@@ -165,8 +165,8 @@ def isolation_findings(table, layer: int = 1) -> str:
     lines.append("* **against the paper**: " + ("; ".join(
         ([f"it reports {', '.join(f'`{label}`' for label in stable_but)} stable, and here they are not"]
          if stable_but else [])
-        + ([f"it reports {', '.join(f'`{label}`' for label in fails_but)} failing, and here they neither explode "
-            "nor run away"]
+        + ([f"it reports {', '.join(f'`{label}`' for label in fails_but)} exploding, and here neither their loss "
+            "exploded nor their logits ran away"]
            if fails_but else []))
         or "every row the paper reports behaves as reported") + ".")
     # two candidate explanations, each a column of the table: which rows does each predict wrongly?
@@ -192,23 +192,25 @@ def isolation_ties(rows: dict, table, layer: int):
 
 
 def isolation_ties_text(ties, reference_row: str, sick) -> str:
-    """Page 10's finding from :func:`isolation_ties`: the stable ``reference_row``'s largest tie fraction, the failing
-    rows (``sick``) with ties above twice that, and those failing without them (not the paper's chain start)."""
+    """Page 10's finding from :func:`isolation_ties`: the ``reference_row``'s largest tie fraction (a row where neither
+    happened), the rows whose logits ran away or loss exploded (``sick``) with ties above twice that, and those without
+    them (not the paper's chain start)."""
     tie, top = ties["largest tie fraction"].astype(float), ties["largest logit"].astype(float)
     base = tie[reference_row]
     untied = [label for label in sorted(sick) if tie[label] <= 2 * base]
     tied = [label for label in sorted(sick) if label not in untied]
     text = f"The `{reference_row}` row's worst head never exceeds a tie fraction of {base:.3f}. "
     if tied:
-        text += "Failing rows with ties well above that: " + ", ".join(f"`{x}` ({tie[x]:.2f})" for x in tied) + ". "
+        text += ("Rows whose logits ran away or loss exploded, with ties well above that: "
+                 + ", ".join(f"`{x}` ({tie[x]:.2f})" for x in tied) + ". ")
     if untied:
-        text += ("**Failing without ties**: " + ", ".join(
+        text += ("**Running away without ties**: " + ", ".join(
             f"`{label}` (at most {tie[label]:.3f}, largest logit {top[label]:,.0f})" for label in untied)
                  + ": in these rows the logits grow without the tied maxima the paper's chain starts from, so ties are "
-                 "not necessary for the failure here; what they share with the tied rows is the BF16-rounded O that δ "
+                 "not necessary for the runaway here; what they share with the tied rows is the BF16-rounded O that δ "
                  "is computed from.")
     else:
-        text += "Every failing row has ties well above the stable row's."
+        text += "Every row whose logits ran away or loss exploded has ties well above that."
     return text
 
 
@@ -297,8 +299,9 @@ def isolation_plan(rows: dict, planned_steps: int = 8_000, gpus: int = 4) -> str
 def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     """The isolation rows at the paper's recipe (:data:`lpfa.experiments.RECIPE_ISOLATION`), judged by the loss: one
     row per BF16 twin, FP32 twin and isolation row of ``experiment``, with ``change``, ``paper``, ``steps``,
-    ``explosion step``, ``verdict`` ("exploded"; "no explosion": none in more steps than the BF16 twin needed; "too
-    short"; "not run yet"), and the precursor the loss does not show: ``runaway step``, ``runaway layer``
+    ``explosion step``, ``verdict`` in the book's one vocabulary ("loss exploded"; "logits ran away": no explosion in
+    more steps than the BF16 twin needed, but one layer's logits ran away; "neither"; "too short": stopped without
+    exploding before the BF16 twin exploded; "not run yet"), and the precursor: ``runaway step``, ``runaway layer``
     (:class:`lpfa.explosion.RunawayCriterion`; None without one) and ``runaway heads``, that layer's heads whose own
     logits ran away, earliest first (:func:`lpfa.run.heads_running_away`; a tuple)."""
     design = design_rows(experiment)
@@ -318,20 +321,29 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
                                             "runaway layer": v["runaway_layer"]})
             if v["runaway_layer"] is not None:
                 row["runaway heads"] = tuple(heads_running_away(found[label], int(v["runaway_layer"])))
-            row["verdict"] = ("exploded" if v["exploded"] else
-                              "no explosion" if boom is not None and v["steps"] > boom else "too short")
+            row["verdict"] = ("loss exploded" if v["exploded"] else
+                              "too short" if boom is None or v["steps"] <= boom else
+                              "logits ran away" if v["runaway_step"] is not None else "neither")
         out[label] = row
     return pd.DataFrame.from_dict(out, orient="index")
 
 
+def as_reported(row) -> bool:
+    """Whether a row of :func:`recipe_isolation_table` behaves as the paper reports: its loss exploded where the paper
+    reports a loss explosion ("fails"), neither happened where it reports a stable run; "too short" and "not run yet"
+    rows do not."""
+    if row["verdict"] in ("too short", "not run yet"):
+        return False
+    return row["verdict"] == ("loss exploded" if row["paper"] == "fails" else "neither")
+
+
 def recipe_iso_text(recipe) -> str:
     """How many of :func:`recipe_isolation_table`'s isolation rows (``recipe``) have run, and how many of those behave
-    as the paper reports (exploded where it reports a failure, no explosion where it reports stability; a row "too
-    short" does not count), for page 10's introduction."""
+    as the paper reports (the loss exploded where it reports a loss explosion; neither where it reports a stable run,
+    so a row whose logits ran away is not; a row "too short" does not count), for page 10's introduction."""
     run_rows = recipe[~recipe.index.isin(RECIPE_TWINS)]
     done = run_rows[run_rows.verdict != "not run yet"]
-    agree = [label for label in done.index if (done.loc[label, "verdict"] == "exploded")
-             == (done.loc[label, "paper"] == "fails") and done.loc[label, "verdict"] != "too short"]
+    agree = [label for label in done.index if as_reported(done.loc[label])]
     return ((f"{len(done)} of its {len(run_rows)} rows have run, {len(agree)} as the paper reports" if len(done) else
              f"none of its {len(run_rows)} rows has run yet") + " (`results/paper_recipe`)")
 
@@ -348,7 +360,7 @@ def recipe_runaway_text(recipe, root=None) -> str:
     (``recipe``) whose loss did not explode although one layer's logits ran away, from which step, in which heads
     (all of them, or named), and for a row with FP32 heads in that layer whether those stayed below the threshold;
     next to the BF16 twin's runaway and explosion steps."""
-    done = recipe[~recipe.index.isin(RECIPE_TWINS) & (recipe.verdict == "no explosion")]
+    done = recipe[~recipe.index.isin(RECIPE_TWINS) & (recipe.verdict == "logits ran away")]
     ran_away = [label for label in done.index if done.loc[label, "runaway step"] is not None
                 and done.loc[label, "runaway step"] == done.loc[label, "runaway step"]]  # not None, not NaN
     if not ran_away:
@@ -371,7 +383,7 @@ def recipe_runaway_text(recipe, root=None) -> str:
     return (f"The loss is not the whole story. The BF16 twin's layer-1 logits ran away from step "
             f"{bf16['runaway step']:,.0f} and its loss exploded at {bf16['explosion step']:,.0f}; {rows}. "
             + ("Such a change" if len(ran_away) == 1 else "Each such change")
-            + " delays the failure or leaves its precursor in place; whether its loss would explode later is not "
+            + " left the logit runaway in place in this one run; whether its loss would explode later is not "
               "measured within one GPU run.")
 
 

@@ -146,7 +146,7 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
                    f"did not explode in {sfa['steps']:,} steps")
                 + " (the SFA page). ")
     if fates is not None and not fates.empty:
-        lead = f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}: {fate_counts(fates)}.** "
+        lead = f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}: {fate_counts(fates)}.** {horizon_text(fates)} "
     else:
         lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** "
     return (lead + f"With {recipe}, the BF16 twin's loss exploded at step {b['explosion_step']:,} "
@@ -785,21 +785,41 @@ def recipe_fates(root=None) -> pd.DataFrame:
 
 
 def fate_counts(fates: pd.DataFrame) -> str:
-    """:func:`recipe_fates` in one clause: on how many seeds, and in how many runs, the loss exploded with BF16 and
-    with FP32 attention, at which steps; the page's lead and the scorecard's Fig. 2 row both say it so. A seed counts
-    as exploded when one of its runs did."""
+    """:func:`recipe_fates` in one clause: in how many runs, and on how many seeds, the loss exploded with BF16 and
+    with FP32 attention, at which steps, and where the other runs stopped without exploding; the page's lead and the
+    scorecard's Fig. 2 row both say it so. A seed counts as exploded when one of its runs did."""
     def count(precision: str) -> str:
         g = fates[fates.precision == precision]
         seeds = g.groupby("seed").exploded.any()
-        return (f"on {int(seeds.sum())} of {len(seeds)} seeds in {precision.upper()} runs ({int(g.exploded.sum())} of "
-                f"{len(g)} runs")
+        boom = sorted(int(x) for x in g["explosion step"].dropna())
+        quiet = g.loc[~g.exploded, "steps"]
+        stops = (f"{quiet.min():,}" if quiet.min() == quiet.max() else f"{quiet.min():,} to {quiet.max():,}")
+        return (f"in {len(boom)} of {len(g)} {precision.upper()} runs, on {int(seeds.sum())} of {len(seeds)} seeds ("
+                + (f"at steps {and_join([f'{x:,}' for x in boom])}; " if boom else "")
+                + (f"the other {len(quiet)} stopped without exploding at {stops} steps" if boom and len(quiet) else
+                   f"they stopped without exploding at {stops} steps" if len(quiet) else "every one")
+                + ")")
 
-    steps = sorted(int(x) for x in fates[fates.precision == "bf16"]["explosion step"].dropna())
-    fp32 = fates[fates.precision == "fp32"]
-    return (f"the loss exploded {count('bf16')}"
-            + (f"; at steps {', '.join(f'{x:,}' for x in steps)}" if steps else "")
-            + f") and {count('fp32')}"
-            + (f"; {fp32.steps.min():,} to {fp32.steps.max():,} steps" if len(fp32) else "") + ")")
+    return f"the loss exploded {count('bf16')} and {count('fp32')}"
+
+
+def horizon_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
+    """The share of :func:`recipe_fates`' runs whose loss exploded by step ``horizon``, per precision, with the exact
+    95% interval (:func:`lpfa.survival.clopper_pearson`), counting only the runs that exploded by then or ran past it
+    (:func:`lpfa.survival.failed_within`): a run stopped sooner cannot say. :func:`fig2_verdict` judges by the same
+    count; the page's lead and the scorecard's Fig. 2 row both print it."""
+    parts = []
+    for precision in ("bf16", "fp32"):
+        g = fates[fates.precision == precision]
+        k, n = failed_within(g["end"], g["exploded"], horizon)
+        if n:
+            lo, hi = clopper_pearson(k, n)
+            parts.append(f"{k} of {n} {precision.upper()} runs (95% interval {lo:.0%}–{hi:.0%})")
+        elif len(g):
+            parts.append(f"no {precision.upper()} run (none ran that far)")
+    short = int(sum((~(fates["exploded"] & (fates["end"] <= horizon)) & (fates["end"] < horizon))))
+    return (f"Counting only the runs that exploded by step {horizon:,} or trained past it, the loss exploded by then "
+            f"in {and_join(parts)}" + (f"; the other {short} stopped too soon to say" if short else "") + ".")
 
 
 def fig2_verdict(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
@@ -853,30 +873,22 @@ def plot_survival(fates: pd.DataFrame):
 
 
 def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
-    """How often the recipe's loss exploded, per precision: k of n runs within ``horizon`` steps with the exact 95%
-    interval (:func:`lpfa.survival.clopper_pearson`; runs that stopped sooner are left out,
-    :func:`lpfa.survival.failed_within`), the seeds, the explosion steps and the runs that stopped without one."""
+    """How often the recipe's loss exploded, per precision: every committed run (:func:`fate_counts`), then the share
+    by step ``horizon`` among the runs that can say (:func:`horizon_text`), and each run that stopped without
+    exploding, by name, seed and whether it was compiled."""
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed."
-    parts = []
-    for precision in ("bf16", "fp32"):
-        g = fates[fates.precision == precision]
-        if g.empty:
-            continue
-        k, n = failed_within(g["end"], g["exploded"], horizon)
-        seeds = sorted(set(g["seed"]))
-        boom = sorted(int(s) for s in g["explosion step"].dropna())
-        quiet = g[~g.exploded]
-        ci = clopper_pearson(k, n) if n else None
-        parts.append(
-            f"**{precision.upper()} attention: the loss exploded in {k} of {n} runs** within {horizon:,} steps"
-            + (f" (95% interval {ci[0]:.0%}–{ci[1]:.0%})" if ci else "")
-            + f", over {len(seeds)} seed{'s' if len(seeds) > 1 else ''} ({', '.join(map(str, seeds))})"
-            + (f"; at steps {', '.join(f'{s:,}' for s in boom)}" if boom else "")
-            + ("; " + and_join([f"`{r.split('/')[-1]}` (seed {row.seed}, {'compiled' if row.compiled else 'eager'}) "
-                                f"ran {row.steps:,} steps without exploding" for r, row in quiet.iterrows()])
-               if len(quiet) else "") + ".")
-    return " ".join(parts)
+    quiet = fates[~fates.exploded]
+    return (_capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
+            + (" The runs that stopped without exploding: "
+               + and_join([f"`{r.split('/')[-1]}` ({row.precision.upper()}, seed {row.seed}, "
+                           f"{'compiled' if row.compiled else 'eager'}, {row.steps:,} steps)"
+                           for r, row in quiet.sort_values(["precision", "steps"]).iterrows()]) + "."
+               if len(quiet) else ""))
+
+
+def _capital(text: str) -> str:
+    return text[:1].upper() + text[1:]
 
 
 def batch_text(conf: dict, explosion_step: int | None, horizon: int = HORIZON) -> str:

@@ -24,7 +24,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MUON_LONG, MUON_LR2, SFA_MUON, SIZES
 from lpfa.model import GPT, GPTConfig
 from lpfa.pages import RERUN_PAGE, and_join, provenance_line
-from lpfa.pages.loss_explosion import recipe_rows, seed_table
+from lpfa.pages.loss_explosion import recipe_fates
 from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import color_of, format_table, use_style
 from lpfa.results import experiment_rows, run_dir
@@ -583,18 +583,19 @@ def gpt2m_minutes(price: pd.DataFrame, steps: int) -> float:
             + minutes_for(price.loc["fp32_paper_recipe"], steps))
 
 
-def gpt2m_text(price: pd.DataFrame, steps: int, seeds=None) -> str:
+def gpt2m_text(price: pd.DataFrame, steps: int, fates=None) -> str:
     """GPT-2 M (Fig. 7c) priced in words: each run's measured throughput (``price``: :func:`gpt2m_price`), the minutes
     of a ``steps``-step run and of the three rows of Fig. 7c (SFA priced as BF16: the same kernel with a shifted
-    max), held against the steps at which GPT-2 S's loss exploded at the recipe (``seeds``:
-    :func:`lpfa.pages.loss_explosion.seed_table`)."""
+    max), held against every step at which a BF16 run of GPT-2 S's recipe exploded (``fates``:
+    :func:`lpfa.pages.loss_explosion.recipe_fates`, every committed run of the recipe)."""
     if price.empty or not {"bf16_paper_recipe", "fp32_paper_recipe"} <= set(price.index):
         return "GPT-2 M (Fig. 7c) is not run here, and its price is not measured (`results/gpt2m_price`)."
-    seeds = seed_table(recipe_rows()) if seeds is None else seeds
+    fates = recipe_fates() if fates is None else fates
     b, f = price.loc["bf16_paper_recipe"], price.loc["fp32_paper_recipe"]
     minutes = {label: minutes_for(price.loc[label], steps) for label in price.index}
     total = gpt2m_minutes(price, steps)
-    boom = sorted(int(s) for s in seeds["explosion step"].dropna()) if len(seeds) else []
+    boom = (sorted(int(s) for s in fates.loc[fates.precision == "bf16", "explosion step"].dropna()) if len(fates)
+            else [])
     return (f"**GPT-2 M (Fig. 7c) is priced here, not run.** GPT-2 M ({b['params'] / 1e6:.0f}M parameters) at the "
             f"GPT-2 S runs' recipe and batch, compiled, alone on one H200, trains at {b['tokens_per_s']:,.0f} tokens/s "
             f"with BF16 flash attention ({b['steps_per_s']:.1f} steps/s) and {f['tokens_per_s']:,.0f} tokens/s with "

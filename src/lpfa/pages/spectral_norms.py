@@ -186,10 +186,12 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
                         f"{s['common_steps']:,} common steps"
                         + (f" (they first differ at step {differ:,}). " if differ is not None else ". "))
         if same["bf16"]["first_differing_step"] is None and same["fp32"]["first_differing_step"] is not None:
-            text.append("lpfa's BF16 kernels are deterministic from run to run, on another machine and with the GPU "
-                        "shared or not; the FP32 twin (PyTorch SDPA on FP32 inputs) is not, so FP32 runs of one seed "
-                        "already scatter, and a BF16/FP32 ratio at one step is only meaningful well beyond that "
-                        "scatter (the seeds page measures it).")
+            text.append("These eager BF16 runs are deterministic from run to run, on another machine and with the "
+                        "GPU shared or not (lpfa's kernels fix their reduction order); the FP32 twin (PyTorch SDPA on "
+                        "FP32 inputs) is not, so FP32 runs of one seed already scatter, and a BF16/FP32 ratio at one "
+                        "step is only meaningful well beyond that scatter (the seeds page measures it). Compiled runs, "
+                        "as at the paper's recipe, are not deterministic in either precision: the stabiliser page "
+                        "shows one seed's compiled BF16 run exploding at different steps from run to run.")
     return "".join(text)
 
 
