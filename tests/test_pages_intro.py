@@ -34,8 +34,8 @@ def _card(*verdicts) -> pd.DataFrame:
 def test_fig2_text_and_summary_on_a_small_card():
     card = _card("partly", "reproduced", "reproduced", "not run")
     assert fig2_text(card) == "Fig. 2 (partly): result 0"
-    assert summary_text(card) == "Of the 4 claims tested here, 2 reproduced, 1 partly and 1 not run."
-    assert summary_text(_card("shown")) == "Of the 1 claims tested here, 1 shown."
+    assert summary_text(card) == "Of the 4 claims on this card, 2 reproduced, 1 partly and 1 not run."
+    assert summary_text(_card("shown")) == "Of the 1 claims on this card, 1 shown."
 
 
 def test_intro_numbers_from_the_configs():

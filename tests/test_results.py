@@ -1007,17 +1007,17 @@ def test_stabiliser_finding_names_the_rows_that_hold_and_how_the_others_fail():
     assert round(rerun["eval loss − twin"], 3) == -0.005 and LOSS_MATCH == 0.05
     g = table.loc["bf16_gated"]  # results/stabilisers/h200-2026-12-03b: ran away and ended above fp32_gated
     assert g["FP32 twin"] == "fp32_gated" and g["runaway step"] is not None and g["eval loss − twin"] > LOSS_MATCH
-    assert (f"`bf16_gated` keeps the logit runaway (layer 1, from step {g['runaway step']:,}) and ends "
-            f"{g['eval loss − twin']:.2f} above its FP32 twin's eval loss") in text
-    assert f"`sr` explodes (step {table.loc['sr', 'explosion step']:,})" in text
+    assert (f"`bf16_gated`: its logits ran away (layer 1, from step {g['runaway step']:,}) and its eval loss ended "
+            f"{g['eval loss − twin']:.2f} above its FP32 twin's") in text
+    assert f"`sr`: its loss exploded (step {table.loc['sr', 'explosion step']:,})" in text
     assert "`fp32_gated`" not in text  # FP32 twins are references, not stabiliser rows
     edited = table.copy()
     edited.loc["bf16_gated", "runaway step"] = None
     edited.loc["bf16_gated", "eval loss − twin"] = LOSS_MATCH / 2
     t2 = stabiliser_finding(edited)
-    assert "`bf16_gated`" in t2.split(" hold: ")[0] and "keeps the logit runaway" not in t2
+    assert "`bf16_gated`" in t2.split(" the criterion: ")[0] and "`bf16_gated`: its logits ran away" not in t2
     edited.loc["bf16_gated", "eval loss − twin"] = -2 * LOSS_MATCH
-    assert f"`bf16_gated` ends {2 * LOSS_MATCH:.2f} below its FP32 twin's eval loss" in stabiliser_finding(edited)
+    assert f"`bf16_gated`: its eval loss ended {2 * LOSS_MATCH:.2f} below its FP32 twin's" in stabiliser_finding(edited)
     assert stabiliser_finding(table.iloc[:0]).startswith("**Nothing to compare yet:**")
     only_bases = table.drop(index=[label for label in STABILISERS if label in table.index and label not in BASES])
     assert stabiliser_finding(only_bases) == "**No BF16 stabiliser row is committed yet.**"
@@ -1074,17 +1074,17 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
         column = "rank-1 similarity" if link == "rank-1 similarity" else "ties ÷ bf16"
         holding(t, label)
         t.loc[label, column] = broken_value
-        assert verdict(t, name) == "consistent with the claim: the row breaks the link and holds."
+        assert verdict(t, name) == ("consistent with the claim: the row breaks the link, and neither its loss "
+                                    "exploded nor its logits ran away.")
         t.loc[label, column] = kept_value
-        assert verdict(t, name).startswith("**against the claim**: the row holds with the link intact")
+        assert verdict(t, name).startswith("**against the claim**: the row keeps the link, yet neither its loss")
         t.loc[label, "eval loss − twin"] = 2 * LOSS_MATCH
-        assert verdict(t, name) == ("**against the claim**: the row leaves the link intact and ends "
-                                    f"{2 * LOSS_MATCH:.2f} above its FP32 twin's eval loss; the stabiliser does not "
-                                    "work here.")
+        assert verdict(t, name) == ("**against the claim**: the row leaves the link intact and its eval loss ended "
+                                    f"{2 * LOSS_MATCH:.2f} above its FP32 twin's; the stabiliser does not work here.")
         t.loc[label, column] = broken_value
         t.loc[label, ["exploded", "explosion step"]] = [True, 4321]
-        assert verdict(t, name) == ("**against the claim**: the row breaks the link, yet it explodes (step 4,321), so "
-                                    "breaking the link is not enough here.")
+        assert verdict(t, name) == ("**against the claim**: the row breaks the link, yet its loss exploded (step "
+                                    "4,321), so breaking the link is not enough here.")
         if link == "rank-1 similarity":
             t.loc[label, column] = None
             assert verdict(t, name) == "not judged: the link is not measured on this row."
@@ -1098,7 +1098,7 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
                   else r["ties ÷ bf16"] <= TIES_KEPT)
         holds = not r["exploded"] and r["runaway step"] is None and abs(r["eval loss − twin"]) <= LOSS_MATCH
         stand += [n] if broken and holds else []
-    assert lead.startswith(f"**{len(stand)} of the paper's {len(judged)} explanations measured here stand")
+    assert lead.startswith(f"**{len(stand)} of the paper's {len(judged)} explanations measured here fit")
     assert lead.endswith(".**")
 
 
@@ -1289,9 +1289,9 @@ def test_stabiliser_verdicts_at_a_second_seed_agree_or_say_seed_dependent():
     qk = claims["bf16_qknorm"]
     assert qk["seed_dependent"] and qk["labels"] == ["bf16_qknorm", "bf16_qknorm_s1"] and not qk["holds"]
     assert "Verdict: **seed-dependent**: at seed 1337, consistent with the claim" in qk["item"]
-    assert "at seed 1, **against the claim**: the row breaks the link, yet it explodes (step 4,000)" in qk["item"]
+    assert "at seed 1, **against the claim**: the row breaks the link, yet its loss exploded (step 4,000)" in qk["item"]
     lead = paper_claims_lead(list(claims.values()), seed_evidence(mixed, ["bf16_qknorm", "bf16_qknorm_s1"]))
     assert "QK-norm: seed-dependent (seed 1337: " in lead and lead.startswith("0 of the paper's 3")
     finding = stabiliser_finding(mixed)
-    assert "seed-dependent: `bf16_qknorm` holds at seed 1337 and not at seed 1" in finding
-    assert "`bf16_qknorm_s1` explodes (step 4,000)" in finding and "at seeds 1, 1337" in finding
+    assert "seed-dependent: `bf16_qknorm` meets it at seed 1337 and not at seed 1" in finding
+    assert "`bf16_qknorm_s1`: its loss exploded (step 4,000)" in finding and "at seeds 1, 1337" in finding

@@ -123,10 +123,10 @@ def test_dose_view_picks_out_the_runs_and_the_prediction_at_k():
     fig, text = le.dose_view(table, fit, 64)
     assert isinstance(fig, Figure) and fig.axes[0].get_title() == "dose k = 64"
     n64 = int((table["k"] == 64).sum())
-    assert f"{n64} run(s)" in text and "bias_x64_s1" in text and "within its doses" in text
+    assert f"{n64} runs: " in text and "bias_x64_s1" in text and "within its doses" in text
     assert f"step {predict(fit, 64)[0]:,.0f}" in text
     _, text = le.dose_view(table, fit, 1.0)
-    assert "extrapolated beyond" in text and "no explosion by step" in text
+    assert "extrapolated beyond" in text and "its loss did not explode by step" in text
     for bad in (0, -1.0, float("nan"), "64", True):
         with pytest.raises(ValueError, match=r"^k=.*: expected a positive dose"):
             le.dose_view(table, fit, bad)

@@ -37,7 +37,7 @@ SIZES = {
     # name: (n_layer, n_head, n_embd)
     "gpt2-s": (12, 12, 768),
     "gpt2-m": (24, 16, 1024),
-    "repro": (8, 8, 512),  # the feasibility study's failing configuration
+    "repro": (8, 8, 512),  # a smaller model whose BF16 logits run away within a GPU run
     "tiny": (4, 4, 128),
     "debug": (2, 2, 64),
 }

@@ -290,9 +290,9 @@ FIELD_CHECKS: dict[str, Param] = {
 
 PRESET_HELP = {
     "cpu-smoke": "the book's CPU default: a tiny model on the embedded corpus, a few minutes on 2 cores",
-    "repro": "the feasibility study's failing configuration: 8 layers, d = 512, T = 512, 16k tokens/step, "
-             "flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, paper semantics "
-             "untiled",
+    "repro": "a smaller model whose BF16 logits run away within a GPU run: 8 layers, d = 512, T = 512, "
+             "16k tokens/step, flat lr 2e-3 after 200 warmup steps, AdamW (0.9, 0.95), no weight decay, clip 1.0, "
+             "paper semantics untiled",
     "gpt2-s": "GPT-2 small at the paper's sequence length",
     "gpt2-s-paper": "the paper's own recipe (Sec. 3.1): GPT-2 small, T = 1024, 524,288 tokens/step, AdamW (0.9, 0.95), "
                     "no weight decay, clip 1.0, peak lr 1e-3 after 2,000 warmup steps, cosine to 1e-5 over 600k steps",

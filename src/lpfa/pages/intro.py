@@ -157,12 +157,17 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
         n_runaway = sum(bool(f["runaway layers"]["sfa"]) for f in found)
         f = found[0]
         bf16_step = f["explosion step"]["bf16"]
-        result = (f"paper recipe, {len(found)} seed{'s' if len(found) > 1 else ''}: SFA exploded in "
-                  f"{len(found) - n_ok} (first: {f['steps']['sfa']:,} steps, BF16 twin exploded at "
-                  f"{bf16_step if bf16_step is None else format(bf16_step, ',')}; "
-                  f"loss {f['loss']['sfa']:.2f} against FP32's {f['loss']['fp32']:.2f} at step {f['loss step']:,}); "
-                  f"logits ran away (> {f['logit']:,.0f}) in {len(f['runaway layers']['sfa'])} layers with SFA, "
-                  f"{len(f['runaway layers']['fp32'])} with FP32; " + repro)
+        fate = (f"its loss exploded at step {f['explosion step']['sfa']:,}" if f["explosion step"]["sfa"] is not None
+                else f"its loss did not explode in {f['steps']['sfa']:,} steps")
+        loss = (f"validation loss {f['val loss']['sfa']:.2f} against FP32's {f['val loss']['fp32']:.2f} at step "
+                f"{f['val step']:,}" if f.get("val step") is not None else
+                f"training loss {f['loss']['sfa']:.2f} against FP32's {f['loss']['fp32']:.2f} at step "
+                f"{f['loss step']:,}")
+        result = (f"paper recipe: the loss of {len(found) - n_ok} of {len(found)} SFA "
+                  f"run{'s' if len(found) > 1 else ''} exploded; in the first, {fate}, while its BF16 twin's "
+                  + (f"exploded at step {bf16_step:,}" if bf16_step is not None else "did not explode")
+                  + f"; {loss}; logits ran away (> {f['logit']:,.0f}) in {len(f['runaway layers']['sfa'])} layers "
+                  f"with SFA, {len(f['runaway layers']['fp32'])} with FP32; " + repro)
         verdict = ("not reproduced" if n_ok < len(found) else "partly" if n_runaway else "reproduced")
         return _row(claim, "Fig. 7", result, verdict, "09_sfa")
     ok = v["sfa"]["runaway_step"] is None and v["bf16"]["runaway_step"] is not None
@@ -315,7 +320,7 @@ def summary_text(card: pd.DataFrame) -> str:
     """The scorecard in one sentence: how many claims each verdict got."""
     counts = card["verdict"].value_counts()
     parts = [f"{counts[v]} {v}" for v in VERDICTS if v in counts]
-    return (f"Of the {len(card)} claims tested here, " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "")
+    return (f"Of the {len(card)} claims on this card, " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "")
             + parts[-1] + ".")
 
 

@@ -673,9 +673,12 @@ def dose_view(table: pd.DataFrame, fit: dict | None, k: float, what: str = "expl
     ax.plot(table.loc[at_k, "k"].astype(float) * dodge, shown[at_k], ls="none", marker="o", ms=15, mfc="none",
             mec="black", mew=1.2, zorder=4)
     event = what.replace(" step", "")
-    runs = ", ".join(f"{label} (no {event} by step {int(table.at[label, 'steps']):,})" if pd.isna(y[label])
+    quiet = {"explosion": "its loss did not explode",
+             "runaway": "its logits did not run away"}.get(event, f"no {event}")
+    runs = ", ".join(f"{label} ({quiet} by step {int(table.at[label, 'steps']):,})" if pd.isna(y[label])
                      else f"{label} (step {int(y[label]):,})" for label in at_k)
-    text = f"At dose k = {k:g}: " + (f"{len(at_k)} run(s), {runs}." if len(at_k) else "no committed run.")
+    text = f"At dose k = {k:g}: " + (f"{len(at_k)} run{'s' if len(at_k) > 1 else ''}: {runs}." if len(at_k) else
+                                     "no committed run.")
     pred, lo, hi = predict(fit, k) if fit is not None else (math.nan,) * 3
     if math.isfinite(pred):
         ax.errorbar([k], [pred], yerr=[[pred - lo], [hi - pred]], fmt="D", color="black", ms=6, capsize=4, zorder=5)
@@ -741,9 +744,9 @@ def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, 
         f"{tokens_per_step(pp):,} tokens/step, peak lr {pp['lr']:g}, {pp['warmup_steps']:,} warmup steps) explodes "
         f"after about {PAPER_EXPLOSION_STEP:,} steps, {paper_explosion_tokens() / 1e9:.1f}B tokens. With the `paper` "
         f"policy at {g_tps:,.0f} tokens/s on one H200 (GPT-2 S, eager, `results/{throughput}`), one such run takes "
-        f"{paper_explosion_tokens() / g_tps / 3600:.1f} GPU-hours, and a BF16/FP32/SFA set "
-        f"{3 * paper_explosion_tokens() / g_tps / 3600:.0f}, on a nanoGPT-prepared OpenWebText (`data=` a folder with "
-        f"train.bin, val.bin). Our paper-recipe BF16 twin reached its explosion in "
+        f"{paper_explosion_tokens() / g_tps / 3600:.1f} GPU-hours, and a BF16/FP32/SFA set of three takes "
+        f"{3 * paper_explosion_tokens() / g_tps / 3600:.0f} GPU-hours, on OpenWebText prepared as nanoGPT prepares it "
+        f"(`data=` a folder with train.bin and val.bin). Our paper-recipe BF16 twin reached its explosion in "
         f"{Run(runs['bf16']).summary['wall_s'] / 60:.0f} minutes at {tokens_per_step(conf):,} tokens/step. The "
         f"`gpt2-s` preset is a cheaper proxy, not the paper's setting: {tokens_per_step(gp):,} tokens/step and "
         f"nanoGPT's lr {gp['lr']:g}.")

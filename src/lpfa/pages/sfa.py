@@ -388,7 +388,8 @@ def muon_text(runs: dict) -> str:
                 + "; ".join(f"the {m.upper()} run {_verdict_words(v[m])}" for m in ("bf16", "fp32", "sfa") if m in v)
                 + ".")
         if "bf16" in v and "fp32" in v and v["bf16"]["exploded"]:
-            line += (" Both precisions exploded: at this learning rate the failure is generic, not BF16's."
+            line += (" Both precisions exploded in this one seed: at this learning rate the explosion is not "
+                     "BF16's alone."
                      if v["fp32"]["exploded"] else
                      f" A BF16-only loss explosion (Fig. 2 with Muon): the FP32 twin ran {v['fp32']['steps']:,} steps "
                      "without exploding.")
@@ -510,9 +511,9 @@ def muon_long_text(long: dict, measured: dict) -> str:
     short = before is not None and max(n[label] for label in ("bf16_muon", "fp32_muon", "sfa_muon")
                                        if label in n) <= before
     return (f"**Muon again, and at lr {MUON_LR2:g}** (`results/muon_long`). " + muon_text(long)
-            + (f" These twins were meant to run longer than the {before:,} steps above; sharing one H200 five ways "
-               "they trained fewer, so they are a second realisation of the same twins (compiled Muon steps are not "
-               "bit-reproducible), not a longer test." if short else ""))
+            + (f" They trained no more than the {before:,} steps above (five runs shared one H200), so they are a "
+               "second realisation of the same twins (compiled Muon steps are not bit-reproducible), not a longer "
+               "test." if short else ""))
 
 
 def sizes_text(measured: dict, t_adam) -> str:
@@ -528,9 +529,9 @@ def sizes_text(measured: dict, t_adam) -> str:
             f"loss of {stab.loc['sfa_gpt2s', 'final eval loss']:.2f}."]
     if both:
         paper = PRESETS["gpt2-s-paper"]
-        text.append("* Both precisions explode, so this is not the BF16-specific failure but the generic growth of "
+        text.append("* Both precisions explode, so this is not the BF16-only explosion of Fig. 2 but the growth of "
                     f"attention logits at too high a learning rate for this width (the `repro` lr, "
-                    f"{PRESETS['repro']['lr']:g}, is kept here), the regime the feasibility study warned of. SFA's run "
+                    f"{PRESETS['repro']['lr']:g}, is kept here). SFA's run "
                     "did not explode in the loss, but its logits ran away too"
                     + (f", and its eval loss ended at {stab.loc['sfa_gpt2s', 'final eval loss']:.2f} against "
                        f"{t_adam.loc['fp32', 'final eval loss']:.2f} for the smaller `repro` model's FP32 run on the "

@@ -1,8 +1,8 @@
 """Page 17, stabilisers: what QK-norm, gated attention, QK-clip, the soft-cap and stochastic rounding break in the
-chain, whether the run holds, what each costs, and the paper's Discussion judged on them.
+chain, whether the loss explodes or the logits run away, what each costs, and the paper's Discussion judged on them.
 
 **The rows.** Each stabiliser of :data:`lpfa.experiments.STABILISERS` is held, with the paper's own cuts of the chain
-(SFA, the isolation rows of :data:`lpfa.experiments.RECIPE_ISOLATION`), against the run where the failure is strongest:
+(SFA, the isolation rows of :data:`lpfa.experiments.RECIPE_ISOLATION`), against the run whose loss explodes:
 the BF16 run of the paper's GPT-2 S recipe (``bf16_paper_recipe``). A row is compared with its own FP32 twin (the
 design's ``reference``) where the stabiliser changes the model, else with the FP32 attention twin
 ``fp32_paper_recipe``; the logged links (ties, largest logit, W_Q) are read at the last diagnostics step before the BF16
@@ -13,8 +13,9 @@ experiment: each breaks one link (:data:`PAPER_CLAIMS`). A claim is judged on it
 BF16 run: the doctor's rank-1 similarity of (PK)[T]ᵀX[T] (Fig. 9) against ``bf16_rerun``'s, which has the checkpoint,
 with the FP32 run's (``fp32_rerun``) beside it as what the link is without BF16 attention; the ties against
 ``bf16_paper_recipe``'s. The similarity counts as broken below the FP32 run's (BF16 attention no longer adds structure
-that FP32 attention lacks), the ties when they fall to :data:`TIES_KEPT` of the BF16 run's or fewer. A claim stands only
-when its row both breaks the link and holds (:func:`_failure`).
+that FP32 attention lacks), the ties when they fall to :data:`TIES_KEPT` of the BF16 run's or fewer. A claim fits its
+run only when its row both breaks the link and meets the criterion: neither its loss exploded nor its logits ran away,
+and its eval loss ended within :data:`LOSS_MATCH` of its FP32 twin's (:func:`_failure`).
 """
 
 from __future__ import annotations
@@ -503,17 +504,25 @@ TIES_KEPT = 0.5
 
 
 def _failure(row) -> str:
-    """How a :func:`stabiliser_table` row fails to hold, in words: it explodes, or keeps a logit runaway, or ends more
-    than :data:`LOSS_MATCH` from its FP32 twin's eval loss; ``""`` when it holds."""
+    """Why a :func:`stabiliser_table` row does not meet the page's criterion, in the book's vocabulary: its loss
+    exploded, or its logits ran away, or neither but its eval loss ended more than :data:`LOSS_MATCH` from its FP32
+    twin's; ``""`` when it meets it (neither, and within :data:`LOSS_MATCH`)."""
     if row["exploded"]:
-        return f"explodes (step {row['explosion step']:,})"
+        return f"its loss exploded (step {row['explosion step']:,})"
     what = []
     if row["runaway step"] is not None:
-        what.append(f"keeps the logit runaway (layer {row['runaway layer']}, from step {row['runaway step']:,})")
+        what.append(f"its logits ran away (layer {row['runaway layer']}, from step {row['runaway step']:,})")
     gap = row["eval loss − twin"]
     if gap == gap and abs(gap) > LOSS_MATCH:
-        what.append(f"ends {abs(gap):.2f} {'above' if gap > 0 else 'below'} its FP32 twin's eval loss")
+        what.append(f"its eval loss ended {abs(gap):.2f} {'above' if gap > 0 else 'below'} its FP32 twin's")
     return " and ".join(what)
+
+
+def _outcome(row) -> str:
+    """A :func:`stabiliser_table` row's outcome in the book's vocabulary: "loss exploded", "logits ran away" or
+    "neither"."""
+    return ("loss exploded" if row["exploded"] else "logits ran away" if row["runaway step"] is not None
+            else "neither")
 
 
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
@@ -530,11 +539,13 @@ def _claim_verdict(broken, failure: str) -> str:
     if broken is None:
         return "not judged: the link is not measured on this row"
     if broken and not failure:
-        return "consistent with the claim: the row breaks the link and holds"
+        return ("consistent with the claim: the row breaks the link, and neither its loss exploded nor its logits "
+                "ran away")
     if not failure:
-        return "**against the claim**: the row holds with the link intact, so the link is not why it works here"
+        return ("**against the claim**: the row keeps the link, yet neither its loss exploded nor its logits ran "
+                "away, so the link is not what decides here")
     if broken:
-        return (f"**against the claim**: the row breaks the link, yet it {failure}, so breaking the link is not enough "
+        return (f"**against the claim**: the row breaks the link, yet {failure}, so breaking the link is not enough "
                 "here")
     return f"**against the claim**: the row leaves the link intact and {failure}; the stabiliser does not work here"
 
@@ -567,6 +578,8 @@ def paper_claims(table) -> list[dict]:
                        "broken": None if any(c["broken"] is None for c in per) else all(c["broken"] for c in per),
                        "holds": all(c["holds"] for c in per), "seed_dependent": dependent,
                        "short": per[0]["short"] if one else "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
+                       "outcome": per[0]["outcome"] if one else "; ".join(f"seed {c['seed']}: {c['outcome']}"
+                                                                          for c in per),
                        "item": f"- The paper says {claim}. " + " ".join(c["said"] for c in per)
                                + f" Verdict: {verdict}."})
     return claims
@@ -604,6 +617,8 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
         twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
     failure = _failure(r)
     return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure, "short": short,
+            "outcome": _outcome(r) + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None
+                                      else ""),
             "said": f"`{label}` ({fate}): {said}.{twin_text}", "verdict": _claim_verdict(broken, failure)}
 
 
@@ -613,11 +628,11 @@ def paper_claims_lead(claims: list[dict], evidence: str = "") -> str:
     judged = [c for c in claims if c["broken"] is not None or c.get("seed_dependent")]
     stand = [c for c in judged if c["broken"] and c["holds"]]
     return (f"{len(stand)} of the paper's {len(judged)} explanations measured here "
-            + ("stands" if len(stand) == 1 else "stand")
+            + ("fits its run" if len(stand) == 1 else "fit their runs")
             + (f" ({evidence})" if evidence else "")
             + "".join(f"; {c['who']}: seed-dependent ({c['short']})" if c.get("seed_dependent") else
-                      f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}) and "
-                      f"{'holds' if c['holds'] else 'fails'}" for c in judged) + ".")
+                      f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}); outcome: "
+                      f"{c['outcome']}" for c in judged) + ".")
 
 
 def paper_claims_text(table) -> str:
@@ -652,7 +667,7 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     if not bf16:
         return "**No BF16 stabiliser row is committed yet.**"
 
-    fails = {label: f"`{label}` {f}" if (f := _failure(table.loc[label])) else "" for label in bf16}
+    fails = {label: f"`{label}`: {f}" if (f := _failure(table.loc[label])) else "" for label in bf16}
     held = [label for label, f in fails.items() if not f]
     twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
                 and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
@@ -663,13 +678,14 @@ def stabiliser_finding(table, layer: int = 1) -> str:
     def seeds(labels):
         return ", ".join(str(int(table.loc[label, "seed"])) for label in labels)
 
-    dependent = [f"; seed-dependent: `{row}` holds at seed {seeds([x for x in runs if x in held])} and not at "
+    dependent = [f"; seed-dependent: `{row}` meets it at seed {seeds([x for x in runs if x in held])} and not at "
                  f"seed {seeds([x for x in runs if x not in held])}"
                  for row, runs in by_row.items() if 0 < sum(x in held for x in runs) < len(runs)]
     return (f"**At the paper's recipe, {len(held)} of the {len(bf16)} committed BF16 stabiliser rows "
             + f"({'; '.join(x for x in (seed_evidence(table, bf16), _ticked(held)) if x)}) "
-            + ("holds" if len(held) == 1 else "hold")
-            + f": no logit runaway and an eval loss within {LOSS_MATCH:g} of the FP32 twin's"
+            + ("meets" if len(held) == 1 else "meet")
+            + f" the criterion: neither the loss exploded nor the logits ran away, and the eval loss ended within "
+            f"{LOSS_MATCH:g} of the FP32 twin's"
             + (f" (for {_ticked(twinless)} the plain FP32 run's: its own twin is not committed)" if twinless else "")
             + "".join(f"; {f}" for f in fails.values() if f) + "".join(dependent) + ".**")
 

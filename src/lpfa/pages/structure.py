@@ -284,11 +284,11 @@ def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> l
                          f"average, {mb:.1%} in its most tied head), rank-1 similarity median {med:.2f}")
         out.append(
             "Against the paper's pretrained GPT-2, in models that never trained with BF16 attention: rounding the "
-            "scores to BF16 multiplies the tied rows " + "; ".join(parts)
+            "scores to BF16 multiplies the share of rows with tied maxima: " + "; ".join(parts)
             + ". So the first ingredient is there without BF16 training; the rank-1 matrices of the most tied head are "
             "similar (random vectors: "
             f"{round(found[0][1]['similarity']['random']['median'], 2) + 0.0:.2f})"
-            + (f" but far less than in the failing run's replayed heads ({min(replay_within):.2f} to "
+            + (f" but far less than in the replayed heads of the BF16 run ({min(replay_within):.2f} to "
                f"{max(replay_within):.2f})." if replay_within and max(meds) < min(replay_within) else "."))
     for label, s in bf16_trained:
         tb, tf, mb, mf, med = numbers(s)
