@@ -529,21 +529,22 @@ def test_stabiliser_summary_from_the_committed_table():
     """Page 17's rows in words (lpfa.pages.stabilisers.stabiliser_summary) from stabiliser_table: the count of committed
     stabiliser runs, each isolation cut with its ratios and outcome, and the rows that keep the ties without
     exploding."""
-    from lpfa.experiments import BASES, STABILISERS
+    from lpfa.experiments import RERUNS, STABILISERS
     from lpfa.pages.stabilisers import stabiliser_summary, stabiliser_table
 
-    table, step, _ = stabiliser_table(layer=1)
+    table, step, pending = stabiliser_table(layer=1)
     text = stabiliser_summary(table, step, 1)
-    rows = [label for label in STABILISERS if label not in BASES]  # the reruns and the Muon base are no stabilisers
+    rows = [label for label in STABILISERS if label not in RERUNS]  # the Muon bases are runs to make too
     done = [label for label in rows if label in table.index]
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
+    assert len(done) + len(pending) == len(rows)  # the count agrees with the page's list of rows not run yet
     assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text
     if "bf16_rerun" in table.index and table.loc["bf16_rerun", "exploded"]:  # the rerun's spread, from the two runs
         d = abs(table.loc["bf16_rerun", "explosion step"] - table.loc["bf16_paper_recipe", "explosion step"])
         assert f"moves the explosion by {d:,} steps" in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
-            f"{r['W_Q ÷ bf16']:.2f}, no loss explosion in 6,000 steps, its eval loss "
+            f"{r['W_Q ÷ bf16']:.2f}, its loss did not explode in 6,000 steps, its eval loss "
             f"{r['eval loss − twin']:+.2f} against `fp32_paper_recipe`'s at step {r['gap step']:,}, its layer-1 logits "
             f"running away from step {r['runaway step']:,}") in text
     cuts = [label for label in table.index if str(table.loc[label, "stabiliser"]).startswith("isolation")]
@@ -1035,7 +1036,7 @@ def test_paper_claims_text_measures_each_committed_claim():
     assert done  # bf16_qknorm is committed (results/stabilisers/h200-2026-12-02b)
     for n in done:
         r = table.loc[f"bf16_{n}"]
-        assert f"`bf16_{n}` ({'exploded' if r['exploded'] else 'no loss explosion'}" in text
+        assert f"`bf16_{n}` ({'its loss exploded' if r['exploded'] else 'its loss did not explode'}" in text
         assert f"ties ×{r['ties ÷ bf16']:.2f}" in text
         if r["rank-1 similarity"] is not None:
             base = table.loc["bf16_rerun", "rank-1 similarity"]

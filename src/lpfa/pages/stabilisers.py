@@ -397,7 +397,10 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     calls += [call] if call else []
 
     def minutes(label):
-        return f"{tokens / speed(label) / 60:.1f} min" if speed(label) is not None else "speed not measured"
+        if speed(label) is None:
+            return "speed not measured"
+        return (f"{tokens / speed(label) / 60:.1f} min"
+                + ("" if not alone or stabiliser_seed(label)[0] in alone else " (its kind's speed: not timed alone)"))
 
     measured = "; ".join(f"{k}: {tps:,.0f} tokens/s (`{name}`)" for k, (tps, name) in sorted(speeds.items()))
     scaled = (", each scaled by the row's tokens/s alone on one GPU over that run's (`benchmarks/stabiliser_cost.py`)"
@@ -488,15 +491,15 @@ LOSS_MATCH = 0.05
 
 
 def _loss_fate(row) -> str:
-    """A :func:`stabiliser_table` row's loss in words: where it exploded, or that the explosion criterion never fired
-    and its eval loss against its FP32 twin's (not "clean": a row can end far above its twin without exploding)."""
+    """A :func:`stabiliser_table` row's loss in words: where it exploded, or that it did not explode and its eval loss
+    against its FP32 twin's (a row can end far above its twin without exploding)."""
     if row["exploded"]:
         return f"its loss exploded at step {row['explosion step']:,}"
     gap = row["eval loss − twin"]
     if row["FP32 twin"] == row.name or gap != gap:
-        return f"no loss explosion in {row['steps']:,} steps"
-    return (f"no loss explosion in {row['steps']:,} steps, its eval loss {gap:+.2f} against `{row['FP32 twin']}`'s at "
-            f"step {row['gap step']:,}")
+        return f"its loss did not explode in {row['steps']:,} steps"
+    return (f"its loss did not explode in {row['steps']:,} steps, its eval loss {gap:+.2f} against "
+            f"`{row['FP32 twin']}`'s at step {row['gap step']:,}")
 
 
 # A row keeps the ties when its largest per-head tie fraction is above half the BF16 run's (ratio ``ties ÷ bf16``)
@@ -590,7 +593,7 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
     :func:`paper_claims`): its seed, ``broken``, ``holds``, ``short``, ``said`` (the row's links and fate, its FP32
     twin) and ``verdict`` (:func:`_claim_verdict`)."""
     r = table.loc[label]
-    fate = _loss_fate(r).removeprefix("its loss ") + (
+    fate = _loss_fate(r) + (
         f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
         if r["runaway step"] is not None else "")
     ratios = _link_ratios(r)
@@ -698,7 +701,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     runaway are exactly those whose layer-``layer`` δ does not come from the BF16 O."""
     if table.empty:
         return NOTHING_YET
-    rows = [label for label in STABILISERS if label not in BASES]
+    rows = [label for label in STABILISERS if label not in RERUNS]  # the Muon bases are runs to make too
     done = [label for label in rows if label in table.index]
     b = table.loc["bf16_paper_recipe"]
 

@@ -108,7 +108,7 @@ def tie_rise_text(runs: dict, table: pd.DataFrame) -> str:
             after = (f"; {int(load_metrics(runs[label])[0].index.max()) - first:,} steps after the rise the run "
                      "has still not exploded")
         lines.append(f"* **{label}**: " + (f"the loss explodes at step {int(boom):,}; " if pd.notna(boom)
-                                           else "no loss explosion; ")
+                                           else "the loss did not explode; ")
                      + (f"tie fraction rises in layer(s) {', '.join(str(lay) for lay in risen.index)} (first at step "
                         f"{first})" if len(risen) else "no layer's tie fraction rises")
                      + after)
