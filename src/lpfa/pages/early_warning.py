@@ -268,10 +268,10 @@ def monitor_overhead_table(root=None) -> pd.DataFrame:
 def overhead_text(cost: pd.DataFrame) -> str:
     """The page's finding on the monitor's cost, from :func:`monitor_overhead_table` ``cost``: the latest run's
     capture cost, amortised and as the ratio of means, against :data:`lpfa.monitor.OVERHEAD_GOAL`; the spread over
-    the runs of its commit; the process's first capture; the first run's cost for comparison."""
+    the runs of its commit; the process's first capture."""
     if cost.empty:
         return "No run of `benchmarks/monitor_overhead.py` is committed yet."
-    first, last = cost.iloc[0], cost.iloc[-1]
+    last = cost.iloc[-1]
     same = cost[cost["commit"] == last["commit"]]
     text = (f"**At every {last['every']} steps one capture costs {last['capture extra ms']:,.0f} ms over a plain "
             f"{last['plain ms']:.1f} ms step on {last['device']} ({last['setting']}): "
@@ -287,11 +287,7 @@ def overhead_text(cost: pd.DataFrame) -> str:
                  "both.")
     ms = last["first capture ms"]
     text += (f" The process's first capture step, timed apart, took {ms:,.0f} ms: {ONE_OFF}." if ms == ms else
-             f" That mean includes the process's first capture, with its {ONE_OFF}; later versions of the benchmark "
-             "time it apart.")
-    if len(cost) > 1:
-        text += (f" At {first['commit']} a capture cost {first['capture extra ms']:,.0f} ms "
-                 f"({first['amortised capture']:.1%}).")
+             f" That mean includes the process's first capture, with its {ONE_OFF}.")
     return text
 
 

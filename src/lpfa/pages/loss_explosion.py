@@ -466,6 +466,14 @@ def extrapolation_text(fit: dict, tokens_per_step: int, steps_per_minute: float 
     return text + "."
 
 
+def _n_control(table: pd.DataFrame, ks) -> str:
+    """How many control runs (random sign) each dose of ``ks`` has, in words: "one control run", "2–3 control runs"."""
+    counts = [int(((table["sign"] == "control") & (table["k"] == k)).sum()) for k in ks]
+    lo, hi = min(counts), max(counts)
+    n = f"{lo}" if lo == hi else f"{lo}–{hi}"
+    return ("one control run" if hi == 1 else f"{n} control runs")
+
+
 def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
     """:func:`lpfa.dose.dose_findings` in three sentences (Markdown): how many biased and control runs on ``base``
     exploded (at which doses and steps), where the bias rather than the magnitude decides, and the SFA row."""
@@ -484,8 +492,10 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
                 + (f"({steps(c)})" if c["exploded_runs"] else f"(k = {_ks(c['ks'])})")
                 + (f", and its logits ran away without an explosion at k = {_ks(c['runaway_only_ks'])}"
                    if c["runaway_only_ks"] else "")
-                + (f"; at k = {_ks(f['bias_decides_ks'])} every biased run exploded and no control did, so there the "
-                   "*bias*, not the size of the δ error, drives the failure" if f["bias_decides_ks"] else "")
+                + (f"; at k = {_ks(f['bias_decides_ks'])} every biased run exploded and no control did, so there, "
+                   f"with {_n_control(table, f['bias_decides_ks'])} at each dose and on the `repro` preset only, the "
+                   "*bias*, not the size of the δ error, decides whether the loss explodes" if f["bias_decides_ks"]
+                   else "")
                 + (f"; at k = {_ks(f['magnitude_suffices_ks'])} the magnitude alone suffices"
                    if f["magnitude_suffices_ks"] else "")
                 + ".")

@@ -227,6 +227,6 @@ def paper_scale(cmp: dict, gpus: int = 8, budget_min: int = 24):
                        f"two GPUs, not on {gpus}."),
         "ps_corpus": f"{GPU_CORPUS_TRAIN_TOKENS / 1e6:.0f}M", "ps_epochs": epochs,
         "ps_status": (f"Committed paper-scale runs: {', '.join(f'`{label}`' for label in scale_runs)}." if scale_runs
-                      else "Neither the 8-GPU runs nor a short scaling test run exist yet."),
+                      else "No paper-scale run (8 GPUs at the paper's batch) is committed."),
     }
     return ideal, notes
