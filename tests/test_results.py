@@ -924,6 +924,8 @@ def test_rescue_table_reads_the_committed_rescue():
     assert f"(`bias_x128`) exploded at step {b['explosion step']:,}" in text
     for label in found:
         assert f"(`{label}`: " in text
+    # one seed per row, held against every unrescued seed at the dose (bias_x128_s2 exploded at step 4,246)
+    assert "1,086, 1,306, 4,246, so a rescued run that did not explode in 3,000 steps may still explode later" in text
     assert rescue_headline(table.iloc[:0]).startswith("The rescue runs")
 
 

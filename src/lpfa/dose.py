@@ -305,9 +305,11 @@ def rescue_table(root=None):
     return pd.DataFrame(rows).T
 
 
-def rescue_headline(table) -> str:
+def rescue_headline(table, dose: pd.DataFrame | None = None) -> str:
     """The rescue in sentences, from :func:`rescue_table`: whether each rescued run exploded where the unrescued
-    run did, its first switch, its runaway and its eval loss against the FP32 twin's."""
+    run did, its first switch, its runaway and its eval loss against the FP32 twin's; then the evidence: one seed per
+    row, against the explosion steps of every unrescued biased run at the same dose (``dose``: :func:`dose_table` of
+    the committed runs when None), so a rescued run that did not explode by its end is not shown to be safe."""
     if table.empty:
         return "The rescue runs (`lpfa.experiments.RESCUE`) are not committed yet."
     base = f"bias_x{RESCUE_DOSE}"
@@ -329,4 +331,12 @@ def rescue_headline(table) -> str:
         ref = (f" (FP32 twin {table.loc['fp32', loss]:.2f})" if "fp32" in table.index and r[loss] == r[loss] else "")
         out.append(f"With `on_warning={r['on warning']}` (`{label}`: {first_switch}) it {fate}; {runaway}; eval loss "
                    f"{r[loss]:.2f} at step {loss.split('@ ')[1]}{ref}.")
+    dose = dose_table(committed_runs()) if dose is None else dose
+    same = dose[(dose["k"] == RESCUE_DOSE) & (dose["sign"] == "bias") & (dose["base"] == "paper_untiled")]
+    boom = sorted(int(s) for s in same["explosion step"].dropna())
+    rescued = table.drop(index=[x for x in (base, "fp32") if x in table.index])
+    if boom and len(rescued):
+        out.append(f"Each row is one seed: without a switch, the {len(same)} seeds at this dose exploded at steps "
+                   f"{', '.join(f'{s:,}' for s in boom)}, so a rescued run that did not explode in "
+                   f"{int(rescued['steps'].max()):,} steps may still explode later.")
     return " ".join(out)

@@ -90,7 +90,8 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     ratio = heads["bf16"] / heads["fp32"]
     grown = int((ratio > 1.25).sum())
     rows.append(_row("The W_Q spectral norm of a few heads in an early layer grows before the explosion", "Fig. 3",
-                     f"layer {layer}, step {at:,}: largest ‖W_Q[h]‖₂ {heads['bf16'].max():.1f} with BF16 against "
+                     f"one BF16/FP32 pair (seed {v['bf16']['seed']}), layer {layer}, step {at:,}: largest ‖W_Q[h]‖₂ "
+                     f"{heads['bf16'].max():.1f} with BF16 against "
                      f"{heads['fp32'].max():.1f} with FP32; {grown} of {len(ratio)} heads above 1.25× their FP32 twin's"
                      + (" (layer-wide, not a few heads)" if grown > len(ratio) / 2 else ""),
                      "not reproduced" if grown == 0 else "partly" if grown > len(ratio) / 2 else "reproduced",
@@ -100,7 +101,8 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     b, f = table.loc["bf16"], table.loc["fp32"]
     tie_b, tie_f = b[f"largest per-head tie fraction @ {step}"], f[f"largest per-head tie fraction @ {step}"]
     rows.append(_row("BF16 scores give rows with tied maxima, so P̄ has several entries exactly 1", "Fig. 13",
-                     f"layer {layer}, step {step:,}: {tie_b:.0%} of the most tied head's rows (BF16) against "
+                     f"one BF16/FP32 pair (seed {v['bf16']['seed']}), layer {layer}, step {step:,}: {tie_b:.0%} of "
+                     "the most tied head's rows (BF16) against "
                      f"{tie_f:.1%} (FP32)",
                      "reproduced" if tie_b > 10 * tie_f else "not reproduced", "08_tie_frequency"))
     return rows

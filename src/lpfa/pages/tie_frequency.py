@@ -204,7 +204,7 @@ def v_sign_text(frames: dict, layer: int) -> str:
     Markdown item with the share of one-signed V columns at its last record (mean over layers and heads, in ``layer``,
     over the run's second half in ``layer``, the most one-signed head) and at its first; with both "bf16" and "fp32",
     the ratio of their second-half shares in ``layer`` and what it says (above 1.5: BF16 training builds the structure;
-    below 1/1.5: the FP32 twin has more; else about the same)."""
+    below 1/1.5: the FP32 twin has more; else too close to tell apart in one pair)."""
     lines, at_layer = [], {}
     for label, f in frames.items():
         first, last = f[f.step == f.step.min()], f[f.step == f.step.max()]
@@ -222,7 +222,8 @@ def v_sign_text(frames: dict, layer: int) -> str:
         ratio = at_layer["bf16"] / max(at_layer["fp32"], 1e-12)
         verdict = ("V's sign structure is part of what BF16 training builds there." if ratio > 1.5 else
                    "the FP32 twin has more of them, so they are not what sets the BF16 run apart." if ratio < 1 / 1.5
-                   else "about the same, so one-signed V columns are not what sets the BF16 run apart; the ties are.")
+                   else "within 1.5× of each other, too close in one run pair to say that one-signed V columns set "
+                        "the BF16 run apart.")
         text += (f"\n\nIn layer {layer}, over the second half of the runs, the BF16 run has {ratio:.1f} times the FP32 "
                  f"twin's share of one-signed V columns: {verdict}")
     return text
