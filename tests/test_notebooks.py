@@ -165,7 +165,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch, executed_notebook):
             and "fits 10 of 12 rows; not `delta_dp` (layer 1 δ from dP∘P, precursor), `delta_o_exact`" in iso)
     # a second launch
     assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso
-    assert "**Failing without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
+    assert "**Running away without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
     # glued; the page's Markdown adds the full stop
     assert "the row neither exploded nor had its logits run away, as the paper reports" in iso
     assert "**Not run yet**: `bf16_tiled`." in iso
