@@ -3,10 +3,12 @@ the BF16 trajectory (results/repro_runaway, repro_twins, repro_pair), checked ag
 each replay's per-step sums."""
 
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from lpfa.experiments import MECHANISM_REPLAY
 from lpfa.pages.delta_bias import (
     STRONG_T,
     bias_table,
@@ -113,7 +115,7 @@ def test_the_recipe_replay_is_described_with_its_run_and_its_reruns():
     from lpfa.pages.delta_bias import describe, replay_run, reruns_text
     from lpfa.run import Run
 
-    folder, result, _ = open_replay("mechanism", None, "bf16_mechanism_replay")
+    folder, result, _ = open_replay("mechanism", None, MECHANISM_REPLAY)
     run = replay_run(result, folder)
     v = Run(run).verdict()
     text = describe(result, folder)
@@ -135,9 +137,40 @@ def test_the_recipe_replay_is_described_with_its_run_and_its_reruns():
 def test_bias_test_interval_is_the_mean_plus_minus_1_96_standard_errors():
     from lpfa.replay import bias_test
 
-    _, result, _ = open_replay("mechanism", None, "bf16_mechanism_replay")
+    _, result, _ = open_replay("mechanism", None, MECHANISM_REPLAY)
     for h, r in bias_test(result).items():
         x, _ = _sums(result, h)
         assert r["ci_low"] == pytest.approx(x.mean() - 1.959964 * _se(x), rel=1e-6)
         assert r["ci_high"] == pytest.approx(x.mean() + 1.959964 * _se(x), rel=1e-6)
         assert r["ci_low"] < r["mean"] < r["ci_high"]
+
+
+def test_mechanism_pages_and_scorecard_read_one_replay(tmp_path):
+    """Pages 02-04 and the intro's scorecard default to lpfa.experiments.MECHANISM_REPLAY; with run None a replay is
+    read from the latest run that holds it, not hidden by a later run that holds another."""
+    import inspect
+    import shutil
+
+    from lpfa.book import notebook_parameters
+    from lpfa.pages.delta_bias import replay_dir
+    from lpfa.pages.intro import scorecard
+    from lpfa.paths import results_dir
+    from lpfa.results import run_dir
+
+    root = Path(__file__).resolve().parents[1]
+    for nb in ("notebooks/02_delta_bias.ipynb", "notebooks/03_pktx_structure.ipynb", "notebooks/04_pv_error.ipynb"):
+        assert notebook_parameters(root / nb)["replay"] == MECHANISM_REPLAY, nb
+    assert notebook_parameters(root / "book" / "intro.ipynb")["replay"] == MECHANISM_REPLAY
+    assert inspect.signature(scorecard).parameters["replay"].default == MECHANISM_REPLAY
+    held = replay_dir("mechanism", None, MECHANISM_REPLAY)
+    assert (held / "replay.json").is_file()
+    # a copy of the mechanism results with a later run that holds another replay only
+    shutil.copytree(results_dir() / "mechanism" / held.parent.name, tmp_path / "mechanism" / held.parent.name)
+    later = tmp_path / "mechanism" / "zz-later" / "other_replay"
+    later.mkdir(parents=True)
+    (later / "replay.json").write_text("{}")
+    (later.parent / "provenance.json").write_text('{"date_utc": "2999-01-01T00:00:00Z"}')
+    assert run_dir("mechanism", None, tmp_path) == later.parent  # the latest run, which lacks the replay
+    assert replay_dir("mechanism", None, MECHANISM_REPLAY, tmp_path) == tmp_path / "mechanism" / held.parent.name / \
+        MECHANISM_REPLAY
+    assert replay_dir("mechanism", None, "other_replay", tmp_path) == later

@@ -9,6 +9,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from lpfa.experiments import MECHANISM_REPLAY
 from lpfa.widgets import NOTE, STATIC_ENV, interactive_or_static, is_static  # noqa: E402
 
 
@@ -157,7 +158,7 @@ def test_beta_view_shows_the_chosen_betas_shares():
 def replay():
     from lpfa.pages.delta_bias import open_replay
 
-    _, result, arrays = open_replay("mechanism", None, "bf16_mechanism_replay")
+    _, result, arrays = open_replay("mechanism", None, MECHANISM_REPLAY)
     return result, arrays
 
 

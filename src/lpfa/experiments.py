@@ -194,6 +194,9 @@ def stabiliser_seed(label: str) -> tuple[str, int | None]:
 # with the BF16 run's policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16
 # row, the twin and their replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
+# The replay the book's mechanism pages (02-04) and scorecard read by default: results/mechanism/<the latest run that
+# holds it>/MECHANISM_REPLAY. The notebooks' parameter cells carry the same literal (a test checks it).
+MECHANISM_REPLAY = "bf16_mechanism_replay"
 _MECHANISM_KEEP = [f"ckpt_interval={MECHANISM_CKPT}", "ckpt_history=true", "diag_interval=100"]
 MECHANISM: dict[str, list[str]] = {
     "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=false", *_MECHANISM_KEEP],

@@ -15,7 +15,7 @@ from lpfa.pages import setting_of
 from lpfa.params import dict_of, optional, text
 from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
-from lpfa.results import run_dir
+from lpfa.results import file_run, run_dir
 from lpfa.run import Run, runaway_onset
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -27,10 +27,17 @@ STRONG_T = 3  # a t statistic below this in every head: the replay's bias is wea
 SAME_SIGN_CHANCE = 0.6  # V one-signed at the tied keys below this share in every head: about what random signs give
 
 
+def replay_dir(experiment: str, run: str | None, replay: str, root=None) -> Path:
+    """The replay folder ``replay`` of run ``run`` of ``results/<experiment>``; with ``run`` None, of the latest run
+    that holds it (:func:`lpfa.results.file_run`), so that a later run with another replay does not hide it."""
+    return (run_dir(experiment, run, root) if run is not None else
+            file_run(experiment, f"{replay}/replay.json", root)) / replay
+
+
 def open_replay(experiment: str, run: str | None, replay: str) -> tuple[Path, dict, dict]:
     """``(folder, result, arrays)`` of the replay folder ``replay`` in run ``run`` of ``results/<experiment>`` (None:
-    its latest), read by :func:`lpfa.replay.load_replay`: the parameters of pages 02–04."""
-    folder = run_dir(experiment, run) / replay
+    the latest run that holds it), read by :func:`lpfa.replay.load_replay`: the parameters of pages 02–04."""
+    folder = replay_dir(experiment, run, replay)
     result, arrays = load_replay(folder)
     return folder, result, arrays
 

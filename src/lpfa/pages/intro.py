@@ -22,8 +22,9 @@ from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_au
 from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
+from lpfa.experiments import MECHANISM_REPLAY
 from lpfa.pages import VERDICT_WORDS, setting_of
-from lpfa.pages.delta_bias import replay_run
+from lpfa.pages.delta_bias import replay_dir, replay_run
 from lpfa.pages.isolation import against_paper, as_reported, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
     fate_counts,
@@ -109,7 +110,7 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
 
 
 def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
-    folder = run_dir(replay_experiment, None, root) / replay
+    folder = replay_dir(replay_experiment, None, replay, root)
     result, arrays = load_replay(folder)
     bt = bias_test(result)
     run = replay_run(result, folder)
@@ -267,7 +268,7 @@ def _kernel_row(root) -> dict:
     return _row(claim, "kernel audit", text, "shown" if carry else "not shown", "16_kernel_bias")
 
 
-def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str = "bf16_mechanism_replay",
+def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str = MECHANISM_REPLAY,
               twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None,
               pages=None) -> pd.DataFrame:
     """One row per claim: ``claim``, ``paper`` (figure or section), ``our result`` (numbers from the committed runs),
