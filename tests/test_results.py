@@ -125,18 +125,19 @@ def test_committed_explosions_name_every_exploded_run():
     t = committed_explosions()
     boom = t[t["exploded"]]
     assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_muon_lr2", "bf16_paper_recipe",
-                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2",
-                                                         "delta_o_exact", "fp32_gpt2s", "fp32_muon_lr2"]
+                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2", "bf16_rerun",
+                                                         "delta_o_exact", "fp32_gpt2s", "fp32_muon_lr2", "sr"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
     assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337, 1, 2
                                                    ("paper_recipe", "bf16_paper_recipe_s1"),
-                                                   ("paper_recipe", "bf16_paper_recipe_s2")]
+                                                   ("paper_recipe", "bf16_paper_recipe_s2"),
+                                                   ("stabilisers", "bf16_rerun")]  # seed 1337 again, compiled
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe_s2"), "fp32 twin exploded"])
     assert not bool(t.loc[("paper_recipe", "delta_o_fp32_paper_recipe"), "exploded"])  # the first isolation row there
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "8 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "10 exploded" in text and "its FP32 twin too" in text
     assert "its FP32 twin not" in text
 
 
@@ -654,7 +655,7 @@ def _v_frame(first: float, late: float, steps=(100, 200, 300, 400)):
 
 @pytest.mark.parametrize("bf16, fp32, words", [(0.3, 0.1, "part of what BF16 training builds"),
                                                (0.1, 0.3, "the FP32 twin has more of them"),
-                                               (0.2, 0.19, "about the same")])
+                                               (0.2, 0.19, "too close in one run pair")])
 def test_v_sign_text_compares_the_twins_in_the_layer(bf16, fp32, words):
     from lpfa.pages.tie_frequency import plot_v_sign, v_sign_text
 

@@ -206,7 +206,8 @@ MECHANISM: dict[str, list[str]] = {
 }
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
-    "bf16": "BF16 flash attention everywhere, one 512-key block (the paper's failing run; also its 'no tiling' row)",
+    "bf16": ("BF16 flash attention everywhere, one 512-key block (the paper's run whose loss explodes; also its "
+             "'no tiling' row)"),
     "fp32": "FP32 attention everywhere",
     "bf16_tiled": "BF16 flash attention tiled in 128 × 128 blocks (the paper finds tiling irrelevant)",
     "sfa": "BF16 attention with SFA (β = 2)",

@@ -152,8 +152,8 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
     ratio = {k: table.loc[k, col] / table.loc["fp32", col] for k in ("bf16", "sfa")}
     v = {k: run_verdict(d) for k, d in runs.items()}
     repro = (f"`repro` preset, step {step:,}: layer {layer}'s largest logit {ratio['sfa']:.1f}× the FP32 twin's "
-             f"with SFA, {ratio['bf16']:.1f}× without; SFA "
-             f"{'ran away' if v['sfa']['runaway_step'] is not None else 'no runaway'}")
+             f"with SFA, {ratio['bf16']:.1f}× without; with SFA its logits "
+             f"{'ran away' if v['sfa']['runaway_step'] is not None else 'did not run away'}")
     if recipe:
         found = [sfa_findings(trio) for trio in recipe.values()]
         n_ok = sum(f["explosion step"]["sfa"] is None for f in found)
@@ -167,7 +167,8 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
                 f"training loss {f['loss']['sfa']:.2f} against FP32's {f['loss']['fp32']:.2f} at step "
                 f"{f['loss step']:,}")
         result = (f"paper recipe: the loss of {len(found) - n_ok} of {len(found)} SFA "
-                  f"run{'s' if len(found) > 1 else ''} exploded; in the first, {fate}, while its BF16 twin's "
+                  f"run{'s' if len(found) > 1 else ''} exploded; {'in the first, ' if len(found) > 1 else ''}{fate}, "
+                  "while its BF16 twin's "
                   + (f"exploded at step {bf16_step:,}" if bf16_step is not None else "did not explode")
                   + f"; {loss}; logits ran away (> {f['logit']:,.0f}) in {len(f['runaway layers']['sfa'])} layers "
                   f"with SFA, {len(f['runaway layers']['fp32'])} with FP32; " + repro)
@@ -198,7 +199,7 @@ def _isolation_row(layer: int, root) -> dict:
     recipe = recipe_isolation_table(root=root).drop(index=["bf16_paper_recipe", "fp32_paper_recipe"])
     ran = recipe[~recipe.verdict.isin(["not run yet", "too short"])]
     reported = [label for label in ran.index if as_reported(ran.loc[label])]
-    at_recipe = (f"; at the paper recipe, judged by the loss, {len(ran)} of {len(recipe)} rows run: "
+    at_recipe = (f"; at the paper recipe, {len(ran)} of {len(recipe)} rows run: "
                  + ", ".join(f"`{label.removesuffix('_paper_recipe')}`: {ran.loc[label, 'verdict']} "
                              f"({int(ran.loc[label, 'steps']):,} steps)" for label in ran.index)
                  + f" ({len(reported)} as reported)" if len(ran)
@@ -331,7 +332,7 @@ def summary_text(card: pd.DataFrame) -> str:
 def fig2_text(card: pd.DataFrame) -> str:
     """The scorecard's Fig. 2 row (its first) in one line: its verdict and our result."""
     fig2 = card.iloc[0]
-    return f"Fig. 2 ({fig2['verdict']}): {fig2['our result']}"
+    return f"Fig. 2 ({fig2['verdict']}): {fig2['our result']}".rstrip(".")  # the page adds the full stop
 
 
 def styled(card: pd.DataFrame, link: bool = True):

@@ -206,7 +206,8 @@ def isolation_ties_text(ties, reference_row: str, sick) -> str:
     if untied:
         text += ("**Running away without ties**: " + ", ".join(
             f"`{label}` (at most {tie[label]:.3f}, largest logit {top[label]:,.0f})" for label in untied)
-                 + ": in these rows the logits grow without the tied maxima the paper's chain starts from, so ties are "
+                 + (": in these rows" if len(untied) > 1 else ": in this row")
+                 + " the logits grow without the tied maxima the paper's chain starts from, so ties are "
                  "not necessary for the runaway here; what they share with the tied rows is the BF16-rounded O that δ "
                  "is computed from.")
     else:

@@ -60,7 +60,7 @@ DODGE = {"control": 1.1, "other": 1 / 1.1}
 # the step by which a run of the recipe counts as having exploded or not (the survival text, Fig. 2's verdict): past
 # every committed BF16 explosion (4,883 to 5,818), within what one GPU run reaches
 HORIZON = 6000
-EXPLOSION_EXPERIMENTS = ("paper_recipe", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
+EXPLOSION_EXPERIMENTS = ("paper_recipe", "stabilisers", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -727,8 +727,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
         d = int(table.loc[STABILISER_RERUN, "explosion step"]) - int(b["explosion step"])
         rerun = (f" The BF16 run again, same seed and data order (`{STABILISER_RERUN}`), exploded at step "
                  f"{table.loc[STABILISER_RERUN, 'explosion step']:,}: the compiled model's run-to-run "
-                 f"nondeterminism alone moves the explosion by {abs(d):,} steps (eager BF16 runs are deterministic, "
-                 "the spectral-norm page).")
+                 f"nondeterminism alone moves the explosion by {abs(d):,} steps (eager BF16 runs are deterministic).")
     doc = table[table["doctor step"].notna()]
     doctor = ""
     if not doc.empty:
