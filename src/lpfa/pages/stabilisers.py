@@ -617,7 +617,7 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
     if twin in table.index and table.loc[twin].get("rank-1 similarity") is not None:
         twin_text = f" Its FP32 twin `{twin}`: rank-1 similarity {table.loc[twin, 'rank-1 similarity']:.3f}."
     else:  # the stabiliser changes the model: its own FP32 twin says what it does to the similarity without BF16
-        twin_text = f" Its FP32 twin `{twin}` has no doctor report yet."
+        twin_text = f" Its FP32 twin `{twin}` has no committed doctor report."
     failure = _failure(r)
     return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure, "short": short,
             "outcome": _outcome(r) + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None
