@@ -312,7 +312,7 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert outcome_text(t2, "pre") == "showed the precursor from step 700"
     assert outcome_text(t2, "ref") == "neither exploded nor had its logits run away"
     assert outcome_text(t2, "bf16_s2") == "did not explode, but its layer-1 logits ran away from step 600"
-    assert outcome_text(table, "fp32_s1") == "stayed stable"  # no reference: no precursor verdict
+    assert outcome_text(table, "fp32_s1") == "neither exploded nor had its logits run away"  # no reference
     t0, _ = experiment_table({"pre": tmp_path / "pre"}, layer=0)
     assert t0.loc["pre", "layer 0 scores"] == "bf16; fp32 in heads 2, 5"
     assert t0.loc["pre", "layer 0 δ from"] == "bf16 O; fp32 O in heads 2, 5"

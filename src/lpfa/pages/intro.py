@@ -181,7 +181,7 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
 
 def _gpt2m_row(root, steps: int = GPT2M_STEPS) -> dict:
     """Fig. 7c: GPT-2 M, priced from its committed throughput (:func:`lpfa.pages.sfa.gpt2m_price`) and not run."""
-    claim = "The BF16 failure and SFA's fix carry over to GPT-2 M"
+    claim = "The BF16 loss explosion and SFA's fix carry over to GPT-2 M"
     price = gpt2m_price(root=root)
     if price.empty:
         return _row(claim, "Fig. 7c", "not run, not priced", "not run", "09_sfa")
@@ -205,8 +205,8 @@ def _isolation_row(layer: int, root) -> dict:
                  + f" ({len(reported)} as reported)" if len(ran)
                  else "; none of its rows has run at the paper recipe yet")
     complete = k == n and len(ran) == len(recipe) and len(reported) == len(ran)
-    return _row("Which change removes the failure: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the outlier "
-                "heads", "Sec. 3.2",
+    return _row("Which change prevents the loss explosion: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the "
+                "outlier heads", "Sec. 3.2",
                 f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by the precursor)"
                 + (f"; not: {', '.join(differ)}" if differ else "") + at_recipe,
                 "reproduced" if complete else "partly" if k or reported else "not reproduced", "10_isolation")

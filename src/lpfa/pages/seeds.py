@@ -1,4 +1,4 @@
-"""Page 11, seeds: the spread of the failure over seeds of data order and initialisation.
+"""Page 11, seeds: the spread of the loss explosion and the logit runaway over seeds of data order and initialisation.
 
 The runs are the BF16 and FP32 twins of :data:`lpfa.experiments.SEEDS` and, for seed 1337, the eager twins of the
 loss-explosion page and the compiled ``bf16``/``fp32`` rows of the isolation table. Each is judged against the run its
@@ -140,5 +140,5 @@ def recipe_text(root=None) -> str:
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed yet; the seeds below are of the `repro` preset."
     return (f"**At the paper's GPT-2 S recipe, {fate_counts(fates)}** (the loss-explosion page draws them as a "
-            "survival curve). The seeds below are of the smaller `repro` preset: they measure how the failure and its "
-            "precursor move with the seed there.")
+            "survival curve). The seeds below are of the smaller `repro` preset: they measure how the logit runaway "
+            "(and the weaker logit growth before it) move with the seed there.")

@@ -300,7 +300,7 @@ def sweep_text(frames: dict, verdicts: pd.DataFrame, runs: dict, layer: int) -> 
 
     zeroed = ", ".join(f"β = {beta:g} ({s_last.loc[beta, 'zeroed']:.1%})" for beta in s_last.index
                        if s_last.loc[beta, "zeroed"] > 0) or "no β"
-    return (f"* **Stability.** SFA (β = 2) {'exploded' if v.loc['sfa', 'exploded'] else 'did not explode'} in "
+    return (f"* **The loss.** SFA (β = 2) {'exploded' if v.loc['sfa', 'exploded'] else 'did not explode'} in "
             f"{v.loc['sfa', 'steps']:,} steps — but neither did the BF16 run ({v.loc['bf16', 'steps']:,} steps), so "
             "these runs cannot show that SFA prevents an explosion; they show what it does on the way. At step "
             f"{common:,}, layer {layer}'s largest attention logit is {logit('sfa'):.0f} with SFA, {logit('fp32'):.0f} "
@@ -359,7 +359,7 @@ def outcome_text(table, label: str) -> str:
         return f"did not explode, but its layer-{r['runaway layer']} logits ran away from step {r['runaway step']:,}"
     if r["outcome"] == "precursor":
         return f"showed the precursor from step {r['precursor from']:,}"
-    return "neither exploded nor had its logits run away" if r["outcome"] == "neither" else "stayed stable"
+    return "neither exploded nor had its logits run away"
 
 
 def _verdict_words(v: dict) -> str:
@@ -374,7 +374,7 @@ def _verdict_words(v: dict) -> str:
 def muon_text(runs: dict) -> str:
     """The Muon twins (:data:`lpfa.experiments.MUON_LONG`, ``{label: run dir}``) in sentences, one per Muon learning
     rate: how long the runs trained, each one's verdict, and whether an explosion was BF16's alone or both precisions'
-    (then it is the generic instability of too high a learning rate, not the paper's failure)."""
+    (then it is not the BF16-only explosion of the paper)."""
     groups: dict[float, dict[str, Run]] = {}
     for label, d in runs.items():
         r = Run(d)
@@ -478,8 +478,8 @@ def sfa_muon_text(measured: dict, t_adam, layer: int) -> str:
         text.append(f"* **What SFA did with Muon.** At β = 2 it silenced between {l2.silenced.min():.1%} and "
                     f"{l2.silenced.max():.1%} of layer {layer}'s rows (output below 1/1000 of its value) at every "
                     f"checkpoint from step {int(l2.index.min()):,} to {int(l2.index.max()):,}, and zeroed up to "
-                    f"{l2.zeroed.max():.1%}: the run is stable with that share of the layer's rows switched off; the "
-                    "same sweep on the BF16 run's weights is below.")
+                    f"{l2.zeroed.max():.1%}: the run's loss did not explode with that share of the layer's rows "
+                    "switched off; the same sweep on the BF16 run's weights is below.")
     return "\n".join(text)
 
 
@@ -560,7 +560,7 @@ def dose_text() -> str:
     return (f"With SFA (β = {s['beta']:g}) and layer 1's δ error × {s['k']:g}, the loss "
             + (f"exploded at step {s['explosion step']:,}, against step "
                f"{', '.join(f'{x:,}' for x in s['without_sfa'])} for the same dose without SFA: SFA delays the "
-               "amplified failure but does not prevent it. At dose 1, where the only δ error is the one the ties "
+               "amplified explosion but does not prevent it. At dose 1, where the only δ error is the one the ties "
                "create, none of the SFA runs above exploded."
                if s["exploded"] else "did not explode."))
 
@@ -608,7 +608,7 @@ def gpt2m_text(price: pd.DataFrame, steps: int, fates=None) -> str:
             + f" takes about {minutes['bf16_paper_recipe']:.0f} minutes in BF16 and "
             f"{minutes['fp32_paper_recipe']:.0f} in FP32, so the three rows of Fig. 7c (BF16, FP32 and SFA, priced as "
             f"BF16) take about {total:.0f} minutes of one H200 for one seed. They are not among the committed runs: "
-            "whether the BF16 failure and SFA's fix carry over to GPT-2 M is not tested in this book.")
+            "whether the BF16 loss explosion and SFA's fix carry over to GPT-2 M is not tested in this book.")
 
 
 def beta_view(frames: dict, layer: int, beta: float) -> tuple:

@@ -1,10 +1,10 @@
 """Page 07, W_Q spectral norms (Figs. 3, 11): per-head ‖W_Q[h]‖₂ of the paper's recipe twins before the BF16 run's loss
 explosion, their growth over training, and how far the BF16 run's layer parts from its FP32 twin's.
 
-The paper finds the norm growing in a few heads of one early layer of the failing run only (Fig. 3, and Fig. 11 over
-training): the biased δ of the tied rows (Eq. 3) pushes W_Q along one direction step after step. Here every head's
-norm is read from the diagnostics ``lpfa.train`` logs every ``diag_interval`` steps (:func:`head_metric_frame`), and
-the BF16 run is held against its FP32 twin of the same seed and data.
+The paper finds the norm growing in a few heads of one early layer of the run whose loss explodes, and only there (Fig.
+3, and Fig. 11 over training): the biased δ of the tied rows (Eq. 3) pushes W_Q along one direction step after step.
+Here every head's norm is read from the diagnostics ``lpfa.train`` logs every ``diag_interval`` steps
+(:func:`head_metric_frame`), and the BF16 run is held against its FP32 twin of the same seed and data.
 """
 
 from __future__ import annotations
@@ -164,7 +164,8 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
              f"{', '.join(g.index[g['layer'] == layer]) or 'no run'} (elsewhere: "
              + ", ".join(f"{r} layer {int(row['layer'])}" for r, row in g[g["layer"] != layer].iterrows()) + ")")
     text = [f"**Compared with the paper.** The paper reports W_Q norms growing in a few heads of one early layer of "
-            f"the failing run only. Here layer {layer} is the layer of the fastest-growing head in {where}; at step "
+            f"the run whose loss explodes, and only there. Here layer {layer} is the layer of the fastest-growing head "
+            f"in {where}; at step "
             f"{common:,} the BF16 run's largest layer-{layer} norm is {ratio:.2f}× the largest among {', '.join(hp)}",
             f", and it stays above 1.25× the {hp[0]} run's from step {div:,} on." if div is not None else
             ", and it never stays 1.25× above it: within these steps W_Q is not a BF16-specific precursor."]

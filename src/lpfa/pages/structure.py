@@ -1,7 +1,7 @@
 """Page 05, structure (Figs. 8, 9): the two ingredients the mechanism needs, rows with tied maxima and rank-1 matrices
 (PK)[T]ᵀX[T] that point the same way, measured (:func:`lpfa.structure.summarize`) in a CPU-trained model (by default
 the committed run of ``scripts/cpu_smoke.py``, :func:`model_summary`; ``train=True`` trains it here), in the GPU-
-trained twins' logged ties, in the replay of the failing BF16 run and in the GPU-trained checkpoints."""
+trained twins' logged ties, in the replay of the BF16 recipe run and in the GPU-trained checkpoints."""
 
 from __future__ import annotations
 
@@ -264,8 +264,8 @@ def _bf16_trained(s: dict) -> bool:
 def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> list[str]:
     """Page 05's comparison of GPU-trained checkpoints (``found``: (label, summary) pairs, in the order measured).
     Those trained without BF16 attention first, in one paragraph set against the paper's pretrained GPT-2: how many
-    times BF16 scores multiply the tied rows, and their rank-1 similarity against random vectors and against the failing
-    run's replayed heads (``replay_within``: their within-step median similarities, :func:`rank1_text`). Then one
+    times BF16 scores multiply the tied rows, and their rank-1 similarity against random vectors and against the
+    replayed run's heads (``replay_within``: their within-step median similarities, :func:`rank1_text`). Then one
     paragraph per BF16-trained checkpoint, next to its FP32 twin at the same step where there is one."""
 
     def numbers(s):
