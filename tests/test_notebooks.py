@@ -249,7 +249,7 @@ def test_tie_frequency_page_shows_v_sign_dominance(executed_notebook):
     assert "5.9% over the run's second half" in text and "4.2% over the run's second half" in text
     assert "**fp32** at step 6,500: 1.6% of V's columns one-signed" in text
     assert ("over the second half of the runs, the BF16 run has 1.4 times the FP32 twin's share of one-signed V "
-            "columns: about the same" in text)
+            "columns: within 1.5× of each other, too close in one run pair" in text)
     assert "Not logged" not in text
 
 
