@@ -34,6 +34,11 @@ def and_join(items: list[str]) -> str:
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
+def capital(text: str) -> str:
+    """``text`` with its first letter upper-cased (a clause that begins a sentence); the rest as it is."""
+    return text[:1].upper() + text[1:]
+
+
 def setting_of(train: dict) -> str:
     """The training setting of a run's TrainConfig (``config.json``'s ``"train"``) in words: the preset whose model,
     sequence length and learning-rate schedule it has ("the paper's GPT-2 S recipe", "the `repro` preset"), or

@@ -23,7 +23,7 @@ from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MECHANISM_REPLAY
-from lpfa.pages import VERDICT_WORDS, setting_of
+from lpfa.pages import VERDICT_WORDS, capital, setting_of
 from lpfa.pages.delta_bias import replay_dir, replay_run
 from lpfa.pages.isolation import against_paper, as_reported, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
@@ -299,10 +299,6 @@ def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str 
     return card if pages is None else card[card.page.isin(pages)].reset_index(drop=True)
 
 
-def _capital(text: str) -> str:
-    return text[:1].upper() + text[1:]
-
-
 def scorecard_note(page: str, **kwargs) -> str:
     """What the scorecard says of the claims that page ``page`` (a notebook name) shows, as one Markdown paragraph:
     "**Fig. 3: partly reproduced.** <our result>." per row, from :func:`scorecard` itself (``kwargs``: its
@@ -317,7 +313,7 @@ def scorecard_note(page: str, **kwargs) -> str:
     if card.empty:
         raise ValueError(f"page={page!r}: expected a page the scorecard links to, one of {', '.join(SCORED_PAGES)}")
     return "On the book's scorecard: " + " ".join(
-        f"**{_capital(row.paper)}: {VERDICT_WORDS[row.verdict]}.** {_capital(row._3).rstrip('.')}."
+        f"**{capital(row.paper)}: {VERDICT_WORDS[row.verdict]}.** {capital(row._3).rstrip('.')}."
         for row in card.itertuples())
 
 

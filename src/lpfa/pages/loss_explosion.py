@@ -29,7 +29,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_respon
 from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
-from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, setting_of
+from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, setting_of
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -892,16 +892,12 @@ def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed."
     quiet = fates[~fates.exploded]
-    return (_capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
+    return (capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
             + (" The runs that stopped without exploding: "
                + and_join([f"`{r.split('/')[-1]}` ({row.precision.upper()}, seed {row.seed}, "
                            f"{'compiled' if row.compiled else 'eager'}, {row.steps:,} steps)"
                            for r, row in quiet.sort_values(["precision", "steps"]).iterrows()]) + "."
                if len(quiet) else ""))
-
-
-def _capital(text: str) -> str:
-    return text[:1].upper() + text[1:]
 
 
 def batch_text(conf: dict, explosion_step: int | None, horizon: int = HORIZON) -> str:
