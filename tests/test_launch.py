@@ -305,3 +305,34 @@ def test_mechanism_script_replays_from_the_checkpoint_the_time_allows(monkeypatc
     kept = {}
     with pytest.raises(RuntimeError, match="no checkpoint before step 6310"):
         m.bf16_window(Path("run"), 1000, 5000)
+
+
+def test_mechanism_follow_brings_back_what_exists_before_the_driver_packs(tmp_path):
+    """``follow --out`` before the driver has packed: the runs' small files and the driver's log as they stand come
+    back as mechanism-partial.tar.gz, so that a machine taken back between two device calls loses only what came after
+    the last call; once the driver's own archive exists, that one comes back instead."""
+    import importlib.util
+    import json
+    import tarfile
+
+    spec = importlib.util.spec_from_file_location("mechanism_script", Path(__file__).parents[1] / "scripts" / "gpu" /
+                                                  "mechanism.py")
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    base = tmp_path / "runs" / "mechanism"
+    for label in ("bf16_mechanism_compiled", m.FP32):
+        (base / label).mkdir(parents=True)
+        (base / label / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
+    (base / "launch.json").write_text(json.dumps({"name": "mechanism", "runs": {
+        "bf16_mechanism_compiled": {}, m.FP32: {}}}))
+    (base / "driver.log").write_text("16:32:53 started\n")
+    out = tmp_path / "out"
+    follow = ["follow", "--max-s", "0", "--poll-s", "0", "--root", str(tmp_path / "runs"), "--out", str(out)]
+    assert m.main(follow) == 0
+    with tarfile.open(out / m.PARTIAL) as tar:
+        names = set(tar.getnames())
+    assert {"driver.log", "launch.json", "bf16_mechanism_compiled/metrics.jsonl",
+            "fp32_mechanism/metrics.jsonl"} <= names
+    assert not (out / "mechanism.tar.gz").exists()
+    m.pack(base, "bf16_mechanism_compiled")
+    assert m.main(follow) == 0 and (out / "mechanism.tar.gz").is_file()

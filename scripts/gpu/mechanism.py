@@ -14,16 +14,19 @@
 4. packs every run's small files, the replays and the logs into ``ROOT/NAME/mechanism.tar.gz``.
 
 ``follow`` prints where it stands every ``--poll-s`` until it is done or ``--max-s`` has passed, and with ``--out``
-copies the archive there once it exists. Each device command can then be short and self-contained::
+copies the archive there once it exists, or else ``mechanism-partial.tar.gz``: the same files as they stand. Give
+every device command ``--out $OUT``: a machine can be taken back between two calls, and then only what an earlier
+call brought back survives::
 
     setsid nohup python3 scripts/gpu/mechanism.py run --data data/corpus > /tmp/mechanism.log 2>&1 &
-    python3 scripts/gpu/mechanism.py follow --max-s 560
+    python3 scripts/gpu/mechanism.py follow --max-s 560 --out $OUT
     python3 scripts/gpu/mechanism.py follow --max-s 560 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -39,6 +42,7 @@ from lpfa.replay import choose_layer_heads
 from lpfa.run import Run, checkpoints_of
 
 FP32 = "fp32_mechanism"
+PARTIAL = "mechanism-partial.tar.gz"  # what ``follow --out`` brings back before the driver has packed
 PAST_EXPLOSION = 50  # replayed steps after the explosion step: the figures show it begin
 
 
@@ -78,9 +82,10 @@ def start_replay(base: Path, label: str, step: int, steps: int, max_s: float, he
     return subprocess.Popen(cmd, stdout=open(base / f"{label}_replay.log", "w"), stderr=subprocess.STDOUT)
 
 
-def pack(base: Path, bf16: str) -> Path:
-    archive = base / "mechanism.tar.gz"
-    tmp = base / "mechanism.tar.gz.part"
+def pack(base: Path, bf16: str, name: str = "mechanism.tar.gz") -> Path:
+    """Every run's small files, the replays and the logs that exist now, into ``base/name``."""
+    archive = base / name
+    tmp = base / f"{name}.part"
     with tarfile.open(tmp, "w:gz") as tar:
         for f in ("launch.json", "driver.log", f"{bf16}_replay.log", f"{FP32}_replay.log"):
             if (base / f).exists():
@@ -196,10 +201,16 @@ def follow(a) -> int:
     for f in sorted(base.glob("*_replay.log")):  # tqdm's last line
         if f.is_file():
             print(f.name, f.read_text(errors="replace").replace("\r", "\n").strip().splitlines()[-1:], flush=True)
-    if a.out and archive.exists():
-        Path(a.out).mkdir(parents=True, exist_ok=True)
-        shutil.copy(archive, Path(a.out) / archive.name)
-        print("copied", archive, "to", a.out)
+    if a.out:
+        # not done yet: what exists now comes back too, so that a machine lost before the next call loses nothing
+        # this call could have brought back
+        if not archive.exists() and (base / "launch.json").exists():
+            bf16 = next(label for label in json.loads((base / "launch.json").read_text())["runs"] if label != FP32)
+            archive = pack(base, bf16, PARTIAL)
+        if archive.exists():
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            shutil.copy(archive, Path(a.out) / archive.name)
+            print("copied", archive, "to", a.out)
     return 0
 
 
