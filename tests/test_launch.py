@@ -334,5 +334,5 @@ def test_mechanism_follow_brings_back_what_exists_before_the_driver_packs(tmp_pa
     assert {"driver.log", "launch.json", "bf16_mechanism_compiled/metrics.jsonl",
             "fp32_mechanism/metrics.jsonl"} <= names
     assert not (out / "mechanism.tar.gz").exists()
-    m.pack(base, "bf16_mechanism_compiled")
+    m.pack(base)
     assert m.main(follow) == 0 and (out / "mechanism.tar.gz").is_file()

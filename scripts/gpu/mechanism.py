@@ -13,6 +13,10 @@
    the FP32 trajectory, the control of Fig. 5. Both replays stop at the deadline and write what they measured;
 4. packs every run's small files, the replays and the logs into ``ROOT/NAME/mechanism.tar.gz``.
 
+The two halves can also run apart, each in a shorter GPU session (the twin's data order and init are functions of
+its seed, like the BF16 run's): ``--no-twin`` does steps 1, 2 and 4 for the BF16 run alone; ``--twin-only --heads
+H H`` does steps 1, 3 and 4 for the twin alone, measuring the heads the BF16 run's replay measured.
+
 ``follow`` prints where it stands every ``--poll-s`` until it is done or ``--max-s`` has passed, and with ``--out``
 copies the archive there once it exists, or else ``mechanism-partial.tar.gz``: the same files as they stand. Give
 every device command ``--out $OUT``: a machine can be taken back between two calls, and then only what an earlier
@@ -82,15 +86,17 @@ def start_replay(base: Path, label: str, step: int, steps: int, max_s: float, he
     return subprocess.Popen(cmd, stdout=open(base / f"{label}_replay.log", "w"), stderr=subprocess.STDOUT)
 
 
-def pack(base: Path, bf16: str, name: str = "mechanism.tar.gz") -> Path:
-    """Every run's small files, the replays and the logs that exist now, into ``base/name``."""
+def pack(base: Path, name: str = "mechanism.tar.gz") -> Path:
+    """The small files of every run ``base/launch.json`` names, their replays and the logs that exist now, into
+    ``base/name``."""
     archive = base / name
     tmp = base / f"{name}.part"
+    labels = list(json.loads((base / "launch.json").read_text())["runs"]) if (base / "launch.json").exists() else []
     with tarfile.open(tmp, "w:gz") as tar:
-        for f in ("launch.json", "driver.log", f"{bf16}_replay.log", f"{FP32}_replay.log"):
+        for f in ("launch.json", "driver.log", *(f"{label}_replay.log" for label in labels)):
             if (base / f).exists():
                 tar.add(base / f, arcname=f)
-        for label in (bf16, FP32):
+        for label in labels:
             for f in launch.SMALL_FILES:
                 if (base / label / f).exists():
                     tar.add(base / label / f, arcname=f"{label}/{f}")
@@ -103,6 +109,10 @@ def pack(base: Path, bf16: str, name: str = "mechanism.tar.gz") -> Path:
 
 def run(a) -> int:
     """Steps 1-4 of the module docstring; whatever fails, what exists is packed (a failed run never loses its logs)."""
+    if a.no_twin and a.twin_only:
+        raise SystemExit("--no-twin and --twin-only: expected at most one of them")
+    if a.twin_only and not a.heads:
+        raise SystemExit("--twin-only needs --heads: the heads the BF16 run's replay measured (its replay.json)")
     t0 = time.time()
     base = Path(a.root) / a.name
     base.mkdir(parents=True, exist_ok=True)
@@ -117,7 +127,7 @@ def run(a) -> int:
                 (base / r["label"] / "STOP").touch()
                 log(base, f"{r['label']} still training at the end: STOP")
         time.sleep(5)
-        log(base, f"packed {pack(base, a.bf16)} after {time.time() - t0:.0f} s")
+        log(base, f"packed {pack(base)} after {time.time() - t0:.0f} s")
     return 0
 
 
@@ -139,12 +149,16 @@ def _run(a, base: Path, t0: float) -> None:
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
               f"time_budget_s={budget:.0f}", "log_interval=100"]
     runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])]
-            for label, o in MECHANISM.items() if label == a.bf16 or (label == FP32 and not a.no_twin)}
+            for label, o in MECHANISM.items()
+            if (label == a.bf16 and not a.twin_only) or (label == FP32 and not a.no_twin)}
     launch.start(a.name, runs, a.preset, common, a.root)
     log(base,
         f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
     procs: dict[str, subprocess.Popen] = {}
-    heads: list[int] = []  # both replays measure the same heads: the BF16 run's fastest-growing W_Q heads of the layer
+    # both replays measure the same heads: given, else the BF16 run's two fastest-growing W_Q heads of the layer
+    heads: list[int] = list(a.heads or [])
+    if a.twin_only:
+        procs[a.bf16] = None  # trained and replayed by an earlier driver
     while left() > 0:
         st = {r["label"]: r for r in launch.status(a.name, a.root)}
         if FP32 not in procs and a.no_twin:
@@ -205,8 +219,7 @@ def follow(a) -> int:
         # not done yet: what exists now comes back too, so that a machine lost before the next call loses nothing
         # this call could have brought back
         if not archive.exists() and (base / "launch.json").exists():
-            bf16 = next(label for label in json.loads((base / "launch.json").read_text())["runs"] if label != FP32)
-            archive = pack(base, bf16, PARTIAL)
+            archive = pack(base, PARTIAL)
         if archive.exists():
             Path(a.out).mkdir(parents=True, exist_ok=True)
             shutil.copy(archive, Path(a.out) / archive.name)
@@ -226,6 +239,10 @@ def main(argv=None) -> int:
                    help="the BF16 row of lpfa.experiments.MECHANISM to train and replay")
     r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
     r.add_argument("--no-twin", action="store_true", help="the BF16 run and its replay only (a short GPU session)")
+    r.add_argument("--twin-only", action="store_true",
+                   help="the FP32 twin and its control replay only, measuring --heads (the BF16 run's came earlier)")
+    r.add_argument("--heads", type=int, nargs="+", default=None,
+                   help="the heads both replays measure (default: the BF16 run's two fastest-growing W_Q heads)")
     r.add_argument("--twin-stop", type=int, default=MECHANISM_TWIN_STOP,
                    help="the FP32 twin's last step, replayed from")
     r.add_argument("--deadline-s", type=float, default=1450.0)
