@@ -276,15 +276,16 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert table.loc["fp32_s2", "change"] == "FP32 attention, seed 2 (data order and init)"
     assert table.loc["fp32_s1", "attention"] == "sdpa_fp32" and table.loc["bf16_s2", "seed"] == 2
     assert table.loc["bf16_s1", "runaway step"] == 300 and table.loc["fp32_s1", "runaway step"] is None
-    assert table.loc["bf16_s1", "outcome"] == "ran away" and table.loc["fp32_s1", "outcome"] == "stable"
+    assert table.loc["bf16_s1", "outcome"] == "logits ran away" and table.loc["fp32_s1", "outcome"] == "neither"
     s = seeds_summary(table)
     assert s.loc["bf16", "ran away"] == 2 and s.loc["bf16", "first runaway"] == 300
     assert s.loc["bf16", "last runaway"] == 600
     assert s.loc["fp32", "ran away"] == 0 and s.loc["fp32", "first runaway"] is None and s.loc["fp32", "runs"] == 2
     with pytest.raises(FileNotFoundError, match="no run folders"):
         experiment_table(tmp_path / "nothing")
-    # against a reference run: a logit that leaves it behind for good (but stays under the runaway threshold)
-    # is a precursor; the per-label reference here is the FP32 run of the same seed
+    # against a reference run: a logit that leaves it behind for good (but stays under the runaway threshold) is
+    # measured in "logit apart from", and the outcome is still neither; the per-label reference here is the FP32 run
+    # of the same seed
     pre = rng.uniform(10, 20, size=12)
     pre[7:] *= 40
     _fake_run(tmp_path / "pre", steps, pre, [0.1] * 12, [2.0] * 12, [3.0] * 1200, [(1100, 2.5)])
@@ -299,9 +300,10 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     t2, _ = experiment_table({"pre": tmp_path / "pre", "ref": tmp_path / "ref", "bf16_s2": exp / "bf16_s2"},
                              reference=lambda label: (tmp_path / "ref" if label in ("pre", "ref")
                                                       else exp / f"fp32_s{label[-1]}"))
-    assert t2.loc["pre", "outcome"] == "precursor" and t2.loc["pre", "precursor from"] == 700
-    assert t2.loc["ref", "outcome"] == "neither" and t2.loc["ref", "precursor from"] is None
-    assert t2.loc["bf16_s2", "outcome"] == "ran away"  # the stronger verdict wins
+    assert t2.loc["pre", "outcome"] == "neither" and t2.loc["pre", "logit apart from"] == 700
+    assert t2.loc["ref", "outcome"] == "neither" and t2.loc["ref", "logit apart from"] is None
+    assert t2.loc["bf16_s2", "outcome"] == "logits ran away"  # the stronger outcome wins
+    assert set(t2["outcome"]) | set(table["outcome"]) <= {"loss exploded", "logits ran away", "neither"}
     assert t2.loc["pre", "attention"] == "paper_untiled; layer 1: sdpa_fp32; FP32 heads 2, 5 of layer 0"
     assert t2.loc["pre", "compiled"] and not t2.loc["ref", "compiled"]
     # no model config: unknown
@@ -309,7 +311,8 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t2.loc["pre", "layer 1 δ from"] == "fp32 O"  # layer 1 runs sdpa_fp32
     from lpfa.pages.sfa import outcome_text
 
-    assert outcome_text(t2, "pre") == "showed the precursor from step 700"
+    assert outcome_text(t2, "pre") == ("neither exploded nor had its logits run away (its logit apart from the FP32 "
+                                       "run's from step 700)")
     assert outcome_text(t2, "ref") == "neither exploded nor had its logits run away"
     assert outcome_text(t2, "bf16_s2") == "did not explode, but its layer-1 logits ran away from step 600"
     assert outcome_text(table, "fp32_s1") == "neither exploded nor had its logits run away"  # no reference
@@ -317,10 +320,10 @@ def test_experiment_table_and_seeds_summary(tmp_path):
     assert t0.loc["pre", "layer 0 scores"] == "bf16; fp32 in heads 2, 5"
     assert t0.loc["pre", "layer 0 δ from"] == "bf16 O; fp32 O in heads 2, 5"
     s2 = seeds_summary(t2, mode=lambda label: "x")
-    assert s2.loc["x", "precursor or worse"] == 2 and s2.loc["x", "ran away"] == 1
+    assert s2.loc["x", "logit apart or worse"] == 2 and s2.loc["x", "ran away"] == 1
     # bf16_s2 leaves ref behind as it runs away
-    assert s2.loc["x", "first precursor"] == 600 and s2.loc["x", "last precursor"] == 700
-    assert "precursor or worse" not in seeds_summary(table).columns  # no reference, no precursor columns
+    assert s2.loc["x", "first logit apart"] == 600 and s2.loc["x", "last logit apart"] == 700
+    assert "logit apart or worse" not in seeds_summary(table).columns  # no reference, no logit-apart columns
 
 
 def test_precursor_events_on_committed_pair():
@@ -417,7 +420,7 @@ def test_seed_table_and_sfa_findings(tmp_path):
 
 def test_seed_spread_text_counts_and_spans():
     """lpfa.pages.seeds.seed_spread_text (page 11): a line per mode with its counts and step spans, and the spread
-    paragraph only where every BF16 run shows the precursor and no FP32 run does."""
+    paragraph only where every BF16 run's logit parts from its FP32 twin's and no FP32 run's does."""
     import pandas as pd
 
     from lpfa.pages.seeds import seed_spread_text
@@ -425,20 +428,23 @@ def test_seed_spread_text_counts_and_spans():
     index = ["bf16_s1337", "bf16_s1337_compiled", "fp32_s1337", "fp32_s1"]
     # the step columns as experiment_table gives them (objects, None where there is none)
     table = pd.DataFrame({"runaway step": pd.Series([6400, None, None, None], index=index, dtype=object),
-                          "precursor from": pd.Series([5000, 5800, None, None], index=index, dtype=object),
+                          "logit apart from": pd.Series([5000, 5800, None, None], index=index, dtype=object),
                           "compiled": [False, True, True, True]}, index=index)
     summary = pd.DataFrame({
         "bf16": {"runs": 2, "exploded": 0, "ran away": 1, "first runaway": 6400, "last runaway": 6400,
-                 "precursor or worse": 2, "first precursor": 5000, "last precursor": 5800, "fewest steps run": 7000},
+                 "logit apart or worse": 2, "first logit apart": 5000, "last logit apart": 5800,
+                 "fewest steps run": 7000},
         "fp32": {"runs": 2, "exploded": 0, "ran away": 0, "first runaway": None, "last runaway": None,
-                 "precursor or worse": 0, "first precursor": None, "last precursor": None, "fewest steps run": 6900}}).T
+                 "logit apart or worse": 0, "first logit apart": None, "last logit apart": None,
+                 "fewest steps run": 6900}}).T
     text = seed_spread_text(summary, table)
-    assert ("* **bf16**: of 2 runs, 0 exploded and 1 ran away (steps 6,400 to 6,400); 2 showed the precursor or "
-            "worse, the precursor starting between steps 5,000 and 5,800. Every run trained at least 7,000 steps."
-            in text)
-    assert "* **fp32**: of 2 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse. Every run" in text
-    assert "Within the first 7,000 steps, 1 of the 2 BF16 runs ran away" in text
+    assert ("* **bf16**: of 2 runs, the loss exploded in 0 and the logits ran away in 1 (steps 6,400 to 6,400); the "
+            "logit parted from the FP32 twin's, or worse, in 2, parting between steps 5,000 and 5,800. Every run "
+            "trained at least 7,000 steps." in text)
+    assert ("* **fp32**: of 2 runs, the loss exploded in 0 and the logits ran away in 0; the logit parted from the "
+            "FP32 twin's, or worse, in 0. Every run" in text)
+    assert "Within the first 7,000 steps, 1 of the 2 BF16 runs' logits ran away" in text
     assert "a span of 800 steps across these runs (seed 1337: step 5,000 eager, step 5,800 compiled)" in text
-    # an FP32 precursor: no claim of robustness
-    summary.loc["fp32", ["precursor or worse", "first precursor", "last precursor"]] = [1, 6000, 6000]
+    # an FP32 logit apart: no claim of robustness
+    summary.loc["fp32", ["logit apart or worse", "first logit apart", "last logit apart"]] = [1, 6000, 6000]
     assert "Within the first" not in seed_spread_text(summary, table)

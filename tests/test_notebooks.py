@@ -155,14 +155,14 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch, executed_notebook):
     """Pages 10 and 11 on the committed results (the verdicts and the comparison with the paper are computed there),
     and their 'not run yet' branches on a stand-in results tree without them (LPFA_ROOT points the pages at it)."""
     iso = _text(executed_notebook(ROOT / "notebooks" / "10_isolation.ipynb"))  # small profile: the defaults
-    assert "* **exploded**: `delta_o_exact` (step 1,995)" in iso
-    assert "* **ran away**: `scores_fp32` (step 7,600)" in iso
-    assert ("* **neither**: `fp32`, `fp32_only_layer1`, `delta_o_fp32`, `o_fp32`, `fp32_outlier_heads`, "
-            "`fp32_worst_head`" in iso)
-    assert "it reports `delta_dp`, `pv_fp32` stable, and here they are not" in iso
-    assert ("in every head' predicts a precursor or worse**: it fits 9 of 12 rows; not `delta_o_fp32` (layer 1 scores "
-            "bf16, neither)" in iso
-            and "fits 10 of 12 rows; not `delta_dp` (layer 1 δ from dP∘P, precursor), `delta_o_exact`" in iso)
+    assert "* **loss exploded**: `delta_o_exact` (step 1,995)" in iso
+    assert "* **logits ran away**: `scores_fp32` (step 7,600)" in iso
+    assert ("* **neither**: `bf16` (its logit apart from step 7,300), `fp32`, `bf16_only_layer1` (its logit apart "
+            "from step 6,800)" in iso)
+    assert "it reports `bf16`, `bf16_only_layer1` exploding, and here neither their loss exploded" in iso
+    assert ("in every head' predicts that the logits run away or the loss explodes**: it fits 5 of 12 rows; not "
+            "`bf16` (layer 1 scores bf16, neither)" in iso)
+    assert "**The unchanged `bf16` row itself** neither exploded nor had its logits run away" in iso
     # a second launch
     assert "for `delta_o_fp32`, `o_fp32`, `scores_fp32` the `fp32` row of run `h200x4-2026-11-29`" in iso
     assert "**Running away without ties**: `scores_fp32` (at most 0.032, largest logit 2,226)" in iso
@@ -170,9 +170,10 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch, executed_notebook):
     assert "the row neither exploded nor had its logits run away, as the paper reports" in iso
     assert "**Not run yet**: `bf16_tiled`." in iso
     seeds = _text(executed_notebook(ROOT / "notebooks" / "11_seeds.ipynb"))
-    assert ("* **bf16**: of 5 runs, 0 exploded and 3 ran away (steps 6,400 to 7,600); 5 showed the precursor or "
-            "worse" in seeds)
-    assert "* **fp32**: of 5 runs, 0 exploded and 0 ran away; 0 showed the precursor or worse" in seeds
+    assert ("* **bf16**: of 5 runs, the loss exploded in 0 and the logits ran away in 3 (steps 6,400 to 7,600); the "
+            "logit parted from the FP32 twin's, or worse, in 5" in seeds)
+    assert ("* **fp32**: of 5 runs, the loss exploded in 0 and the logits ran away in 0; the logit parted from the "
+            "FP32 twin's, or worse, in 0" in seeds)
     assert "Not run yet" not in seeds
 
     root = tmp_path / "root"
@@ -188,7 +189,7 @@ def test_isolation_and_seeds_pages(tmp_path, monkeypatch, executed_notebook):
     assert "Measured" not in iso.split("delta_formulas")[0]
     seeds = _text(execute_notebook(ROOT / "notebooks" / "11_seeds.ipynb", tmp_path / "11b.ipynb"))
     assert "**Not run yet**: only seed 1337 is in the table" in seeds
-    assert "* **bf16**: of 1 runs, 0 exploded and 1 ran away" in seeds
+    assert "* **bf16**: of 1 run, the loss exploded in 0 and the logits ran away in 1" in seeds
 
 
 def test_sfa_page_muon_and_sizes(tmp_path, monkeypatch, executed_notebook):

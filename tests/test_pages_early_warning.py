@@ -133,10 +133,10 @@ def test_replay_summary_counts_every_run_once(known_root):
     """The page's replay table is a summary per attention and outcome; its counts add up to the full table's."""
     _, _, table = ew.replay_committed(lead=500, max_fpr=0.0, root=known_root)
     s = ew.replay_summary(table)
-    assert s["runs"].sum() == len(table) and s.loc[("low precision", "ran away"), "runs"] == 2
+    assert s["runs"].sum() == len(table) and s.loc[("low precision", "logits ran away"), "runs"] == 2
     assert s.loc[("fp32", "neither"), "runs"] == 2 and pd.isna(s.loc[("fp32", "neither"), "warned ahead"])
     ran = table[table["runaway step"].notna()]
-    assert s.loc[("low precision", "ran away"), "warned ahead"] == int(ran["warned before"].sum())
+    assert s.loc[("low precision", "logits ran away"), "warned ahead"] == int(ran["warned before"].sum())
 
 
 def independent_counts(report: dict, thr: dict) -> dict:

@@ -80,7 +80,7 @@ def test_verdict_tables_split_the_table_in_two(iso):
     table = iso[0]
     verdicts, rest = verdict_tables(table, 1)
     assert list(verdicts.columns) == ["attention", "layer 1 scores", "layer 1 δ from", "paper", "outcome",
-                                      "precursor from", "explosion step", "runaway step"]
+                                      "logit apart from", "explosion step", "runaway step"]
     assert set(verdicts.columns) | set(rest.columns) | {"change", "exploded", "runaway layer"} == set(table.columns)
     assert not set(verdicts.columns) & set(rest.columns) and (rest.index == table.index).all()
     with pytest.raises(ValueError, match=r"^layer=2: the table has no column 'layer 2 scores'"):
@@ -89,22 +89,22 @@ def test_verdict_tables_split_the_table_in_two(iso):
 
 def test_isolation_findings_on_a_small_table():
     table = pd.DataFrame({
-        "outcome": {"fp32": "neither", "a": "exploded", "b": "precursor", "c": "neither"},
+        "outcome": {"fp32": "neither", "a": "loss exploded", "b": "logits ran away", "c": "neither"},
         "paper": {"fp32": "stable", "a": "fails", "b": "stable", "c": "fails"},
-        "precursor from": pd.Series({"fp32": None, "a": None, "b": 5200, "c": None}, dtype=object),
+        "logit apart from": pd.Series({"fp32": None, "a": 1500, "b": 4800, "c": 6100}, dtype=object),
         "explosion step": pd.Series({"fp32": None, "a": 1995, "b": None, "c": None}, dtype=object),
-        "runaway step": pd.Series({"fp32": None, "a": 2400, "b": None, "c": None}, dtype=object),
+        "runaway step": pd.Series({"fp32": None, "a": 2400, "b": 5200, "c": None}, dtype=object),
         "layer 1 scores": {"fp32": "fp32", "a": "bf16", "b": "bf16", "c": "bf16"},
         "layer 1 δ from": {"fp32": "fp32 O", "a": "bf16 O", "b": "bf16 O", "c": "fp32 O"}})
     assert isolation_findings(table, 1) == (
-        "**Measured.**\n\n* **exploded**: `a` (step 1,995)\n* **precursor**: `b` (from step 5,200)\n"
-        "* **neither**: `fp32`, `c`\n"
+        "**Measured.**\n\n* **loss exploded**: `a` (step 1,995)\n* **logits ran away**: `b` (step 5,200)\n"
+        "* **neither**: `fp32`, `c` (its logit apart from step 6,100)\n"
         "* **against the paper**: it reports `b` stable, and here they are not; it reports `c` exploding, and here "
         "neither their loss exploded nor their logits ran away.\n"
-        "* **'layer-1 scores S rounded to BF16 in every head' predicts a precursor or worse**: it fits 3 of 4 rows; "
-        "not `c` (layer 1 scores bf16, neither).\n"
-        "* **'layer-1 δ computed from a BF16-rounded O in every head (the chain of Sec. 3.1)' predicts a precursor or "
-        "worse**: it fits every one of the 4 rows.")
+        "* **'layer-1 scores S rounded to BF16 in every head' predicts that the logits run away or the loss "
+        "explodes**: it fits 3 of 4 rows; not `c` (layer 1 scores bf16, neither).\n"
+        "* **'layer-1 δ computed from a BF16-rounded O in every head (the chain of Sec. 3.1)' predicts that the "
+        "logits run away or the loss explodes**: it fits every one of the 4 rows.")
     with pytest.raises(ValueError, match=r"^layer=3: the table has no column 'layer 3 scores'"):
         isolation_findings(table, 3)
 
@@ -119,7 +119,8 @@ def test_isolation_findings_date_the_committed_rows_from_their_files(iso):
         elif v["runaway_step"] is not None:
             assert f"`{label}` (step {v['runaway_step']:,})" in text
     stable_but = [x for x in table.index if PAPER_ISOLATION[x] == "stable" and table.loc[x, "outcome"] != "neither"]
-    assert f"it reports {', '.join(f'`{x}`' for x in stable_but)} stable, and here they are not" in text
+    assert ((f"it reports {', '.join(f'`{x}`' for x in stable_but)} stable, and here they are not" in text)
+            if stable_but else "stable, and here they are not" not in text)
 
 
 def test_delta_consistency_grows_with_the_logits():

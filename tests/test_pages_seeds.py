@@ -72,9 +72,9 @@ def test_the_seeds_table_holds_each_run_against_its_twin():
                 == (own["seed"], own["compile"])]
         assert len(twin) == 1
         want = divergence_step(layer_max(run, "max_logit", 1), layer_max(twin[0], "max_logit", 1), 10.0)
-        assert table.loc[label, "precursor from"] == want
+        assert table.loc[label, "logit apart from"] == want
     summary = seeds_summary(table)
-    assert summary.loc["fp32", "precursor or worse"] == 0 and summary.loc["bf16", "runs"] == 5
+    assert summary.loc["fp32", "logit apart or worse"] == 0 and summary.loc["bf16", "runs"] == 5
 
 
 def test_seeds_plan_prices_the_seeds_while_none_is_committed(tmp_path):

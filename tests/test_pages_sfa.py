@@ -136,7 +136,7 @@ def test_sweep_text_numbers_from_the_sweeps_and_logged_logits(runs):
     assert (f"SFA touches {s_last[2.0]['sfa']:.1%} of layer 1's rows; with β = 2 the row-sum clamp attenuates "
             f"{s_last[2.0]['attenuated']:.1%} and silences {s_last[2.0]['silenced']:.1%}") in text
     assert f"β = 8 {s_last[8.0]['silenced']:.1%}" in text
-    assert (f"(step {max(b):,}, after its precursor), β = 2 would silence {b_last[2.0]['silenced']:.1%} of layer 1's "
+    assert (f"(its last checkpoint, step {max(b):,}), β = 2 would silence {b_last[2.0]['silenced']:.1%} of layer 1's "
             f"rows and zero {b_last[2.0]['zeroed']:.1%}.") in text
 
 
@@ -193,7 +193,7 @@ def test_muon_section_on_the_committed_rows(measured):
     rows, table, _ = measured["sfa_muon"]
     text = sfa.sfa_muon_text(measured, t_adam, 1)
     assert "Final eval losses: " + ", ".join(f"{label} {_final_eval(rows[label]):.3f}" for label in rows) + "." in text
-    pre_m, pre_a = table.loc["bf16_muon", "precursor from"], t_adam.loc["bf16", "precursor from"]
+    pre_m, pre_a = table.loc["bf16_muon", "logit apart from"], t_adam.loc["bf16", "logit apart from"]
     assert f"from step {pre_m:,} with Muon against {pre_a:,} with AdamW" in text
     raw = _sweep(rows["sfa_muon"] / "sfa_sweep.json")
     silenced = [v[2.0]["silenced"] for v in raw.values()]

@@ -260,6 +260,13 @@ def delta_source(model_conf: dict, layer: int) -> str:
     return src
 
 
+# a run's outcome, strongest first: the loss exploded (lpfa.explosion.ExplosionCriterion), else the logits ran away
+# (lpfa.explosion.RunawayCriterion), else neither
+OUTCOMES = ("loss exploded", "logits ran away", "neither")
+# experiment_table's column: the step from which a layer's largest logit stays above logit_ratio × the reference's
+LOGIT_APART = "logit apart from"
+
+
 def experiment_table(
     folder, labels=None, layer: int = 1, step: int | None = None, reference=None, logit_ratio: float = 10.0
 ):
@@ -271,10 +278,10 @@ def experiment_table(
     ``folder``: an experiment folder (runs in ``folder/<label>/``; default: every subfolder with a
     ``config.json``) or a dict ``{label: run_dir}``. ``reference``: the stable run each row is held against,
     a run folder or a function ``label -> run folder`` (e.g. the FP32 run of the same seed); then the column
-    ``precursor from`` is the step from which the layer's largest logit stays above ``logit_ratio`` × the
-    reference's (:func:`divergence_step`). Outcome: ``exploded`` (:class:`lpfa.explosion.ExplosionCriterion`),
-    else ``ran away`` (:class:`lpfa.explosion.RunawayCriterion`), else ``precursor`` (when a reference is
-    given and the logit left it behind for good), else ``neither`` (``stable`` without a reference)."""
+    :data:`LOGIT_APART` is the step from which the layer's largest logit stays above ``logit_ratio`` × the
+    reference's (:func:`divergence_step`), a measurement beside the outcome, not an outcome. Outcome, one of
+    :data:`OUTCOMES`: ``loss exploded`` (:class:`lpfa.explosion.ExplosionCriterion`), else ``logits ran away``
+    (:class:`lpfa.explosion.RunawayCriterion`), else ``neither``."""
 
     if isinstance(folder, dict):
         runs = {label: Path(d) for label, d in folder.items() if labels is None or label in labels}
@@ -304,7 +311,7 @@ def experiment_table(
         ref_of = reference if callable(reference) else (lambda label: reference)
         table.insert(
             6,
-            "precursor from",
+            LOGIT_APART,
             pd.Series(
                 [
                     divergence_step(
@@ -318,20 +325,11 @@ def experiment_table(
                 dtype=object,
             ),
         )
-    quiet = "stable" if reference is None else "neither"
     table.insert(
         6,
         "outcome",
-        [
-            "exploded"
-            if r["exploded"]
-            else "ran away"
-            if r["runaway step"] is not None
-            else "precursor"
-            if reference is not None and r["precursor from"] is not None
-            else quiet
-            for _, r in table.iterrows()
-        ],
+        [OUTCOMES[0] if r["exploded"] else OUTCOMES[1] if r["runaway step"] is not None else OUTCOMES[2]
+         for _, r in table.iterrows()],
     )
     return table, step
 

@@ -173,11 +173,12 @@ def replay_table(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def replay_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """:func:`warning_table` in a few rows, per attention precision and outcome (ran away; exploded without running
-    away; neither): the runs, how many the monitor warned, how many of those ahead of the failure and the median lead
+    """:func:`warning_table` in a few rows, per attention precision and outcome (the logits ran away; the loss exploded
+    without them running away; neither): the runs, how many the monitor warned, how many of those ahead of the
+    failure and the median lead
     (steps) of those."""
-    outcome = np.where(table["runaway step"].notna(), "ran away",
-                       np.where(table["explosion step"].notna(), "exploded", "neither"))
+    outcome = np.where(table["runaway step"].notna(), "logits ran away",
+                       np.where(table["explosion step"].notna(), "loss exploded", "neither"))
     rows = {}
     for (att, out), g in table.groupby([table["attention"], pd.Series(outcome, index=table.index)], sort=True):
         warned = g["first warning step"].notna()

@@ -207,7 +207,8 @@ def _isolation_row(layer: int, root) -> dict:
     complete = k == n and len(ran) == len(recipe) and len(reported) == len(ran)
     return _row("Which change prevents the loss explosion: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the "
                 "outlier heads", "Sec. 3.2",
-                f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by the precursor)"
+                f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by whether the logits "
+                "ran away)"
                 + (f"; not: {', '.join(differ)}" if differ else "") + at_recipe,
                 "reproduced" if complete else "partly" if k or reported else "not reproduced", "10_isolation")
 

@@ -1,7 +1,8 @@
 """Page 10, isolation (Sec. 3.2): one change of the BF16 run per row, each judged against the FP32 twin.
 
-At the ``repro`` preset the rows of :data:`lpfa.experiments.ISOLATION` are judged by the explosion, the logit runaway
-and the precursor (:func:`lpfa.compare.experiment_table`); at the paper's recipe, where the BF16 loss explodes, the rows
+At the ``repro`` preset the rows of :data:`lpfa.experiments.ISOLATION` are judged by the loss explosion and the logit
+runaway (:func:`lpfa.compare.experiment_table`), with the step from which layer 1's largest logit stays above 10× the
+FP32 row's measured beside them; at the paper's recipe, where the BF16 loss explodes, the rows
 of :data:`lpfa.experiments.RECIPE_ISOLATION` by the loss itself. The page also measures why the row "δ from O
 recomputed in FP32 from FP32 scores" fails: the backward differentiates P = exp(S − lse) with the forward's BF16 scores,
 and dS = P∘(dP − δ) is that P's gradient only when δ = rowsum(dP∘P) (Eq. 3), which an O built from other scores
@@ -15,7 +16,7 @@ import json
 import pandas as pd
 import torch
 
-from lpfa.compare import experiment_table, head_metric_frame, layer_max, plot_logit_runaway
+from lpfa.compare import LOGIT_APART, OUTCOMES, experiment_table, head_metric_frame, layer_max, plot_logit_runaway
 from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_ISOLATION
 from lpfa.experiments import rows as design_rows
 from lpfa.explosion import RunawayCriterion, heads_text
@@ -94,9 +95,9 @@ VERDICT_NOTES = ("iso_explosion", "iso_runaway", "iso_layer", "iso_ratio", "iso_
 def verdict_notes(table, step, rows: dict, reference, reference_row: str = "fp32", layer: int = 1,
                   logit_ratio: float = 10.0) -> dict:
     """How page 10 judges its rows, as ``{name: text}`` for each of :data:`VERDICT_NOTES`: the explosion criterion
-    (from ``reference_row``'s ``summary.json``), the runaway criterion, the precursor's layer, ratio and reference row,
-    the rows held against another launch's reference, and the comparison ``step``; the arguments are
-    :func:`isolation_table`'s. Every text is "–" when ``table`` is None (no committed row)."""
+    (from ``reference_row``'s ``summary.json``), the runaway criterion, the layer, ratio and reference row of the
+    logit held apart, the rows held against another launch's reference, and the comparison ``step``; the arguments
+    are :func:`isolation_table`'s. Every text is "–" when ``table`` is None (no committed row)."""
     if table is None:
         return dict.fromkeys(VERDICT_NOTES, "–")
     foreign = [label for label in table.index if reference(label).parent != rows[label].parent]
@@ -119,25 +120,26 @@ def _layer_column(table, layer: int, what: str) -> str:
 
 def verdict_tables(table, layer: int = 1):
     """Page 10's two tables of an :func:`isolation_table` (two, so that each fits the page column): the verdicts
-    (attention, ``layer``'s score precision and δ source, the paper's and our outcome, the precursor, explosion and
-    runaway steps), and the remaining columns: seed, compilation, steps, the precursor values and the final loss."""
+    (attention, ``layer``'s score precision and δ source, the paper's and our outcome, the step the logit parted from
+    the reference's, explosion and runaway steps), and the remaining columns: seed, compilation, steps, the precursor
+    values (largest logit, ties, W_Q norm) and the final loss."""
     verdict_cols = ["attention", _layer_column(table, layer, "scores"), _layer_column(table, layer, "δ from"), "paper",
-                    "outcome", "precursor from", "explosion step", "runaway step"]
+                    "outcome", LOGIT_APART, "explosion step", "runaway step"]
     return table[verdict_cols], table.drop(columns=["change", *verdict_cols, "exploded", "runaway layer"])
 
 
 # an outcome of :func:`lpfa.compare.experiment_table` as a sentence's predicate
-OUTCOME_WORDS = {"exploded": "exploded", "ran away": "had its logits run away", "precursor": "showed the precursor",
+OUTCOME_WORDS = {"loss exploded": "exploded", "logits ran away": "had its logits run away",
                  "neither": "neither exploded nor had its logits run away"}
 
 
 def against_paper(table) -> dict:
-    """How an :func:`isolation_table` compares with the paper: ``sick`` (rows with a precursor or worse), ``by_outcome``
-    ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but`` (reported failing,
-    neither here), ``reported`` (rows the paper reports) and ``agree`` (those that behave as reported)."""
-    by = {o: [label for label in table.index if table.loc[label, "outcome"] == o]
-          for o in ("exploded", "ran away", "precursor", "neither")}
-    sick = set(by["precursor"] + by["ran away"] + by["exploded"])
+    """How an :func:`isolation_table` compares with the paper: ``sick`` (rows whose logits ran away or loss exploded),
+    ``by_outcome`` ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but``
+    (reported failing, neither here), ``reported`` (rows the paper reports) and ``agree`` (those that behave as
+    reported)."""
+    by = {o: [label for label in table.index if table.loc[label, "outcome"] == o] for o in OUTCOMES}
+    sick = set(by["logits ran away"] + by["loss exploded"])
     reported = [label for label in table.index if table.loc[label, "paper"] in ("fails", "stable")]
     agree = [label for label in reported if (table.loc[label, "paper"] == "fails") == (label in sick)]
     paper = {label: table.loc[label, "paper"] for label in reported}
@@ -154,11 +156,12 @@ def isolation_findings(table, layer: int = 1) -> str:
     cmp = against_paper(table)
     by, sick, stable_but, fails_but = cmp["by_outcome"], cmp["sick"], cmp["paper_stable_but"], cmp["paper_fails_but"]
 
-    def when(label, outcome):  # the step an outcome is dated by
-        if outcome == "precursor":
-            return f" (from step {table.loc[label, 'precursor from']:,})"
-        col = {"exploded": "explosion step", "ran away": "runaway step"}.get(outcome)
-        return f" (step {table.loc[label, col]:,})" if col else ""
+    def when(label, outcome):  # the step an outcome is dated by; for neither, where the logit parted, if it did
+        col = {"loss exploded": "explosion step", "logits ran away": "runaway step"}.get(outcome)
+        if col:
+            return f" (step {table.loc[label, col]:,})"
+        apart = table.loc[label, LOGIT_APART] if LOGIT_APART in table else None
+        return f" (its logit apart from step {apart:,})" if apart is not None else ""
 
     lines = [f"* **{o}**: " + ", ".join(f"`{label}`" + when(label, o) for label in labels)
              for o, labels in by.items() if labels]
@@ -175,10 +178,17 @@ def isolation_findings(table, layer: int = 1) -> str:
         f"layer-{layer} δ computed from a BF16-rounded O in every head (the chain of Sec. 3.1)": (delta, "bf16 O")}
     for claim, (col, bad) in candidates.items():
         miss = [label for label in table.index if (table.loc[label, col] == bad) != (label in sick)]
-        lines.append(f"* **'{claim}' predicts a precursor or worse**: " + (
+        lines.append(f"* **'{claim}' predicts that the logits run away or the loss explodes**: " + (
             f"it fits every one of the {len(table)} rows." if not miss else
             f"it fits {len(table) - len(miss)} of {len(table)} rows; not " + ", ".join(
                 f"`{label}` ({col} {table.loc[label, col]}, {table.loc[label, 'outcome']})" for label in miss) + "."))
+    if "bf16" in table.index and table.loc["bf16", "outcome"] == "neither":
+        # the unchanged BF16 row is the control of every claim: where it shows neither, no row can contradict one
+        lines.append("* **The unchanged `bf16` row itself** neither exploded nor had its logits run away"
+                     + (f" (its logit apart from step {table.loc['bf16', LOGIT_APART]:,})"
+                        if LOGIT_APART in table and table.loc["bf16", LOGIT_APART] is not None else "")
+                     + ", so at this preset and length the rows cannot test the claims above: a row that prevents "
+                     "the failure looks the same as one that would have failed later.")
     return "**Measured.**\n\n" + "\n".join(lines)
 
 

@@ -3,13 +3,15 @@
 The runs are the BF16 and FP32 twins of :data:`lpfa.experiments.SEEDS` and, for seed 1337, the eager twins of the
 loss-explosion page and the compiled ``bf16``/``fp32`` rows of the isolation table. Each is judged against the run its
 experiment defines for it (:attr:`lpfa.experiments.Row.reference`: the FP32 run of the same seed and settings) by the
-verdicts of :func:`lpfa.compare.experiment_table`: explosion, logit runaway, precursor.
+outcomes of :func:`lpfa.compare.experiment_table` (the loss exploded, the logits ran away, or neither), with the step
+from which layer 1's largest logit stays above 10× the FP32 twin's ("logit apart") measured beside them.
 """
 
 from __future__ import annotations
 
 import pandas as pd
 
+from lpfa.compare import LOGIT_APART
 from lpfa.experiments import SEEDS
 from lpfa.experiments import rows as design_rows
 from lpfa.pages import RERUN_PAGE
@@ -27,7 +29,7 @@ PARAMS = {
     "planned_steps": integer(1), "gpus": integer(1),
 }
 
-SEED_COLUMNS = ["attention", "seed", "compiled", "outcome", "precursor from", "steps", "explosion step", "runaway step",
+SEED_COLUMNS = ["attention", "seed", "compiled", "outcome", LOGIT_APART, "steps", "explosion step", "runaway step",
                 "runaway layer", "final eval loss"]  # page 11's table: the columns of experiment_table it shows
 SEED_1337 = {"eager": ("twins", "_s1337"), "compiled": ("isolation", "_s1337_compiled")}  # (experiment, label suffix)
 
@@ -69,52 +71,59 @@ def seed_runs(experiment: str = "seeds", run=None, reference: str = "repro_pair"
 def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
     """Per mode (``mode(label)``, default the part before ``_s<seed>``): runs, how many exploded and how many
     ran away (:class:`lpfa.explosion.RunawayCriterion`), the spread of their runaway steps, and the steps run;
-    when the table has a ``precursor from`` column (:func:`experiment_table` with a reference), also how many
-    showed the precursor or worse and the spread of the precursor steps."""
+    when the table has a :data:`~lpfa.compare.LOGIT_APART` column (:func:`experiment_table` with a reference), also
+    how many runs' logits parted from their reference's or ran away, or whose loss exploded (``logit apart or
+    worse``), and the spread of the steps where the logits parted."""
     rows = {}
     for m, g in table.groupby([mode(label) for label in table.index]):
         ra = pd.to_numeric(g["runaway step"], errors="coerce").dropna()
         row = {"runs": len(g), "seeds": ", ".join(str(s) for s in g["seed"]), "exploded": int(g["exploded"].sum()),
                "ran away": len(ra), "first runaway": ra.min() if len(ra) else None,
                "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None}
-        if "precursor from" in g:
-            pre = pd.to_numeric(g["precursor from"], errors="coerce").dropna()
-            row.update({"precursor or worse": int(g["outcome"].isin(["precursor", "ran away", "exploded"]).sum()),
-                        "first precursor": pre.min() if len(pre) else None,
-                        "last precursor": pre.max() if len(pre) else None})
+        if LOGIT_APART in g:
+            apart = pd.to_numeric(g[LOGIT_APART], errors="coerce")
+            worse = apart.notna() | g["outcome"].isin(["logits ran away", "loss exploded"])
+            apart = apart.dropna()
+            row.update({"logit apart or worse": int(worse.sum()),
+                        "first logit apart": apart.min() if len(apart) else None,
+                        "last logit apart": apart.max() if len(apart) else None})
         rows[m] = {**row, "fewest steps run": int(g["steps"].min())}
     return pd.DataFrame(rows).T
 
 
 def seed_spread_text(summary, table) -> str:
-    """Page 11's "Measured" findings: per mode of :func:`seeds_summary` (``summary``) how many runs exploded, ran away
-    and showed the precursor or worse, with the spread of those steps; and, where every BF16 run shows the precursor
-    and no FP32 run does, how many BF16 runs ran away within the steps all of them reached and how far apart the
-    precursor starts (``table``: the :func:`experiment_table` the summary came from)."""
+    """Page 11's "Measured" findings: per mode of :func:`seeds_summary` (``summary``) how many runs' losses exploded,
+    how many runs' logits ran away and how many runs' logits parted from the FP32 twin's (or worse), with the spread of
+    those steps; and, where every BF16 run's logits parted and no FP32 run's did, how many BF16 runs' logits ran away
+    within the steps all of them reached and how far apart the partings are (``table``: the :func:`experiment_table`
+    the summary came from)."""
     lines = []
     for m, r in summary.iterrows():
-        line = f"* **{m}**: of {int(r['runs'])} runs, {int(r['exploded'])} exploded and {int(r['ran away'])} ran away"
+        n = int(r["runs"])
+        line = (f"* **{m}**: of {n} run{'s' if n != 1 else ''}, the loss exploded in {int(r['exploded'])} and the "
+                f"logits ran away in {int(r['ran away'])}")
         if r["ran away"]:
             line += f" (steps {int(r['first runaway']):,} to {int(r['last runaway']):,})"
-        line += f"; {int(r['precursor or worse'])} showed the precursor or worse"
-        if r["precursor or worse"]:
-            line += (f", the precursor starting between steps {int(r['first precursor']):,} and "
-                     f"{int(r['last precursor']):,}")
+        line += f"; the logit parted from the FP32 twin's, or worse, in {int(r['logit apart or worse'])}"
+        if pd.notna(r["first logit apart"]):
+            line += (f", parting between steps {int(r['first logit apart']):,} and "
+                     f"{int(r['last logit apart']):,}")
         lines.append(line + f". Every run trained at least {int(r['fewest steps run']):,} steps.")
     text = "**Measured.**\n\n" + "\n".join(lines)
     bf16, fp32 = summary.loc["bf16"], summary.loc["fp32"]
-    if bf16["precursor or worse"] == bf16["runs"] and fp32["precursor or worse"] == 0:
+    if (bf16["logit apart or worse"] == bf16["runs"] and fp32["logit apart or worse"] == 0
+            and pd.notna(bf16["first logit apart"])):
         horizon = int(bf16["fewest steps run"])  # the steps every BF16 run reached
         early = table[pd.to_numeric(table["runaway step"], errors="coerce") < horizon]
-        s1337 = ", ".join(f"step {table.loc[label, 'precursor from']:,} "
+        s1337 = ", ".join(f"step {table.loc[label, LOGIT_APART]:,} "
                           f"{'compiled' if table.loc[label, 'compiled'] else 'eager'}"
                           for label in table.index if label.startswith("bf16_s1337"))
         text += (f"\n\nWithin the first {horizon:,} steps, {len(early)} of the "
-                 f"{int(table.index.str.startswith('bf16').sum())} BF16 runs ran away; the others showed the precursor "
-                 "and may run away later. The precursor starts over a span of "
-                 f"{int(bf16['last precursor'] - bf16['first precursor']):,} steps across these runs (seed 1337: "
-                 f"{s1337}), so a single trajectory (the paper's) says little about when; that every BF16 run shows it "
-                 "and no FP32 run does is the robust part.")
+                 f"{int(table.index.str.startswith('bf16').sum())} BF16 runs' logits ran away; in the others the "
+                 "logit had parted from the FP32 twin's, and they may run away later. The logits part over a span of "
+                 f"{int(bf16['last logit apart'] - bf16['first logit apart']):,} steps across these runs (seed 1337: "
+                 f"{s1337}), so a single trajectory (the paper's) says little about when; that every BF16 run's logit "
+                 "parts and no FP32 run's does is the robust part.")
     return text
 
 

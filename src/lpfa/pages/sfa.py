@@ -18,7 +18,7 @@ import pandas as pd
 import seaborn as sns
 import torch
 
-from lpfa.compare import experiment_table, head_metric_frame, layer_max, plot_losses
+from lpfa.compare import LOGIT_APART, experiment_table, head_metric_frame, layer_max, plot_losses
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MUON_LONG, MUON_LR2, SFA_MUON, SIZES
@@ -313,7 +313,7 @@ def sweep_text(frames: dict, verdicts: pd.DataFrame, runs: dict, layer: int) -> 
             f"* **β.** On the same weights, β = 1.5 silences {s_last.loc[1.5, 'silenced']:.1%} of layer {layer}'s "
             f"rows, β = 4 {s_last.loc[4.0, 'silenced']:.1%}, β = 8 {s_last.loc[8.0, 'silenced']:.1%}; rows are zeroed "
             f"outright at {zeroed}.\n"
-            f"* **Applied to the BF16 run's weights** (step {int(b.step.max()):,}, after its precursor), β = 2 would "
+            f"* **Applied to the BF16 run's weights** (its last checkpoint, step {int(b.step.max()):,}), β = 2 would "
             f"silence {b_last.loc[2.0, 'silenced']:.1%} of layer {layer}'s rows and zero "
             f"{b_last.loc[2.0, 'zeroed']:.1%}.")
 
@@ -349,17 +349,18 @@ def long_sweep_text(sweeps: dict, layer: int) -> str:
 
 def outcome_text(table, label: str) -> str:
     """One row of :func:`experiment_table` in words, e.g. "did not explode, but its layer-1 logits ran away from
-    step 1,600" (the verdicts strongest first, as in the table's ``outcome``)."""
+    step 1,600" (the outcomes strongest first, as in the table's ``outcome``; for neither, the step its logit parted
+    from the reference's, where it did)."""
     r = table.loc[label]
-    if r["outcome"] == "exploded":
+    if r["outcome"] == "loss exploded":
         return (f"exploded at step {r['explosion step']:,}"
                 + (f" (its logits ran away in layer {r['runaway layer']} from step {r['runaway step']:,})"
                    if r["runaway step"] is not None else ""))
-    if r["outcome"] == "ran away":
+    if r["outcome"] == "logits ran away":
         return f"did not explode, but its layer-{r['runaway layer']} logits ran away from step {r['runaway step']:,}"
-    if r["outcome"] == "precursor":
-        return f"showed the precursor from step {r['precursor from']:,}"
-    return "neither exploded nor had its logits run away"
+    apart = r.get(LOGIT_APART)
+    return "neither exploded nor had its logits run away" + (
+        f" (its logit apart from the FP32 run's from step {apart:,})" if apart is not None and pd.notna(apart) else "")
 
 
 def _verdict_words(v: dict) -> str:
@@ -455,8 +456,9 @@ def adamw_table(layer: int):
 
 def sfa_muon_text(measured: dict, t_adam, layer: int) -> str:
     """Fig. 7 with Muon in words (``measured``: :func:`second_looks`): each twin's outcome (:func:`outcome_text`) and
-    final eval loss, whether Muon brings the BF16 precursor forward against AdamW (``t_adam``: :func:`adamw_table`),
-    and the share of ``layer``'s rows SFA silenced with β = 2 over its checkpoints; "" without the Muon rows."""
+    final eval loss, whether Muon brings forward the step where the BF16 logit parts from the FP32 one against AdamW
+    (``t_adam``: :func:`adamw_table`), and the share of ``layer``'s rows SFA silenced with β = 2 over its checkpoints;
+    "" without the Muon rows."""
     if "sfa_muon" not in measured:
         return ""
     mrows, mt, _ = measured["sfa_muon"]
@@ -464,14 +466,16 @@ def sfa_muon_text(measured: dict, t_adam, layer: int) -> str:
     text = [f"* **With Muon** ({int(mt['steps'].min()):,} steps): the BF16 run {outcome_text(mt, 'bf16_muon')}; the "
             f"FP32 run {outcome_text(mt, 'fp32_muon')}; the SFA run {outcome_text(mt, 'sfa_muon')}. Final eval losses: "
             + ", ".join(f"{label} {mt.loc[label, 'final eval loss']:.3f}" for label in mt.index) + "."]
-    adam_pre = t_adam.loc["bf16", "precursor from"] if t_adam is not None else None
-    pre_m = mt.loc["bf16_muon", "precursor from"]
+    adam_pre = t_adam.loc["bf16", LOGIT_APART] if t_adam is not None else None
+    pre_m = mt.loc["bf16_muon", LOGIT_APART]
     if adam_pre is not None and pre_m is not None:
         forward = ("brings the BF16 logits' departure forward" if pre_m < adam_pre
                    else "does not bring the BF16 logits' departure forward")
         text.append(f"* Muon {forward}: layer {layer}'s logits leave the FP32 run's behind (10×) from step {pre_m:,} "
-                    f"with Muon against {adam_pre:,} with AdamW (`results/isolation`, same seed and data). That is the "
-                    "precursor, not the loss: neither run's loss exploded.")
+                    f"with Muon against {adam_pre:,} with AdamW (`results/isolation`, same seed and data). That is a "
+                    "measure of the logits, not an outcome"
+                    + (": in neither run did the loss explode." if not (mt.loc["bf16_muon", "exploded"]
+                                                                      or t_adam.loc["bf16", "exploded"]) else "."))
     if sweep_m.exists():
         fm = sweep_frame(sweep_m)
         l2 = fm[(fm.layer == layer) & (fm.beta == 2.0)].set_index("step")
