@@ -208,6 +208,11 @@ def test_scorecard_is_computed_from_the_committed_runs():
     for label in decided.drop(["bf16_paper_recipe", "fp32_paper_recipe"]):
         assert (f"`{label.removesuffix('_paper_recipe')}`: {recipe.loc[label, 'verdict']} "
                 f"({int(recipe.loc[label, 'steps']):,} steps)" in iso["our result"])
+    # at the repro preset: where the unchanged bf16 row itself showed neither, the row says its rows cannot separate
+    from lpfa.pages.isolation import against_paper, isolation_table
+
+    control_quiet = "bf16" in against_paper(isolation_table(layer=1)[0])["paper_fails_but"]
+    assert ("the unchanged `bf16` row itself showed neither there" in iso["our result"]) == control_quiet
     counts = card["verdict"].value_counts()
     assert summary_text(card).startswith(f"Of the {len(card)} claims")
     assert all(f"{n} {v}" in summary_text(card) for v, n in counts.items())

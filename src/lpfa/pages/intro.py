@@ -209,7 +209,9 @@ def _isolation_row(layer: int, root) -> dict:
                 "outlier heads", "Sec. 3.2",
                 f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by whether the logits "
                 "ran away)"
-                + (f"; not: {', '.join(differ)}" if differ else "") + at_recipe,
+                + (f"; not: {', '.join(differ)}" if differ else "")
+                + ("; the unchanged `bf16` row itself showed neither there, so those rows cannot separate the causes"
+                   if "bf16" in cmp["paper_fails_but"] else "") + at_recipe,
                 "reproduced" if complete else "partly" if k or reported else "not reproduced", "10_isolation")
 
 
