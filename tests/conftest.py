@@ -7,14 +7,24 @@ ROOT = Path(__file__).resolve().parents[1]
 SMALL_CELL_TIMEOUT_S = 300  # the slowest cell at the small profile takes well under a minute
 os.environ.setdefault("LPFA_ROOT", str(ROOT))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Each pytest-xdist worker (and the notebook kernels and subprocesses it starts) gets its share of the cores, set
+    # before torch is imported. By default torch and BLAS in every worker use every core: two workers on two cores
+    # then make OpenMP threads wait on each other, and the suite runs about twice as long.
+    from lpfa.book import THREAD_VARS, kernel_threads
+
+    for var in THREAD_VARS:
+        os.environ.setdefault(var, str(kernel_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+
 
 @pytest.fixture(scope="session")
 def executed_notebook(tmp_path_factory):
     """``executed_notebook(nb)``: notebook ``nb`` executed at the `small` profile, once per test run whatever the
     number of pytest-xdist workers: the first worker to ask executes it into a folder the workers share (under a file
     lock), the others read that copy; an error is kept beside it and raised again to every caller. The notebook tests
-    and the book share these copies."""
-    from filelock import FileLock
+    and the book share these copies. ``executed_notebook(nb, wait=False)`` returns None at once instead of waiting
+    while another worker executes ``nb``."""
+    from filelock import FileLock, Timeout
 
     from lpfa.book import execute_notebook, profile_parameters
 
@@ -23,9 +33,14 @@ def executed_notebook(tmp_path_factory):
     shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "executed_notebooks"
     shared.mkdir(exist_ok=True)
 
-    def run(nb: Path) -> Path:
+    def run(nb: Path, wait: bool = True) -> Path | None:
         out, failed = shared / nb.name, shared / f"{nb.name}.error"
-        with FileLock(str(shared / f"{nb.name}.lock")):
+        lock = FileLock(str(shared / f"{nb.name}.lock"))
+        try:
+            lock.acquire(timeout=None if wait else 0)
+        except Timeout:  # another worker is executing it
+            return None
+        try:
             if not out.is_file() and not failed.is_file():
                 for attempt in (1, 2):  # a cell hung past SMALL_CELL_TIMEOUT_S is tried once more, then fails
                     try:
@@ -38,6 +53,8 @@ def executed_notebook(tmp_path_factory):
                             continue
                         failed.write_text(f"{type(e).__name__}: {e}")
                         break
+        finally:
+            lock.release()
         if failed.is_file():
             raise RuntimeError(f"{nb.name} failed at the small profile: {failed.read_text()}")
         return out
@@ -51,8 +68,14 @@ def built_book(tmp_path_factory, executed_notebook):
     (:func:`executed_notebook`); returns the html folder."""
     from lpfa.book import build, toc_notebooks
 
+    notebooks = toc_notebooks(ROOT)
+    # First the notebooks that no other worker is executing, from the last: a worker running the notebook tests asks
+    # for them from the first, so the two workers execute different notebooks at once instead of one waiting on the
+    # other's kernel.
+    for nb in reversed(notebooks):
+        executed_notebook(nb, wait=False)
     out = tmp_path_factory.mktemp("book")
-    index = build("small", out=out, root=ROOT, executed={nb: executed_notebook(nb) for nb in toc_notebooks(ROOT)})
+    index = build("small", out=out, root=ROOT, executed={nb: executed_notebook(nb) for nb in notebooks})
     return index.parent
 
 
