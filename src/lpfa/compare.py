@@ -267,6 +267,11 @@ OUTCOMES = ("loss exploded", "logits ran away", "neither")
 LOGIT_APART = "logit apart from"
 
 
+def outcome(exploded: bool, runaway_step) -> str:
+    """A run's outcome, one of :data:`OUTCOMES`, from its verdict: whether its loss exploded and its runaway step."""
+    return OUTCOMES[0] if exploded else OUTCOMES[1] if runaway_step is not None else OUTCOMES[2]
+
+
 def experiment_table(
     folder, labels=None, layer: int = 1, step: int | None = None, reference=None, logit_ratio: float = 10.0
 ):
@@ -328,8 +333,7 @@ def experiment_table(
     table.insert(
         6,
         "outcome",
-        [OUTCOMES[0] if r["exploded"] else OUTCOMES[1] if r["runaway step"] is not None else OUTCOMES[2]
-         for _, r in table.iterrows()],
+        [outcome(r["exploded"], r["runaway step"]) for _, r in table.iterrows()],
     )
     return table, step
 

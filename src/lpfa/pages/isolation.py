@@ -16,7 +16,15 @@ import json
 import pandas as pd
 import torch
 
-from lpfa.compare import LOGIT_APART, OUTCOMES, experiment_table, head_metric_frame, layer_max, plot_logit_runaway
+from lpfa.compare import (
+    LOGIT_APART,
+    OUTCOMES,
+    experiment_table,
+    head_metric_frame,
+    layer_max,
+    outcome,
+    plot_logit_runaway,
+)
 from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_ISOLATION
 from lpfa.experiments import rows as design_rows
 from lpfa.explosion import RunawayCriterion, heads_text
@@ -156,8 +164,8 @@ def isolation_findings(table, layer: int = 1) -> str:
     cmp = against_paper(table)
     by, sick, stable_but, fails_but = cmp["by_outcome"], cmp["sick"], cmp["paper_stable_but"], cmp["paper_fails_but"]
 
-    def when(label, outcome):  # the step an outcome is dated by; for neither, where the logit parted, if it did
-        col = {"loss exploded": "explosion step", "logits ran away": "runaway step"}.get(outcome)
+    def when(label, o):  # the step outcome o is dated by; for neither, where the logit parted, if it did
+        col = dict(zip(OUTCOMES[:2], ("explosion step", "runaway step"))).get(o)
         if col:
             return f" (step {table.loc[label, col]:,})"
         apart = table.loc[label, LOGIT_APART] if LOGIT_APART in table else None
@@ -332,9 +340,8 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
                                             "runaway layer": v["runaway_layer"]})
             if v["runaway_layer"] is not None:
                 row["runaway heads"] = tuple(heads_running_away(found[label], int(v["runaway_layer"])))
-            row["verdict"] = ("loss exploded" if v["exploded"] else
-                              "too short" if boom is None or v["steps"] <= boom else
-                              "logits ran away" if v["runaway_step"] is not None else "neither")
+            row["verdict"] = ("too short" if not v["exploded"] and (boom is None or v["steps"] <= boom)
+                              else outcome(v["exploded"], v["runaway_step"]))
         out[label] = row
     return pd.DataFrame.from_dict(out, orient="index")
 

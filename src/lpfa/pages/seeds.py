@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from lpfa.compare import LOGIT_APART
+from lpfa.compare import LOGIT_APART, OUTCOMES
 from lpfa.experiments import SEEDS
 from lpfa.experiments import rows as design_rows
 from lpfa.pages import RERUN_PAGE
@@ -82,7 +82,7 @@ def seeds_summary(table, mode=lambda label: label.split("_s")[0]):
                "median runaway": ra.median() if len(ra) else None, "last runaway": ra.max() if len(ra) else None}
         if LOGIT_APART in g:
             apart = pd.to_numeric(g[LOGIT_APART], errors="coerce")
-            worse = apart.notna() | g["outcome"].isin(["logits ran away", "loss exploded"])
+            worse = apart.notna() | (g["outcome"] != OUTCOMES[2])  # parted, or the logits ran away, or worse
             apart = apart.dropna()
             row.update({"logit apart or worse": int(worse.sum()),
                         "first logit apart": apart.min() if len(apart) else None,

@@ -28,7 +28,7 @@ import pandas as pd
 
 from lpfa.attention.policy import get_policy
 from lpfa.audit import load_captured
-from lpfa.compare import PRECURSORS, experiment_table, layer_max, precursor_panels
+from lpfa.compare import PRECURSORS, experiment_table, layer_max, outcome, precursor_panels
 from lpfa.experiments import (
     BASES,
     FP32_RERUN,
@@ -524,8 +524,7 @@ def _failure(row) -> str:
 def _outcome(row) -> str:
     """A :func:`stabiliser_table` row's outcome in the book's vocabulary: "loss exploded", "logits ran away" or
     "neither"."""
-    return ("loss exploded" if row["exploded"] else "logits ran away" if row["runaway step"] is not None
-            else "neither")
+    return outcome(row["exploded"], row["runaway step"])
 
 
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
