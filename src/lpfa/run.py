@@ -88,7 +88,9 @@ def read_records(run_dir: str | Path) -> list[dict]:
     return list(_parse_records(str(path.resolve()), st.st_mtime_ns, st.st_size))
 
 
-@functools.lru_cache(maxsize=32)
+# Room for every metrics file of the committed store (under a hundred, 0.6 GB parsed): the scorecard alone reads 60,
+# and a cache smaller than one such pass keeps none of them for the next one (least recently used goes first).
+@functools.lru_cache(maxsize=128)
 def _parse_records(path: str, mtime_ns: int, size: int) -> tuple[dict, ...]:
     raw = Path(path).read_bytes()
     try:
