@@ -63,6 +63,17 @@ def test_plot_head_metric_draws_every_head_of_every_layer():
     assert len(tr.plot_smoke_loss(run, "fa2").axes) >= 1
 
 
+def test_loss_plot_of_a_short_run_ticks_whole_steps(tmp_path):
+    """A run of 20 steps (the small profile's page 13) gets whole-number step ticks, not 2.5, 7.5, ..."""
+    from conftest import write_diag_run
+
+    from lpfa.plotting import figure_problems
+
+    run = write_diag_run(tmp_path, "short", [1.0], [0.0], [1.0], losses=[5.0 - 0.1 * s for s in range(20)])
+    fig = tr.plot_smoke_loss(run, "fa2")
+    assert figure_problems(fig) == []
+
+
 def test_train_smoke_rejects_an_unknown_policy(tmp_path):
     with pytest.raises(ValueError, match="attn_policy"):
         tr.train_smoke(attn_policy="nope", out_dir=str(tmp_path / "run"))

@@ -23,6 +23,7 @@ def plot_losses(runs: dict, smooth: int = 20, ax=None):
     """Training loss (rolling mean over ``smooth`` steps) and evaluation loss of one or more runs
     (``{label: run_dir}``), colours from :data:`lpfa.plotting.COLORS` where a label names a mode."""
     import matplotlib.pyplot as plt  # heavy, and only for figures: loaded when one is drawn
+    from matplotlib.ticker import MaxNLocator
 
     from lpfa.plotting import COLORS, use_style
 
@@ -35,6 +36,8 @@ def plot_losses(runs: dict, smooth: int = 20, ax=None):
         ax.plot(train.index, train["loss"].rolling(smooth, min_periods=1).mean(), color=color, label=f"{label} (train)")
         if len(val):
             ax.plot(val.index, val["val_loss"], "o--", color=color, ms=4, label=f"{label} (eval)")
+    # steps are whole numbers: the default locator's ticks, less fractions ("2.5") on a run of a few steps
+    ax.xaxis.set_major_locator(MaxNLocator("auto", steps=[1, 2, 2.5, 5, 10], integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy loss")
     ax.legend()
