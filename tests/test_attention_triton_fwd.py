@@ -33,6 +33,7 @@ pytest.importorskip("triton")
 from lpfa.attention import PRESETS, SFA, AttentionStats  # noqa: E402
 from lpfa.attention.policy import BF16  # noqa: E402
 from lpfa.attention.reference import forward as ref_forward  # noqa: E402
+from lpfa.attention.triton_common import _max_nan, _row_max, _row_top2, _top2, tl, triton  # noqa: E402
 from lpfa.attention.triton_fwd import flash_forward  # noqa: E402
 
 # padded rows (query >= T) divide 0/0 and take log(0) in the interpreter; they are never stored
@@ -386,3 +387,51 @@ def test_exp2_policy_takes_the_fma_at_the_row_max():
     assert (rlse[0, :, 0] != ms).all()
     assert torch.equal(lse[0, :, 0], rlse[0, :, 0])
     torch.testing.assert_close(lse, rlse, rtol=1e-5, atol=1e-5)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _reductions_kernel(X, OUT, N: tl.constexpr):
+        """Row max and top two of an (N, N) tile, as the GPU computes them (reductions with the combine functions
+        of triton_common) and as the kernels do here (the interpreter's built-in reductions)."""
+        offs = tl.arange(0, N)
+        x = tl.load(X + offs[:, None] * N + offs[None, :])
+        gpu_max = tl.reduce(x, 1, _max_nan)
+        gpu_1, gpu_2 = tl.reduce((x, tl.full(x.shape, float("-inf"), tl.float32)), 1, _top2)
+        here_max = _row_max(x)
+        here_1, here_2 = _row_top2(x)
+        for i, r in enumerate((gpu_max, gpu_1, gpu_2, here_max, here_1, here_2)):
+            tl.store(OUT + i * N + offs, r)
+
+
+def test_row_reductions_equal_the_gpus_combine_functions():
+    """Under the interpreter the kernels take the row max and the top two from built-in reductions (a reduction
+    with a combine function of its own runs element by element in Python there). Both must give the combine
+    functions' values, which the GPU uses, on rows with exact ties (the max held twice, thrice, everywhere), ±inf,
+    all −inf, NaN and random values: bit for bit, except the second value of a row holding NaN (the tie test ignores
+    it, since the max is NaN)."""
+    N = 16
+    x = torch.randn(N, N, generator=torch.Generator().manual_seed(torch.seed() % 2**31))
+    x[1, 3] = x[1, 9] = x[1].max() + 1  # the max held twice
+    x[2, :3] = x[2].max() + 1  # three times
+    x[3] = 0.5  # everywhere
+    x[4, 5] = math.inf
+    x[5, 2] = x[5, 7] = math.inf
+    x[6] = -math.inf
+    x[7, 4:] = -math.inf  # the max among a few finite values
+    x[8, 6] = math.nan
+    x[9] = math.nan
+    x[10, 0], x[10, 1] = math.inf, math.nan
+    x[11, 11] = -math.inf  # one −inf in a finite row
+    x[12, 0] = x[12].max() + 1  # the max once, the second largest in a later column
+    x[12, 15] = x[12, 0] - 2**-20
+    out = torch.empty(6, N)
+    _reductions_kernel[(1,)](x, out, N=N)
+    gpu_max, gpu_1, gpu_2, here_max, here_1, here_2 = (_bits(r) for r in out)
+    nan_rows = x.isnan().any(1)
+    assert torch.equal(gpu_max, here_max) and torch.equal(gpu_1, here_1) and torch.equal(gpu_max, gpu_1)
+    assert out[0][nan_rows].isnan().all() and not out[0][~nan_rows].isnan().any()
+    assert torch.equal(gpu_2[~nan_rows], here_2[~nan_rows])
+    top2 = x[~nan_rows].sort(1, descending=True).values[:, :2]  # the max and the second largest, ties counted
+    assert torch.equal(out[1][~nan_rows], top2[:, 0]) and torch.equal(out[2][~nan_rows], top2[:, 1])

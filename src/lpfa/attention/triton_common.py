@@ -60,9 +60,10 @@ def _interpreter() -> bool:
 
 
 if triton is not None:
-    # BF16 rounding by the hardware conversion (GPU) or by integer arithmetic (interpreter), fixed at import as the
-    # kernels' mode is (triton.jit reads TRITON_INTERPRET when the module is imported)
-    _HW_ROUND = tl.constexpr(not _interpreter())
+    # compiled for a GPU, or run by the CPU interpreter: fixed at import as the kernels' mode is (triton.jit reads
+    # TRITON_INTERPRET when the module is imported). It picks BF16 rounding by the hardware conversion or by integer
+    # arithmetic, one fused FMA or a float64 emulation, and custom reductions or the interpreter's built-in ones.
+    _COMPILED = tl.constexpr(not _interpreter())
 
     @triton.jit
     def _round_bf16(x):
@@ -72,7 +73,7 @@ if triton is not None:
         there the rounding is done on the FP32 bit pattern instead, with the same result for every non-NaN value."""
         if x.dtype == tl.bfloat16:  # a BF16 input tile: exactly BF16 already
             y = x.to(tl.float32)
-        elif _HW_ROUND:
+        elif _COMPILED:
             y = x.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)
         else:
             bits = x.to(tl.uint32, bitcast=True)
@@ -171,8 +172,15 @@ if triton is not None:
 
     @triton.jit
     def _row_max(x):
-        """rowmax over axis 1, NaN-propagating (a NaN score makes the row's max NaN, as torch.amax does)."""
-        return tl.reduce(x, 1, _max_nan)
+        """rowmax over axis 1, NaN-propagating (a NaN score makes the row's max NaN, as torch.amax does). On a GPU one
+        reduction with :func:`_max_nan`. The interpreter runs a reduction with a combine function of its own element
+        by element in Python (most of a forward's time there), so under it the same values come from its built-in
+        max (NumPy's, which skips NaN) and a NaN test."""
+        if _COMPILED:
+            m = tl.reduce(x, 1, _max_nan)
+        else:
+            m = tl.where(tl.max((x != x).to(tl.int32), 1) > 0, float("nan"), tl.max(x, 1))
+        return m
 
     @triton.jit
     def _top2(a1, a2, b1, b2):
@@ -183,8 +191,17 @@ if triton is not None:
     @triton.jit
     def _row_top2(x):
         """(rowmax, the second largest value) over axis 1 in one reduction: SFA's tie test (two values within ε of
-        the max) needs no more than these two."""
-        return tl.reduce((x, tl.full(x.shape, float("-inf"), tl.float32)), 1, _top2)
+        the max) needs no more than these two. Under the interpreter (see :func:`_row_max`) from built-in reductions
+        instead: the max again where it is held twice, else the max of the rest; the same values wherever the row
+        holds no NaN (a NaN row's max is NaN, and the tie test then ignores the second value)."""
+        if _COMPILED:
+            m1, m2 = tl.reduce((x, tl.full(x.shape, float("-inf"), tl.float32)), 1, _top2)
+        else:
+            m1 = _row_max(x)
+            at_max = x == m1[:, None]
+            rest = tl.max(tl.where(at_max, float("-inf"), x), 1)
+            m2 = tl.where(tl.sum(at_max.to(tl.int32), 1) > 1, m1, rest)
+        return m1, m2
 
     @triton.jit
     def _dot_part(a, b, acc, AS_BF16: tl.constexpr):
@@ -305,7 +322,7 @@ if triton is not None:
         rounded to FP32: that differs from one rounding only where the float64 sum lies exactly halfway between two
         FP32 values (:func:`lpfa.attention.reference.fma_f32` handles that case too), far below the FP32 exp's own
         error at the exp2 that follows."""
-        if _HW_ROUND:
+        if _COMPILED:
             return tl.fma(a, tl.full(a.shape, b, tl.float32), tl.broadcast_to(c, a.shape))
         else:
             return (a.to(tl.float64) * b + c.to(tl.float64)).to(tl.float32)
