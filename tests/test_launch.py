@@ -139,7 +139,7 @@ def test_paper_isolation_covers_the_table():
     from lpfa.launch import ISOLATION, PAPER_ISOLATION
 
     assert set(PAPER_ISOLATION) == set(ISOLATION)
-    assert set(PAPER_ISOLATION.values()) <= {"fails", "stable", "not reported"}
+    assert set(PAPER_ISOLATION.values()) <= {"loss exploded", "neither", "not reported"}
 
 
 @pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/gpu/twins.sh needs bash")

@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from conftest import ROOT, write_diag_run
 
-from lpfa import alarms, monitor
+from lpfa import alarms, compare, monitor
 from lpfa.experiments import FP32_RERUN
 from lpfa.pages import early_warning as ew
 from lpfa.run import run_verdict
@@ -137,6 +137,19 @@ def test_replay_summary_counts_every_run_once(known_root):
     assert s.loc[("fp32", "neither"), "runs"] == 2 and pd.isna(s.loc[("fp32", "neither"), "warned ahead"])
     ran = table[table["runaway step"].notna()]
     assert s.loc[("low precision", "logits ran away"), "warned ahead"] == int(ran["warned before"].sum())
+
+
+def test_replay_summary_names_outcomes_strongest_first():
+    """A run whose logits ran away and whose loss then exploded counts as "loss exploded", as everywhere in the book
+    (lpfa.compare.outcome); one whose logits only ran away as "logits ran away"."""
+    table = pd.DataFrame({"attention": ["low precision"] * 3, "runaway step": [2800.0, 3000.0, None],
+                          "explosion step": [5136.0, None, None], "first warning step": [2600.0, None, 100.0],
+                          "warned before": [True, False, False], "lead": [200.0, None, None]},
+                         index=["a/r/bf16", "a/r/bf16_s1", "a/r/bf16_s2"])
+    s = ew.replay_summary(table)
+    assert set(s.index) == {("low precision", o) for o in compare.OUTCOMES}
+    assert s.loc[("low precision", "loss exploded"), "runs"] == 1
+    assert s.loc[("low precision", "loss exploded"), "warned ahead"] == 1
 
 
 def independent_counts(report: dict, thr: dict) -> dict:

@@ -2,6 +2,7 @@
 results/paper_recipe and results/repro_pair runs read from their own files (config.json, summary.json)."""
 
 import json
+import re
 from pathlib import Path
 
 import matplotlib
@@ -112,3 +113,22 @@ def test_scorecard_note_gives_a_page_its_own_rows_of_the_scorecard():
     note = scorecard_note("07_spectral_norms", fig2_experiment="no_such_experiment")
     assert note.startswith("The book's scorecard rows for this page are not computed here: ")
     assert "no_such_experiment" in note
+
+
+def test_mechanism_rows_print_lower_bounds_that_hold():
+    """The scorecard's Fig. 5 and Fig. 4 rows print "t ≥ x" and "similarity ≥ y" over the replayed heads: each printed
+    bound is at most the smallest value the pages print (rounded down, never up: 6.35 is "t ≥ 6.3")."""
+    from lpfa.experiments import MECHANISM_REPLAY
+    from lpfa.pages.delta_bias import replay_dir
+    from lpfa.pages.intro import _floor, _mechanism_rows
+    from lpfa.replay import bias_test, load_replay, rank1_stats
+
+    assert (_floor(0.937, 2), _floor(6.35, 1), _floor(0.94, 2), _floor(0.999, 2)) == (0.93, 6.3, 0.94, 0.99)
+    fig5, fig4 = _mechanism_rows("mechanism", MECHANISM_REPLAY, None)
+    result, arrays = load_replay(replay_dir("mechanism", None, MECHANISM_REPLAY, None))
+    t_min = min(r["t"] for r in bias_test(result).values())
+    sims = min(min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
+               for h in result["heads"])
+    t_shown = float(re.search(r"t ≥ ([0-9.]+)", fig5[COLUMNS[2]]).group(1))
+    sim_shown = float(re.search(r"matrices ≥ ([0-9.]+)", fig4[COLUMNS[2]]).group(1))
+    assert t_shown <= t_min < t_shown + 0.1 and sim_shown <= sims < sim_shown + 0.01

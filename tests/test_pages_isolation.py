@@ -53,6 +53,11 @@ def test_isolation_design_names_the_launch_of_each_row():
         assert design.loc[label, "overrides"] == " ".join(overrides)
         assert design.loc[label, "paper"] == PAPER_ISOLATION[label]
         assert design.loc[label, "change"] == DESCRIPTIONS[label]
+        if label in rows:  # what the committed run's config.json says it ran, whatever the row's definition is now
+            train = json.loads((rows[label] / "config.json").read_text())["train"]
+            backend = train.get("attn_backend", "lpfa")
+            assert design.loc[label, "attention as run"].split(";")[0] == (train["attn_policy"] if backend == "lpfa"
+                                                                          else backend)
     assert isolation_design({k: v for k, v in rows.items() if k != "delta_dp"}).loc["delta_dp", "run"] == "not run yet"
     with pytest.raises(ValueError, match=r"^rows=\['nope'\]: expected labels of lpfa.experiments.ISOLATION"):
         isolation_design({"nope": ROOT})
@@ -90,7 +95,7 @@ def test_verdict_tables_split_the_table_in_two(iso):
 def test_isolation_findings_on_a_small_table():
     table = pd.DataFrame({
         "outcome": {"fp32": "neither", "a": "loss exploded", "b": "logits ran away", "c": "neither"},
-        "paper": {"fp32": "stable", "a": "fails", "b": "stable", "c": "fails"},
+        "paper": {"fp32": "neither", "a": "loss exploded", "b": "neither", "c": "loss exploded"},
         "logit apart from": pd.Series({"fp32": None, "a": 1500, "b": 4800, "c": 6100}, dtype=object),
         "explosion step": pd.Series({"fp32": None, "a": 1995, "b": None, "c": None}, dtype=object),
         "runaway step": pd.Series({"fp32": None, "a": 2400, "b": 5200, "c": None}, dtype=object),
@@ -99,7 +104,8 @@ def test_isolation_findings_on_a_small_table():
     assert isolation_findings(table, 1) == (
         "**Measured.**\n\n* **loss exploded**: `a` (step 1,995)\n* **logits ran away**: `b` (step 5,200)\n"
         "* **neither**: `fp32`, `c` (its logit apart from step 6,100)\n"
-        "* **against the paper**: it reports `b` stable, and here they are not; it reports `c` exploding, and here "
+        "* **against the paper**: it reports no explosion for `b`, and here their loss exploded or their logits ran "
+        "away; it reports `c` exploding, and here "
         "neither their loss exploded nor their logits ran away.\n"
         "* **'layer-1 scores S rounded to BF16 in every head' predicts that the logits run away or the loss "
         "explodes**: it fits 3 of 4 rows; not `c` (layer 1 scores bf16, neither).\n"
@@ -118,7 +124,7 @@ def test_isolation_findings_date_the_committed_rows_from_their_files(iso):
             assert f"`{label}` (step {v['explosion_step']:,})" in text
         elif v["runaway_step"] is not None:
             assert f"`{label}` (step {v['runaway_step']:,})" in text
-    stable_but = [x for x in table.index if PAPER_ISOLATION[x] == "stable" and table.loc[x, "outcome"] != "neither"]
+    stable_but = [x for x in table.index if PAPER_ISOLATION[x] == "neither" and table.loc[x, "outcome"] != "neither"]
     assert ((f"it reports {', '.join(f'`{x}`' for x in stable_but)} stable, and here they are not" in text)
             if stable_but else "stable, and here they are not" not in text)
 
@@ -190,7 +196,7 @@ def test_isolation_plan_prices_the_rows_not_run():
 
 def _recipe(verdicts: dict, papers: dict):
     labels = ["bf16_paper_recipe", "fp32_paper_recipe", *verdicts]
-    paper = {"bf16_paper_recipe": "fails", "fp32_paper_recipe": "stable", **papers}
+    paper = {"bf16_paper_recipe": "loss exploded", "fp32_paper_recipe": "neither", **papers}
     return pd.DataFrame({"change": "x", "paper": paper,
                          "steps": 6000, "explosion step": None,
                          "verdict": {"bf16_paper_recipe": "loss exploded", "fp32_paper_recipe": "neither", **verdicts},
@@ -199,14 +205,14 @@ def _recipe(verdicts: dict, papers: dict):
 
 def test_recipe_iso_text_counts_rows_run_and_agreeing():
     recipe = _recipe({"a": "neither", "b": "loss exploded", "c": "not run yet", "d": "too short"},
-                     {"a": "stable", "b": "stable", "c": "stable", "d": "fails"})
+                     {"a": "neither", "b": "neither", "c": "neither", "d": "loss exploded"})
     assert recipe_iso_text(recipe) == "3 of its 4 rows have run, 1 as the paper reports (`results/paper_recipe`)"
-    quiet = _recipe({"a": "not run yet"}, {"a": "stable"})
+    quiet = _recipe({"a": "not run yet"}, {"a": "neither"})
     assert recipe_iso_text(quiet) == "none of its 1 rows has run yet (`results/paper_recipe`)"
 
 
 def test_recipe_display_table_joins_the_heads():
-    recipe = _recipe({"a": "neither"}, {"a": "stable"})
+    recipe = _recipe({"a": "neither"}, {"a": "neither"})
     recipe.at["a", "runaway heads"] = (3, 4)
     shown = recipe_display_table(recipe)
     assert list(shown.columns) == ["change", "paper", "steps", "explosion step", "verdict", "runaway step",
@@ -217,7 +223,7 @@ def test_recipe_display_table_joins_the_heads():
 def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
     recipe = _recipe({"a_paper_recipe": "neither", "b_paper_recipe": "not run yet",
                       "c_paper_recipe": "not run yet"},
-                     {"a_paper_recipe": "stable", "b_paper_recipe": "stable", "c_paper_recipe": "stable"})
+                     {"a_paper_recipe": "neither", "b_paper_recipe": "neither", "c_paper_recipe": "neither"})
     twin = experiment_rows("paper_recipe", ["bf16_paper_recipe"])["bf16_paper_recipe"]
     train = json.loads((twin / "config.json").read_text())["train"]
     text = recipe_plan(recipe)
@@ -226,4 +232,4 @@ def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
     assert text.endswith(f"two per 2-GPU run, at its batch of {train['batch_size']} ({RERUN_PAGE} gives the commands).")
     assert recipe_plan(recipe, root=tmp_path).endswith("They run at the BF16 twin's batch once that twin is committed "
                                                        "(`scripts/gpu/paper_recipe.sh`).")
-    assert recipe_plan(_recipe({"a": "neither"}, {"a": "stable"})) == ""
+    assert recipe_plan(_recipe({"a": "neither"}, {"a": "neither"})) == ""

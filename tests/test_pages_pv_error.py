@@ -37,8 +37,12 @@ def test_text_and_figures_on_the_committed_replay():
         p_bar, err = arrays[f"h{h}_s{s}_pv_p_bar"], arrays[f"h{h}_s{s}_pv_error"].astype(float)
         inc = np.abs(np.diff(err, prepend=0.0))
         share = inc[p_bar == 1].sum() / inc.sum()
-        assert (f"* head {h}, step {s}: {int((p_bar == 1).sum())} key(s) with P̄ = 1 out of {len(p_bar)}") in text
+        ones = int((p_bar == 1).sum())
+        assert (f"* head {h}, step {s}: {ones} key{'s' * (ones != 1)} with P̄ = 1 out of {len(p_bar)}") in text
         assert f"final Ō error {err[-1]:+.2e}; the additions at P̄ = 1 keys account for {share:.0%}" in text
+    tied = sum(int((arrays[f"h{h}_s{s}_pv_p_bar"] == 1).sum()) > 1 for h, s in cases)
+    assert text.endswith(f"The worst token is a tied row (two or more keys with P̄ = 1) at {tied} of these "
+                         f"{len(cases)} head-steps.")
     figs = plot_pv_errors(result, arrays)
     assert [f._suptitle.get_text() for f in figs] == [f"layer {result['layer']}, head {h}, step {s}" for h, s in cases]
     h, s = cases[0]

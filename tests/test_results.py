@@ -272,7 +272,7 @@ def test_recipe_isolation_table_judges_rows_by_the_loss():
     assert t.loc["pv_fp32_paper_recipe", "runaway layer"] == 1
     assert t.loc["delta_dp_paper_recipe", "verdict"] == "neither"
     assert pd.isna(t.loc["delta_dp_paper_recipe", "runaway step"])
-    assert t.loc["bf16_paper_recipe", "paper"] == "fails" and t.loc["fp32_paper_recipe", "paper"] == "stable"
+    assert t.loc["bf16_paper_recipe", "paper"] == "loss exploded" and t.loc["fp32_paper_recipe", "paper"] == "neither"
     # FP32 outlier heads (results/paper_recipe/h200-2026-12-02): the runaway moves to other heads of layer 1; each
     # listed head's own logged logits stay above the threshold for the criterion's patience, the FP32 heads' never do
     from lpfa.explosion import RunawayCriterion

@@ -47,7 +47,8 @@ def test_summarize_matches_its_parts():
     for lay in range(2):
         v = layer_tensors(model, idx, lay)["v"]
         assert np.allclose(vd[lay], v_sign_dominance(v).numpy(), atol=1e-6)
-    assert "most tied head (layer" in describe(s) and "V's feature columns with one sign on at least 90%" in describe(s)
+    assert "most tied head (layer" in describe(s)
+    assert "V's feature columns with one sign on at least 90% of the keys of these sequences" in describe(s)
     old = {k: v for k, v in s.items() if k not in ("v_sign_dominance", "dominant_sign")}
     assert "V's feature columns" not in describe(old)  # summaries made before it was measured
     with pytest.raises(ValueError, match="idx must be"):

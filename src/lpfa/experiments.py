@@ -47,11 +47,12 @@ ISOLATION: dict[str, list[str]] = {
     "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
     "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
 }
-# What the paper reports for each isolation row (Sec. 3.2): "fails" (the loss explodes) or "stable".
+# What the paper reports for each isolation row (Sec. 3.2): "loss exploded" (the loss explodes) or "neither".
 PAPER_ISOLATION: dict[str, str] = {
-    "bf16": "fails", "fp32": "stable", "bf16_tiled": "fails", "bf16_only_layer1": "fails", "fp32_only_layer1": "stable",
-    "delta_dp": "stable", "delta_o_fp32": "stable", "delta_o_exact": "not reported", "o_fp32": "stable",
-    "pv_fp32": "stable", "scores_fp32": "not reported", "fp32_outlier_heads": "stable",
+    "bf16": "loss exploded", "fp32": "neither", "bf16_tiled": "loss exploded", "bf16_only_layer1": "loss exploded",
+    "fp32_only_layer1": "neither",
+    "delta_dp": "neither", "delta_o_fp32": "neither", "delta_o_exact": "not reported", "o_fp32": "neither",
+    "pv_fp32": "neither", "scores_fp32": "not reported", "fp32_outlier_heads": "neither",
     "fp32_worst_head": "not reported",
 }
 # failure (runaway) rate and spread over seeds of data order and init; 1337 is the twins'
@@ -295,8 +296,8 @@ EXPERIMENT_PRESETS: dict[str, str] = {"paper_recipe": "gpt2-s-paper", "stabilise
 @dataclass(frozen=True)
 class Row:
     """One run of an experiment: ``overrides`` (key=value for ``lpfa.train`` on top of the experiment's preset),
-    ``description`` (what it changes, in the paper's words), ``paper`` (what the paper reports for it: "fails",
-    "stable", "not reported", or None when the paper has no such row) and ``reference`` (the label of the stable run of
+    ``description`` (what it changes, in the paper's words), ``paper`` (what the paper reports for it: "loss exploded",
+    "neither", "not reported", or None when the paper has no such row) and ``reference`` (the label of the stable run of
     the same experiment it is judged against, None for a reference itself)."""
 
     experiment: str

@@ -125,8 +125,8 @@ def _v_sign_text(s: dict) -> str:
     if "v_sign_dominance" not in s:  # summaries made before it was measured
         return ""
     d, (layer, head) = np.asarray(s["v_sign_dominance"]), s["head"]
-    return (f" V's feature columns with one sign on at least {s['dominant_sign']:.0%} of the keys: {d.mean():.1%} on "
-            f"average, {d[layer, head]:.1%} in that head, {d.max():.1%} at most.")
+    return (f" V's feature columns with one sign on at least {s['dominant_sign']:.0%} of the keys of these sequences: "
+            f"{d.mean():.1%} on average, {d[layer, head]:.1%} in that head, {d.max():.1%} at most.")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ import seaborn as sns
 from lpfa import alarms, doctor
 from lpfa.checkpoints import read_json
 from lpfa.compare import head_metric_frame
+from lpfa.compare import outcome as compare_outcome
 from lpfa.dose import rescue_headline
 from lpfa.experiments import FP32_RERUN, RESCUE_DOSE, STABILISER_RERUN
 from lpfa.monitor import OVERHEAD_GOAL, add_derived, amortised_overhead, crossings, default_thresholds
@@ -173,12 +174,11 @@ def replay_table(table: pd.DataFrame) -> pd.DataFrame:
 
 
 def replay_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """:func:`warning_table` in a few rows, per attention precision and outcome (the logits ran away; the loss exploded
-    without them running away; neither): the runs, how many the monitor warned, how many of those ahead of the
-    failure and the median lead
-    (steps) of those."""
-    outcome = np.where(table["runaway step"].notna(), "logits ran away",
-                       np.where(table["explosion step"].notna(), "loss exploded", "neither"))
+    """:func:`warning_table` in a few rows, per attention precision and outcome (:func:`lpfa.compare.outcome`,
+    strongest first: the loss exploded; the logits ran away; neither): the runs, how many the monitor warned, how many
+    of those ahead of the runaway, else the explosion, and the median lead (steps) of those."""
+    outcome = [compare_outcome(pd.notna(e), r if pd.notna(r) else None)
+               for e, r in zip(table["explosion step"], table["runaway step"])]
     rows = {}
     for (att, out), g in table.groupby([table["attention"], pd.Series(outcome, index=table.index)], sort=True):
         warned = g["first warning step"].notna()

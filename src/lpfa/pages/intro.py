@@ -14,6 +14,7 @@ in the scorecard is the number on the page it links to. Verdicts:
 from __future__ import annotations
 
 import html
+import math
 import re
 
 import pandas as pd
@@ -109,6 +110,11 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     return rows
 
 
+def _floor(x: float, digits: int) -> float:
+    """x rounded down to ``digits`` decimals, for a lower bound printed after "≥" (0.937 is "≥ 0.93", not 0.94)."""
+    return math.floor(x * 10**digits) / 10**digits
+
+
 def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
     folder = replay_dir(replay_experiment, None, replay, root)
     result, arrays = load_replay(folder)
@@ -131,17 +137,17 @@ def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
              f"{exact} from step {result['checkpoint_step']:,}")
     return [
         _row("δ = rowsum(dO∘O) from BF16 O is biased against its high-precision value", "Fig. 5",
-             f"{where}: the δ error is positive in ≥ {pos:.0%} of steps, t ≥ {t_min:.1f}; rows with tied maxima carry "
-             f"≥ {share:.0%} of it",
+             f"{where}: the δ error is positive in ≥ {_floor(pos, 2):.0%} of steps, t ≥ {_floor(t_min, 1):.1f}; rows "
+             f"with tied maxima carry ≥ {_floor(share, 2):.0%} of it",
              "reproduced" if t_min > 3 else "not reproduced", "02_delta_bias"),
         _row("The W_Q gradient error accumulates along one low-rank direction", "Fig. 4",
-             f"{where}: median similarity of the per-token rank-1 matrices ≥ {min(sims):.2f} (random: ~0)",
+             f"{where}: median similarity of the per-token rank-1 matrices ≥ {_floor(min(sims), 2):.2f} (random: ~0)",
              "reproduced" if min(sims) > 0.9 else "not reproduced", "03_pktx_structure"),
     ]
 
 
 def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> dict:
-    claim = "SFA (shifting a tied row max) removes the ties and stabilises training"
+    claim = "SFA (shifting a tied row max, so that the tied row holds no P̄ = 1) stabilises training"
     rows = recipe_rows(fig2_experiment, root=root)
     recipe = {label: {"bf16": rows[label], "fp32": rows["fp32" + label[4:]], "sfa": rows["sfa" + label[4:]]}
               for label in fig2_twins(fig2_experiment, root=root) if "sfa" + label[4:] in rows}
@@ -170,8 +176,9 @@ def _sfa_row(fig2_experiment: str, twins_experiment: str, layer: int, root) -> d
                   f"run{'s' if len(found) > 1 else ''} exploded; {'in the first, ' if len(found) > 1 else ''}{fate}, "
                   "while its BF16 twin's "
                   + (f"exploded at step {bf16_step:,}" if bf16_step is not None else "did not explode")
-                  + f"; {loss}; logits ran away (> {f['logit']:,.0f}) in {len(f['runaway layers']['sfa'])} layers "
-                  f"with SFA, {len(f['runaway layers']['fp32'])} with FP32; " + repro)
+                  + f"; {loss}; the largest logit passed {f['logit']:,.0f} (before the loss exploded, where it did) in "
+                  f"{len(f['runaway layers']['sfa'])} layers with SFA, {len(f['runaway layers']['fp32'])} with FP32; "
+                  + repro)
         verdict = ("not reproduced" if n_ok < len(found) else "partly" if n_runaway else "reproduced")
         return _row(claim, "Fig. 7", result, verdict, "09_sfa")
     ok = v["sfa"]["runaway_step"] is None and v["bf16"]["runaway_step"] is not None
@@ -185,7 +192,7 @@ def _gpt2m_row(root, steps: int = GPT2M_STEPS) -> dict:
     price = gpt2m_price(root=root)
     if price.empty:
         return _row(claim, "Fig. 7c", "not run, not priced", "not run", "09_sfa")
-    return _row(claim, "Fig. 7c", f"not run; priced: one seed's BF16, FP32 and SFA rows at {steps:,} steps take about "
+    return _row(claim, "Fig. 7c", f"priced: one seed's BF16, FP32 and SFA rows at {steps:,} steps take about "
                 f"{gpt2m_minutes(price, steps):.0f} minutes of one H200 (`results/gpt2m_price/{price.index.name}`)",
                 "not run", "09_sfa")
 
@@ -264,10 +271,12 @@ def _kernel_row(root) -> dict:
     rows = {k: result(ran, k, "ties", "delta") for k in production}
     carry = [k for k, r in rows.items() if excludes_zero(r) and r["mean"] * paper["mean"] > 0]
     worst = max(production, key=lambda k: abs(rows[k]["mean"]))
-    text = (f"`paper`'s δ error on tied rows {ci_text(paper)}; the production kernels' largest, `{worst}`'s "
-            f"{ci_text(rows[worst])}, {abs(paper['mean']) / abs(rows[worst]['mean']):.0f}× smaller"
-            + (f"; of `paper`'s sign with an interval excluding 0: {', '.join(f'`{k}`' for k in carry)}" if carry else
-               f"; none of the {len(production)} has `paper`'s sign with an interval excluding 0")
+    text = (f"the `paper` rounding's δ error on the audit's synthetic tied rows {ci_text(paper)}; the production "
+            f"kernels' largest, `{worst}`'s {ci_text(rows[worst])}, "
+            f"{abs(paper['mean']) / abs(rows[worst]['mean']):.0f}× smaller"
+            + (f"; of the `paper` rounding's sign there with an interval excluding 0: "
+               f"{', '.join(f'`{k}`' for k in carry)}" if carry else
+               f"; none of the {len(production)} has the `paper` rounding's sign there with an interval excluding 0")
             + f" (`results/kernel_bias/{folder.name}`)")
     return _row(claim, "kernel audit", text, "shown" if carry else "not shown", "16_kernel_bias")
 

@@ -27,7 +27,7 @@ from lpfa.compare import (
 )
 from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_ISOLATION
 from lpfa.experiments import rows as design_rows
-from lpfa.explosion import RunawayCriterion, heads_text
+from lpfa.explosion import RunawayCriterion, attention_label, heads_text
 from lpfa.mechanism import DELTA_FORMULAS, delta_formulas
 from lpfa.pages import RERUN_PAGE
 from lpfa.params import integer, real, text
@@ -65,13 +65,17 @@ def plot_rows_runaway(rows: dict, layer: int, experiment: str):
 
 def isolation_design(rows: dict):
     """The isolation experiment's design (Sec. 3.2), one row per label of :data:`lpfa.experiments.ISOLATION`: what it
-    changes, its ``lpfa.train`` overrides, what the paper reports, and ``run``, the launch that holds it in ``rows``
-    (``{label: run folder}``, :func:`lpfa.results.experiment_rows`) or "not run yet"."""
+    changes, its ``lpfa.train`` overrides today, what the paper reports, ``run``, the launch that holds it in ``rows``
+    (``{label: run folder}``, :func:`lpfa.results.experiment_rows`) or "not run yet", and ``attention as run``, the
+    committed run's attention from its ``config.json`` (:func:`lpfa.explosion.attention_label`): a row defined after
+    its run (the FP32 twin, now ``fp32_split``) ran what its config says."""
     unknown = sorted(set(rows) - set(ISOLATION))
     if unknown:
         raise ValueError(f"rows={unknown}: expected labels of lpfa.experiments.ISOLATION ({', '.join(ISOLATION)})")
     design = pd.DataFrame({"change": DESCRIPTIONS[k], "overrides": " ".join(v), "paper": PAPER_ISOLATION[k],
-                           "run": rows[k].parent.name if k in rows else "not run yet"} for k, v in ISOLATION.items())
+                           "run": rows[k].parent.name if k in rows else "not run yet",
+                           "attention as run": attention_label(Run(rows[k]).config["train"]) if k in rows else None}
+                          for k, v in ISOLATION.items())
     design.index = list(ISOLATION)
     return design
 
@@ -143,17 +147,17 @@ OUTCOME_WORDS = {"loss exploded": "exploded", "logits ran away": "had its logits
 
 def against_paper(table) -> dict:
     """How an :func:`isolation_table` compares with the paper: ``sick`` (rows whose logits ran away or loss exploded),
-    ``by_outcome`` ``{outcome: [rows]}``, ``paper_stable_but`` (reported stable, sick here), ``paper_fails_but``
-    (reported failing, neither here), ``reported`` (rows the paper reports) and ``agree`` (those that behave as
+    ``by_outcome`` ``{outcome: [rows]}``, ``paper_stable_but`` (no explosion reported, sick here), ``paper_fails_but``
+    (a loss explosion reported, neither here), ``reported`` (rows the paper reports) and ``agree`` (those that behave as
     reported)."""
     by = {o: [label for label in table.index if table.loc[label, "outcome"] == o] for o in OUTCOMES}
     sick = set(by["logits ran away"] + by["loss exploded"])
-    reported = [label for label in table.index if table.loc[label, "paper"] in ("fails", "stable")]
-    agree = [label for label in reported if (table.loc[label, "paper"] == "fails") == (label in sick)]
+    reported = [label for label in table.index if table.loc[label, "paper"] in ("loss exploded", "neither")]
+    agree = [label for label in reported if (table.loc[label, "paper"] == "loss exploded") == (label in sick)]
     paper = {label: table.loc[label, "paper"] for label in reported}
     return {"sick": sick, "by_outcome": by, "reported": reported, "agree": agree,
-            "paper_stable_but": [label for label in reported if paper[label] == "stable" and label in sick],
-            "paper_fails_but": [label for label in reported if paper[label] == "fails" and label not in sick]}
+            "paper_stable_but": [label for label in reported if paper[label] == "neither" and label in sick],
+            "paper_fails_but": [label for label in reported if paper[label] == "loss exploded" and label not in sick]}
 
 
 def isolation_findings(table, layer: int = 1) -> str:
@@ -174,7 +178,8 @@ def isolation_findings(table, layer: int = 1) -> str:
     lines = [f"* **{o}**: " + ", ".join(f"`{label}`" + when(label, o) for label in labels)
              for o, labels in by.items() if labels]
     lines.append("* **against the paper**: " + ("; ".join(
-        ([f"it reports {', '.join(f'`{label}`' for label in stable_but)} stable, and here they are not"]
+        ([f"it reports no explosion for {', '.join(f'`{label}`' for label in stable_but)}, and here their loss "
+          "exploded or their logits ran away"]
          if stable_but else [])
         + ([f"it reports {', '.join(f'`{label}`' for label in fails_but)} exploding, and here neither their loss "
             "exploded nor their logits ran away"]
@@ -196,7 +201,7 @@ def isolation_findings(table, layer: int = 1) -> str:
                      + (f" (its logit apart from step {table.loc['bf16', LOGIT_APART]:,})"
                         if LOGIT_APART in table and table.loc["bf16", LOGIT_APART] is not None else "")
                      + ", so at this preset and length the rows cannot test the claims above: a row that prevents "
-                     "the failure looks the same as one that would have failed later.")
+                     "the loss explosion looks the same as one whose loss would have exploded later.")
     return "**Measured.**\n\n" + "\n".join(lines)
 
 
@@ -331,7 +336,8 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
     out = {}
     for label in labels:
         r = design[label]
-        row = {"change": r.description, "paper": r.paper or ("fails" if label.startswith("bf16") else "stable"),
+        reported = r.paper or ("loss exploded" if label.startswith("bf16") else "neither")
+        row = {"change": r.description, "paper": reported,
                "steps": None, "explosion step": None, "verdict": "not run yet", "runaway step": None,
                "runaway layer": None, "runaway heads": ()}
         if label in found:
@@ -348,16 +354,15 @@ def recipe_isolation_table(experiment: str = "paper_recipe", root=None):
 
 def as_reported(row) -> bool:
     """Whether a row of :func:`recipe_isolation_table` behaves as the paper reports: its loss exploded where the paper
-    reports a loss explosion ("fails"), neither happened where it reports a stable run; "too short" and "not run yet"
-    rows do not."""
+    reports a loss explosion, neither happened where it reports none; "too short" and "not run yet" rows do not."""
     if row["verdict"] in ("too short", "not run yet"):
         return False
-    return row["verdict"] == ("loss exploded" if row["paper"] == "fails" else "neither")
+    return row["verdict"] == ("loss exploded" if row["paper"] == "loss exploded" else "neither")
 
 
 def recipe_iso_text(recipe) -> str:
     """How many of :func:`recipe_isolation_table`'s isolation rows (``recipe``) have run, and how many of those behave
-    as the paper reports (the loss exploded where it reports a loss explosion; neither where it reports a stable run,
+    as the paper reports (the loss exploded where it reports a loss explosion; neither where it reports none,
     so a row whose logits ran away is not; a row "too short" does not count), for page 10's introduction."""
     run_rows = recipe[~recipe.index.isin(RECIPE_TWINS)]
     done = run_rows[run_rows.verdict != "not run yet"]

@@ -503,8 +503,8 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
         s = f["sfa"]
         text.append(f"With SFA (β = {s['beta']:g}) as the base at the biased k = {s['k']:g}, the loss "
                     + (f"still exploded, at step {s['explosion step']:,} against "
-                       f"{', '.join(f'{x:,}' for x in s['without_sfa'])} without SFA: SFA removes the ties, not a "
-                       "δ error injected by hand" if s["exploded"] else "did not explode")
+                       f"{', '.join(f'{x:,}' for x in s['without_sfa'])} without SFA: SFA removes the P̄ = 1 "
+                       "entries of tied rows, not a δ error injected by hand" if s["exploded"] else "did not explode")
                     + ".")
     return " ".join(text)
 

@@ -79,7 +79,8 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
         across = [k for k in c.index if k.startswith("median similarity, across")]
         lines.append(f"* **head {h}**: median similarity {c[within[0]]:.3f} within a step"
                      + (f" and {c[across[0]]:.3f} across the {result['steps']} replayed steps" if across else "")
-                     + f", against {c['median similarity, random vectors']:.3f} for random vectors; G keeps "
+                     + f", against {round(c['median similarity, random vectors'], 3) + 0.0:.3f} for random vectors; "
+                     f"G keeps "
                      f"{c['median top-direction energy of G']:.4%} of its energy in one direction, which overlaps "
                      f"{c[PREV]:.2f} with the previous step's and {c[FIRST]:.2f} with the first step's "
                      f"(random: {c['overlap of random directions']:.1e}).")

@@ -63,15 +63,19 @@ def pv_error_stats(arrays: dict, head: int, step: int) -> dict:
 
 
 def pv_error_text(result: dict, arrays: dict) -> str:
-    """Page 04's finding (Markdown): for every replayed head and detail step, :func:`pv_error_stats` in a sentence."""
-    lines = []
+    """Page 04's finding (Markdown): for every replayed head and detail step, :func:`pv_error_stats` in a sentence, and
+    at how many of them the worst token is a tied row (two or more keys with P̄ = 1)."""
+    lines, tied = [], 0
     for h in result["heads"]:
         for s in detail_steps(arrays, h):
             st = pv_error_stats(arrays, h, s)
-            lines.append(f"* head {h}, step {s}: {st['ones']} key(s) with P̄ = 1 out of {st['keys']} (V there: "
-                         f"{st['signs']}); final Ō error {st['final']:+.2e}; the additions at P̄ = 1 keys account for "
-                         f"{st['share']:.0%} of the summed |error increments|.")
-    return "**Measured.**\n\n" + "\n".join(lines)
+            tied += st["ones"] > 1
+            lines.append(f"* head {h}, step {s}: {st['ones']} key{'s' * (st['ones'] != 1)} with P̄ = 1 out of "
+                         f"{st['keys']} (V there: {st['signs']}); final Ō error {st['final']:+.2e}; the additions at "
+                         f"P̄ = 1 keys account for {st['share']:.0%} of the summed |error increments|.")
+    return ("**Measured.**\n\n" + "\n".join(lines)
+            + f"\n\nThe worst token is a tied row (two or more keys with P̄ = 1) at {tied} of these {len(lines)} "
+              "head-steps.")
 
 
 def pv_error_view(result: dict, arrays: dict, head: int, step: int):

@@ -220,9 +220,10 @@ def rank1_text(result: dict, arrays: dict, folder_name: str) -> tuple[str, list[
         st = rank1_stats(arrays, h)
         within = [v for k, v in st["medians"].items() if k.startswith("within")]
         within_all += within
-        parts.append(f"head {h}: median {min(within):.2f} to {max(within):.2f} within a step"
+        lo, hi = f"{min(within):.2f}", f"{max(within):.2f}"
+        parts.append(f"head {h}: median {lo if lo == hi else f'{lo} to {hi}'} within a step"
                      + "".join(f", {v:.2f} {k}" for k, v in st["medians"].items() if k.startswith("across"))
-                     + f", against {st['medians']['random vectors']:.2f} for random vectors")
+                     + f", against {round(st['medians']['random vectors'], 2) + 0.0:.2f} for random vectors")
     return (f"Rank-1 similarity in the GPU-trained BF16 run (layer {result['layer']}, the replay in `{folder_name}`): "
             + "; ".join(parts) + "."), within_all
 

@@ -217,7 +217,9 @@ def v_sign_text(frames: dict, layer: int) -> str:
                      f"{at.max():.1%}; {at_layer[label]:.1%} over the run's second half), the most in layer "
                      f"{int(top['layer'])}, head {int(top['head'])} ({top['value']:.1%}); at step "
                      f"{int(first.step.iloc[0]):,}: {first.value.mean():.1%} on average.")
-    text = "\n".join(lines)
+    text = ("\n".join(lines) + "\n\nThese shares are of the probe batch each run logged as it trained "
+            "(`lpfa.diagnostics.probe_record`); the structure page measures sequences of its own, so its shares at the "
+            "same step differ.")
     if {"bf16", "fp32"} <= set(at_layer):
         ratio = at_layer["bf16"] / max(at_layer["fp32"], 1e-12)
         verdict = ("V's sign structure is part of what BF16 training builds there." if ratio > 1.5 else
