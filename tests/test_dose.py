@@ -285,4 +285,8 @@ def test_committed_dose_experiment():
     fit = fit_dose_response(table, what="runaway step", base="paper_untiled")
     assert fit["n"] == 11 and -0.8 < fit["slope"] < -0.4
     assert fit["interval_95"][0] < 6400 < fit["interval_95"][1]  # the eager 30k BF16 twin ran away at step 6,400
-    assert "8 of 11 runs" in dose_text(table)
+    text = dose_text(table)
+    assert "8 of 11 runs" in text
+    n_256 = int(((table["sign"] == "control") & (table["k"] == 256)).sum())
+    assert (f"at k = 256, with {'one control run' if n_256 == 1 else f'{n_256} control runs'} at each dose, the "
+            "magnitude alone sufficed") in text

@@ -224,7 +224,8 @@ def test_dose_text_reads_the_sfa_row():
     plain = run_verdict(experiment_rows("dose")["bias_x256"])["explosion_step"]
     assert sfa.dose_text() == (
         f"With SFA (β = 2) and layer 1's δ error × 256, the loss exploded at step {boom:,}, against step {plain:,} for "
-        "the same dose without SFA: SFA delays the amplified explosion but does not prevent it. At dose 1, where the "
+        "the same dose without SFA: in this one pair, SFA delayed the amplified explosion but did not prevent it. At "
+        "dose 1, where the "
         "only δ error is the one the ties create, none of the SFA runs above exploded.")
 
 

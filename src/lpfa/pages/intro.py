@@ -214,8 +214,8 @@ def _isolation_row(layer: int, root) -> dict:
     complete = k == n and len(ran) == len(recipe) and len(reported) == len(ran)
     return _row("Which change prevents the loss explosion: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the "
                 "outlier heads", "Sec. 3.2",
-                f"{k} of {n} rows the paper reports behave as reported (`repro` preset, judged by whether the logits "
-                "ran away)"
+                f"`repro` preset, judged by whether the logits ran away: {k} of {n} rows the paper reports behave "
+                "as reported"
                 + (f"; not: {', '.join(differ)}" if differ else "")
                 + ("; the unchanged `bf16` row itself showed neither there, so those rows cannot separate the causes"
                    if "bf16" in cmp["paper_fails_but"] else "") + at_recipe,

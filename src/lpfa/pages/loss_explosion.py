@@ -496,7 +496,8 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
                    f"with {_n_control(table, f['bias_decides_ks'])} at each dose and on the `repro` preset only, the "
                    "*bias*, not the size of the δ error, decides whether the loss explodes" if f["bias_decides_ks"]
                    else "")
-                + (f"; at k = {_ks(f['magnitude_suffices_ks'])} the magnitude alone suffices"
+                + (f"; at k = {_ks(f['magnitude_suffices_ks'])}, with "
+                   f"{_n_control(table, f['magnitude_suffices_ks'])} at each dose, the magnitude alone sufficed"
                    if f["magnitude_suffices_ks"] else "")
                 + ".")
     if f["sfa"] is not None:

@@ -86,9 +86,10 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
                      f"(random: {c['overlap of random directions']:.1e}).")
     odd = [h for h in result["heads"]
            if arrays[f"h{h}_overlap_first"][1:].max() < RECURRING < np.nanmedian(arrays[f"h{h}_overlap_prev"])]
-    return ("**Measured.**\n\n" + "\n".join(lines) + "\n\nThe paper's qualitative picture holds and is stronger than "
-            "its examples suggest: in this layer the rank-1 matrices are nearly identical, so the per-step error is "
-            "essentially rank one, and consecutive steps point the same way."
+    return ("**Measured.**\n\n" + "\n".join(lines) + f"\n\nIn this one replayed run ({len(result['heads'])} heads "
+            f"of layer {result['layer']}) the paper's qualitative picture holds: the rank-1 matrices are nearly "
+            "identical, so the per-step error is essentially rank one, and each step's direction overlaps the "
+            "previous step's by the amounts above, far more than random directions do."
             + (f" For head(s) {', '.join(map(str, odd))} the first replayed step is the exception: its direction "
                f"overlaps at most {max(arrays[f'h{h}_overlap_first'][1:].max() for h in odd):.2f} with any later "
                "step's, while the later steps agree with each other." if odd else ""))

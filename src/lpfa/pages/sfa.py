@@ -533,7 +533,8 @@ def sizes_text(measured: dict, t_adam) -> str:
             f"loss of {stab.loc['sfa_gpt2s', 'final eval loss']:.2f}."]
     if both:
         paper = PRESETS["gpt2-s-paper"]
-        text.append("* Both precisions explode, so this is not the BF16-only explosion of Fig. 2 but the growth of "
+        text.append("* Both precisions explode (one seed each), so this is not the BF16-only explosion of Fig. 2; "
+                    "the likeliest reading, untested here by a lower learning rate at this size, is the growth of "
                     f"attention logits at too high a learning rate for this width (the `repro` lr, "
                     f"{PRESETS['repro']['lr']:g}, is kept here). SFA's run "
                     "did not explode in the loss, but its logits ran away too"
@@ -563,9 +564,9 @@ def dose_text() -> str:
     s = f["sfa"]
     return (f"With SFA (β = {s['beta']:g}) and layer 1's δ error × {s['k']:g}, the loss "
             + (f"exploded at step {s['explosion step']:,}, against step "
-               f"{', '.join(f'{x:,}' for x in s['without_sfa'])} for the same dose without SFA: SFA delays the "
-               "amplified explosion but does not prevent it. At dose 1, where the only δ error is the one the ties "
-               "create, none of the SFA runs above exploded."
+               f"{', '.join(f'{x:,}' for x in s['without_sfa'])} for the same dose without SFA: in this one pair, SFA "
+               "delayed the amplified explosion but did not prevent it. At dose 1, where the only δ error is the one "
+               "the ties create, none of the SFA runs above exploded."
                if s["exploded"] else "did not explode."))
 
 
