@@ -206,9 +206,9 @@ def _recipe(verdicts: dict, papers: dict):
 def test_recipe_iso_text_counts_rows_run_and_agreeing():
     recipe = _recipe({"a": "neither", "b": "loss exploded", "c": "not run yet", "d": "too short"},
                      {"a": "neither", "b": "neither", "c": "neither", "d": "loss exploded"})
-    assert recipe_iso_text(recipe) == "3 of its 4 rows have run, 1 as the paper reports (`results/paper_recipe`)"
+    assert recipe_iso_text(recipe) == "3 of its 4 rows have run, 1 as the paper reports, in `results/paper_recipe`"
     quiet = _recipe({"a": "not run yet"}, {"a": "neither"})
-    assert recipe_iso_text(quiet) == "none of its 1 rows has run yet (`results/paper_recipe`)"
+    assert recipe_iso_text(quiet) == "none of its 1 rows has run yet, in `results/paper_recipe`"
 
 
 def test_recipe_display_table_joins_the_heads():

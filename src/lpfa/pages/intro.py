@@ -209,7 +209,7 @@ def _isolation_row(layer: int, root) -> dict:
     at_recipe = (f"; at the paper recipe, {len(ran)} of {len(recipe)} rows run: "
                  + ", ".join(f"`{label.removesuffix('_paper_recipe')}`: {ran.loc[label, 'verdict']} "
                              f"({int(ran.loc[label, 'steps']):,} steps)" for label in ran.index)
-                 + f" ({len(reported)} as reported)" if len(ran)
+                 + f"; {len(reported)} of them as reported" if len(ran)
                  else "; none of its rows has run at the paper recipe yet")
     complete = k == n and len(ran) == len(recipe) and len(reported) == len(ran)
     return _row("Which change prevents the loss explosion: FP32 O for δ, P̄V in FP32, δ = rowsum(dP∘P), FP32 for the "

@@ -368,7 +368,7 @@ def recipe_iso_text(recipe) -> str:
     done = run_rows[run_rows.verdict != "not run yet"]
     agree = [label for label in done.index if as_reported(done.loc[label])]
     return ((f"{len(done)} of its {len(run_rows)} rows have run, {len(agree)} as the paper reports" if len(done) else
-             f"none of its {len(run_rows)} rows has run yet") + " (`results/paper_recipe`)")
+             f"none of its {len(run_rows)} rows has run yet") + ", in `results/paper_recipe`")
 
 
 def recipe_display_table(recipe):
