@@ -47,7 +47,7 @@ ISOLATION: dict[str, list[str]] = {
     "fp32_outlier_heads": ["attn_policy=paper_untiled", "fp32_heads={1: [5, 2]}"],
     "fp32_worst_head": ["attn_policy=paper_untiled", "fp32_heads={1: [5]}"],
 }
-# What the paper reports for each isolation row (Sec. 3.2): "loss exploded" (the loss explodes) or "neither".
+# What the paper reports for each isolation row (Sec. 3.2), in the book's outcomes: "loss exploded" or "neither".
 PAPER_ISOLATION: dict[str, str] = {
     "bf16": "loss exploded", "fp32": "neither", "bf16_tiled": "loss exploded", "bf16_only_layer1": "loss exploded",
     "fp32_only_layer1": "neither",

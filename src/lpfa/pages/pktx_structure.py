@@ -80,9 +80,8 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
         lines.append(f"* **head {h}**: median similarity {c[within[0]]:.3f} within a step"
                      + (f" and {c[across[0]]:.3f} across the {result['steps']} replayed steps" if across else "")
                      + f", against {round(c['median similarity, random vectors'], 3) + 0.0:.3f} for random vectors; "
-                     f"G keeps "
-                     f"{c['median top-direction energy of G']:.4%} of its energy in one direction, which overlaps "
-                     f"{c[PREV]:.2f} with the previous step's and {c[FIRST]:.2f} with the first step's "
+                     f"G keeps {c['median top-direction energy of G']:.4%} of its energy in one direction, which "
+                     f"overlaps {c[PREV]:.2f} with the previous step's and {c[FIRST]:.2f} with the first step's "
                      f"(random: {c['overlap of random directions']:.1e}).")
     odd = [h for h in result["heads"]
            if arrays[f"h{h}_overlap_first"][1:].max() < RECURRING < np.nanmedian(arrays[f"h{h}_overlap_prev"])]

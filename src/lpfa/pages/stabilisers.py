@@ -521,12 +521,6 @@ def _failure(row) -> str:
     return " and ".join(what)
 
 
-def _outcome(row) -> str:
-    """A :func:`stabiliser_table` row's outcome in the book's vocabulary: "loss exploded", "logits ran away" or
-    "neither"."""
-    return outcome(row["exploded"], row["runaway step"])
-
-
 # The paper's Discussion on why stabilisers work (no experiment there): the link each one is said to break
 PAPER_CLAIMS = {"qknorm": ("rank-1 similarity",
                            "QK-norm works because it disrupts the structural similarity of (PK)[T]ᵀX[T]"),
@@ -619,8 +613,8 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
         twin_text = f" Its FP32 twin `{twin}` has no committed doctor report."
     failure = _failure(r)
     return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure, "short": short,
-            "outcome": _outcome(r) + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None
-                                      else ""),
+            "outcome": outcome(r["exploded"], r["runaway step"])
+            + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None else ""),
             "said": f"`{label}` ({fate}): {said}.{twin_text}", "verdict": _claim_verdict(broken, failure)}
 
 
