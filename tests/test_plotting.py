@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 
 
@@ -218,3 +219,12 @@ def test_figure_problems_finds_repeated_colours_and_fractional_ticks():
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     assert figure_problems(fig) == []
     plt.close(fig)
+
+
+def test_fixed_prints_no_negative_zero():
+    from lpfa.plotting import fixed
+
+    assert fixed(-0.0004, 2) == "0.00"  # rounds to zero: no "-0.00"
+    assert fixed(-0.005001, 2) == "-0.01"
+    assert fixed(0.93749, 3) == "0.937"
+    assert fixed(np.float32(2.25), 1) == "2.2"  # half to even, as round()

@@ -409,6 +409,11 @@ def _number(x, digits: int) -> str:
     return str(x)
 
 
+def fixed(x: float, digits: int) -> str:
+    """``x`` to ``digits`` decimals for a sentence, with no "−0.00": a value that rounds to zero prints as zero."""
+    return f"{round(float(x), digits) + 0.0:.{digits}f}"
+
+
 def _whole(values) -> bool:
     """Whether every value that is not missing is a float with an integer value (and there is one)."""
     present = [v for v in values if not _missing(v)]

@@ -37,6 +37,7 @@ import torch
 
 from lpfa.diagnostics import DOMINANT_SIGN, capture_qkv, v_sign_dominance
 from lpfa.mechanism import layer_tensors, rank1_similarity, tie_fractions
+from lpfa.plotting import fixed
 from lpfa.provenance import provenance, write_json
 from lpfa.run import Run, resolve_device
 from lpfa.run import autocast as amp_context
@@ -118,7 +119,7 @@ def describe(summary) -> str:
             f"{b.max():.1%} in the most tied head (layer {layer}, head {head}); with FP32 scores {f.mean():.2%} on "
             f"average and {f.max():.2%} at most. In that head, the median cosine similarity between tokens' rank-1 "
             f"matrices is **{m['median']:.2f}** ({m['above_0.5']:.0%} of pairs above 0.5); for random vectors of the "
-            f"same sizes {round(r['median'], 2) + 0.0:.2f} ({r['above_0.5']:.0%} above 0.5)." + _v_sign_text(s))
+            f"same sizes {fixed(r['median'], 2)} ({r['above_0.5']:.0%} above 0.5)." + _v_sign_text(s))
 
 
 def _v_sign_text(s: dict) -> str:

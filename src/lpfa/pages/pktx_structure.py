@@ -10,7 +10,7 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from lpfa.pages.delta_bias import REPLAY_PARAMS
-from lpfa.plotting import use_style
+from lpfa.plotting import fixed, use_style
 from lpfa.replay import rank1_stats
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -79,7 +79,7 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
         across = [k for k in c.index if k.startswith("median similarity, across")]
         lines.append(f"* **head {h}**: median similarity {c[within[0]]:.3f} within a step"
                      + (f" and {c[across[0]]:.3f} across the {result['steps']} replayed steps" if across else "")
-                     + f", against {round(c['median similarity, random vectors'], 3) + 0.0:.3f} for random vectors; "
+                     + f", against {fixed(c['median similarity, random vectors'], 3)} for random vectors; "
                      f"G keeps {c['median top-direction energy of G']:.4%} of its energy in one direction, which "
                      f"overlaps {c[PREV]:.2f} with the previous step's and {c[FIRST]:.2f} with the first step's "
                      f"(random: {c['overlap of random directions']:.1e}).")

@@ -22,7 +22,7 @@ from lpfa.compare import head_metric_frame
 from lpfa.pages import RERUN_PAGE
 from lpfa.pages.training import SMOKE_EXPERIMENT, committed_smoke
 from lpfa.params import boolean, integer, list_of, optional, real, text
-from lpfa.plotting import COLORS, use_style
+from lpfa.plotting import COLORS, fixed, use_style
 from lpfa.replay import load_replay, rank1_stats
 from lpfa.results import run_dir, what
 from lpfa.structure import describe, load_summary, summarize
@@ -223,7 +223,7 @@ def rank1_text(result: dict, arrays: dict, folder_name: str) -> tuple[str, list[
         lo, hi = f"{min(within):.2f}", f"{max(within):.2f}"
         parts.append(f"head {h}: median {lo if lo == hi else f'{lo} to {hi}'} within a step"
                      + "".join(f", {v:.2f} {k}" for k, v in st["medians"].items() if k.startswith("across"))
-                     + f", against {round(st['medians']['random vectors'], 2) + 0.0:.2f} for random vectors")
+                     + f", against {fixed(st['medians']['random vectors'], 2)} for random vectors")
     return (f"Rank-1 similarity in the GPU-trained BF16 run (layer {result['layer']}, the replay in `{folder_name}`): "
             + "; ".join(parts) + "."), within_all
 
@@ -288,7 +288,7 @@ def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> l
             "scores to BF16 multiplies the share of rows with tied maxima: " + "; ".join(parts)
             + ". So the first ingredient is there without BF16 training; the rank-1 matrices of the most tied head are "
             "similar (random vectors: "
-            f"{round(found[0][1]['similarity']['random']['median'], 2) + 0.0:.2f})"
+            f"{fixed(found[0][1]['similarity']['random']['median'], 2)})"
             + (f" but far less than in the replayed heads of the BF16 run ({min(replay_within):.2f} to "
                f"{max(replay_within):.2f})." if replay_within and max(meds) < min(replay_within) else "."))
     for label, s in bf16_trained:
