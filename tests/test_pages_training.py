@@ -91,3 +91,25 @@ def test_throughput_notes_name_the_committed_run_and_its_twin():
     assert f"`fa2` at {r:.2f}×" in notes["tput_text"]
     assert notes["twin_text"].startswith("`fp32_split` trains GPT-2 S at compiled ")
     assert len(tr.throughput_display(table).data) == len(tput)
+
+
+def test_fp32_attention_runs_count_runs_whose_every_layer_is_fp32(tmp_path):
+    import shutil
+
+    src = {("isolation", "h200x4-2026-11-29", "fp32"): "sdpa_fp32",  # FP32 by backend
+           ("isolation", "h200x4-2026-11-29", "bf16_only_layer1"): None,  # one BF16 layer: not FP32 attention
+           ("isolation", "h200x4-2026-11-29", "fp32_only_layer1"): None,  # one FP32 layer: not either
+           ("stabilisers", "h200-2026-12-03", "fp32_rerun"): "fp32_split",  # FP32 by policy
+           ("paper_recipe", "h200-2026-12-01", "bf16_paper_recipe_s2"): None}
+    for (exp, run, label) in src:
+        d = tmp_path / exp / run / label
+        d.mkdir(parents=True)
+        shutil.copy(results.results_dir() / exp / run / label / "config.json", d / "config.json")
+    found = tr.fp32_attention_runs(tmp_path)
+    assert found == {"fp32_split": ["stabilisers"], "sdpa_fp32": ["isolation"]}
+    assert tr.fp32_attention_text(found) == ("`fp32_split` in the committed runs of `stabilisers`; `sdpa_fp32` in the "
+                                             "committed runs of `isolation`")
+    with pytest.raises(ValueError, match="no committed run has FP32 attention"):
+        tr.fp32_attention_text({})
+    # the committed store: Fig. 2's FP32 twins ran sdpa_fp32, as page 13 says
+    assert "paper_recipe" in tr.fp32_attention_runs()["sdpa_fp32"]

@@ -25,8 +25,9 @@ from lpfa.book import train_quietly
 from lpfa.compare import plot_losses
 from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
-from lpfa.results import load, run_dir
-from lpfa.run import Run, load_metrics
+from lpfa.explosion import attention_label
+from lpfa.results import experiments, load, run_dir, runs
+from lpfa.run import Run, layer_precision, load_metrics
 from lpfa.train import PRESETS, make_config
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -171,6 +172,29 @@ def twin_text(table, error: dict) -> str:
             f"largest value, where the IEEE `fp32` policy's stay within {worst['fp32']:.1e}")
 
 
+def fp32_attention_runs(root=None) -> dict[str, list[str]]:
+    """``{attention: experiments}`` over every committed run whose every layer's attention is FP32
+    (:func:`lpfa.run.layer_precision`): which FP32 attention each experiment's runs used, read from their
+    ``config.json`` (:func:`lpfa.explosion.attention_label`), experiments sorted."""
+    found: dict[str, set[str]] = {}
+    for experiment in experiments(root):
+        for run in runs(experiment, root):
+            for d in sorted(p for p in run.iterdir() if (p / "config.json").is_file()):
+                r = Run(d)
+                if "train" in r.config and set(layer_precision(r)) == {"fp32"}:
+                    found.setdefault(attention_label(r.train), set()).add(experiment)
+    return {label: sorted(found[label]) for label in sorted(found)}
+
+
+def fp32_attention_text(found: dict[str, list[str]]) -> str:
+    """:func:`fp32_attention_runs` as a sentence: "`sdpa_fp32` in the committed runs of dose, seeds, ...; `fp32_split`
+    in those of stabilisers"."""
+    if not found:
+        raise ValueError("fp32_attention_text: no committed run has FP32 attention; expected at least one")
+    return "; ".join(f"`{label}` in the committed runs of {', '.join(f'`{e}`' for e in exps)}"
+                     for label, exps in found.items())
+
+
 def committed_throughput():
     """:func:`throughput_table` of the latest committed ``benchmarks/train_throughput.py`` run."""
     return throughput_table(load("train_throughput", "throughput.json"))
@@ -179,12 +203,13 @@ def committed_throughput():
 def throughput_notes(table) -> dict[str, str]:
     """The committed training-throughput run in words: ``tput_text`` (:func:`throughput_text` of ``table``),
     ``tput_run`` and ``tput_env`` (its device, torch and commit), and ``twin_text`` (:func:`twin_text` against
-    the attention benchmark's latest ``error.json``)."""
+    the attention benchmark's latest ``error.json``), and ``fp32_runs_text`` (:func:`fp32_attention_text`)."""
     prov = load("train_throughput", "provenance.json")
     return {"tput_text": throughput_text(table),
             "tput_run": f"`{run_dir('train_throughput').name}`",
             "tput_env": f"{prov['device']}, torch {prov['torch']}, commit `{prov['git_commit']}`",
-            "twin_text": twin_text(table, load("attention_benchmark", "error.json"))}
+            "twin_text": twin_text(table, load("attention_benchmark", "error.json")),
+            "fp32_runs_text": fp32_attention_text(fp32_attention_runs())}
 
 
 def throughput_display(table):
