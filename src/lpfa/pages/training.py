@@ -23,9 +23,9 @@ from matplotlib.ticker import MaxNLocator
 from lpfa.attention import PRESETS as POLICIES
 from lpfa.book import train_quietly
 from lpfa.compare import plot_losses
+from lpfa.explosion import attention_label
 from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
-from lpfa.explosion import attention_label
 from lpfa.results import experiments, load, run_dir, runs
 from lpfa.run import Run, layer_precision, load_metrics
 from lpfa.train import PRESETS, make_config
