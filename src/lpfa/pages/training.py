@@ -26,7 +26,7 @@ from lpfa.compare import plot_losses
 from lpfa.explosion import attention_label
 from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
-from lpfa.results import experiments, load, run_dir, runs
+from lpfa.results import experiment_rows, experiments, load, run_dir
 from lpfa.run import Run, layer_precision, load_metrics
 from lpfa.train import PRESETS, make_config
 
@@ -173,22 +173,21 @@ def twin_text(table, error: dict) -> str:
 
 
 def fp32_attention_runs(root=None) -> dict[str, list[str]]:
-    """``{attention: experiments}`` over every committed run whose every layer's attention is FP32
-    (:func:`lpfa.run.layer_precision`): which FP32 attention each experiment's runs used, read from their
-    ``config.json`` (:func:`lpfa.explosion.attention_label`), experiments sorted."""
+    """``{attention: experiments}`` over every committed run (:func:`lpfa.results.experiment_rows`) whose every
+    layer's attention is FP32 (:func:`lpfa.run.layer_precision`): which FP32 attention each experiment's runs used,
+    read from their ``config.json`` (:func:`lpfa.explosion.attention_label`), experiments sorted."""
     found: dict[str, set[str]] = {}
     for experiment in experiments(root):
-        for run in runs(experiment, root):
-            for d in sorted(p for p in run.iterdir() if (p / "config.json").is_file()):
-                r = Run(d)
-                if "train" in r.config and set(layer_precision(r)) == {"fp32"}:
-                    found.setdefault(attention_label(r.train), set()).add(experiment)
+        for d in experiment_rows(experiment, root=root).values():
+            run = Run(d)
+            if set(layer_precision(run)) == {"fp32"}:
+                found.setdefault(attention_label(run.train), set()).add(experiment)
     return {label: sorted(found[label]) for label in sorted(found)}
 
 
 def fp32_attention_text(found: dict[str, list[str]]) -> str:
-    """:func:`fp32_attention_runs` as a sentence: "`sdpa_fp32` in the committed runs of dose, seeds, ...; `fp32_split`
-    in those of stabilisers"."""
+    """:func:`fp32_attention_runs` as a sentence: "`fp32_split` in the committed runs of `stabilisers`; `sdpa_fp32` in
+    the committed runs of `paper_recipe`, `seeds`"."""
     if not found:
         raise ValueError("fp32_attention_text: no committed run has FP32 attention; expected at least one")
     return "; ".join(f"`{label}` in the committed runs of {', '.join(f'`{e}`' for e in exps)}"
