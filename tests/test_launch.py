@@ -320,11 +320,11 @@ def test_mechanism_follow_brings_back_what_exists_before_the_driver_packs(tmp_pa
     m = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(m)
     base = tmp_path / "runs" / "mechanism"
-    for label in ("bf16_mechanism_compiled", m.FP32):
+    for label in ("bf16_mechanism_compiled", "fp32_mechanism"):
         (base / label).mkdir(parents=True)
         (base / label / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n")
     (base / "launch.json").write_text(json.dumps({"name": "mechanism", "runs": {
-        "bf16_mechanism_compiled": {}, m.FP32: {}}}))
+        "bf16_mechanism_compiled": {}, "fp32_mechanism": {}}}))
     (base / "driver.log").write_text("16:32:53 started\n")
     out = tmp_path / "out"
     follow = ["follow", "--max-s", "0", "--poll-s", "0", "--root", str(tmp_path / "runs"), "--out", str(out)]

@@ -174,3 +174,39 @@ def test_mechanism_pages_and_scorecard_read_one_replay(tmp_path):
     assert replay_dir("mechanism", None, MECHANISM_REPLAY, tmp_path) == tmp_path / "mechanism" / held.parent.name / \
         MECHANISM_REPLAY
     assert replay_dir("mechanism", None, "other_replay", tmp_path) == later
+
+
+def test_parted_replays_are_the_committed_replays_that_left_their_run():
+    """parted_replays finds exactly the committed mechanism replays whose losses differ from their run's anywhere,
+    recounted here from each replay.json's per-step losses against the run's metrics; parted_text says where each
+    left, and what the run's loss did over the window; nothing to say when every replay followed."""
+    import gzip
+    import json
+
+    from lpfa.pages.delta_bias import parted_replays, parted_text
+    from lpfa.paths import results_dir
+
+    want = {}
+    for path in sorted((results_dir() / "mechanism").glob("*/*/replay.json")):
+        result = json.loads(path.read_text())
+        metrics = path.parent.parent / Path(result["run"]).name / "metrics.jsonl.gz"
+        logged = {r["step"]: r["loss"] for r in map(json.loads, gzip.open(metrics, "rt")) if "loss" in r}
+        equal = [p["loss"] == logged[p["step"]] for p in result["per_step"] if p["step"] in logged]
+        if not all(equal):
+            want[path.parent] = (sum(equal), len(equal), max(logged[p["step"]] for p in result["per_step"]))
+    parted = parted_replays("mechanism")
+    assert want and {p["replay"] for p in parted} == set(want)
+    for p in parted:
+        bit_equal, compared, run_max = want[p["replay"]]
+        assert (p["agreement"]["bit_equal"], p["agreement"]["compared"]) == (bit_equal, compared)
+        assert p["run_max"] == run_max
+    text = parted_text(parted)
+    for p in parted:
+        assert (f"`{p['run']}` ({'compiled' if p['compiled'] else 'eager'})" in text
+                and f"losses equal the run's at {p['agreement']['bit_equal']:,} of {p['agreement']['compared']:,} "
+                    f"steps (the first difference at step {p['agreement']['first_mismatch']:,})" in text)
+    assert parted_text([]) == ""
+    quiet = {**parted[0], "deterministic": True, "verdict": {**parted[0]["verdict"], "exploded": False,
+                                                            "explosion_step": None}}
+    text = parted_text([quiet])
+    assert "deterministic kernels)" in text and "exploded" not in text and "largest loss" not in text

@@ -300,3 +300,24 @@ def test_batch_text_says_what_the_smaller_batch_changes():
     assert "21× more optimizer steps per token" in text and "span 49M tokens instead of 1.05B" in text
     assert f"seen {5136 * 24 * 1024 / GPU_CORPUS_TRAIN_TOKENS:.1f} times by the explosion at step 5,136" in text
     assert f"{6000 * 24 * 1024 / GPU_CORPUS_TRAIN_TOKENS:.1f} times by step 6,000" in text
+
+
+def test_same_seed_text_lists_each_repeated_seed_and_nothing_else():
+    """Only seeds with two or more runs of the precision are named, each with where its runs exploded or stopped;
+    survival_text ends with it; no repeated seed, no sentence."""
+    from lpfa.pages.loss_explosion import same_seed_text, survival_text
+
+    fates = pd.DataFrame({"precision": ["bf16"] * 5 + ["fp32"] * 2, "seed": [7, 7, 7, 2, 9, 7, 7],
+                          "compiled": [True] * 7, "steps": [5200, 6400, 6900, 5000, 8000, 9000, 4000],
+                          "exploded": [True, False, True, True, False, False, False],
+                          "explosion step": [5100, None, 6800, 4900, None, None, None],
+                          "runaway step": [None] * 7, "end": [5100, 6400, 6800, 4900, 8000, 9000, 4000]},
+                         index=[f"e/r/run{i}" for i in range(7)])
+    text = same_seed_text(fates)
+    assert text.startswith("A seed does not fix the step: the 3 BF16 runs of seed 7 exploded at steps 5,100 and "
+                           "6,800 and 1 stopped without exploding at 6,400 steps. ")
+    assert "seed 2" not in text and "seed 9" not in text
+    assert same_seed_text(fates, "fp32").startswith("A seed does not fix the step: the 2 FP32 runs of seed 7 stopped "
+                                                    "without exploding at 4,000 and 9,000 steps. ")
+    assert survival_text(fates).endswith(text)
+    assert same_seed_text(fates.iloc[2:5]) == "" and same_seed_text(pd.DataFrame()) == ""

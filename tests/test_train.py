@@ -571,3 +571,36 @@ def test_compile_mode_reaches_torch_compile_and_assume_finite_the_model(token_di
         TrainConfig(compile_mode="max-autotune")
     with pytest.raises(ValueError, match=r"compile_mode='fast'"):
         TrainConfig(compile=True, compile_mode="fast")
+
+
+def test_deterministic_turns_off_timed_kernel_choice_and_atomics_and_the_replay_follows(token_dir, tmp_path,
+                                                                                       monkeypatch):
+    """``deterministic=true`` sets torch's deterministic algorithms (warn only) and Inductor's deterministic mode
+    before the run, and records it; the replay of such a run sets them as the run did and still follows it bit for
+    bit; ``deterministic=false`` (the default) leaves both as they were; a value that is no boolean is refused."""
+    import torch._inductor.config as inductor
+
+    import lpfa.train as t
+    from lpfa.replay import replay
+
+    monkeypatch.setattr(inductor, "deterministic", False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        t.train(cfg(token_dir, tmp_path / "off", max_steps=2))
+        assert not torch.are_deterministic_algorithms_enabled() and not inductor.deterministic
+        out = tmp_path / "on"
+        t.train(cfg(token_dir, out, max_steps=6, ckpt_interval=3, ckpt_history=True, deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert inductor.deterministic and t.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert json.loads((out / "config.json").read_text())["train"]["deterministic"] is True
+        torch.use_deterministic_algorithms(False)
+        inductor.deterministic = False
+        r = replay(out, tmp_path / "replay", step=3, layer=0, heads=[0], steps=3, n_seq=2, device="cpu")
+        assert torch.are_deterministic_algorithms_enabled() and inductor.deterministic and r["deterministic"]
+        assert r["agreement"]["bit_equal"] == r["agreement"]["compared"] == 3
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn)
+    with pytest.raises(ValueError, match=r"^deterministic=1: expected true or false$"):
+        TrainConfig(deterministic=1)

@@ -11,7 +11,7 @@
 # (Nsight Compute's counters per kernel of one forward+backward: what limits each),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
 # (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
-# backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py (-k "$TESTS_K" when set), run first.
+# backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py and tests/test_train_gpu.py (-k "$TESTS_K" when set), run first.
 # A step whose seconds are 0 is skipped. Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step writes its own provenance.json
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
 # call, so the steps write under $WORK (/tmp/kernels) and the folder is packed into $OUT/kernels.tar.gz after every
@@ -33,7 +33,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu,utilization.
 # they compile in TESTS_N processes at once.
 if [ -d .wheels ] && ! $PY -c "import xdist" 2>/dev/null; then $PY -m pip install -q --no-index --find-links .wheels pytest-xdist; fi
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TESTS_N:-8}")
-step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_attention_gpu.py ${TESTS_K:+-k "$TESTS_K"}
+step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_attention_gpu.py tests/test_train_gpu.py ${TESTS_K:+-k "$TESTS_K"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$WORK/gpu_tests.log"
 step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}"
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"

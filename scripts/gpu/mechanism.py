@@ -2,9 +2,10 @@
 
 ``run`` (detached, on the GPU machine) does everything before ``--deadline-s`` seconds from its start:
 
-1. starts ``--bf16`` (default ``bf16_mechanism_compiled``: the paper-recipe BF16 run, compiled as the recipe runs are,
-   a checkpoint every 500 steps kept, stopped ``--explosion-stop`` steps after its loss explodes) and
-   ``fp32_mechanism`` (its FP32 twin, compiled, to step 4,000) side by side on one GPU;
+1. starts ``--bf16`` (default ``bf16_mechanism_deterministic``: the paper-recipe BF16 run, compiled as the recipe runs
+   are but with deterministic kernels, so that a replay in another process follows it; a checkpoint every 500 steps
+   kept, stopped ``--explosion-stop`` steps after its loss explodes) and its FP32 twin (the row's reference in
+   lpfa.experiments: ``fp32_mechanism_deterministic``, compiled, to step 4,000) side by side on one GPU;
 2. once the BF16 run has stopped, replays it from its last checkpoint at least ``--window`` steps before the explosion
    (a later one when the time left, at ``--s-per-step``, would not reach the explosion) to 50 steps past it; a run
    that did not explode is replayed up to its last step;
@@ -41,11 +42,10 @@ import traceback
 from pathlib import Path
 
 from lpfa import launch
-from lpfa.experiments import MECHANISM, MECHANISM_TWIN_STOP
+from lpfa.experiments import MECHANISM, MECHANISM_TWIN_STOP, rows
 from lpfa.replay import choose_layer_heads
 from lpfa.run import Run, checkpoints_of
 
-FP32 = "fp32_mechanism"
 PARTIAL = "mechanism-partial.tar.gz"  # what ``follow --out`` brings back before the driver has packed
 PAST_EXPLOSION = 50  # replayed steps after the explosion step: the figures show it begin
 
@@ -133,6 +133,7 @@ def run(a) -> int:
 
 def _run(a, base: Path, t0: float) -> None:
     left = lambda: a.deadline_s - (time.time() - t0)  # noqa: E731
+    fp32 = rows("mechanism")[a.bf16].reference  # the BF16 row's FP32 twin
     data = Path(a.data)
     if not (data / "train.bin").is_file():
         # unpack outside the checkout: the device tool carries data/corpus afresh into every call's tree, which would
@@ -148,9 +149,9 @@ def _run(a, base: Path, t0: float) -> None:
     budget = max(60.0, a.deadline_s - a.replay_reserve_s)
     common = [f"data={data}", f"batch_size={a.batch}", "grad_accum=1", f"explosion_stop={a.explosion_stop}",
               f"time_budget_s={budget:.0f}", "log_interval=100"]
-    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == FP32 else [])]
+    runs = {label: [*o, *a.extra, *([f"stop_at_step={a.twin_stop}"] if label == fp32 else [])]
             for label, o in MECHANISM.items()
-            if (label == a.bf16 and not a.twin_only) or (label == FP32 and not a.no_twin)}
+            if (label == a.bf16 and not a.twin_only) or (label == fp32 and not a.no_twin)}
     launch.start(a.name, runs, a.preset, common, a.root)
     log(base,
         f"started {' and '.join(runs)}: batch {a.batch}, time budget {budget:.0f} s, deadline {a.deadline_s:.0f} s")
@@ -161,15 +162,15 @@ def _run(a, base: Path, t0: float) -> None:
         procs[a.bf16] = None  # trained and replayed by an earlier driver
     while left() > 0:
         st = {r["label"]: r for r in launch.status(a.name, a.root)}
-        if FP32 not in procs and a.no_twin:
-            procs[FP32] = None
-        if FP32 not in procs and not st[FP32]["alive"] and a.bf16 in procs:  # after the BF16 run: it has the GPU first
-            if a.twin_stop in checkpoints_of(base / FP32):
+        if fp32 not in procs and a.no_twin:
+            procs[fp32] = None
+        if fp32 not in procs and not st[fp32]["alive"] and a.bf16 in procs:  # after the BF16 run: it has the GPU first
+            if a.twin_stop in checkpoints_of(base / fp32):
                 heads = heads or choose_layer_heads(base / a.bf16, layer=int(a.layer))[1]
-                procs[FP32] = start_replay(base, FP32, a.twin_stop, a.twin_steps, left() - 30, heads, a, a.policy)
+                procs[fp32] = start_replay(base, fp32, a.twin_stop, a.twin_steps, left() - 30, heads, a, a.policy)
             else:
-                log(base, f"{FP32} ended without its step-{a.twin_stop} checkpoint: no control replay")
-                procs[FP32] = None
+                log(base, f"{fp32} ended without its step-{a.twin_stop} checkpoint: no control replay")
+                procs[fp32] = None
         if a.bf16 not in procs and not st[a.bf16]["alive"]:
             speed = a.s_per_step * 1.25  # the twin's replay will share the GPU
             affordable = (left() - 40) / speed
@@ -235,7 +236,8 @@ def main(argv=None) -> int:
     r.add_argument("--preset", default="gpt2-s-paper")
     r.add_argument("--extra", nargs="*", default=[],
                    help="more key=value for both runs (a CPU smoke test: model=tiny ...)")
-    r.add_argument("--bf16", default="bf16_mechanism_compiled", choices=[k for k in MECHANISM if k != FP32],
+    r.add_argument("--bf16", default="bf16_mechanism_deterministic",
+                   choices=[k for k in MECHANISM if k.startswith("bf16")],
                    help="the BF16 row of lpfa.experiments.MECHANISM to train and replay")
     r.add_argument("--policy", default="paper", help="the BF16 run's policy, measured on the FP32 twin's trajectory")
     r.add_argument("--no-twin", action="store_true", help="the BF16 run and its replay only (a short GPU session)")

@@ -190,20 +190,27 @@ def stabiliser_seed(label: str) -> tuple[str, int | None]:
 # every 500 steps kept, so that the instrumented replay (lpfa.replay) can start about 1,000 steps before the explosion,
 # and diagnostics every 100 steps. bf16_mechanism ran eagerly (results/mechanism/h200-2026-12-04), since the replay
 # then followed only eager runs bit for bit; its loss had not exploded by step 6,310, while both compiled seed-1337
-# recipe runs exploded (5,136 and 5,485). bf16_mechanism_compiled trains compiled, as the recipe runs do; the replay
-# follows it compiled and measures the layer by an eager side pass. Its FP32 twin runs to step 4,000 and is replayed
-# with the BF16 run's policy measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16
-# row, the twin and their replays.
+# recipe runs exploded (5,136 and 5,485). bf16_mechanism_compiled trains compiled, as the recipe runs do, and its loss
+# exploded at step 6,787 (results/mechanism/h200-2026-12-06); but its replay, compiled in another process, parted from
+# it at the second step and did not explode. bf16_mechanism_deterministic adds lpfa.train's deterministic=true, under
+# which a compiled run's kernels compute the same bits in every process, so that the replay can follow it. Each BF16
+# row's FP32 twin (the same suffix, else fp32_mechanism) runs to step 4,000 and is replayed with the BF16 run's policy
+# measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16 row, its twin and their
+# replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
 # The replay the book's mechanism pages (02-04) and scorecard read by default: results/mechanism/<the latest run that
 # holds it>/MECHANISM_REPLAY. The notebooks' parameter cells carry the same literal (a test checks it).
 MECHANISM_REPLAY = "bf16_mechanism_replay"
 _MECHANISM_KEEP = [f"ckpt_interval={MECHANISM_CKPT}", "ckpt_history=true", "diag_interval=100"]
+_TWIN_STOP = [f"ckpt_interval={MECHANISM_TWIN_STOP}", f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"]
 MECHANISM: dict[str, list[str]] = {
     "bf16_mechanism": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=false", *_MECHANISM_KEEP],
     "bf16_mechanism_compiled": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=true", *_MECHANISM_KEEP],
-    "fp32_mechanism": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", f"ckpt_interval={MECHANISM_TWIN_STOP}",
-                       f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"],
+    "bf16_mechanism_deterministic": [*PAPER_RECIPE["bf16_paper_recipe"], "compile=true", "deterministic=true",
+                                     *_MECHANISM_KEEP],
+    "fp32_mechanism": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", *_TWIN_STOP],
+    "fp32_mechanism_deterministic": [*PAPER_RECIPE["fp32_paper_recipe"], "compile=true", "deterministic=true",
+                                     *_TWIN_STOP],
 }
 # What each run changes, in the paper's words (the rows of the isolation table, the seeds and Muon pages).
 DESCRIPTIONS: dict[str, str] = {
@@ -279,7 +286,11 @@ DESCRIPTIONS: dict[str, str] = {
     "bf16_mechanism": "bf16_paper_recipe again, eager, a checkpoint every 500 steps kept: replayed up to its explosion",
     "bf16_mechanism_compiled": ("bf16_paper_recipe again, compiled, a checkpoint every 500 steps kept: replayed up to "
                                 "its explosion"),
+    "bf16_mechanism_deterministic": ("bf16_paper_recipe again, compiled with deterministic kernels, a checkpoint every "
+                                     "500 steps kept: replayed bit for bit up to its explosion"),
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
+    "fp32_mechanism_deterministic": (f"fp32_paper_recipe again, compiled with deterministic kernels, to step "
+                                     f"{MECHANISM_TWIN_STOP:,}: replayed from there as the control"),
     "bf16_muon_lr2": f"BF16 attention, Muon optimizer at Muon lr {MUON_LR2}",
     "fp32_muon_lr2": f"FP32 attention, Muon optimizer at Muon lr {MUON_LR2}",
 }
@@ -311,16 +322,17 @@ class Row:
 def _reference(experiment: str, label: str) -> str | None:
     """The stable run a row is held against: ``fp32`` in the one-change tables (isolation, twins, dose: in the dose
     experiment it is the isolation table's, see :func:`lpfa.dose.committed_runs`); elsewhere the FP32 run with the
-    same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``; both mechanism
-    rows -> ``fp32_mechanism``)."""
+    same suffix (``bf16_muon`` -> ``fp32_muon``, ``bf16_paper_recipe_s1`` -> ``fp32_paper_recipe_s1``; a mechanism
+    row without one -> ``fp32_mechanism``)."""
     if experiment == "paper_recipe" and label.removesuffix("_paper_recipe") in RECIPE_ISOLATION:
         return "fp32_paper_recipe"
     if label.startswith("fp32"):
         return None
     if experiment in ("isolation", "twins", "dose"):
         return "fp32"
-    if experiment == "mechanism":  # one FP32 twin for both BF16 rows
-        return "fp32_mechanism"
+    if experiment == "mechanism":  # the FP32 row with the same suffix, else fp32_mechanism
+        twin = "fp32" + label[label.index("_"):]
+        return twin if twin in MECHANISM else "fp32_mechanism"
     twin = "fp32" + label[label.index("_"):] if "_" in label else "fp32"
     return twin if twin in EXPERIMENTS[experiment] else None
 

@@ -50,7 +50,7 @@ from lpfa.audit import save_captured
 from lpfa.mechanism import delta_accounting, p_bar, pv_running_error
 from lpfa.provenance import provenance, write_json
 from lpfa.run import Run, checkpoints_of, read_records, resolve_device, runaway_onset
-from lpfa.train import build_optimizers, recorded_config, train_step
+from lpfa.train import build_optimizers, recorded_config, set_deterministic, train_step
 
 
 def choose_checkpoint(run_dir, explosion_step: int | None, runaway_step: int | None = None) -> int:
@@ -200,6 +200,7 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     run_dir, out = Path(run_dir), Path(out)
     run = Run(run_dir)
     cfg = recorded_config(run)
+    set_deterministic(cfg.deterministic)  # as the run did: its compiled kernels then compute the run's bits
     data_dir = run.data_dir
     verdict = run.verdict()
     # without an explosion or a confirmed runaway: the first record above the runaway threshold, if any
@@ -335,7 +336,8 @@ def replay(run_dir, out, step: int | None = None, layer: int | str = "auto", hea
     out.mkdir(parents=True, exist_ok=True)
     result = {"run": str(run_dir), "verdict": verdict, "checkpoint_step": step, "steps": len(per_step), "layer": layer,
               "heads": heads, "choice": choice, "policy": policy, "own_policy": own_policy, "n_seq": n_seq,
-              "compiled": bool(cfg.compile), "measured_by": "side pass" if side_pass else "the step",
+              "compiled": bool(cfg.compile), "deterministic": bool(cfg.deterministic),
+              "measured_by": "side pass" if side_pass else "the step",
               "summary": summary_heads, "per_step": per_step,
               "agreement": loss_agreement(per_step, run.records), "provenance": provenance(command=command)}
     write_json(out / "replay.json", result)

@@ -108,6 +108,10 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or
     #  max-autotune-no-cudagraphs; needs compile=true
+    deterministic: bool = False  # the same bits on every start: torch.compile tunes no reduction by timing it
+    #  (torch._inductor.config.deterministic) and scatters with atomics fall back to deterministic kernels
+    #  (torch.use_deterministic_algorithms), so a compiled run can be replayed from its checkpoints (lpfa.replay);
+    #  slower. Eager runs with lpfa attention are deterministic without it
     attn_assume_finite: bool = True  # lpfa attention skips its non-finite checks: four kernel launches per layer
     #  instead of nine, the same bits on finite inputs; a non-finite loss stops the run either way (checked every step)
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
@@ -265,6 +269,7 @@ FIELD_CHECKS: dict[str, Param] = {
     "dtype": text("auto", "bfloat16", "float32", "float64"),
     "compile": boolean(),
     "compile_mode": text(*COMPILE_MODES),
+    "deterministic": boolean(),
     "attn_assume_finite": boolean(),
     "sr_reseed": boolean(),
     "out_dir": text(nonempty=True),
@@ -663,6 +668,21 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
     return stop
 
 
+def set_deterministic(on: bool) -> None:
+    """``deterministic=true`` (:class:`TrainConfig`): no choice between kernels by timing and no atomic scatters, so
+    that two processes given the same checkpoint and batches compute the same bits. Call it before the first CUDA
+    matmul (cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it starts). ``on=False`` leaves everything as it is."""
+    if not on:
+        return
+    # imported here, not at the top: importing Inductor into every run left DDP's gloo process group deadlocked at
+    # exit (its worker thread waiting for the GIL that the main thread held while joining it)
+    import torch._inductor.config
+
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch._inductor.config.deterministic = True
+
+
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns the summary (also written to ``out_dir/summary.json``)."""
     rank, world, local_rank = _dist_setup()
@@ -681,6 +701,7 @@ def train(cfg: TrainConfig) -> dict:
                               "resume=true to continue it, or choose another out_dir")
 
     # device and precision
+    set_deterministic(cfg.deterministic)
     device = _device(cfg.device, local_rank)
     if device.startswith("cuda"):
         torch.cuda.set_device(device)

@@ -4,6 +4,7 @@ description and loader, which pages 03 and 04 share."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -15,7 +16,7 @@ from lpfa.pages import setting_of
 from lpfa.params import dict_of, optional, text
 from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
-from lpfa.results import file_run, run_dir
+from lpfa.results import file_run, run_dir, runs
 from lpfa.run import Run, runaway_onset
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -143,6 +144,56 @@ def describe(result: dict, replay_folder=None) -> str:
         "`python -m lpfa.replay --run <run folder> --out <folder>` makes one on the GPU that trained the run "
         "(`scripts/gpu/mechanism.py` trains the recipe run and replays it)."
     )
+
+
+def parted_replays(experiment: str, root=None) -> list[dict]:
+    """Every committed replay of ``experiment`` whose losses did not all equal its run's (``agreement``,
+    :func:`lpfa.replay.loss_agreement`), with its run committed beside it: ``replay`` (its folder), ``run`` (the run's
+    name), ``compiled``, ``deterministic``, the ``agreement``, the run's ``verdict``, and the largest loss over the
+    replayed steps, the replay's (``replay_max``) and the run's (``run_max``). Such a replay measured another
+    trajectory than the run's, so no page reads it as the run's mechanism."""
+    out = []
+    for r in runs(experiment, root):
+        for path in sorted(r.glob("*/replay.json")):
+            result = json.loads(path.read_text())
+            ag = result.get("agreement") or {}
+            run_folder = replay_run(result, path.parent)
+            if not ag.get("compared") or ag["bit_equal"] == ag["compared"] or run_folder is None:
+                continue
+            run = Run(run_folder)
+            steps = {p["step"] for p in result["per_step"]}
+            logged = [rec["loss"] for rec in run.records if rec.get("step") in steps and "loss" in rec]
+            out.append({"replay": path.parent, "run": run_folder.name, "compiled": bool(result.get("compiled")),
+                        "deterministic": bool(result.get("deterministic")), "agreement": ag,
+                        "verdict": run.verdict(), "checkpoint_step": result["checkpoint_step"],
+                        "steps": result["steps"], "replay_max": max(p["loss"] for p in result["per_step"]),
+                        "run_max": max(logged) if logged else None})
+    return out
+
+
+def parted_text(parted: list[dict]) -> str:
+    """:func:`parted_replays` in sentences (Markdown): where each replay left its run, and whether the run's loss
+    exploded over the replayed steps while the replay's did not. "" when every committed replay followed its run."""
+    parts = []
+    for p in parted:
+        ag, v = p["agreement"], p["verdict"]
+        window = p["checkpoint_step"] <= (v["explosion_step"] or -1) < p["checkpoint_step"] + p["steps"]
+        parts.append(
+            f"`{p['run']}` ({'compiled' if p['compiled'] else 'eager'}"
+            + (", deterministic kernels" if p["deterministic"] else "") + ")"
+            + (f", whose loss exploded at step {v['explosion_step']:,}," if v["exploded"] else "")
+            + f" was replayed from its step-{p['checkpoint_step']:,} checkpoint for {p['steps']:,} steps; the replayed "
+            f"losses equal the run's at {ag['bit_equal']:,} of {ag['compared']:,} steps (the first difference at step "
+            f"{ag['first_mismatch']:,})"
+            + (f", and the replay's largest loss was {p['replay_max']:.2f} where the run's reached {p['run_max']:.2f}"
+               if window and p["run_max"] is not None else "")
+        )
+    if not parts:
+        return ""
+    return ("Not every replay follows its run. " + "; ".join(parts) + ". Such a replay measures a trajectory of its "
+            "own, not the run's, and the book's mechanism pages do not read it. A compiled run's kernels need not "
+            "round alike in two processes; `lpfa.train`'s `deterministic=true` asks for kernels that do, and the "
+            "replay of such a run applies it.")
 
 
 def plot_delta_bias(result: dict):

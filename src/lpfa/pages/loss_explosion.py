@@ -886,19 +886,48 @@ def plot_survival(fates: pd.DataFrame):
     return fig
 
 
+def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
+    """How far the :func:`recipe_fates` runs of one seed part: for each seed with several ``precision`` runs, where
+    each exploded or stopped. Such runs share the data order and the initial weights and differ in how their
+    kernels round (eager or compiled, and the code's commit). Empty when no seed has two runs."""
+    if fates.empty:
+        return ""
+    g = fates[fates.precision == precision]
+    parts = []
+    for seed, runs in g.groupby("seed"):
+        if len(runs) < 2:
+            continue
+        boom = sorted(int(x) for x in runs["explosion step"].dropna())
+        quiet = sorted(int(x) for x in runs.loc[~runs.exploded, "steps"])
+        fates_of = ([f"exploded at step{'s' if len(boom) > 1 else ''} {and_join([f'{x:,}' for x in boom])}"]
+                    if boom else [])
+        if quiet:
+            fates_of.append(f"{len(quiet)} stopped without exploding at {and_join([f'{x:,}' for x in quiet])} steps"
+                            if boom else
+                            f"stopped without exploding at {and_join([f'{x:,}' for x in quiet])} steps")
+        parts.append(f"the {len(runs)} {precision.upper()} runs of seed {seed} {' and '.join(fates_of)}")
+    if not parts:
+        return ""
+    return (f"A seed does not fix the step: {'; '.join(parts)}. Runs of one seed see the same batches from the same "
+            "initial weights and differ in how their kernels round (eager or compiled, and the code's commit): each "
+            "counts as a run here, though not as an independent seed.")
+
+
 def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
     """How often the recipe's loss exploded, per precision: every committed run (:func:`fate_counts`), then the share
-    by step ``horizon`` among the runs that can say (:func:`horizon_text`), and each run that stopped without
-    exploding, by name, seed and whether it was compiled."""
+    by step ``horizon`` among the runs that can say (:func:`horizon_text`), each run that stopped without exploding,
+    by name, seed and whether it was compiled, and how far the runs of one seed part (:func:`same_seed_text`)."""
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed."
     quiet = fates[~fates.exploded]
+    same = same_seed_text(fates)
     return (capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
             + (" The runs that stopped without exploding: "
                + and_join([f"`{r.split('/')[-1]}` ({row.precision.upper()}, seed {row.seed}, "
                            f"{'compiled' if row.compiled else 'eager'}, {row.steps:,} steps)"
                            for r, row in quiet.sort_values(["precision", "steps"]).iterrows()]) + "."
-               if len(quiet) else ""))
+               if len(quiet) else "")
+            + (" " + same if same else ""))
 
 
 def batch_text(conf: dict, explosion_step: int | None, horizon: int = HORIZON) -> str:
