@@ -575,15 +575,17 @@ def test_compile_mode_reaches_torch_compile_and_assume_finite_the_model(token_di
 
 def test_deterministic_turns_off_timed_kernel_choice_and_atomics_and_the_replay_follows(token_dir, tmp_path,
                                                                                        monkeypatch):
-    """``deterministic=true`` sets torch's deterministic algorithms (warn only) and Inductor's deterministic mode
-    before the run, and records it; the replay of such a run sets them as the run did and still follows it bit for
-    bit; ``deterministic=false`` (the default) leaves both as they were; a value that is no boolean is refused."""
+    """``deterministic=true`` sets torch's deterministic algorithms (warn only, no NaN fill of new tensors) and
+    Inductor's deterministic mode before the run, and records it; the replay of such a run sets them as the run did
+    and still follows it bit for bit; ``deterministic=false`` (the default) leaves both as they were; a value that is
+    no boolean is refused."""
     import torch._inductor.config as inductor
 
     import lpfa.train as t
     from lpfa.replay import replay
 
     monkeypatch.setattr(inductor, "deterministic", False)
+    monkeypatch.setattr(torch.utils.deterministic, "fill_uninitialized_memory", True)
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     was, was_warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(False)
@@ -594,6 +596,7 @@ def test_deterministic_turns_off_timed_kernel_choice_and_atomics_and_the_replay_
         t.train(cfg(token_dir, out, max_steps=6, ckpt_interval=3, ckpt_history=True, deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert inductor.deterministic and t.os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert not torch.utils.deterministic.fill_uninitialized_memory  # a fill kernel per allocation: not needed
         assert json.loads((out / "config.json").read_text())["train"]["deterministic"] is True
         torch.use_deterministic_algorithms(False)
         inductor.deterministic = False
