@@ -192,11 +192,11 @@ def stabiliser_seed(label: str) -> tuple[str, int | None]:
 # then followed only eager runs bit for bit; its loss had not exploded by step 6,310, while both compiled seed-1337
 # recipe runs exploded (5,136 and 5,485). bf16_mechanism_compiled trains compiled, as the recipe runs do, and its loss
 # exploded at step 6,787 (results/mechanism/h200-2026-12-06); but its replay, compiled in another process, parted from
-# it at the second step and did not explode. bf16_mechanism_deterministic adds lpfa.train's deterministic=true, under
-# which a compiled run's kernels compute the same bits in every process, so that the replay can follow it. Each BF16
-# row's FP32 twin (the same suffix, else fp32_mechanism) runs to step 4,000 and is replayed with the BF16 run's policy
-# measured on its trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16 row, its twin and their
-# replays.
+# it at the second step and did not explode. bf16_mechanism_deterministic adds lpfa.train's deterministic=true, which
+# asks torch.compile for kernels that compute the same bits in every process, so that the replay can follow the run
+# (tests/test_train_gpu.py checks that on a GPU). Each BF16 row's FP32 twin (the same suffix, else fp32_mechanism)
+# runs to step 4,000 and is replayed with the BF16 run's policy measured on its trajectory: the control of Fig. 5.
+# scripts/gpu/mechanism.py runs a BF16 row, its twin and their replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
 # The replay the book's mechanism pages (02-04) and scorecard read by default: results/mechanism/<the latest run that
 # holds it>/MECHANISM_REPLAY. The notebooks' parameter cells carry the same literal (a test checks it).
@@ -287,7 +287,7 @@ DESCRIPTIONS: dict[str, str] = {
     "bf16_mechanism_compiled": ("bf16_paper_recipe again, compiled, a checkpoint every 500 steps kept: replayed up to "
                                 "its explosion"),
     "bf16_mechanism_deterministic": ("bf16_paper_recipe again, compiled with deterministic kernels, a checkpoint every "
-                                     "500 steps kept: replayed bit for bit up to its explosion"),
+                                     "500 steps kept: replayed up to its explosion"),
     "fp32_mechanism": f"fp32_paper_recipe again to step {MECHANISM_TWIN_STOP:,}: replayed from there as the control",
     "fp32_mechanism_deterministic": (f"fp32_paper_recipe again, compiled with deterministic kernels, to step "
                                      f"{MECHANISM_TWIN_STOP:,}: replayed from there as the control"),

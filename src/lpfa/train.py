@@ -108,7 +108,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or
     #  max-autotune-no-cudagraphs; needs compile=true
-    deterministic: bool = False  # the same bits on every start: torch.compile tunes no reduction by timing it
+    deterministic: bool = False  # the same bits in every process: torch.compile tunes no reduction by timing it
     #  (torch._inductor.config.deterministic) and scatters with atomics fall back to deterministic kernels
     #  (torch.use_deterministic_algorithms), so a compiled run can be replayed from its checkpoints (lpfa.replay);
     #  slower. Eager runs with lpfa attention are deterministic without it
