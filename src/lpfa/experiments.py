@@ -330,11 +330,10 @@ def _reference(experiment: str, label: str) -> str | None:
         return None
     if experiment in ("isolation", "twins", "dose"):
         return "fp32"
-    if experiment == "mechanism":  # the FP32 row with the same suffix, else fp32_mechanism
-        twin = "fp32" + label[label.index("_"):]
-        return twin if twin in MECHANISM else "fp32_mechanism"
     twin = "fp32" + label[label.index("_"):] if "_" in label else "fp32"
-    return twin if twin in EXPERIMENTS[experiment] else None
+    if twin in EXPERIMENTS[experiment]:
+        return twin
+    return "fp32_mechanism" if experiment == "mechanism" else None  # the mechanism's one twin without a suffix
 
 
 def _paper_outcome(experiment: str, label: str) -> str | None:

@@ -901,10 +901,9 @@ def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
         quiet = sorted(int(x) for x in runs.loc[~runs.exploded, "steps"])
         fates_of = ([f"exploded at step{'s' if len(boom) > 1 else ''} {and_join([f'{x:,}' for x in boom])}"]
                     if boom else [])
-        if quiet:
-            fates_of.append(f"{len(quiet)} stopped without exploding at {and_join([f'{x:,}' for x in quiet])} steps"
-                            if boom else
-                            f"stopped without exploding at {and_join([f'{x:,}' for x in quiet])} steps")
+        if quiet:  # "1 stopped ..." after the exploded ones; alone, every run stopped
+            fates_of.append(f"{f'{len(quiet)} ' if boom else ''}stopped without exploding at "
+                            f"{and_join([f'{x:,}' for x in quiet])} steps")
         parts.append(f"the {len(runs)} {precision.upper()} runs of seed {seed} {' and '.join(fates_of)}")
     if not parts:
         return ""
