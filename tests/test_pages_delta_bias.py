@@ -210,3 +210,44 @@ def test_parted_replays_are_the_committed_replays_that_left_their_run():
                                                             "explosion_step": None}}
     text = parted_text([quiet])
     assert "deterministic kernels)" in text and "exploded" not in text and "largest loss" not in text
+
+
+def _with_sums(result: dict, sums: dict) -> dict:
+    """A copy of a replay result whose per-step Σ δ error of each head is ``sums[head]`` (tied rows carry all of it)."""
+    per_step = []
+    for i, r in enumerate(result["per_step"]):
+        heads = {h: {**v, "sum_all": float(sums[int(h)][i]), "sum_tied": float(sums[int(h)][i]), "sum_untied": 0.0}
+                 for h, v in r["heads"].items()}
+        per_step.append({**r, "heads": heads})
+    return {**result, "per_step": per_step}
+
+
+def test_control_is_read_against_the_bf16_run_head_by_head():
+    """Page 02's control: the table and the sentences carry bias_test of both replays per head, and the reading
+    follows the numbers: a control without bias "shows none", a control biased like the run "is biased as well", and
+    a run without a clear bias says the control cannot separate the two."""
+    from lpfa.experiments import MECHANISM_CONTROL
+    from lpfa.pages.delta_bias import STRONG_T, control_table, control_text, open_control
+    from lpfa.replay import bias_test
+
+    _, result, _ = open_replay("mechanism", None, MECHANISM_REPLAY)
+    control = open_control("mechanism", None, MECHANISM_CONTROL)
+    assert open_control("mechanism", None, "") is None
+    table = control_table(result, control)
+    for name, res in (("BF16 run", result), ("FP32 twin, BF16 policy measured", control)):
+        for h, r in bias_test(res).items():
+            assert table.loc[(name, h), "t"] == pytest.approx(r["t"])
+            assert table.loc[(name, h), "tied rows"] == pytest.approx(r["tied_row_fraction"])
+    text = control_text(result, control)
+    for h, r in bias_test(control).items():
+        assert f"(t = {r['t']:.1f}) on the FP32 twin's trajectory" in text
+    rng = np.random.default_rng(0)
+    n, m = len(result["per_step"]), len(control["per_step"])
+    heads = [int(h) for h in result["per_step"][0]["heads"]]
+    biased = _with_sums(result, {h: 1.0 + rng.normal(0, 0.5, n) for h in heads})
+    quiet = _with_sums(control, {h: rng.normal(0, 0.5, m) for h in heads})
+    assert all(abs(r["t"]) < STRONG_T for r in bias_test(quiet).values())
+    assert "shows none" in control_text(biased, quiet)
+    assert "is biased as well" in control_text(biased, _with_sums(control, {h: 1.0 + rng.normal(0, 0.5, m)
+                                                                           for h in heads}))
+    assert "cannot separate" in control_text(_with_sums(result, {h: rng.normal(0, 0.5, n) for h in heads}), quiet)

@@ -2,7 +2,6 @@
 results/paper_recipe and results/repro_pair runs read from their own files (config.json, summary.json)."""
 
 import json
-import re
 from pathlib import Path
 
 import matplotlib
@@ -115,20 +114,30 @@ def test_scorecard_note_gives_a_page_its_own_rows_of_the_scorecard():
     assert "no_such_experiment" in note
 
 
-def test_mechanism_rows_print_lower_bounds_that_hold():
-    """The scorecard's Fig. 5 and Fig. 4 rows print "t ≥ x" and "similarity ≥ y" over the replayed heads: each printed
-    bound is at most the smallest value the pages print (rounded down, never up: 6.35 is "t ≥ 6.3")."""
-    from lpfa.experiments import MECHANISM_REPLAY
-    from lpfa.pages.delta_bias import replay_dir
-    from lpfa.pages.intro import _floor, _mechanism_rows
+def test_mechanism_rows_judge_each_head_and_print_its_numbers():
+    """The scorecard's Fig. 5 and Fig. 4 rows print each measured head's t and smallest within-step similarity as the
+    pages compute them, and judge per head: reproduced in every head, partly in some, not in none. The control's t
+    per head comes from its own replay."""
+    from lpfa.experiments import MECHANISM_CONTROL, MECHANISM_REPLAY
+    from lpfa.pages.delta_bias import STRONG_T, replay_dir
+    from lpfa.pages.intro import PARALLEL, _floor, _head_verdict, _mechanism_rows
     from lpfa.replay import bias_test, load_replay, rank1_stats
 
     assert (_floor(0.937, 2), _floor(6.35, 1), _floor(0.94, 2), _floor(0.999, 2)) == (0.93, 6.3, 0.94, 0.99)
+    assert [_head_verdict(p) for p in ([True, True], [True, False], [False, False])] == \
+        ["reproduced", "partly", "not reproduced"]
     fig5, fig4 = _mechanism_rows("mechanism", MECHANISM_REPLAY, None)
     result, arrays = load_replay(replay_dir("mechanism", None, MECHANISM_REPLAY, None))
-    t_min = min(r["t"] for r in bias_test(result).values())
-    sims = min(min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
-               for h in result["heads"])
-    t_shown = float(re.search(r"t ≥ ([0-9.]+)", fig5[COLUMNS[2]]).group(1))
-    sim_shown = float(re.search(r"matrices ≥ ([0-9.]+)", fig4[COLUMNS[2]]).group(1))
-    assert t_shown <= t_min < t_shown + 0.1 and sim_shown <= sims < sim_shown + 0.01
+    control, _ = load_replay(replay_dir("mechanism", None, MECHANISM_CONTROL, None))
+    bt, ct = bias_test(result), bias_test(control)
+    sims = {h: min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
+            for h in result["heads"]}
+    head_part, control_part = fig5[COLUMNS[2]].split("the control")
+    for h, r in bt.items():
+        assert f"t = {r['t']:.1f} (head {h})" in head_part
+        assert f"{sims[h]:.2f} (head {h})" in fig4[COLUMNS[2]]
+    assert all(f"t = {r['t']:.1f} (head {h})" in control_part for h, r in ct.items())
+    assert fig5[COLUMNS[3]] == _head_verdict([r["t"] > STRONG_T for r in bt.values()])
+    assert fig4[COLUMNS[3]] == _head_verdict([x > PARALLEL for x in sims.values()])
+    # without a control the row says nothing of one
+    assert "control" not in _mechanism_rows("mechanism", MECHANISM_REPLAY, None, control="")[0][COLUMNS[2]]

@@ -18,12 +18,15 @@ from conftest import ROOT
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def test_compiled_deterministic_run_is_replayed_bit_for_bit(byte_tokens, tmp_path):
+@pytest.mark.parametrize("attention", [["attn_policy=paper"], ["attn_backend=sdpa_fp32"]], ids=["bf16", "fp32"])
+def test_compiled_deterministic_run_is_replayed_bit_for_bit(byte_tokens, tmp_path, attention):
+    """The BF16 mechanism row's attention and its FP32 twin's (PyTorch's SDPA, whose memory-efficient backward is
+    deterministic only when torch is asked without warn_only)."""
     # two processes with no cache between them, as a replay on another machine would be
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     run, out = tmp_path / "run", tmp_path / "replay"
     subprocess.run([sys.executable, "-m", "lpfa.train", f"data={byte_tokens}", "model=tiny", "block_size=256",
-                    "batch_size=8", "max_steps=10", "warmup_steps=2", "lr=3e-3", "attn_policy=paper", "compile=true",
+                    "batch_size=8", "max_steps=10", "warmup_steps=2", "lr=3e-3", *attention, "compile=true",
                     "deterministic=true", "ckpt_interval=4", "ckpt_history=true", "eval_interval=0",
                     f"out_dir={run}", "progress=false"], check=True, env=env, timeout=400)
     subprocess.run([sys.executable, "-m", "lpfa.replay", "--run", str(run), "--out", str(out), "--step", "4",

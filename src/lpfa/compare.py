@@ -421,6 +421,7 @@ BOOKKEEPING = (
     "data",
     "device",
     "compile",
+    "deterministic",
     "out_dir",
     "eval_interval",
     "eval_batches",

@@ -189,18 +189,20 @@ def stabiliser_seed(label: str) -> tuple[str, int | None]:
 # The mechanism on the run that fails (Figs. 3-6, 11, 13 at the recipe): bf16_paper_recipe again with a checkpoint
 # every 500 steps kept, so that the instrumented replay (lpfa.replay) can start about 1,000 steps before the explosion,
 # and diagnostics every 100 steps. bf16_mechanism ran eagerly (results/mechanism/h200-2026-12-04), since the replay
-# then followed only eager runs bit for bit; its loss had not exploded by step 6,310, while both compiled seed-1337
-# recipe runs exploded (5,136 and 5,485). bf16_mechanism_compiled trains compiled, as the recipe runs do, and its loss
-# exploded at step 6,787 (results/mechanism/h200-2026-12-06); but its replay, compiled in another process, parted from
-# it at the second step and did not explode. bf16_mechanism_deterministic adds lpfa.train's deterministic=true, which
-# asks torch.compile for kernels that compute the same bits in every process, so that the replay can follow the run
-# (tests/test_train_gpu.py checks that on a GPU). Each BF16 row's FP32 twin (the same suffix, else fp32_mechanism)
-# runs to step 4,000 and is replayed with the BF16 run's policy measured on its trajectory: the control of Fig. 5.
-# scripts/gpu/mechanism.py runs a BF16 row, its twin and their replays.
+# then followed only eager runs bit for bit; its loss had not exploded by step 6,310. bf16_mechanism_compiled trains
+# compiled, as the recipe runs do; its loss exploded at step 6,787 (results/mechanism/h200-2026-12-06), but its replay,
+# compiled in another process, parted from it at the second step and did not explode. bf16_mechanism_deterministic
+# adds lpfa.train's deterministic=true, which asks torch.compile and torch for kernels that compute the same bits in
+# every process (tests/test_train_gpu.py checks it on a GPU); its loss exploded at step 4,933 and its replay followed
+# it bit for bit through the explosion (results/mechanism/h100-2026-12-06). Each BF16 row's FP32 twin (the same
+# suffix, else fp32_mechanism) runs to step 4,000 and is replayed with the BF16 run's policy measured on its
+# trajectory: the control of Fig. 5. scripts/gpu/mechanism.py runs a BF16 row, its twin and their replays.
 MECHANISM_CKPT, MECHANISM_TWIN_STOP = 500, 4000
 # The replay the book's mechanism pages (02-04) and scorecard read by default: results/mechanism/<the latest run that
 # holds it>/MECHANISM_REPLAY. The notebooks' parameter cells carry the same literal (a test checks it).
-MECHANISM_REPLAY = "bf16_mechanism_replay"
+MECHANISM_REPLAY = "bf16_mechanism_deterministic_replay"
+# its control: the FP32 twin replayed with the BF16 policy measured (page 02 holds the two against each other)
+MECHANISM_CONTROL = "fp32_mechanism_deterministic_replay"
 _MECHANISM_KEEP = [f"ckpt_interval={MECHANISM_CKPT}", "ckpt_history=true", "diag_interval=100"]
 _TWIN_STOP = [f"ckpt_interval={MECHANISM_TWIN_STOP}", f"stop_at_step={MECHANISM_TWIN_STOP}", "diag_interval=100"]
 MECHANISM: dict[str, list[str]] = {

@@ -669,8 +669,9 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
 
 
 def set_deterministic(on: bool) -> None:
-    """``deterministic=true`` (:class:`TrainConfig`): no choice between kernels by timing and no atomic scatters, so
-    that two processes given the same checkpoint and batches compute the same bits. Call it before the first CUDA
+    """``deterministic=true`` (:class:`TrainConfig`): no choice between kernels by timing, no atomic scatters and an
+    error for an op that has no deterministic algorithm, so that two processes given the same checkpoint and batches
+    compute the same bits. Call it before the first CUDA
     matmul (cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it starts). ``on=False`` leaves everything as it is."""
     if not on:
         return
@@ -679,7 +680,10 @@ def set_deterministic(on: bool) -> None:
     import torch._inductor.config
 
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # an op with no deterministic algorithm raises, naming itself, instead of warning: under warn_only, PyTorch's
+    # memory-efficient SDPA (the FP32 twins' sdpa_fp32) keeps its non-deterministic backward, and only warns
+    # (results/mechanism/h100-2026-12-06/fp32_mechanism_deterministic/stdout.txt)
+    torch.use_deterministic_algorithms(True)
     # which would also fill every new tensor with NaN (a kernel per allocation): not needed for the same bits, since
     # every kernel writes what it later reads (the tests compare the kernels' bits with the reference's)
     torch.utils.deterministic.fill_uninitialized_memory = False

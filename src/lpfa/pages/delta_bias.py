@@ -22,7 +22,7 @@ from lpfa.run import Run, runaway_onset
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
 # the parameters of a page drawn from one instrumented replay (pages 02-04): where the replay is
 REPLAY_PARAMS = {"experiment": text(nonempty=True), "run": optional(text(nonempty=True)), "replay": text(nonempty=True)}
-PARAMS = {**REPLAY_PARAMS, "compare": dict_of(text(nonempty=True), text(nonempty=True))}
+PARAMS = {**REPLAY_PARAMS, "control": text(), "compare": dict_of(text(nonempty=True), text(nonempty=True))}
 
 STRONG_T = 3  # a t statistic below this in every head: the replay's bias is weak
 SAME_SIGN_CHANCE = 0.6  # V one-signed at the tied keys below this share in every head: about what random signs give
@@ -132,12 +132,14 @@ def describe(result: dict, replay_folder=None) -> str:
         else ""
     )
     if result.get("measured_by") == "side pass":
-        follows += (" The run was compiled, and so is its replay; the layer is measured by an eager forward and "
+        follows += (" The run was compiled"
+                    + (" with deterministic kernels (`deterministic=true`)" if result.get("deterministic") else "")
+                    + ", and so is its replay; the layer is measured by an eager forward and "
                     "backward at each step's weights just before the step (their gradients dropped), so its q, k, v "
                     "and dO may differ from the compiled step's in their last bits.")
     prov = result["provenance"]
     return (
-        f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}{setting}): {result['steps']} "
+        f"Instrumented replay of `{result['run'].split('/')[-1]}` ({v['policy']}{setting}): {result['steps']:,} "
         f"training steps from its checkpoint at step {ck:,} ({where}), measuring layer {result['layer']} "
         f"({why_layer}) and heads {', '.join(map(str, result['heads']))} ({why_heads}) on {result['n_seq']} "
         f"sequences of each batch{measured}.{follows} Commit `{prov['git_commit']}`, {prov['date_utc']}; "
@@ -196,21 +198,29 @@ def parted_text(parted: list[dict]) -> str:
             "replay of such a run applies it.")
 
 
-def plot_delta_bias(result: dict):
+def plot_delta_bias(result: dict, control: dict | None = None):
     """Fig. 5a: the running sum over replayed steps of Σ_T (δ_lp − δ_hp)[T], split by row kind, per head
-    (:func:`lpfa.replay.delta_bias_frame`)."""
+    (:func:`lpfa.replay.delta_bias_frame`); with ``control`` (the FP32 twin's replay with the BF16 policy measured,
+    :func:`open_control`), its running sum over all rows in the same heads."""
     use_style()
     f = delta_bias_frame(result)
+    c = delta_bias_frame(control) if control is not None else None
+    boom = result["verdict"].get("explosion_step")
     heads = sorted(f["head"].unique())
-    fig, axes = plt.subplots(1, len(heads), figsize=(min(7.0, 3.5 * len(heads)), 3.4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(heads), figsize=(min(7.0, 3.5 * len(heads)), 3.6), squeeze=False, sharey=True)
     for ax, h in zip(axes[0], heads):
         g = f[f["head"] == h]
-        ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="all rows")
-        ax.plot(g.step, g["cumulative tied rows"], color=COLORS["bf16"], ls="--", label="rows with ≥ 2 P̄ = 1")
-        ax.plot(g.step, g["cumulative other rows"], color=COLORS["neutral"], ls=":", label="other rows")
+        ax.plot(g.step, g["cumulative all"], color=COLORS["bf16"], label="BF16 run: all rows")
+        ax.plot(g.step, g["cumulative tied rows"], color=COLORS["bf16"], ls="--", label="BF16 run: rows with ≥ 2 P̄ = 1")
+        ax.plot(g.step, g["cumulative other rows"], color=COLORS["neutral"], ls=":", label="BF16 run: other rows")
+        if c is not None and h in set(c["head"]):
+            gc = c[c["head"] == h]
+            ax.plot(gc.step, gc["cumulative all"], color=COLORS["fp32"], label="FP32 twin, BF16 policy: all rows")
         ax.axhline(0, color="black", lw=0.5)
+        if boom is not None and g.step.min() <= boom <= g.step.max():
+            ax.axvline(boom, color="black", lw=0.8, ls="-.", label="BF16 loss exploded")
         ax.set_title(f"layer {result['layer']}, head {h}", fontsize=9)
-        ax.set_xlabel("replayed step")
+        ax.set_xlabel("step")
     axes[0, 0].set_ylabel("cumulative Σ_T (δ_lp − δ_hp)[T]")
     axes[0, 0].legend(fontsize=9)
     return fig
@@ -277,6 +287,66 @@ def bias_text(result: dict) -> str:
             else "For scale: two keys of independent random sign agree half the time, three a quarter; V at the tied "
             "keys shares a sign more often than that."
         )
+    )
+
+
+def open_control(experiment: str, run: str | None, control: str) -> dict | None:
+    """The control replay ``control`` (an FP32 twin replayed with the BF16 policy measured,
+    ``lpfa.experiments.MECHANISM_CONTROL``) of run ``run`` of ``results/<experiment>`` (None: the latest run that holds
+    it); None for ``control == ""``."""
+    return load_replay(replay_dir(experiment, run, control))[0] if control else None
+
+
+def control_table(result: dict, control: dict) -> pd.DataFrame:
+    """:func:`lpfa.replay.bias_test` of the BF16 run's replay and of its control, one row per trajectory and head: the
+    steps, the share of positive steps, the mean per step with its 95% interval and t, and the share of tied rows."""
+    rows = []
+    for name, res in (("BF16 run", result), ("FP32 twin, BF16 policy measured", control)):
+        for h, r in bias_test(res).items():
+            rows.append({"trajectory": name, "head": h,
+                         "steps": f"{res['checkpoint_step']:,}–{res['checkpoint_step'] + r['steps'] - 1:,}",
+                         "positive steps": r["positive_fraction"], "mean per step": r["mean"],
+                         "95% interval": f"{r['ci_low']:.1e} to {r['ci_high']:.1e}", "t": r["t"],
+                         "tied rows": r["tied_row_fraction"]})
+    return pd.DataFrame(rows).set_index(["trajectory", "head"])
+
+
+def style_control(table: pd.DataFrame):
+    """:func:`control_table` for the page (:func:`lpfa.plotting.format_table`): shares as percentages."""
+    return format_table(table, percent=("positive steps", "tied rows"), digits=2)
+
+
+def control_text(result: dict, control: dict) -> str:
+    """Page 02's reading of :func:`control_table` (Markdown): per head, the mean δ error per step and its t on the BF16
+    run against the same heads measured with the BF16 policy on the FP32 twin's trajectory, and how often rows are
+    tied on each."""
+    bf, fp = bias_test(result), bias_test(control)
+    heads = [h for h in bf if h in fp]
+    if not heads:
+        return ""
+    lines = [
+        f"* **head {h}**: mean {bf[h]['mean']:.2e} per step (t = {bf[h]['t']:.1f}) on the BF16 run, "
+        f"{fp[h]['mean']:.2e} (t = {fp[h]['t']:.1f}) on the FP32 twin's trajectory; tied rows "
+        f"{bf[h]['tied_row_fraction']:.0%} of rows against {fp[h]['tied_row_fraction']:.1%}."
+        for h in heads
+    ]
+    strong = [h for h in heads if bf[h]["t"] > STRONG_T]
+    quiet = [h for h in heads if abs(fp[h]["t"]) < STRONG_T]
+    return (
+        f"**The control.** The FP32 twin trained on the same batches from the same initial weights to step "
+        f"{control['checkpoint_step']:,} and was continued from there by the replay for {control['steps']:,} steps "
+        f"(to step {control['checkpoint_step'] + control['steps'] - 1:,}; the BF16 run's replay spans steps "
+        f"{result['checkpoint_step']:,}–{result['checkpoint_step'] + result['steps'] - 1:,}), its own FP32 attention "
+        "training it and the BF16 run's policy measured in the same heads: what BF16 flash attention would have "
+        "computed on a trajectory that FP32 attention shaped.\n\n"
+        + "\n".join(lines) + "\n\n"
+        + (f"Where the BF16 run's bias is clear (head{'s' if len(strong) > 1 else ''} "
+           f"{', '.join(map(str, strong))}), the same rounding on the FP32 trajectory "
+           + ("shows none: its t stays below " + f"{STRONG_T}" if all(h in quiet for h in strong) else
+              "is biased as well")
+           + ". The bias is not a property of BF16 rounding alone, but of BF16 rounding on the weights that BF16 "
+           "training made, where rows with tied maxima are common." if strong else
+           f"No head's bias on the BF16 run reaches t = {STRONG_T}, so the control cannot separate the two.")
     )
 
 

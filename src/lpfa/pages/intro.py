@@ -23,9 +23,9 @@ from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_au
 from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
-from lpfa.experiments import MECHANISM_REPLAY
-from lpfa.pages import VERDICT_WORDS, capital, setting_of
-from lpfa.pages.delta_bias import replay_dir, replay_run
+from lpfa.experiments import MECHANISM_CONTROL, MECHANISM_REPLAY
+from lpfa.pages import VERDICT_WORDS, and_join, capital, setting_of
+from lpfa.pages.delta_bias import STRONG_T, replay_dir, replay_run
 from lpfa.pages.isolation import against_paper, as_reported, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
     fate_counts,
@@ -38,11 +38,12 @@ from lpfa.pages.loss_explosion import (
     seed_table,
     seeds_text,
 )
+from lpfa.pages.pktx_structure import PARALLEL
 from lpfa.pages.sfa import GPT2M_STEPS, gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, seed_evidence, stabiliser_table
 from lpfa.params import integer, text
 from lpfa.plotting import format_table
-from lpfa.replay import bias_test, load_replay, rank1_stats
+from lpfa.replay import bias_test, detail_steps, load_replay, rank1_stats
 from lpfa.results import run_dir
 from lpfa.run import Run, run_verdict
 from lpfa.scaling import tokens_per_step
@@ -115,7 +116,21 @@ def _floor(x: float, digits: int) -> float:
     return math.floor(x * 10**digits) / 10**digits
 
 
-def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
+def _head_verdict(passed: list[bool]) -> str:
+    """A mechanism claim measured in several heads: reproduced in every head, partly in some, else not."""
+    return "reproduced" if all(passed) else "partly" if any(passed) else "not reproduced"
+
+
+def _per_head(values: dict, fmt: str) -> str:
+    """``{4: 10.48, 8: 1.80}`` with ``fmt`` "t = {:.1f}" as "t = 10.5 (head 4) and t = 1.8 (head 8)"."""
+    return and_join([f"{fmt.format(v)} (head {h})" for h, v in values.items()])
+
+
+def _mechanism_rows(replay_experiment: str, replay: str, root, control: str = MECHANISM_CONTROL) -> list[dict]:
+    """The Fig. 5 and Fig. 4 rows from the replay ``replay``: judged per measured head (:func:`_head_verdict`): t >
+    :data:`lpfa.pages.delta_bias.STRONG_T` for the δ bias, and for the rank-1 structure a median similarity above
+    :data:`PARALLEL` at every detail step. ``control`` (a replay of the FP32 twin with the BF16 policy measured, in the
+    latest run that holds it; "" for none) adds the same test on the FP32 trajectory."""
     folder = replay_dir(replay_experiment, None, replay, root)
     result, arrays = load_replay(folder)
     bt = bias_test(result)
@@ -127,22 +142,31 @@ def _mechanism_rows(replay_experiment: str, replay: str, root) -> list[dict]:
                     f" (a BF16 run whose loss had not exploded by step {v['steps']:,}, its last)")
     ag = result.get("agreement") or {}
     exact = " bit for bit" if ag.get("compared") and ag["bit_equal"] == ag["compared"] else ""
-    heads = ", ".join(str(h) for h in bt)
-    t_min = min(r["t"] for r in bt.values())
-    pos = min(r["positive_fraction"] for r in bt.values())
-    sims = [min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
-            for h in result["heads"]]
+    heads = and_join([str(h) for h in bt])
+    sims = {h: min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
+            for h in result["heads"]}
     share = min(r["share_tied"] for r in bt.values())
-    where = (f"{setting}, the BF16 run's layer {result['layer']}, heads {heads}, {result['steps']} steps replayed"
+    where = (f"{setting}, the BF16 run's layer {result['layer']}, heads {heads}, {result['steps']:,} steps replayed"
              f"{exact} from step {result['checkpoint_step']:,}")
+    fig5 = (f"{where}: Σ_T (δ_lp − δ_hp)[T] is positive in "
+            + _per_head({h: r["positive_fraction"] for h, r in bt.items()}, "{:.0%}")
+            + " of steps, its mean per step "
+            + _per_head({h: r["t"] for h, r in bt.items()}, "t = {:.1f}")
+            + f"; rows with tied maxima carry ≥ {_floor(share, 2):.0%} of it")
+    if control:
+        c_result, _ = load_replay(replay_dir(replay_experiment, None, control, root))
+        c_bt = bias_test(c_result)
+        fig5 += (f"; on the FP32 twin's trajectory, the BF16 policy measured in the same heads ({c_result['steps']:,} "
+                 f"steps from step {c_result['checkpoint_step']:,}, the control), "
+                 + _per_head({h: r["t"] for h, r in c_bt.items()}, "t = {:.1f}"))
     return [
-        _row("δ = rowsum(dO∘O) from BF16 O is biased against its high-precision value", "Fig. 5",
-             f"{where}: the δ error is positive in ≥ {_floor(pos, 2):.0%} of steps, t ≥ {_floor(t_min, 1):.1f}; rows "
-             f"with tied maxima carry ≥ {_floor(share, 2):.0%} of it",
-             "reproduced" if t_min > 3 else "not reproduced", "02_delta_bias"),
+        _row("δ = rowsum(dO∘O) from BF16 O is biased against its high-precision value", "Fig. 5", fig5,
+             _head_verdict([r["t"] > STRONG_T for r in bt.values()]), "02_delta_bias"),
         _row("The W_Q gradient error accumulates along one low-rank direction", "Fig. 4",
-             f"{where}: median similarity of the per-token rank-1 matrices ≥ {_floor(min(sims), 2):.2f} (random: ~0)",
-             "reproduced" if min(sims) > 0.9 else "not reproduced", "03_pktx_structure"),
+             f"{where}: the smallest median similarity of the per-token rank-1 matrices over the "
+             f"{len(detail_steps(arrays, result['heads'][0]))} detail steps is "
+             + _per_head(sims, "{:.2f}") + " (random: ~0)",
+             _head_verdict([x > PARALLEL for x in sims.values()]), "03_pktx_structure"),
     ]
 
 
@@ -283,11 +307,12 @@ def _kernel_row(root) -> dict:
 
 def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str = MECHANISM_REPLAY,
               twins_experiment: str = "repro_twins", fig2_experiment: str = "paper_recipe", root=None,
-              pages=None) -> pd.DataFrame:
+              pages=None, control: str = MECHANISM_CONTROL) -> pd.DataFrame:
     """One row per claim: ``claim``, ``paper`` (figure or section), ``our result`` (numbers from the committed runs),
     ``verdict`` (:data:`VERDICTS`) and ``page`` (the notebook that shows it). ``fig2_experiment``: the BF16/FP32 twins
-    of Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5; ``twins_experiment``: the `repro` SFA
-    twin. ``pages`` (notebook names): only the rows that link to them, computing only those."""
+    of Figs. 2, 3, 13 (and their SFA twin, once run); the replay: Figs. 4, 5, with ``control`` (the FP32 twin's
+    replay, "" for none); ``twins_experiment``: the `repro` SFA twin. ``pages`` (notebook names): only the rows that
+    link to them, computing only those."""
     def wanted(*names: str) -> bool:
         return pages is None or any(name in pages for name in names)
 
@@ -295,7 +320,7 @@ def scorecard(layer: int = 1, replay_experiment: str = "mechanism", replay: str 
     if wanted("06_loss_explosion", "07_spectral_norms", "08_tie_frequency"):
         rows += _fig2_rows(fig2_experiment, layer, root)
     if wanted("02_delta_bias", "03_pktx_structure"):
-        rows += _mechanism_rows(replay_experiment, replay, root)
+        rows += _mechanism_rows(replay_experiment, replay, root, control)
     if wanted("09_sfa"):
         rows += [_sfa_row(fig2_experiment, twins_experiment, layer, root), _gpt2m_row(root)]
     if wanted("10_isolation"):

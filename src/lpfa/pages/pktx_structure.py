@@ -9,12 +9,18 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
+from lpfa.pages import and_join
 from lpfa.pages.delta_bias import REPLAY_PARAMS
+from lpfa.params import text
 from lpfa.plotting import fixed, use_style
 from lpfa.replay import rank1_stats
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
-PARAMS = REPLAY_PARAMS
+PARAMS = {**REPLAY_PARAMS, "control": text()}
+
+# the per-token rank-1 matrices of a step count as parallel (Fig. 4) when their median similarity is above this; the
+# scorecard's Fig. 4 row asks it of every detail step of every measured head
+PARALLEL = 0.9
 
 RECURRING = 0.5  # G's direction overlaps more than this with the previous step's: it recurs
 PREV, FIRST = "median overlap of G's direction, step to step", "median overlap with the first step's"  # table rows
@@ -68,30 +74,71 @@ def similarity_table(result: dict, arrays: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def similarity_text(result: dict, arrays: dict, table: pd.DataFrame) -> str:
-    """Page 03's finding (Markdown) from :func:`similarity_table`: per head the median similarity within a step and
-    across the replay against random vectors, G's top-direction energy and its overlaps; and the heads whose first
-    replayed step points elsewhere than every later one while the later steps agree (:data:`RECURRING`)."""
-    lines = []
+def within_range(arrays: dict, head: int) -> tuple[float, float, int, int]:
+    """``(smallest, largest, step of the smallest, detail steps)`` of ``head``'s median within-step similarity of the
+    rank-1 matrices (:func:`lpfa.replay.rank1_stats`) over the replay's detail steps."""
+    within = {int(k.split()[-1]): v for k, v in rank1_stats(arrays, head)["medians"].items() if k.startswith("within")}
+    low = min(within, key=within.get)
+    return within[low], max(within.values()), low, len(within)
+
+
+def similarity_text(result: dict, arrays: dict, table: pd.DataFrame, control: tuple[dict, dict] | None = None) -> str:
+    """Page 03's finding (Markdown) from :func:`similarity_table`: per head the range of the median similarity within
+    a step over the detail steps and across the replay against random vectors, G's top-direction energy and its
+    overlaps; whether every head's rank-1 matrices are parallel (:data:`PARALLEL`) at every detail step; the heads
+    whose first replayed step points elsewhere than every later one while the later steps agree (:data:`RECURRING`);
+    and with ``control`` (``(result, arrays)`` of the FP32 twin's replay with the BF16 policy measured) the same
+    similarity on the FP32 trajectory."""
+    lines, ranges = [], {}
     for h in result["heads"]:
         c = table[f"head {h}"]
-        within = [k for k in c.index if k.startswith("median similarity, within")]
+        low, high, at, n = ranges[h] = within_range(arrays, h)
         across = [k for k in c.index if k.startswith("median similarity, across")]
-        lines.append(f"* **head {h}**: median similarity {c[within[0]]:.3f} within a step"
-                     + (f" and {c[across[0]]:.3f} across the {result['steps']} replayed steps" if across else "")
+        lines.append(f"* **head {h}**: median similarity within a step {low:.3f} to {high:.3f} over the {n} detail "
+                     f"steps (the lowest at step {at:,})"
+                     + (f" and {c[across[0]]:.3f} across the {result['steps']:,} replayed steps" if across else "")
                      + f", against {fixed(c['median similarity, random vectors'], 3)} for random vectors; "
                      f"G keeps {c['median top-direction energy of G']:.4%} of its energy in one direction, which "
                      f"overlaps {c[PREV]:.2f} with the previous step's and {c[FIRST]:.2f} with the first step's "
                      f"(random: {c['overlap of random directions']:.1e}).")
+    parallel = [h for h, r in ranges.items() if r[0] > PARALLEL]
+    loose = [h for h in ranges if h not in parallel]
+    heads = f"{len(result['heads'])} heads of layer {result['layer']}"
+    if not loose:
+        lead = (f"In this replayed run ({heads}) the paper's qualitative picture holds: at every detail step the "
+                f"rank-1 matrices are nearly parallel (median similarity above {PARALLEL}), so the per-step error is "
+                "essentially rank one")
+    else:
+        lead = (f"In this replayed run ({heads}) the paper's qualitative picture holds "
+                + (f"in head{'s' * (len(parallel) > 1)} {and_join(list(map(str, parallel)))}, whose rank-1 matrices "
+                   f"are nearly parallel (median similarity above {PARALLEL}) at every detail step, and "
+                   if parallel else "")
+                + f"{'only ' if parallel else ''}in part in head{'s' * (len(loose) > 1)} "
+                + and_join([f"{h} (down to {ranges[h][0]:.3f} at step {ranges[h][2]:,})" for h in loose])
+                + "; the matrices stay far more alike than random vectors")
     odd = [h for h in result["heads"]
            if arrays[f"h{h}_overlap_first"][1:].max() < RECURRING < np.nanmedian(arrays[f"h{h}_overlap_prev"])]
-    return ("**Measured.**\n\n" + "\n".join(lines) + f"\n\nIn this one replayed run ({len(result['heads'])} heads "
-            f"of layer {result['layer']}) the paper's qualitative picture holds: the rank-1 matrices are nearly "
-            "identical, so the per-step error is essentially rank one, and each step's direction overlaps the "
-            "previous step's by the amounts above, far more than random directions do."
+    text = ("**Measured.**\n\n" + "\n".join(lines) + "\n\n" + lead
+            + ", and each step's direction overlaps the previous step's by the amounts above, far more than random "
+            "directions do."
             + (f" For head(s) {', '.join(map(str, odd))} the first replayed step is the exception: its direction "
                f"overlaps at most {max(arrays[f'h{h}_overlap_first'][1:].max() for h in odd):.2f} with any later "
                "step's, while the later steps agree with each other." if odd else ""))
+    if control is not None:
+        c_result, c_arrays = control
+        c_ranges = {h: within_range(c_arrays, h) for h in result["heads"] if h in c_result["heads"]}
+        if c_ranges:
+            end = c_result["checkpoint_step"] + c_result["steps"] - 1
+            higher = all(ranges[h][0] > c_ranges[h][0] for h in c_ranges)
+            text += ("\n\n**The control.** On the FP32 twin's trajectory (its replay from step "
+                     f"{c_result['checkpoint_step']:,} to {end:,}, the same heads), the median similarity within a "
+                     "step is "
+                     + and_join([f"{lo:.3f} to {hi:.3f} (head {h})" for h, (lo, hi, _, _) in c_ranges.items()])
+                     + (": lower than on the BF16 run in every head at its lowest, but far above random vectors. "
+                        if higher else ": far above random vectors, and not lower than on the BF16 run in every head. ")
+                     + "The tokens' rank-1 matrices are alike on both trajectories; what the BF16 run adds is a δ "
+                     "error that keeps one sign (page 02), so that G adds up along their shared direction.")
+    return text
 
 
 def rank1_view(result: dict, arrays: dict, head: int, step: int, n_show: int = 16):
