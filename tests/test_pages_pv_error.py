@@ -4,7 +4,7 @@ of the BF16 run, the share of the error made at p_bar == 1 keys recomputed here.
 import numpy as np
 import pytest
 
-from lpfa.pages.pv_error import plot_pv_error, plot_pv_errors, pv_error_stats, pv_error_text
+from lpfa.pages.pv_error import first_and_last, plot_pv_error, plot_pv_errors, pv_error_stats, pv_error_text
 from lpfa.replay import detail_steps, load_replay
 from lpfa.results import run_dir
 
@@ -44,6 +44,9 @@ def test_text_and_figures_on_the_committed_replay():
     assert text.endswith(f"The worst token is a tied row (two or more keys with P̄ = 1) at {tied} of these "
                          f"{len(cases)} head-steps.")
     figs = plot_pv_errors(result, arrays)
-    assert [f._suptitle.get_text() for f in figs] == [f"layer {result['layer']}, head {h}, step {s}" for h, s in cases]
+    drawn = [(h, s) for h in result["heads"] for s in (detail_steps(arrays, h)[0], detail_steps(arrays, h)[-1])]
+    assert [f._suptitle.get_text() for f in figs] == [f"layer {result['layer']}, head {h}, step {s}"
+                                                       for h, s in dict.fromkeys(drawn)]
+    assert first_and_last([5]) == [5] and first_and_last([1, 2, 3]) == [1, 3] and first_and_last([]) == []
     h, s = cases[0]
     assert len(plot_pv_error(arrays, h, s).axes) == 2

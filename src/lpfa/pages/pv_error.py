@@ -42,10 +42,17 @@ def plot_pv_error(arrays: dict, head: int, step: int, title: str = ""):
 
 
 def plot_pv_errors(result: dict, arrays: dict) -> list:
-    """:func:`plot_pv_error` for every replayed head and each of its detail steps (:func:`lpfa.replay.detail_steps`),
-    titled with the layer, head and step."""
+    """:func:`plot_pv_error` for every replayed head at its first and last detail steps
+    (:func:`lpfa.replay.detail_steps`: the replay's first step and its last, after the explosion where the run
+    exploded), titled with the layer, head and step; :func:`pv_error_text` lists every detail step, and the page's step
+    explorer draws any."""
     return [plot_pv_error(arrays, h, s, f"layer {result['layer']}, head {h}, step {s}")
-            for h in result["heads"] for s in detail_steps(arrays, h)]
+            for h in result["heads"] for s in first_and_last(detail_steps(arrays, h))]
+
+
+def first_and_last(steps: list[int]) -> list[int]:
+    """The first and the last of ``steps`` (one step if there is one)."""
+    return list(dict.fromkeys(steps[:1] + steps[-1:]))
 
 
 def pv_error_stats(arrays: dict, head: int, step: int) -> dict:
