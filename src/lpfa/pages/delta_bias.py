@@ -344,8 +344,9 @@ def control_text(result: dict, control: dict) -> str:
            f"{', '.join(map(str, strong))}), the same rounding on the FP32 trajectory "
            + ("shows none: its t stays below " + f"{STRONG_T}" if all(h in quiet for h in strong) else
               "is biased as well")
-           + ". The bias is not a property of BF16 rounding alone, but of BF16 rounding on the weights that BF16 "
-           "training made, where rows with tied maxima are common." if strong else
+           + ". In this one pair of runs (one seed), the bias comes with BF16 rounding on the weights that BF16 "
+           "training made, where rows with tied maxima are common, and not with the same rounding on weights that "
+           "FP32 attention trained." if strong else
            f"No head's bias on the BF16 run reaches t = {STRONG_T}, so the control cannot separate the two.")
     )
 
