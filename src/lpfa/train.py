@@ -109,9 +109,9 @@ class TrainConfig:
     compile_mode: str = "default"  # torch.compile's mode: default, reduce-overhead (CUDA graphs), max-autotune or
     #  max-autotune-no-cudagraphs; needs compile=true
     deterministic: bool = False  # the same bits in every process: torch.compile tunes no reduction by timing it
-    #  (torch._inductor.config.deterministic) and scatters with atomics fall back to deterministic kernels
-    #  (torch.use_deterministic_algorithms), so a compiled run can be replayed from its checkpoints (lpfa.replay);
-    #  slower. Eager runs with lpfa attention are deterministic without it
+    #  (torch._inductor.config.deterministic), scatters with atomics fall back to deterministic kernels and an op
+    #  without one raises (torch.use_deterministic_algorithms), so a compiled run can be replayed from its checkpoints
+    #  (lpfa.replay); slower. Eager runs with lpfa attention are deterministic without it
     attn_assume_finite: bool = True  # lpfa attention skips its non-finite checks: four kernel launches per layer
     #  instead of nine, the same bits on finite inputs; a non-finite loss stops the run either way (checked every step)
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
@@ -671,8 +671,8 @@ def _act_on_warnings(alarm, step: int, record: dict, model: GPT, cfg: TrainConfi
 def set_deterministic(on: bool) -> None:
     """``deterministic=true`` (:class:`TrainConfig`): no choice between kernels by timing, no atomic scatters and an
     error for an op that has no deterministic algorithm, so that two processes given the same checkpoint and batches
-    compute the same bits. Call it before the first CUDA
-    matmul (cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it starts). ``on=False`` leaves everything as it is."""
+    compute the same bits. Call it before the first CUDA matmul (cuBLAS reads ``CUBLAS_WORKSPACE_CONFIG`` when it
+    starts). ``on=False`` leaves everything as it is."""
     if not on:
         return
     # imported here, not at the top: importing Inductor into every run left DDP's gloo process group deadlocked at

@@ -12,7 +12,7 @@ import pandas as pd
 
 from lpfa.compare import same_recipe_runs
 from lpfa.explosion import RunawayCriterion
-from lpfa.pages import setting_of
+from lpfa.pages import and_join, setting_of
 from lpfa.params import dict_of, optional, text
 from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
@@ -331,23 +331,26 @@ def control_text(result: dict, control: dict) -> str:
         for h in heads
     ]
     strong = [h for h in heads if bf[h]["t"] > STRONG_T]
-    quiet = [h for h in heads if abs(fp[h]["t"]) < STRONG_T]
+    if not strong:
+        reading = f"No head's bias on the BF16 run reaches t = {STRONG_T}, so the control cannot separate the two."
+    else:
+        clear = f"head{'s' * (len(strong) > 1)} {and_join(list(map(str, strong)))}"
+        if all(abs(fp[h]["t"]) < STRONG_T for h in strong):
+            reading = (f"Where the BF16 run's bias is clear ({clear}), the same rounding on the FP32 trajectory shows "
+                       f"none: its t stays below {STRONG_T}. In this one pair of runs (one seed), the bias comes with "
+                       "BF16 rounding on the weights that BF16 training made, where rows with tied maxima are common, "
+                       "and not with the same rounding on weights that FP32 attention trained.")
+        else:
+            reading = (f"Where the BF16 run's bias is clear ({clear}), the same rounding on the FP32 trajectory is "
+                       "biased as well: in this pair of runs the bias does not need the weights that BF16 training "
+                       "made.")
     return (
         f"**The control.** The FP32 twin trained on the same batches from the same initial weights to step "
         f"{control['checkpoint_step']:,} and was continued from there by the replay for {control['steps']:,} steps "
         f"(to step {control['checkpoint_step'] + control['steps'] - 1:,}; the BF16 run's replay spans steps "
         f"{result['checkpoint_step']:,}–{result['checkpoint_step'] + result['steps'] - 1:,}), its own FP32 attention "
         "training it and the BF16 run's policy measured in the same heads: what BF16 flash attention would have "
-        "computed on a trajectory that FP32 attention shaped.\n\n"
-        + "\n".join(lines) + "\n\n"
-        + (f"Where the BF16 run's bias is clear (head{'s' if len(strong) > 1 else ''} "
-           f"{', '.join(map(str, strong))}), the same rounding on the FP32 trajectory "
-           + ("shows none: its t stays below " + f"{STRONG_T}" if all(h in quiet for h in strong) else
-              "is biased as well")
-           + ". In this one pair of runs (one seed), the bias comes with BF16 rounding on the weights that BF16 "
-           "training made, where rows with tied maxima are common, and not with the same rounding on weights that "
-           "FP32 attention trained." if strong else
-           f"No head's bias on the BF16 run reaches t = {STRONG_T}, so the control cannot separate the two.")
+        "computed on a trajectory that FP32 attention shaped.\n\n" + "\n".join(lines) + "\n\n" + reading
     )
 
 

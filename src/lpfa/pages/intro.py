@@ -38,12 +38,12 @@ from lpfa.pages.loss_explosion import (
     seed_table,
     seeds_text,
 )
-from lpfa.pages.pktx_structure import PARALLEL
+from lpfa.pages.pktx_structure import PARALLEL, within_range
 from lpfa.pages.sfa import GPT2M_STEPS, gpt2m_minutes, gpt2m_price, sfa_findings
 from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims, paper_claims_lead, seed_evidence, stabiliser_table
 from lpfa.params import integer, text
 from lpfa.plotting import format_table
-from lpfa.replay import bias_test, detail_steps, load_replay, rank1_stats
+from lpfa.replay import bias_test, load_replay
 from lpfa.results import run_dir
 from lpfa.run import Run, run_verdict
 from lpfa.scaling import tokens_per_step
@@ -143,8 +143,8 @@ def _mechanism_rows(replay_experiment: str, replay: str, root, control: str = ME
     ag = result.get("agreement") or {}
     exact = " bit for bit" if ag.get("compared") and ag["bit_equal"] == ag["compared"] else ""
     heads = and_join([str(h) for h in bt])
-    sims = {h: min(v for k, v in rank1_stats(arrays, h)["medians"].items() if k.startswith("within"))
-            for h in result["heads"]}
+    ranges = {h: within_range(arrays, h) for h in result["heads"]}  # (lowest, highest, its step, detail steps)
+    sims = {h: r[0] for h, r in ranges.items()}
     share = min(r["share_tied"] for r in bt.values())
     where = (f"{setting}, the BF16 run's layer {result['layer']}, heads {heads}, {result['steps']:,} steps replayed"
              f"{exact} from step {result['checkpoint_step']:,}")
@@ -164,7 +164,7 @@ def _mechanism_rows(replay_experiment: str, replay: str, root, control: str = ME
              _head_verdict([r["t"] > STRONG_T for r in bt.values()]), "02_delta_bias"),
         _row("The W_Q gradient error accumulates along one low-rank direction", "Fig. 4",
              f"{where}: the smallest median similarity of the per-token rank-1 matrices over the "
-             f"{len(detail_steps(arrays, result['heads'][0]))} detail steps is "
+             f"{ranges[result['heads'][0]][3]} detail steps is "
              + _per_head(sims, "{:.2f}") + " (random: ~0)",
              _head_verdict([x > PARALLEL for x in sims.values()]), "03_pktx_structure"),
     ]

@@ -10,10 +10,10 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from lpfa.pages import and_join
-from lpfa.pages.delta_bias import REPLAY_PARAMS
+from lpfa.pages.delta_bias import REPLAY_PARAMS, STRONG_T
 from lpfa.params import text
 from lpfa.plotting import fixed, use_style
-from lpfa.replay import rank1_stats
+from lpfa.replay import bias_test, rank1_stats
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
 PARAMS = {**REPLAY_PARAMS, "control": text()}
@@ -130,14 +130,17 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame, control: tu
         if c_ranges:
             end = c_result["checkpoint_step"] + c_result["steps"] - 1
             higher = all(ranges[h][0] > c_ranges[h][0] for h in c_ranges)
+            biased = [h for h, r in bias_test(result).items() if r["t"] > STRONG_T]
             text += ("\n\n**The control.** On the FP32 twin's trajectory (its replay from step "
                      f"{c_result['checkpoint_step']:,} to {end:,}, the same heads), the median similarity within a "
                      "step is "
                      + and_join([f"{lo:.3f} to {hi:.3f} (head {h})" for h, (lo, hi, _, _) in c_ranges.items()])
                      + (": lower than on the BF16 run in every head at its lowest, but far above random vectors. "
                         if higher else ": far above random vectors, and not lower than on the BF16 run in every head. ")
-                     + "The tokens' rank-1 matrices are alike on both trajectories; what the BF16 run adds is a δ "
-                     "error that keeps one sign (page 02), so that G adds up along their shared direction.")
+                     + (f"The tokens' rank-1 matrices are alike on both trajectories; what the BF16 run adds in "
+                        f"head{'s' * (len(biased) > 1)} {and_join(list(map(str, biased)))} is a δ error that keeps "
+                        f"one sign (t above {STRONG_T}, page 02), so that G adds up along their shared direction."
+                        if biased else ""))
     return text
 
 
