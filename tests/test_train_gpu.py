@@ -18,10 +18,13 @@ from conftest import ROOT
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("attention", [["attn_policy=paper"], ["attn_backend=sdpa_fp32"]], ids=["bf16", "fp32"])
-def test_compiled_deterministic_run_is_replayed_bit_for_bit(byte_tokens, tmp_path, attention):
+@pytest.mark.parametrize("attention, measure", [(["attn_policy=paper"], []),
+                                                (["attn_backend=sdpa_fp32"], ["--measure-policy", "paper"])],
+                         ids=["bf16", "fp32"])
+def test_compiled_deterministic_run_is_replayed_bit_for_bit(byte_tokens, tmp_path, attention, measure):
     """The BF16 mechanism row's attention and its FP32 twin's (PyTorch's SDPA, whose memory-efficient backward is
-    deterministic only when torch is asked without warn_only)."""
+    deterministic only when torch is asked without warn_only), the twin measured with the BF16 policy as its control
+    replay is (``--measure-policy paper``)."""
     # two processes with no cache between them, as a replay on another machine would be
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
     run, out = tmp_path / "run", tmp_path / "replay"
@@ -30,7 +33,7 @@ def test_compiled_deterministic_run_is_replayed_bit_for_bit(byte_tokens, tmp_pat
                     "deterministic=true", "ckpt_interval=4", "ckpt_history=true", "eval_interval=0",
                     f"out_dir={run}", "progress=false"], check=True, env=env, timeout=400)
     subprocess.run([sys.executable, "-m", "lpfa.replay", "--run", str(run), "--out", str(out), "--step", "4",
-                    "--steps", "6", "--layer", "1", "--heads", "0", "1", "--n-seq", "2"],
+                    "--steps", "6", "--layer", "1", "--heads", "0", "1", "--n-seq", "2", *measure],
                    check=True, env=env, timeout=400)
     result = json.loads((out / "replay.json").read_text())
     assert result["compiled"] and result["deterministic"]
