@@ -321,3 +321,45 @@ def test_same_seed_text_lists_each_repeated_seed_and_nothing_else():
                                                     "without exploding at 4,000 and 9,000 steps. ")
     assert survival_text(fates).endswith(text)
     assert same_seed_text(fates.iloc[2:5]) == "" and same_seed_text(pd.DataFrame()) == ""
+
+
+def test_seed_twins_judge_each_seed_by_its_first_bf16_explosion_or_last_step():
+    """A seed whose BF16 runs exploded needs an FP32 run TWIN_MARGIN steps past the first explosion; one whose BF16
+    runs did not needs one as far as the furthest of them; an FP32 run that exploded is no twin; a seed with one
+    precision only is left out. The text counts the seeds and names how far short each other one stopped."""
+    from lpfa.pages.loss_explosion import TWIN_MARGIN, seed_twins, seed_twins_text
+
+    first = 5000
+    rows = [  # (seed, precision, exploded, end)
+        (1, "bf16", True, first + 700), (1, "bf16", True, first), (1, "fp32", False, first + TWIN_MARGIN),
+        (2, "bf16", True, first), (2, "fp32", False, first + TWIN_MARGIN - 1),
+        (3, "bf16", False, 5100), (3, "fp32", False, 5100),
+        (4, "bf16", False, 5100), (4, "fp32", False, 5099),
+        (5, "bf16", False, 5100), (5, "fp32", True, 7000),
+        (6, "bf16", True, 4000),
+    ]
+    fates = pd.DataFrame([{"seed": s, "precision": p, "exploded": x, "explosion step": e if x else None,
+                           "steps": e + (300 if x else 0), "end": e} for s, p, x, e in rows],
+                         index=[f"e/r/run{i}" for i in range(len(rows))])
+    twins = seed_twins(fates)
+    assert twins.index.tolist() == [1, 2, 3, 4, 5]
+    assert twins.twin.tolist() == [True, False, True, False, False]
+    assert twins.loc[1, "BF16 step"] == first and twins.loc[1, "steps past"] == TWIN_MARGIN
+    assert twins.loc[4, "steps past"] == -1 and twins.loc[5, "FP32 exploded"]
+    text = seed_twins_text(twins)
+    assert "2 of 5 seeds have one (seed 1, 1,000 steps past its BF16 explosion at step 5,000; seed 3, 0 steps" in text
+    assert "seed 2, 999 steps past its BF16 explosion at step 5,000" in text
+    assert "seed 4, 1 step short of its BF16 run's last step, 5,100" in text
+    assert "seed 5, 1,900 steps past its BF16 run's last step, 5,100, and its FP32 attention exploded" in text
+    assert seed_twins_text(seed_twins(fates.iloc[-1:])) == "No seed of the recipe has both a BF16 and an FP32 run."
+
+
+def test_survival_text_names_the_folder_of_a_label_that_repeats():
+    from lpfa.pages.loss_explosion import survival_text
+
+    fates = pd.DataFrame({"precision": ["fp32"] * 3, "seed": [2, 2, 3], "compiled": [True] * 3,
+                          "steps": [5469, 6050, 4000], "exploded": [False] * 3, "explosion step": [None] * 3,
+                          "runaway step": [None] * 3, "end": [5469, 6050, 4000]},
+                         index=["paper_recipe/a/fp32_s2", "paper_recipe/b/fp32_s2", "paper_recipe/a/fp32_s3"])
+    text = survival_text(fates)
+    assert "`a/fp32_s2` (FP32, seed 2" in text and "`b/fp32_s2` (FP32, seed 2" in text and "`fp32_s3` (" in text

@@ -28,6 +28,7 @@ from lpfa.pages import VERDICT_WORDS, and_join, capital, setting_of
 from lpfa.pages.delta_bias import STRONG_T, replay_dir, replay_run
 from lpfa.pages.isolation import against_paper, as_reported, isolation_table, recipe_isolation_table
 from lpfa.pages.loss_explosion import (
+    TWIN_MARGIN,
     fate_counts,
     fig2_twins,
     fig2_verdict,
@@ -36,6 +37,7 @@ from lpfa.pages.loss_explosion import (
     recipe_fates,
     recipe_rows,
     seed_table,
+    seed_twins,
     seeds_text,
 )
 from lpfa.pages.pktx_structure import PARALLEL, within_range
@@ -82,7 +84,10 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
         seeds = seeds_text(seed_table(recipe_rows(experiment, root=root)))
         result = "GPT-2 S at the paper's lr: " + seeds[0].lower() + seeds[1:]
     else:
-        result = f"GPT-2 S at the paper's lr: {fate_counts(fates)}. {horizon_text(fates)}"
+        twins = seed_twins(fates)
+        result = (f"GPT-2 S at the paper's lr: {fate_counts(fates)}. {horizon_text(fates)} FP32 attention trained "
+                  f"{TWIN_MARGIN:,} steps past the seed's BF16 explosion (or as far as its BF16 run) on "
+                  f"{int(twins.twin.sum()) if len(twins) else 0} of {len(twins)} seeds with both.")
     verdict = (fig2_verdict(fates) if not fates.empty else
                "reproduced" if alone and len(alone) == len(pairs) else "partly" if alone else "not reproduced")
     rows = [_row(FIG2_CLAIM, "Fig. 2", result, verdict, "06_loss_explosion")]

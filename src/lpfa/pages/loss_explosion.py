@@ -60,6 +60,8 @@ DODGE = {"control": 1.1, "other": 1 / 1.1}
 # the step by which a run of the recipe counts as having exploded or not (the survival text, Fig. 2's verdict): past
 # every committed BF16 explosion (4,883 to 5,818), within what one GPU run reaches
 HORIZON = 6000
+# how far past its seed's BF16 explosion an FP32 run must train to say that FP32 attention did not explode there
+TWIN_MARGIN = 1000
 EXPLOSION_EXPERIMENTS = ("paper_recipe", "stabilisers", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
 
 
@@ -889,7 +891,8 @@ def plot_survival(fates: pd.DataFrame):
 def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
     """How far the :func:`recipe_fates` runs of one seed part: for each seed with several ``precision`` runs, where
     each exploded or stopped. Such runs share the data order and the initial weights and differ in how their
-    kernels round (eager or compiled, and the code's commit). Empty when no seed has two runs."""
+    kernels round (eager or compiled, deterministic algorithms or not, and the code's commit). Empty when no seed has
+    two runs."""
     if fates.empty:
         return ""
     g = fates[fates.precision == precision]
@@ -908,8 +911,55 @@ def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
     if not parts:
         return ""
     return (f"A seed does not fix the step: {'; '.join(parts)}. Runs of one seed see the same batches from the same "
-            "initial weights and differ in how their kernels round (eager or compiled, and the code's commit): each "
+            "initial weights and differ in how their kernels round (eager or compiled, deterministic algorithms or "
+            "not, and the code's commit): each "
             "counts as a run here, though not as an independent seed.")
+
+
+def seed_twins(fates: pd.DataFrame, margin: int = TWIN_MARGIN) -> pd.DataFrame:
+    """Per seed with both a BF16 and an FP32 run in :func:`recipe_fates`, whether its FP32 attention trained far
+    enough to be a twin: the BF16 step it must pass (the first explosion of the seed's BF16 runs, else the furthest
+    one stopped: its censoring step), the FP32 runs' furthest step and whether any exploded, how many steps past the
+    BF16 step that is, and ``twin``: true when the FP32 runs went ``margin`` steps past a BF16 explosion, or as far
+    as a BF16 run that did not explode, without exploding."""
+    rows = []
+    for seed, g in fates.groupby("seed"):
+        bf16, fp32 = g[g.precision == "bf16"], g[g.precision == "fp32"]
+        if bf16.empty or fp32.empty:
+            continue
+        exploded = bool(bf16.exploded.any())
+        target = int(bf16["explosion step"].min()) if exploded else int(bf16["steps"].max())
+        furthest = int(fp32["end"].max())
+        need = margin if exploded else 0
+        rows.append({"seed": seed, "BF16 exploded": exploded, "BF16 step": target,
+                     "FP32 runs": len(fp32), "FP32 exploded": bool(fp32.exploded.any()), "FP32 furthest step": furthest,
+                     "steps past": furthest - target,
+                     "twin": not fp32.exploded.any() and furthest - target >= need})
+    return pd.DataFrame(rows).set_index("seed") if rows else pd.DataFrame()
+
+
+def seed_twins_text(twins: pd.DataFrame, margin: int = TWIN_MARGIN) -> str:
+    """:func:`seed_twins` in sentences: on how many seeds the FP32 attention trained ``margin`` steps past the
+    seed's BF16 explosion (or as far as its BF16 run that did not explode) without exploding, and how far short each
+    other seed stopped."""
+    if twins.empty:
+        return "No seed of the recipe has both a BF16 and an FP32 run."
+
+    def past(seed, row):
+        ref = f"its BF16 explosion at step {row['BF16 step']:,}" if row["BF16 exploded"] else \
+            f"its BF16 run's last step, {row['BF16 step']:,}"
+        d = row["steps past"]
+        return f"seed {seed}, {abs(d):,} step{'' if abs(d) == 1 else 's'} {'past' if d >= 0 else 'short of'} {ref}"
+
+    good, short = twins[twins.twin], twins[~twins.twin]
+    text = (f"An FP32 run is a twin when it trains {margin:,} steps past its seed's first BF16 explosion, or as far as "
+            f"a BF16 run that did not explode, without exploding itself. {len(good)} of {len(twins)} seeds have one"
+            + (f" ({'; '.join(past(s, r) for s, r in good.iterrows())})" if len(good) else "") + ".")
+    if len(short):
+        text += (" On the other seeds the FP32 runs stopped too soon to count (" + "; ".join(
+            past(s, r) + (", and its FP32 attention exploded" if r["FP32 exploded"] else "")
+            for s, r in short.iterrows()) + ").")
+    return text
 
 
 def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
@@ -920,9 +970,12 @@ def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
         return "No run of the paper's GPT-2 S recipe is committed."
     quiet = fates[~fates.exploded]
     same = same_seed_text(fates)
+    labels = pd.Series([r.split("/")[-1] for r in fates.index], index=fates.index)
+    twice = labels.duplicated(keep=False)  # one label in two folders: name the folder too
+    labels[twice] = [r.split("/", 1)[-1] for r in fates.index[twice]]
     return (capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
             + (" The runs that stopped without exploding: "
-               + and_join([f"`{r.split('/')[-1]}` ({row.precision.upper()}, seed {row.seed}, "
+               + and_join([f"`{labels[r]}` ({row.precision.upper()}, seed {row.seed}, "
                            f"{'compiled' if row.compiled else 'eager'}, {row.steps:,} steps)"
                            for r, row in quiet.sort_values(["precision", "steps"]).iterrows()]) + "."
                if len(quiet) else "")
