@@ -47,6 +47,7 @@ from lpfa.plotting import COLORS, use_style
 from lpfa.results import experiment_rows, load
 from lpfa.results import runs as launches
 from lpfa.run import Run, attention_precision, layer_precision, load_metrics, run_verdict
+from lpfa.scaling import run_price
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
 PARAMS = {"layer": integer(0), "persistence_sequences": integer(1), "persistence_steps": integer(2)}
@@ -316,10 +317,8 @@ def untimed_stabilisers(costs) -> list[str]:
             if label not in BASES and stabiliser_seed(label)[1] is None and label not in costs.index]
 
 
-# steps per row; seconds of training one launch of rows may take (time_budget_s): what fits a time-boxed GPU of 1,800 s
-# with the machine's start, the polls and two doctor reports (the launch results/stabilisers/h200-2026-12-03c spent
-# about 100 s beside its runs; 1,300 leaves room for one failed machine start)
-STABILISER_STEPS, STABILISER_BUDGET_S = 6000, 1300
+# steps per row: the survival count's horizon (lpfa.pages.loss_explosion.HORIZON), past every committed BF16 explosion
+STABILISER_STEPS = 6000
 
 
 def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> str:
@@ -352,69 +351,70 @@ def stabiliser_speeds(root=None):
     return speeds, sharing
 
 
+def alone_overhead(root=None) -> tuple[float, str] | None:
+    """Seconds that a compiled run of the recipe with the GPU to itself spends outside its steps (compilation,
+    evaluations, the final stop): its ``wall_s`` less its steps at their median ``step_s``
+    (:func:`lpfa.scaling.run_price`), from the latest committed ``paper_recipe`` launch of a single run. Returns
+    ``(seconds, "<launch>/<run>")``, or None without such a launch."""
+    try:
+        folders = launches("paper_recipe", root)
+    except FileNotFoundError:
+        return None
+    for folder in reversed(folders):  # newest first
+        runs = [d for d in sorted(folder.iterdir()) if (d / "summary.json").is_file()]
+        if len(runs) != 1 or not Run(runs[0]).train.get("compile"):
+            continue
+        price, summary = run_price(runs[0]), Run(runs[0]).summary
+        return summary["wall_s"] - summary["steps"] * price["step_s"], f"{folder.name}/{runs[0].name}"
+    return None
+
+
 def stabiliser_plan(pending: list[str], root=None) -> str:
-    """How the ``pending`` stabiliser rows would run: grouped, in order, into launches of as many rows as the committed
-    launches shared one H200 between (:func:`stabiliser_speeds`), each timed at the shared speed of a committed run of
-    its kind (:func:`_speed_key`, else of any kind), scaled by the two rows' speeds alone (:func:`stabiliser_costs`)
-    where both were timed; a row with no speed gets a launch of its own; names a row that would not reach
-    :data:`STABILISER_STEPS` within :data:`STABILISER_BUDGET_S`. Empty without the recipe's BF16 run or a committed
-    stabiliser run."""
+    """What the ``pending`` stabiliser rows cost to run, one at a time: :data:`STABILISER_STEPS` steps at the recipe's
+    batch, each at its speed alone on one GPU (:func:`stabiliser_costs`; a second seed at its row's) plus the time a
+    run alone spends outside its steps (:func:`alone_overhead`). Alone, because two runs sharing one H200 trained
+    slower together than one alone (:func:`stabiliser_speeds`: the shared speeds are given beside the alone ones).
+    Empty without the recipe's BF16 run or a speed benchmark."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
-    speeds, sharing = stabiliser_speeds(root)
-    if not base or not speeds:
+    alone = stabiliser_costs(root)["tokens/s"].dropna().to_dict()
+    if not base or not alone:
         return ""
     bf16 = Run(base["bf16_paper_recipe"]).train
-    batch, tokens = bf16["batch_size"], STABILISER_STEPS * bf16["batch_size"] * bf16["block_size"]
-    design = rows_of("stabilisers")
-    alone = stabiliser_costs(root)["tokens/s"].dropna().to_dict()
+    tokens = STABILISER_STEPS * bf16["batch_size"] * bf16["block_size"]
+    extra = alone_overhead(root)
+    overhead = extra[0] if extra else 0.0
 
-    def key(label):
-        o = dict(x.split("=", 1) for x in design[label].overrides)
-        return _speed_key(o.get("attn_policy", bf16["attn_policy"]), o.get("compile", "true").lower() == "true",
-                          o.get("optimizer", bf16.get("optimizer", "adamw")))
+    def minutes(label) -> float | None:
+        tps = alone.get(stabiliser_seed(label)[0])
+        return None if tps is None else (tokens / tps + overhead) / 60
 
-    def speed(label) -> float | None:  # tokens/s sharing the H200
-        own = [speeds[key(label)]] if key(label) in speeds else []
-        timed = stabiliser_seed(label)[0]  # (a row's other seed runs at the row's speed)
-        if timed in alone:  # from a run of its kind, else of any kind, that was timed alone too
-            for tps, ref in own + sorted(speeds.values(), key=lambda v: v[1]):
-                if ref in alone:
-                    return tps * alone[timed] / alone[ref]
-        return own[0][0] if own else None
-
-    calls, call = [], []
-    for label in pending:
-        if speed(label) is None:
-            calls += [call, [label]] if call else [[label]]
-            call = []
-            continue
-        call.append(label)
-        if len(call) == sharing:
-            calls.append(call)
-            call = []
-    calls += [call] if call else []
-
-    def minutes(label):
-        if speed(label) is None:
-            return "speed not measured"
-        return (f"{tokens / speed(label) / 60:.1f} min"
-                + ("" if not alone or stabiliser_seed(label)[0] in alone else " (its kind's speed: not timed alone)"))
-
-    measured = "; ".join(f"{k}: {tps:,.0f} tokens/s (`{name}`)" for k, (tps, name) in sorted(speeds.items()))
-    scaled = (", each scaled by the row's tokens/s alone on one GPU over that run's (`benchmarks/stabiliser_cost.py`)"
-              if any(label in alone for label in pending) else "")
-    over = [label for label in calls[0] if speed(label) is not None and tokens / speed(label) > STABILISER_BUDGET_S]
-    launches = ", then ".join("`" + " ".join(c) + "`" for c in calls)
-    return (f"Sharing one H200 {sharing} ways, a committed run trained ({measured}; compilation, evaluations and "
-            f"checkpoints included){scaled}, so {STABILISER_STEPS:,} steps at batch {batch} take "
-            + ", ".join(f"`{label}` {minutes(label)}" for label in pending)
-            + f". They run {sharing} to an H200, in this order: {launches}; `lpfa doctor` then examines each run's "
-            "last checkpoint at or before step 5,000 and before its explosion, for the δ-bias and similarity links"
-            + (f" ({', '.join(f'`{x}`' for x in over)} would stop before step {STABILISER_STEPS:,} at "
-               f"{STABILISER_BUDGET_S:,} s)" if over else "")
-            + f" ({RERUN_PAGE} gives the commands).")
+    timed = {label: minutes(label) for label in pending if minutes(label) is not None}
+    untimed = [label for label in pending if label not in timed]
+    speeds, sharing = stabiliser_speeds(root)
+    compared, gains = [], []
+    for key, (tps, name) in sorted(speeds.items()):  # like with like: both with compilation and evaluations
+        ref = "bf16_paper_recipe" if key.startswith("BF16") else "fp32_paper_recipe"
+        if ref in alone and key.endswith("compiled"):
+            solo = tokens / (tokens / alone[ref] + overhead)
+            gains.append(sharing * tps / solo - 1)
+            compared.append(f"{key}: {sharing} × {tps:,.0f} tokens/s (`{name}`) against {solo:,.0f} for "
+                            f"`{ref}` alone")
+    gain = max(gains, default=None)
+    lead = ("" if gain is None else
+            f"Two runs sharing an H200 trained {'no faster' if gain < 0.05 else f'up to {gain:.0%} faster'} together "
+            f"than one alone, each counted over {STABILISER_STEPS:,} steps with compilation and evaluations ("
+            + "; ".join(compared) + "). ")
+    return (lead + "Alone on one GPU, at each row's speed there (`benchmarks/stabiliser_cost.py`)"
+            + (f" and the {overhead:.0f} s that a run alone spends outside its steps (compilation, evaluations, the "
+               f"stop: `{extra[1]}`)" if extra else "")
+            + f", {STABILISER_STEPS:,} steps at batch {bf16['batch_size']} take "
+            + ", ".join(f"`{label}` {m:.1f} min" for label, m in timed.items())
+            + (f": {sum(timed.values()):.0f} GPU-minutes in all" if timed else "")
+            + (f"; {_ticked(untimed)} not timed alone" if untimed else "")
+            + ". `lpfa doctor` then examines each run's last checkpoint at or before step 5,000 and before its "
+            f"explosion, for the δ-bias and similarity links ({RERUN_PAGE} gives the commands).")
 
 
 def pending_text(pending: list[str], root=None) -> str:
