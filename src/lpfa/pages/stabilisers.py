@@ -372,9 +372,9 @@ def alone_overhead(root=None) -> tuple[float, str] | None:
 def stabiliser_plan(pending: list[str], root=None) -> str:
     """What the ``pending`` stabiliser rows cost to run, one at a time: :data:`STABILISER_STEPS` steps at the recipe's
     batch, each at its speed alone on one GPU (:func:`stabiliser_costs`; a second seed at its row's) plus the time a
-    run alone spends outside its steps (:func:`alone_overhead`). Alone, because two runs sharing one H200 trained
-    slower together than one alone (:func:`stabiliser_speeds`: the shared speeds are given beside the alone ones).
-    Empty without the recipe's BF16 run or a speed benchmark."""
+    run alone spends outside its steps (:func:`alone_overhead`). The lead says whether two runs sharing one H200
+    (:func:`stabiliser_speeds`) trained faster together than one alone, both sides counted with that overhead over the
+    same steps ("no faster" below 5%). Empty without the recipe's BF16 run or a speed benchmark."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
