@@ -1186,8 +1186,30 @@ def test_stabiliser_cost_without_a_benchmark(tmp_path):
     from lpfa.pages.stabilisers import stabiliser_cost_text, stabiliser_costs
 
     costs = stabiliser_costs(root=tmp_path)
-    assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base", "heads clipped"]
+    assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base", "heads clipped", "run"]
     assert stabiliser_cost_text(costs).startswith("No speed benchmark of the stabilisers is committed yet")
+
+
+def test_stabiliser_costs_take_each_row_from_the_latest_run_that_timed_it(tmp_path):
+    """A later benchmark run of a few rows (the soft-cap after a kernel change, say) replaces those rows and keeps the
+    others from the earlier run; a row the later run tried but could not time keeps its earlier timing."""
+    from lpfa.pages.stabilisers import stabiliser_costs
+
+    def row(tps, base=None, ratio=None):
+        return {"tokens_per_s": tps, "speed_base": base, "ratio_to_base": ratio}
+
+    for day, rows in (("01", {"bf16_paper_recipe": row(400.0), "bf16_softcap": row(300.0, "bf16_paper_recipe", 0.75),
+                              "bf16_qknorm": row(390.0, "bf16_paper_recipe", 0.975)}),
+                      ("02", {"bf16_paper_recipe": row(380.0), "bf16_softcap": row(361.0, "bf16_paper_recipe", 0.95),
+                              "bf16_qknorm": row(None, "bf16_paper_recipe")})):
+        folder = tmp_path / "stabiliser_cost" / f"h200-2026-01-{day}"
+        folder.mkdir(parents=True)
+        (folder / "provenance.json").write_text(json.dumps({"date_utc": f"2026-01-{day}T00:00:00+00:00"}))
+        (folder / "summary.json").write_text(json.dumps(rows))
+    costs = stabiliser_costs(root=tmp_path)
+    assert list(costs.index) == ["bf16_paper_recipe", "bf16_softcap", "bf16_qknorm"]
+    assert costs["tokens/s"].tolist() == [380.0, 361.0, 390.0] and costs["÷ base"].tolist()[1:] == [0.95, 0.975]
+    assert costs["run"].tolist() == ["h200-2026-01-02", "h200-2026-01-02", "h200-2026-01-01"]
 
 
 def test_stabiliser_plan_times_rows_alone_and_says_whether_sharing_gains(tmp_path):

@@ -11,13 +11,15 @@
 # (Nsight Compute's counters per kernel of one forward+backward: what limits each),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
 # (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
-# backend eager, SDPA/fa2/paper also compiled), TESTS_S (180) tests/test_attention_gpu.py and tests/test_train_gpu.py (-k "$TESTS_K" when set), run first.
+# backend eager, SDPA/fa2/paper also compiled), STAB_S (0 = skipped) benchmarks/stabiliser_cost.py --rows $STAB_ROWS (default
+# the soft-cap rows and the recipe runs they are divided by: what the soft-cap's exp2 tanh and reciprocal cost in training),
+# TESTS_S (180) tests/test_attention_gpu.py and tests/test_train_gpu.py (-k "$TESTS_K" when set), run first.
 # A step whose seconds are 0 is skipped. Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step writes its own provenance.json
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
 # call, so the steps write under $WORK (/tmp/kernels) and the folder is packed into $OUT/kernels.tar.gz after every
 # step: a call cut by its limit keeps what the finished steps measured. Commit the folders under
-# results/attention_benchmark/<run>, results/attention_ncu/<run> (the CSVs; page 12 reads them), results/attention_tuning/<run>, results/sfa_overhead/<run> and
-# results/train_throughput/<run>.
+# results/attention_benchmark/<run>, results/attention_ncu/<run> (the CSVs; page 12 reads them), results/attention_tuning/<run>, results/sfa_overhead/<run>,
+# results/train_throughput/<run> and results/stabiliser_cost/<run>.
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 PY=${PY:-python3}
@@ -41,3 +43,5 @@ step "${NCU_S:-150}" ncu $PY benchmarks/ncu_attention.py --out "$WORK/ncu" ${NCU
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}
 step "${SFA_S:-120}" sfa $PY benchmarks/sfa_overhead.py --out "$WORK/sfa"
 step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile}
+step "${STAB_S:-0}" stabiliser_cost $PY benchmarks/stabiliser_cost.py --out "$WORK/stabiliser_cost" \
+    --rows ${STAB_ROWS:-bf16_paper_recipe fp32_paper_recipe bf16_softcap fp32_softcap} --budget-s "$(( ${STAB_S:-0} / 2 ))"

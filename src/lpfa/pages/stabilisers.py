@@ -20,6 +20,7 @@ and its eval loss ended within :data:`LOSS_MATCH` of its FP32 twin's (:func:`_fa
 
 from __future__ import annotations
 
+import json
 import math
 
 import matplotlib.pyplot as plt
@@ -44,7 +45,7 @@ from lpfa.mechanism import error_persistence
 from lpfa.pages import RERUN_PAGE, and_join
 from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
-from lpfa.results import experiment_rows, load
+from lpfa.results import experiment_rows
 from lpfa.results import runs as launches
 from lpfa.run import Run, attention_precision, layer_precision, load_metrics, run_verdict
 from lpfa.scaling import run_price
@@ -257,18 +258,26 @@ def shown_table(table, step: int):
 
 
 def stabiliser_costs(root=None):
-    """What each stabiliser costs in speed, from the latest ``results/stabiliser_cost`` run
-    (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU): a
-    DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by), ``÷ base`` and
-    ``heads clipped`` (QK-clip's rescales; None without QK-clip), in the benchmark's order (the reruns, their base runs
-    again, are not timed). Empty without a committed run; a row that failed there has no tokens/s."""
-    columns = ["tokens/s", "speed base", "÷ base", "heads clipped"]
+    """What each stabiliser costs in speed, from the committed ``results/stabiliser_cost`` runs
+    (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU), each
+    row from the latest run that timed it (a run may time only some rows; a row's ratio is always to its base of the
+    same run): a DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by),
+    ``÷ base``, ``heads clipped`` (QK-clip's rescales; None without QK-clip) and ``run`` (the run folder), rows in the
+    order first timed (the reruns, their base runs again, are not timed). Empty without a committed run; a row that no
+    run timed but one tried has no tokens/s."""
+    columns = ["tokens/s", "speed base", "÷ base", "heads clipped", "run"]
     try:
-        rows = load("stabiliser_cost", "summary.json", root=root)
+        folders = [f for f in launches("stabiliser_cost", root)
+                   if (f / "summary.json").is_file() and (f / "provenance.json").is_file()]
     except FileNotFoundError:
-        return pd.DataFrame(columns=columns)
-    return pd.DataFrame([[r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base"), r.get("qk_clipped")]
-                         for r in rows.values()], index=list(rows), columns=columns)
+        folders = []
+    rows = {}
+    for folder in folders:  # oldest first: a later timing of a row replaces an earlier one
+        for label, r in json.loads((folder / "summary.json").read_text()).items():
+            if r.get("tokens_per_s") is not None or label not in rows:
+                rows[label] = [r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base"),
+                               r.get("qk_clipped"), folder.name]
+    return pd.DataFrame(list(rows.values()), index=list(rows), columns=columns)
 
 
 def stabiliser_cost_text(costs) -> str:
