@@ -314,8 +314,8 @@ def test_same_seed_text_lists_each_repeated_seed_and_nothing_else():
                           "runaway step": [None] * 7, "end": [5100, 6400, 6800, 4900, 8000, 9000, 4000]},
                          index=[f"e/r/run{i}" for i in range(7)])
     text = same_seed_text(fates)
-    assert text.startswith("A seed does not fix the step: the 3 BF16 runs of seed 7 exploded at steps 5,100 and "
-                           "6,800 and 1 stopped without exploding at 6,400 steps. ")
+    assert text.startswith("A seed does not fix the step: the 3 BF16 runs of seed 7: 2 exploded at steps 5,100 and "
+                           "6,800, and 1 stopped without exploding at 6,400 steps. ")
     assert "seed 2" not in text and "seed 9" not in text
     assert same_seed_text(fates, "fp32").startswith("A seed does not fix the step: the 2 FP32 runs of seed 7 stopped "
                                                     "without exploding at 4,000 and 9,000 steps. ")

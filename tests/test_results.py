@@ -124,21 +124,28 @@ def test_committed_explosions_name_every_exploded_run():
 
     t = committed_explosions()
     boom = t[t["exploded"]]
-    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_muon_lr2", "bf16_paper_recipe",
-                                                         "bf16_paper_recipe_s1", "bf16_paper_recipe_s2", "bf16_rerun",
-                                                         "delta_o_exact", "fp32_gpt2s", "fp32_muon_lr2", "sr"]
+    assert sorted(label for _, label in boom.index) == ["bf16_gpt2s", "bf16_mechanism_compiled",
+                                                         "bf16_mechanism_deterministic", "bf16_muon_lr2",
+                                                         "bf16_paper_recipe", "bf16_paper_recipe_s1",
+                                                         "bf16_paper_recipe_s2", "bf16_rerun", "delta_o_exact",
+                                                         "fp32_gpt2s", "fp32_muon_lr2", "sr"]
+    # the deterministic mechanism twin stopped at step 4,000, before its BF16 run exploded: not Fig. 2's evidence
+    r = t.loc[("mechanism", "bf16_mechanism_deterministic")]
+    assert r["fp32 twin exploded"] is False and r["fp32 twin steps"] < r["explosion step"]
     assert bool(t.loc[("sizes", "bf16_gpt2s"), "fp32 twin exploded"])
     assert bool(t.loc[("muon_long", "bf16_muon_lr2"), "fp32 twin exploded"])  # Muon lr 0.05: both precisions
     assert list(bf16_only_explosions(t).index) == [("paper_recipe", "bf16_paper_recipe"),  # Fig. 2, seeds 1337, 1, 2
                                                    ("paper_recipe", "bf16_paper_recipe_s1"),
-                                                   ("paper_recipe", "bf16_paper_recipe_s2"),
-                                                   ("stabilisers", "bf16_rerun")]  # seed 1337 again, compiled
+                                                   ("paper_recipe", "bf16_paper_recipe_s2")]
+    rerun = t.loc[("stabilisers", "bf16_rerun")]  # seed 1337 again: its FP32 twin stopped before the explosion
+    assert rerun["exploded"] and rerun["fp32 twin steps"] < rerun["explosion step"]
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe_s2"), "fp32 twin exploded"])
     assert not bool(t.loc[("paper_recipe", "delta_o_fp32_paper_recipe"), "exploded"])  # the first isolation row there
     assert not bool(t.loc[("paper_recipe", "bf16_paper_recipe"), "fp32 twin exploded"])
     text = explosions_text(t)
-    assert text.startswith(f"Of the {len(t)} committed runs") and "10 exploded" in text and "its FP32 twin too" in text
+    assert text.startswith(f"Of the {len(t)} committed runs") and "12 exploded" in text and "its FP32 twin too" in text
     assert "its FP32 twin not" in text
+    assert f"its FP32 twin stopped sooner, at step {int(r['fp32 twin steps']):,}" in text
 
 
 def test_twins_text_states_the_bf16_only_explosion():
@@ -545,9 +552,19 @@ def test_stabiliser_summary_from_the_committed_table():
     assert text.startswith(f"**{len(done)} of the {len(rows)} stabiliser runs are committed")
     assert len(done) + len(pending) == len(rows)  # the count agrees with the page's list of rows not run yet
     assert f"At step {step:,}, the last record before the BF16 run's loss explodes" in text
-    if "bf16_rerun" in table.index and table.loc["bf16_rerun", "exploded"]:  # the rerun's spread, from the two runs
-        d = abs(table.loc["bf16_rerun", "explosion step"] - table.loc["bf16_paper_recipe", "explosion step"])
-        assert f"moves the explosion by {d:,} steps" in text
+    if "bf16_rerun" in table.index and table.loc["bf16_rerun", "exploded"]:  # the spread over every run of the seed
+        from lpfa.pages.loss_explosion import recipe_fates
+
+        fates = recipe_fates()
+        same = fates[(fates.precision == "bf16") & (fates.seed == table.loc["bf16_rerun", "seed"])]
+        booms = same["explosion step"].dropna()
+        assert f"exploded at steps {int(booms.min()):,} to {int(booms.max()):,} ({len(booms)} runs" in text
+        assert f"moves the explosion by up to {int(booms.max() - booms.min()):,} steps" in text
+        for label in table.index:  # a row that exploded sooner than every such run says by how much
+            r = table.loc[label]
+            if r["exploded"] and r["seed"] == table.loc["bf16_rerun", "seed"] and r["explosion step"] < booms.min():
+                assert (f"it exploded {int(booms.min() - r['explosion step']):,} steps before the earliest BF16 run "
+                        f"of this seed (step {int(booms.min()):,})") in text
     r = table.loc["fp32_outlier_heads_paper_recipe"]
     assert (f"`fp32_outlier_heads`: ties ×{r['ties ÷ bf16']:.2f}, largest logit ×{r['logit ÷ bf16']:.2g}, W_Q ×"
             f"{r['W_Q ÷ bf16']:.2f}, its loss did not explode in 6,000 steps, its eval loss "

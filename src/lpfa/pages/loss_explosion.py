@@ -62,7 +62,8 @@ DODGE = {"control": 1.1, "other": 1 / 1.1}
 HORIZON = 6000
 # how far past its seed's BF16 explosion an FP32 run must train to say that FP32 attention did not explode there
 TWIN_MARGIN = 1000
-EXPLOSION_EXPERIMENTS = ("paper_recipe", "stabilisers", "isolation", "seeds", "sfa_muon", "muon_long", "sizes")
+EXPLOSION_EXPERIMENTS = ("paper_recipe", "mechanism", "stabilisers", "isolation", "seeds", "sfa_muon", "muon_long",
+                         "sizes")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -252,9 +253,10 @@ def plot_precursors(runs: dict, layer: int):
 def committed_explosions(experiments=EXPLOSION_EXPERIMENTS, root=None):
     """Every committed run of ``experiments`` (:func:`lpfa.results.experiment_rows`) with its verdict: a DataFrame
     indexed by (experiment, label) with ``change`` (:data:`lpfa.experiments.DESCRIPTIONS`), ``attention``, ``steps``,
-    ``exploded``, ``explosion step``, and ``fp32 twin exploded``: for a ``bf16...`` row, whether the row of the same
-    experiment named ``fp32...`` exploded too (None without one). A BF16-only loss explosion, Fig. 2, is a row with
-    ``exploded`` and not ``fp32 twin exploded``."""
+    ``exploded``, ``explosion step``, ``fp32 twin exploded`` and ``fp32 twin steps``: for a ``bf16...`` row, whether
+    the row of the same experiment named ``fp32...`` exploded too and how far it trained (None without one). A
+    BF16-only loss explosion, Fig. 2, is a row with ``exploded`` whose FP32 twin trained past that step without
+    exploding (:func:`bf16_only_explosions`)."""
     rows = {}
     for exp in experiments:
         runs = experiment_rows(exp, root=root)
@@ -263,14 +265,17 @@ def committed_explosions(experiments=EXPLOSION_EXPERIMENTS, root=None):
             twin = verdicts.get("fp32" + label[4:]) if label.startswith("bf16") else None
             rows[exp, label] = {"change": DESCRIPTIONS.get(label, ""), "attention": v["policy"], "steps": v["steps"],
                                 "exploded": v["exploded"], "explosion step": v["explosion_step"],
-                                "fp32 twin exploded": None if twin is None else twin["exploded"]}
+                                "fp32 twin exploded": None if twin is None else twin["exploded"],
+                                "fp32 twin steps": None if twin is None else twin["steps"]}
     return pd.DataFrame.from_dict(rows, orient="index")
 
 
 def bf16_only_explosions(table):
     """The rows of :func:`committed_explosions` that are Fig. 2: a BF16 run that exploded while its FP32 twin (same
-    experiment, same data order) did not."""
-    return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].eq(False)]  # None (no twin) is not False
+    experiment, same data order) trained past that step without exploding."""
+    past = pd.to_numeric(table["fp32 twin steps"], errors="coerce") > pd.to_numeric(table["explosion step"],
+                                                                                   errors="coerce")
+    return table[table["exploded"].astype(bool) & table["fp32 twin exploded"].eq(False) & past]  # None is not False
 
 
 def explosions_text(table) -> str:
@@ -283,8 +288,9 @@ def explosions_text(table) -> str:
         return text + "none exploded."
     parts = []
     for (exp, label), r in boom.iterrows():
-        twin = "" if r["fp32 twin exploded"] is None else (", its FP32 twin too" if r["fp32 twin exploded"] else
-                                                           ", its FP32 twin not")
+        twin = ("" if r["fp32 twin exploded"] is None else ", its FP32 twin too" if r["fp32 twin exploded"] else
+                ", its FP32 twin not" if r["fp32 twin steps"] > r["explosion step"] else
+                f", its FP32 twin stopped sooner, at step {int(r['fp32 twin steps']):,}")
         parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
     return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."
 
@@ -902,12 +908,14 @@ def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
             continue
         boom = sorted(int(x) for x in runs["explosion step"].dropna())
         quiet = sorted(int(x) for x in runs.loc[~runs.exploded, "steps"])
-        fates_of = ([f"exploded at step{'s' if len(boom) > 1 else ''} {and_join([f'{x:,}' for x in boom])}"]
-                    if boom else [])
-        if quiet:  # "1 stopped ..." after the exploded ones; alone, every run stopped
-            fates_of.append(f"{f'{len(quiet)} ' if boom else ''}stopped without exploding at "
+        both = bool(boom) and bool(quiet)  # then each group is counted: "4 exploded at ..., and 1 stopped ..."
+        fates_of = ([f"{f'{len(boom)} ' if both else ''}exploded at step{'s' if len(boom) > 1 else ''} "
+                     f"{and_join([f'{x:,}' for x in boom])}"] if boom else [])
+        if quiet:
+            fates_of.append(f"{f'{len(quiet)} ' if both else ''}stopped without exploding at "
                             f"{and_join([f'{x:,}' for x in quiet])} steps")
-        parts.append(f"the {len(runs)} {precision.upper()} runs of seed {seed} {' and '.join(fates_of)}")
+        parts.append(f"the {len(runs)} {precision.upper()} runs of seed {seed}{':' if both else ''} "
+                     + ", and ".join(fates_of))
     if not parts:
         return ""
     return (f"A seed does not fix the step: {'; '.join(parts)}. Runs of one seed see the same batches from the same "
