@@ -237,8 +237,8 @@ def test_structure_page_on_committed_gpu_results(executed_notebook):
     # the eager twins at step 6,500 (results/repro_runaway): the BF16-trained model against its FP32 twin
     assert "`repro_runaway/fp32` at step 6,500: 15-fold" in text
     assert "with BF16 scores 76% of the rows of its most tied head (layer 1, head 5) are tied" in text
-    assert ("the FP32 twin at the same step: 7.1% in its most tied head and 0.40. Training with BF16 attention built "
-            "both" in text)
+    assert ("the FP32 twin at the same step: 7.1% in its most tied head and 0.40. In this pair of runs, training "
+            "with BF16 attention built both" in text)
 
 
 def test_tie_frequency_page_shows_v_sign_dominance(executed_notebook):

@@ -63,6 +63,23 @@ def test_isolation_design_names_the_launch_of_each_row():
         isolation_design({"nope": ROOT})
 
 
+def test_design_note_names_each_row_that_ran_another_attention():
+    """A row redefined after its run (fp32: sdpa_fp32 then, fp32_split now) is named with both; a row whose run
+    matches, or that has not run, is not; with none, the note says every row ran as defined."""
+    from lpfa.pages.isolation import design_note
+
+    design = pd.DataFrame({"overrides": ["attn_policy=fp32_split", "attn_policy=paper_untiled fp32_heads={1: [5]}",
+                                         "attn_backend=sdpa_fp32 layer_policies={1: paper_untiled}",
+                                         "attn_policy=paper_tiled"],
+                           "attention as run": ["sdpa_fp32", "paper_untiled; FP32 head 5 of layer 1",
+                                                "sdpa_fp32; layer 1: paper_untiled", None]},
+                          index=["fp32", "fp32_worst_head", "bf16_only_layer1", "bf16_tiled"])
+    text = design_note(design)
+    assert "`fp32` ran `sdpa_fp32`, before the row was defined as `attn_policy=fp32_split`." in text
+    assert "fp32_worst_head" not in text and "bf16_only_layer1" not in text and "bf16_tiled" not in text
+    assert design_note(design.iloc[1:]) == "Every committed row ran the attention its `overrides` set today."
+
+
 def test_verdict_notes_from_the_committed_rows(iso):
     table, step, rows, reference = iso
     notes = verdict_notes(table, step, rows, reference)
@@ -209,6 +226,23 @@ def test_recipe_iso_text_counts_rows_run_and_agreeing():
     assert recipe_iso_text(recipe) == "3 of its 4 rows have run, 1 as the paper reports, in `results/paper_recipe`"
     quiet = _recipe({"a": "not run yet"}, {"a": "neither"})
     assert recipe_iso_text(quiet) == "none of its 1 rows has run yet, in `results/paper_recipe`"
+
+
+def test_base_rate_text_reads_each_quiet_row_against_the_plain_bf16_runs():
+    """A row whose loss did not explode is set against the plain BF16 runs that exploded by its last step or ran that
+    far; a row that exploded, was too short or has not run is not named; without a quiet row, nothing."""
+    from lpfa.pages.isolation import base_rate_text
+
+    recipe = _recipe({"a": "neither", "b": "logits ran away", "c": "loss exploded", "d": "too short"},
+                     {label: "neither" for label in "abcd"}).assign(steps=[5450, 9920, 6000, 5000, 5500, 4000])
+    fates = pd.DataFrame({"precision": ["bf16"] * 4 + ["fp32"], "end": [4900, 5800, 7000, 5200, 9000],
+                          "exploded": [True, True, False, False, False]})
+    text = base_rate_text(recipe, fates)
+    # by 6,000: 4,900 and 5,800 exploded, 7,000 ran past; 5,200 stopped too soon; by 5,000: 4,900 of 3 that can say
+    assert "`a` stopped at step 6,000, by which the plain BF16 loss had exploded in 2 of 3 runs" in text
+    assert "`b` stopped at step 5,000, by which the plain BF16 loss had exploded in 1 of 4 runs" in text
+    assert "`c`" not in text and "`d`" not in text
+    assert base_rate_text(recipe.loc[["c", "d"]], fates) == ""
 
 
 def test_recipe_display_table_joins_the_heads():

@@ -4,6 +4,7 @@ run, its similarities recomputed here from the stored PK and X rows of the worst
 import numpy as np
 import pytest
 
+from lpfa.pages import and_join
 from lpfa.pages import pktx_structure as pks
 from lpfa.pages.pktx_structure import FIRST, PREV, plot_rank1, similarity_table, similarity_text
 from lpfa.replay import detail_steps, load_replay
@@ -52,9 +53,10 @@ def test_similarity_text_carries_the_table(replay):
     odd = [h for h in result["heads"]  # the first step's direction is no later step's, while the later ones agree
            if arrays[f"h{h}_overlap_first"][1:].max() < 0.5 < np.nanmedian(arrays[f"h{h}_overlap_prev"])]
     if odd:
-        assert f"For head(s) {', '.join(map(str, odd))} the first replayed step is the exception" in text
+        assert (f"For head{'s' if len(odd) > 1 else ''} {and_join([str(h) for h in odd])} the first replayed step is "
+                "the exception") in text
     else:
-        assert "For head(s)" not in text
+        assert "the first replayed step is the exception" not in text
 
 
 def test_plot_rank1_and_a_head_not_replayed(replay):

@@ -66,8 +66,8 @@ def test_tie_rise_text_gives_the_lead_time_of_an_explosion():
     table = pd.DataFrame({"run": ["a", "a", "b"], "layer": [0, 1, 0], "rise step": [None, 600.0, None],
                           "explosion step": [1000, 1000, None]}).set_index(["run", "layer"])
     text = tf.tie_rise_text({"a": None, "b": None}, table)
-    assert text.splitlines() == ["* **a**: the loss explodes at step 1,000; tie fraction rises in layer(s) 1 (first "
-                                 "at step 600); lead time 400 steps",
+    assert text.splitlines() == ["* **a**: the loss explodes at step 1,000; tie fraction rises in layer 1 (first at "
+                                 "step 600); lead time 400 steps",
                                  "* **b**: the loss did not explode; no layer's tie fraction rises"]
     with pytest.raises(ValueError, match=r"^runs \['c'\]: expected runs of the table, \['a', 'b'\]$"):
         tf.tie_rise_text({"a": None, "c": None}, table)

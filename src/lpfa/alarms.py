@@ -11,9 +11,9 @@ shipped with the package): nothing under ``results/`` is read, and the monitor a
 module, which reads run folders. ``python -m lpfa.alarms --write`` learns the thresholds again from the committed runs
 and writes that file; ``python -m lpfa.alarms`` says whether it is current, and the tests check that it is.
 
-**The learning** (:func:`thresholds`) uses the diagnostics that every committed training run logged every 200 steps
-(``results/*/*/<run>/metrics.jsonl.gz``), one sample per (run, step, layer), a layer's value being its largest over
-heads (a layer is flagged when any of its heads is):
+**The learning** (:func:`thresholds`) uses the diagnostics that every committed training run logged at its
+diagnostics interval (``results/*/*/<run>/metrics.jsonl.gz``), one sample per (run, step, layer), a layer's value being
+its largest over heads (a layer is flagged when any of its heads is):
 
 * **positives**: the layer that ran away (:class:`lpfa.explosion.RunawayCriterion`) in a run with low-precision
   attention there, at the diagnostics steps of the ``lead`` steps before the runaway (what a warning should catch);

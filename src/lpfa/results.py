@@ -98,5 +98,8 @@ _TRACKER_LABEL = re.compile(r"^issues? \d+(?:/\d+)?(?: §\d+)?(?:, sections? \d+
 
 def what(prov: dict) -> str:
     """A run's ``provenance.json`` "what", as a page shows it: without the label of the project's issue tracker that
-    the older runs' records begin with, which names no science. The record itself is left as it was written."""
-    return _TRACKER_LABEL.sub("", str(prov.get("what", "")), count=1)
+    the older runs' records begin with, and without the sentences about the GPU sessions that made them (a lost
+    first attempt, the device time left), which name no science. The record itself is left as it was written."""
+    text = _TRACKER_LABEL.sub("", str(prov.get("what", "")), count=1)
+    sentences = re.split(r"(?<=[.)])\s+(?=[A-Z])", text)  # a new sentence: a capital after a full stop
+    return " ".join(x for x in sentences if not re.search(r"\bsession(?:'s)?\b", x))

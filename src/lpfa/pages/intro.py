@@ -257,8 +257,8 @@ def _dose_row(root) -> dict:
     f = dose_findings(table)
     ks = f["bias_decides_ks"]
     n_control = int(((table["sign"] == "control") & table["k"].isin(ks)).sum()) if ks else 0
-    return _row("Beyond the paper: the δ error's bias, not its size, decides whether the loss explodes (layer 1's δ "
-                "error × k)",
+    return _row("Beyond the paper: with layer 1's δ error multiplied by k, its bias, not its size, decides whether "
+                "the loss explodes (`repro` preset, one control seed per k)",
                 "dose test",
                 f"biased dose exploded in {f['bias']['exploded_runs']} of {f['bias']['runs']} runs, the random-sign "
                 f"control in {f['control']['exploded_runs']} of {f['control']['runs']}"

@@ -12,6 +12,7 @@ does not give (:func:`lpfa.mechanism.delta_formulas`).
 from __future__ import annotations
 
 import json
+import re
 
 import pandas as pd
 import torch
@@ -29,7 +30,8 @@ from lpfa.experiments import DESCRIPTIONS, ISOLATION, PAPER_ISOLATION, RECIPE_IS
 from lpfa.experiments import rows as design_rows
 from lpfa.explosion import RunawayCriterion, attention_label, heads_text
 from lpfa.mechanism import DELTA_FORMULAS, delta_formulas
-from lpfa.pages import RERUN_PAGE
+from lpfa.pages import RERUN_PAGE, and_join
+from lpfa.pages.loss_explosion import recipe_fates
 from lpfa.params import integer, real, text
 from lpfa.results import experiment_rows
 from lpfa.run import (
@@ -38,6 +40,7 @@ from lpfa.run import (
     run_verdict,
 )
 from lpfa.scaling import committed_speed, wall_minutes
+from lpfa.survival import failed_within
 from lpfa.train import PRESETS
 
 # the notebook's papermill parameters, checked right after its parameters cell (lpfa.params.check_params)
@@ -78,6 +81,24 @@ def isolation_design(rows: dict):
                           for k, v in ISOLATION.items())
     design.index = list(ISOLATION)
     return design
+
+
+def design_note(design: pd.DataFrame) -> str:
+    """Under :func:`isolation_design`: which committed rows ran another attention than their ``overrides`` set today
+    (the attention policy, else backend, against the first part of ``attention as run``), so that a reader of the
+    table knows the verdicts are of the runs as they ran."""
+    changed = []
+    for label, r in design.iterrows():
+        if not isinstance(r["attention as run"], str):
+            continue
+        policy = re.search(r"attn_policy=(\S+)", r["overrides"]) or re.search(r"attn_backend=(\S+)", r["overrides"])
+        ran = r["attention as run"].split(";")[0].strip()
+        if policy and policy.group(1) != ran:
+            changed.append(f"`{label}` ran `{ran}`, before the row was defined as `{policy.group(0)}`")
+    if not changed:
+        return "Every committed row ran the attention its `overrides` set today."
+    return ("`overrides` is each row as defined today and `attention as run` what its committed run's config says: "
+            + and_join(changed) + ". The verdicts below are of the runs as they ran.")
 
 
 def isolation_table(experiment: str = "isolation", layer: int = 1, reference_row: str = "fp32",
@@ -369,6 +390,26 @@ def recipe_iso_text(recipe) -> str:
     agree = [label for label in done.index if as_reported(done.loc[label])]
     return ((f"{len(done)} of its {len(run_rows)} rows have run, {len(agree)} as the paper reports" if len(done) else
              f"none of its {len(run_rows)} rows has run yet") + ", in `results/paper_recipe`")
+
+
+def base_rate_text(recipe, fates: pd.DataFrame | None = None) -> str:
+    """How much one run of a :func:`recipe_isolation_table` row whose loss did not explode can say: for each such
+    row (verdict "neither" or "logits ran away"), in how many of the plain BF16 runs of the recipe
+    (:func:`lpfa.pages.loss_explosion.recipe_fates`) the loss had exploded by the row's last step, counting the runs
+    that exploded by then or trained that far (:func:`lpfa.survival.failed_within`); ``fates`` defaults to the
+    committed ones. "" without such a row."""
+    fates = recipe_fates() if fates is None else fates
+    quiet = recipe[recipe.verdict.isin(["neither", "logits ran away"]) & ~recipe.index.isin(RECIPE_TWINS)]
+    bf16 = fates[fates.precision == "bf16"] if len(fates) else fates
+    if quiet.empty or bf16.empty:
+        return ""
+    parts = []
+    for label, r in quiet.iterrows():
+        k, n = failed_within(bf16["end"], bf16["exploded"], int(r["steps"]))
+        parts.append(f"`{label.removesuffix('_paper_recipe')}` stopped at step {int(r['steps']):,}, by which the "
+                     f"plain BF16 loss had exploded in {k} of {n} runs")
+    return ("Each row is one run, so a row whose loss did not explode is read against how often the plain BF16 loss "
+            "explodes that soon: " + "; ".join(parts) + ".")
 
 
 def recipe_display_table(recipe):

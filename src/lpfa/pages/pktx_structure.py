@@ -121,7 +121,8 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame, control: tu
     text = ("**Measured.**\n\n" + "\n".join(lines) + "\n\n" + lead
             + ", and each step's direction overlaps the previous step's by the amounts above, far more than random "
             "directions do."
-            + (f" For head(s) {', '.join(map(str, odd))} the first replayed step is the exception: its direction "
+            + (f" For head{'s' if len(odd) > 1 else ''} {and_join([str(h) for h in odd])} the first replayed step is "
+               "the exception: its direction "
                f"overlaps at most {max(arrays[f'h{h}_overlap_first'][1:].max() for h in odd):.2f} with any later "
                "step's, while the later steps agree with each other." if odd else ""))
     if control is not None:

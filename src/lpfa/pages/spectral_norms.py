@@ -166,7 +166,8 @@ def wq_comparison_text(runs: dict, layer: int, short: dict | None = None, short_
     text = [f"**Compared with the paper.** The paper reports W_Q norms growing in a few heads of one early layer of "
             f"the run whose loss explodes, and only there. Here layer {layer} is the layer of the fastest-growing head "
             f"in {where}; at step "
-            f"{common:,} the BF16 run's largest layer-{layer} norm is {ratio:.2f}× the largest among {', '.join(hp)}",
+            f"{common:,} the BF16 run's largest layer-{layer} norm is {ratio:.2f}× the largest layer-{layer} norm of "
+            f"{', '.join(hp)}",
             f", and it stays above 1.25× the {hp[0]} run's from step {div:,} on." if div is not None else
             ", and it never stays 1.25× above it: within these steps W_Q is not a BF16-specific precursor."]
     if short:

@@ -304,8 +304,8 @@ def compare_text(found: list[tuple[str, dict]], replay_within: list[float]) -> l
             _, _, tmb, _, tmed = numbers(twin[1])
             text += f"; the FP32 twin at the same step: {tmb:.1%} in its most tied head and {tmed:.2f}"
             if mb > 2 * tmb and med > tmed:
-                text += (". Training with BF16 attention built both ingredients far beyond what BF16 rounding gives a "
-                         "model trained without it")
+                text += (". In this pair of runs, training with BF16 attention built both ingredients far beyond what "
+                         "BF16 rounding gives a model trained without it")
         out.append(text + ".")
     return out
 
