@@ -141,3 +141,22 @@ def test_mechanism_rows_judge_each_head_and_print_its_numbers():
     assert fig4[COLUMNS[3]] == _head_verdict([x > PARALLEL for x in sims.values()])
     # without a control the row says nothing of one
     assert "control" not in _mechanism_rows("mechanism", MECHANISM_REPLAY, None, control="")[0][COLUMNS[2]]
+
+
+def test_dose_and_fig2_rows_count_what_their_pages_count():
+    """The scorecard's dose row prints the dose experiment's counts (lpfa.dose.dose_findings) with its limits, and the
+    Fig. 2 row the seeds whose FP32 attention trained far enough (lpfa.pages.loss_explosion.seed_twins)."""
+    from lpfa.dose import committed_runs, dose_findings, dose_table
+    from lpfa.pages.intro import _dose_row, _fig2_rows
+    from lpfa.pages.loss_explosion import TWIN_MARGIN, recipe_fates, seed_twins
+
+    f = dose_findings(dose_table(committed_runs()))
+    row = _dose_row(None)
+    assert "`repro` preset, one control seed per k" in row["claim"]
+    assert (f"the loss exploded in {f['bias']['exploded_runs']} of {f['bias']['runs']} biased-dose runs and in "
+            f"{f['control']['exploded_runs']} of {f['control']['runs']} random-sign control runs") in row["our result"]
+    assert row["verdict"] == ("shown" if f["bias_decides_ks"] else "not shown")
+    twins = seed_twins(recipe_fates())
+    fig2 = _fig2_rows("paper_recipe", 1, None)[0]
+    assert (f"{TWIN_MARGIN:,} steps past the seed's BF16 explosion (or as far as its BF16 run) on "
+            f"{int(twins.twin.sum())} of {len(twins)} seeds with both.") in fig2["our result"]

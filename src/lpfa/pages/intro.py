@@ -260,10 +260,10 @@ def _dose_row(root) -> dict:
     return _row("Beyond the paper: with layer 1's δ error multiplied by k, its bias, not its size, decides whether "
                 "the loss explodes (`repro` preset, one control seed per k)",
                 "dose test",
-                f"biased dose exploded in {f['bias']['exploded_runs']} of {f['bias']['runs']} runs, the random-sign "
-                f"control in {f['control']['exploded_runs']} of {f['control']['runs']}"
-                + (f"; at k = {', '.join(f'{k:g}' for k in ks)} every biased run exploded and none of the "
-                   f"{n_control} control runs there did (one control seed per k; `repro` preset only)" if ks else ""),
+                f"the loss exploded in {f['bias']['exploded_runs']} of {f['bias']['runs']} biased-dose runs and in "
+                f"{f['control']['exploded_runs']} of {f['control']['runs']} random-sign control runs"
+                + (f"; at k = {', '.join(f'{k:g}' for k in ks)} in every biased run and in none of the "
+                   f"{n_control} control runs there (one control seed per k; `repro` preset only)" if ks else ""),
                 "shown" if ks else "not shown", "06_loss_explosion")
 
 

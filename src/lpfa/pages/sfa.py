@@ -389,8 +389,8 @@ def muon_text(runs: dict) -> str:
                 + "; ".join(f"the {m.upper()} run {_verdict_words(v[m])}" for m in ("bf16", "fp32", "sfa") if m in v)
                 + ".")
         if "bf16" in v and "fp32" in v and v["bf16"]["exploded"]:
-            line += (" Both precisions exploded in this one seed: at this learning rate the explosion is not "
-                     "BF16's alone."
+            line += (" The loss exploded at both precisions in this one seed: at this learning rate the explosion is "
+                     "not BF16's alone."
                      if v["fp32"]["exploded"] else
                      f" A BF16-only loss explosion (Fig. 2 with Muon): the FP32 twin ran {v['fp32']['steps']:,} steps "
                      "without exploding.")
