@@ -174,7 +174,7 @@ def test_softcapped_checkpoint_keeps_its_cap(tmp_path, data):
 
 def aligned_gpt(wq_scale=1.0, c=math.sqrt(5.0)):
     """Every head's W_Q = W_K = c·(its head_dim coordinates of x): q = k, S[t, t] ≈ c²·√head_dim ≈ 28 dominates
-    each row (no ties), so the model is healthy; W_Q × 50 puts the diagonal logits near 1400, a runaway."""
+    each row (no ties), so no head raises an alarm; W_Q × 50 puts the diagonal logits near 1400, a runaway."""
     model = tiny_gpt()
     C, D = model.config.n_embd, model.config.n_embd // model.config.n_head
     with torch.no_grad():
@@ -188,19 +188,19 @@ def aligned_gpt(wq_scale=1.0, c=math.sqrt(5.0)):
     return model
 
 
-def test_scaled_wq_runs_away_and_unscaled_is_healthy(tmp_path, data):
+def test_scaled_wq_runs_away_and_unscaled_raises_no_alarm(tmp_path, data):
     thr = doctor._default_thresholds()
     tables = {}
     for scale in (1.0, 50.0):
         path = save_checkpoint(tmp_path / f"x{scale:g}", aligned_gpt(scale), step=0)
         tables[scale] = doctor.doctor(path, data, thresholds=thr, **PROBE)["table"]
-    healthy, runaway = tables[1.0], tables[50.0]
-    assert (healthy.verdict == "healthy").all(), healthy
-    assert healthy.max_logit.max() < thr["max_logit"]["precursor"]
+    quiet, runaway = tables[1.0], tables[50.0]
+    assert (quiet.verdict == "no alarm").all(), quiet
+    assert quiet.max_logit.max() < thr["max_logit"]["precursor"]
     assert (runaway.verdict == "runaway").any()
-    assert runaway.max_logit.max() > 10 * healthy.max_logit.max()
+    assert runaway.max_logit.max() > 10 * quiet.max_logit.max()
     assert runaway.verdict.iloc[0] == "runaway"  # worst first
-    np.testing.assert_allclose(runaway.wq_spectral_norm.max(), 50 * healthy.wq_spectral_norm.max(), rtol=1e-5)
+    np.testing.assert_allclose(runaway.wq_spectral_norm.max(), 50 * quiet.wq_spectral_norm.max(), rtol=1e-5)
 
 
 def test_exploded_checkpoint_is_a_runaway_not_a_crash(tmp_path, data):
@@ -218,7 +218,7 @@ def test_exploded_checkpoint_is_a_runaway_not_a_crash(tmp_path, data):
     assert rep["verdicts"]["runaway"] == 3 and any(row["max_logit"] is None for row in rep["table"])
     assert t.loc[(0, 0)].verdict == "runaway" and math.isnan(t.loc[(0, 0)].wq_spectral_norm)
     assert (t.loc[1].verdict == "runaway").all()
-    assert t.loc[(0, 1)].verdict == "healthy" and math.isfinite(t.loc[(0, 1)].max_logit)
+    assert t.loc[(0, 1)].verdict == "no alarm" and math.isfinite(t.loc[(0, 1)].max_logit)
 
 
 def test_verdicts_follow_thresholds(lpfa_ckpt, data):
@@ -226,28 +226,28 @@ def test_verdicts_follow_thresholds(lpfa_ckpt, data):
     lo = float(t.max_logit.min())
     thr = {"max_logit": {"precursor": lo, "runaway": float(t.max_logit.max())}, "wq_growth": {"precursor": 1.5}}
     d = doctor.diagnose(t.drop(columns="verdict"), thr)
-    assert (d.verdict != "healthy").all() and (d.verdict == "runaway").sum() == 1 and d.verdict.iloc[0] == "runaway"
+    assert (d.verdict != "no alarm").all() and (d.verdict == "runaway").sum() == 1 and d.verdict.iloc[0] == "runaway"
     assert doctor.unused_thresholds(d, thr) == ["wq_growth"]
 
 
-def test_healthy_verdict_says_what_it_cannot_rule_out(lpfa_ckpt, data, tmp_path, capsys):
-    """Next to a healthy verdict: the share of the committed runs' layers that ran away soon after and raised no alarm
+def test_no_alarm_verdict_says_what_it_cannot_rule_out(lpfa_ckpt, data, tmp_path, capsys):
+    """Next to a no-alarm verdict: the share of the committed runs' layers that ran away soon after and raised no alarm
     either, read from the committed thresholds (lpfa.alarms.miss_rate); thresholds without it say they have none."""
     thr = doctor.current_thresholds()
     miss = thr[doctor.NO_ALARM]
     assert miss["positives"] > 0 and 0 < miss["fnr"] <= 1 and miss["missed"] == round(miss["fnr"] * miss["positives"])
-    text = doctor.healthy_text(thr)
-    assert text.startswith("healthy = no alarm, not safe: ") and "\n" not in text
+    text = doctor.no_alarm_text(thr)
+    assert text.startswith("no alarm is not safe: ") and "\n" not in text
     assert (f"stayed silent on {miss['fnr']:.0%} of the layers that ran away within the next {miss['lead_steps']:,} "
             f"steps ({miss['missed']} of {miss['positives']} diagnostics samples of the committed runs)") in text
-    assert "carry no measured miss rate" in doctor.healthy_text(doctor.fixed_thresholds())
+    assert "carry no measured miss rate" in doctor.no_alarm_text(doctor.fixed_thresholds())
     out = tmp_path / "report"
     assert cli.main(["doctor", str(lpfa_ckpt), "--data", str(data), "--batches", "2", "--seq-len", "32", "--seed", "3",
                      "--out", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
     verdicts = next(i for i, line in enumerate(lines) if line.startswith("verdicts: "))
-    assert " healthy of 4 heads" in lines[verdicts] and lines[verdicts + 1] == text  # right under the verdict
-    assert f"healthy of 4 heads. {text}." in (out / "report.md").read_text()
+    assert " no alarm of 4 heads" in lines[verdicts] and lines[verdicts + 1] == text  # right under the verdict
+    assert f"no alarm of 4 heads. {text}." in (out / "report.md").read_text()
     assert doctor.unused_thresholds(doctor.doctor(lpfa_ckpt, data, **PROBE)["table"], thr) == []
 
 

@@ -154,9 +154,9 @@ def test_replay_summary_names_outcomes_strongest_first():
 
 def independent_counts(report: dict, thr: dict) -> dict:
     """Verdict counts of a report.json's heads, straight from its rows: runaway where max_logit is not finite or at
-    least the runaway level, else precursor where any measure reaches its precursor level, else healthy."""
+    least the runaway level, else precursor where any measure reaches its precursor level, else no alarm."""
     levels = monitor.normalise_thresholds(thr)
-    counts = {"runaway": 0, "precursor": 0, "healthy": 0}
+    counts = {"runaway": 0, "precursor": 0, "no alarm": 0}
     for row in report["table"]:
         x = row["max_logit"]
         x = math.nan if x is None else float(x)
@@ -165,7 +165,7 @@ def independent_counts(report: dict, thr: dict) -> dict:
         elif any(row.get(m) is not None and row[m] >= lv["precursor"] for m, lv in levels.items() if "precursor" in lv):
             counts["precursor"] += 1
         else:
-            counts["healthy"] += 1
+            counts["no alarm"] += 1
     return counts
 
 
@@ -184,7 +184,7 @@ def test_doctor_reports_text_and_figures_from_the_committed_reports():
         assert step == max(steps) and rep["table"] == json.loads(steps[step].read_text())["table"]
         c = independent_counts(rep, thr)
         assert (f"`{label}` at step {step:,}: {c['runaway']} runaway, {c['precursor']} precursor and "
-                f"{c['healthy']} healthy heads of {len(rep['table'])}") in text
+                f"{c['no alarm']} no-alarm heads of {len(rep['table'])}") in text
     assert ("not committed yet" in text) == (FP32_RERUN not in reports)
     figs = ew.doctor_figures(reports, thr)
     assert len(figs) == len(reports)

@@ -25,7 +25,7 @@ Each precursor threshold is the smallest value that flags at most :data:`MAX_FPR
 its false-positive rate (share of negatives at or above it), false-negative rate (share of positives below it) and the
 sample counts; ``max_logit`` also has the ``runaway`` level, the runaway criterion's own. The entry
 :data:`lpfa.monitor.NO_ALARM` says what no alarm is worth (:func:`miss_rate`): the share of positives that no threshold
-flags, all measures together, which ``lpfa doctor`` prints next to a ``healthy`` verdict. The cap is strict because a
+flags, all measures together, which ``lpfa doctor`` prints next to a ``no alarm`` verdict. The cap is strict because a
 run is checked hundreds of times: a threshold chosen per sample for the best balance (Youden's J) flagged 12–31 % of
 the negative samples, and so every run where neither happened (the early-warning page,
 ``notebooks/15_early_warning.ipynb``).

@@ -31,12 +31,12 @@ way (Figs. 4, 9) → a few heads' W_Q norms grow (Figs. 3, 11), their logits run
   (:func:`lpfa.diagnostics.v_sign_dominance`).
 
 :func:`diagnose` adds a ``verdict`` per head: ``runaway`` when ``max_logit`` ≥ the runaway threshold, else
-``precursor`` when any measure crosses its precursor threshold, else ``healthy``. Thresholds come from
+``precursor`` when any measure crosses its precursor threshold, else ``no alarm``. Thresholds come from
 :func:`lpfa.alarms.current_thresholds`: the committed ``warning_thresholds.json``, which ``python -m lpfa.alarms
 --write`` learns from the committed runs' diagnostics, with their measured false-positive and false-negative rates
-(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). ``healthy`` means no alarm, not safe: next to it the
+(on ``max_logit``, ``tie_fraction_bf16`` and ``wq_outlier``). ``no alarm`` is not safe: next to it the
 doctor says how many of the layers that ran away soon after raised no alarm either in those runs
-(:func:`healthy_text`, from the thresholds' miss rate, :func:`lpfa.alarms.miss_rate`). A threshold on a measure the
+(:func:`no_alarm_text`, from the thresholds' miss rate, :func:`lpfa.alarms.miss_rate`). A threshold on a measure the
 table lacks (``wq_growth`` needs two checkpoints) is reported and not used.
 
 **Input** (:func:`detect_format`, from the path alone): a folder whose ``config.json`` holds ``"format":
@@ -101,7 +101,7 @@ PROBE_OVERRIDES = {"attn_backend": "sdpa", "layer_policies": {}, "fp32_heads": {
 MAX_DEFAULT_SEQ_LEN = 256  # the default sequence length is the model's block size, at most this
 RANK1_TOKENS = 64  # tokens of the first sequence whose rank-1 matrices are compared (Fig. 9)
 DELTA_POLICIES = ("paper", "fa2")  # the BF16 policies whose δ is compared with FP32
-VERDICTS = ("runaway", "precursor", "healthy")  # worst first
+VERDICTS = ("runaway", "precursor", "no alarm")  # worst first
 
 # (column, title, colourbar label, colour map, centred at 0) — the report's heatmaps, in the chain's order
 MEASURES = [
@@ -120,7 +120,7 @@ MEASURES = [
     ("wq_outlier", "‖W_Q[h]‖₂ over its layer's median (Fig. 3)", "ratio to the layer's median", "viridis", False),
     ("wk_spectral_norm", "‖W_K‖₂ per head", "‖W_K‖₂", "viridis", False),
 ]
-VERDICT_COLORS = {"healthy": "#56B4E9", "precursor": "#E69F00", "runaway": "#D55E00"}  # Okabe–Ito
+VERDICT_COLORS = {"no alarm": "#56B4E9", "precursor": "#E69F00", "runaway": "#D55E00"}  # Okabe–Ito
 
 
 class DoctorError(ValueError):
@@ -184,7 +184,7 @@ def _level(thr: dict, measure: str, level: str) -> float | None:
 def diagnose(table, thresholds: dict | None = None):
     """``table`` (from :func:`measure_heads`) with a ``verdict`` column: ``runaway`` where ``max_logit`` ≥
     ``thresholds["max_logit"]["runaway"]`` or is not finite (an exploded checkpoint), ``precursor`` where any measure
-    of the table reaches its ``"precursor"`` threshold, else ``healthy``; sorted worst first (verdict, then max
+    of the table reaches its ``"precursor"`` threshold, else ``no alarm``; sorted worst first (verdict, then max
     logit)."""
     thr = current_thresholds() if thresholds is None else thresholds
     precursor = np.zeros(len(table), dtype=bool)
@@ -195,7 +195,7 @@ def diagnose(table, thresholds: dict | None = None):
     runaway = _level(thr, "max_logit", "runaway")
     logit = table["max_logit"].to_numpy()
     runaway = ~np.isfinite(logit) | (logit >= runaway if runaway is not None else False)  # NaN/inf logits ran away
-    out = table.assign(verdict=np.where(runaway, "runaway", np.where(precursor, "precursor", "healthy")))
+    out = table.assign(verdict=np.where(runaway, "runaway", np.where(precursor, "precursor", "no alarm")))
     rank = out["verdict"].map({v: i for i, v in enumerate(VERDICTS)})
     key = out["max_logit"].fillna(np.inf)  # NaN logits sort first among the runaways
     return (out.assign(_rank=rank, _key=key).sort_values(["_rank", "_key"], ascending=[True, False])
@@ -207,15 +207,15 @@ def unused_thresholds(table, thr: dict) -> list[str]:
     return [m for m in thr if m not in table and m != NO_ALARM]
 
 
-def healthy_text(thr: dict) -> str:
-    """What a ``healthy`` verdict can and cannot rule out, in words: no threshold is reached now, but the thresholds
+def no_alarm_text(thr: dict) -> str:
+    """What a ``no alarm`` verdict can and cannot rule out, in words: no threshold is reached now, but the thresholds
     stay silent on a share of the layers that ran away soon after, measured on the committed runs they were learnt
     from (``thr[NO_ALARM]``, :func:`lpfa.alarms.miss_rate`); thresholds without that entry carry no such rate."""
     m = thr.get(NO_ALARM)
     if not (isinstance(m, dict) and {"fnr", "missed", "positives", "lead_steps"} <= set(m)):
-        return ("healthy = no alarm, not safe: these thresholds carry no measured miss rate, so a healthy head may "
+        return ("no alarm is not safe: these thresholds carry no measured miss rate, so a head without an alarm may "
                 "still run away; it only rules out a head already past a threshold")
-    return (f"healthy = no alarm, not safe: at these thresholds the detector stayed silent on {m['fnr']:.0%} of the "
+    return (f"no alarm is not safe: at these thresholds the detector stayed silent on {m['fnr']:.0%} of the "
             f"layers that ran away within the next {m['lead_steps']:,} steps ({m['missed']} of {m['positives']} "
             "diagnostics samples of the committed runs); it only rules out a head already past a threshold")
 
@@ -478,10 +478,10 @@ def summary_text(table, thr: dict, top: int = 10) -> str:
     shown = table[list(SHOWN)].head(top).rename(columns=SHOWN)
     text = shown.to_string(index=False, float_format=lambda v: f"{v:.3g}")
     c = verdict_counts(table)
-    line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of {len(table)} "
+    line = (f"verdicts: {c['runaway']} runaway, {c['precursor']} precursor, {c['no alarm']} no alarm of {len(table)} "
             f"heads (thresholds: {_thresholds_text(thr, table)})")
-    if c["healthy"]:
-        line += "\n" + healthy_text(thr)
+    if c["no alarm"]:
+        line += "\n" + no_alarm_text(thr)
     return f"worst {min(top, len(table))} heads of {len(table)}:\n{text}\n{line}"
 
 
@@ -533,7 +533,7 @@ def plot_heatmap(table, column: str, title: str, label: str = "", cmap: str = "v
 def plot_verdicts(table):
     """The verdict of every head, layer × head, three colours with a labelled colourbar."""
     use_style()
-    order = ("healthy", "precursor", "runaway")
+    order = ("no alarm", "precursor", "runaway")
     grid = table.assign(code=table["verdict"].map({v: i for i, v in enumerate(order)})).pivot(
         index="layer", columns="head", values="code").sort_index()
     fig, ax = _grid_figure(*grid.shape)
@@ -568,7 +568,7 @@ def plot_layer_bars(table, layer: int, thr: dict):
         ax.tick_params(labelsize=9)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=9)
-    fig.suptitle(f"layer {layer}: bars coloured by verdict (blue healthy, orange precursor, vermillion runaway)",
+    fig.suptitle(f"layer {layer}: bars coloured by verdict (blue no alarm, orange precursor, vermillion runaway)",
                  fontsize=10)
     return fig
 
@@ -607,8 +607,8 @@ def write_report(out, table, thr: dict, info: dict) -> tuple[Path, Path]:
     md = [f"# lpfa doctor: {info['checkpoint']}", "",
           f"Format **{info['format']}**; probe: {probe['shape'][0]} × {probe['shape'][1]} tokens of {probe['data']} "
           f"({probe['split']}.bin, seed {probe['seed']}); {info['runtime_s']:.1f} s on {info['device']}.", "",
-          f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['healthy']} healthy of "
-          f"{len(table)} heads." + (f" {healthy_text(thr)}." if c["healthy"] else ""),
+          f"**Verdicts:** {c['runaway']} runaway, {c['precursor']} precursor, {c['no alarm']} no alarm of "
+          f"{len(table)} heads." + (f" {no_alarm_text(thr)}." if c["no alarm"] else ""),
           f"Thresholds ({info['thresholds_source']}): {_thresholds_text(thr, table)}.", "",
           "## The worst heads", "", _md_table(table[list(SHOWN)].head(10).rename(columns=SHOWN)), "",
           "## Per measure, layer × head", ""]

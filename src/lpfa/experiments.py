@@ -137,7 +137,7 @@ RESCUE: dict[str, list[str]] = {f"rescue_{to}_x{RESCUE_DOSE}": [*_dosed(RESCUE_D
 # this run's step-5,000 checkpoint, the base of every row's ratio; its logged links and explosion step measure a
 # rerun's spread.
 # fp32_rerun is fp32_paper_recipe again to step 5,000, for the same reason: its checkpoint gives the FP32 twin's
-# doctor links at the BF16 rerun's step (and lpfa doctor's page its healthy example); it is bf16_rerun's reference.
+# doctor links at the BF16 rerun's step (and lpfa doctor's page its no-alarm example); it is bf16_rerun's reference.
 QK_CLIP_TAU = 100.0
 STABILISER_RERUN, FP32_RERUN = "bf16_rerun", "fp32_rerun"
 RERUNS = (STABILISER_RERUN, FP32_RERUN)  # the base runs again: no stabiliser rows

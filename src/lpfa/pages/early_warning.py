@@ -305,13 +305,13 @@ def doctor_reports(labels=DOCTOR_LABELS, root=None) -> dict:
 
 def doctor_text(reports: dict, thr: dict) -> str:
     """The page's sentence on :func:`doctor_reports` ``reports``: per run, its step and how many heads
-    :func:`lpfa.doctor.report_table` judges runaway, precursor and healthy with thresholds ``thr``; says so where
+    :func:`lpfa.doctor.report_table` judges runaway, precursor and no alarm with thresholds ``thr``; says so where
     no report, or not the FP32 twin's, is committed."""
     said = []
     for label, (step, rep) in reports.items():
         c = doctor.verdict_counts(doctor.report_table(rep, thr))
         said.append(f"`{label}` at step {step:,}: {c['runaway']} runaway, {c['precursor']} precursor and "
-                    f"{c['healthy']} healthy heads of {sum(c.values())}")
+                    f"{c['no alarm']} no-alarm heads of {sum(c.values())}")
     missing = [] if FP32_RERUN in reports else [f"The FP32 twin's report (`{FP32_RERUN}`) is not committed yet."]
     return (("With the paper's GPT-2 S recipe (the stabilisers page): " + "; ".join(said) + ". " if said else
              "No doctor report is committed yet. ") + " ".join(missing))

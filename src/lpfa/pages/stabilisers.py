@@ -566,12 +566,12 @@ def paper_claims(table) -> list[dict]:
     if table.empty:
         return []
     base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
-    healthy = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
+    fp32_sim = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
     claims = []
     for name, (link, claim) in PAPER_CLAIMS.items():
         labels = [label for label in (f"bf16_{name}", *(f"bf16_{name}_s{s}" for s in STABILISER_SEEDS))
                   if label in table.index]  # the row at each committed seed
-        per = [_claim_on(table, label, name, link, base, healthy) for label in labels]
+        per = [_claim_on(table, label, name, link, base, fp32_sim) for label in labels]
         if not per:
             continue
         one = len(per) == 1
@@ -592,7 +592,7 @@ def paper_claims(table) -> list[dict]:
     return claims
 
 
-def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
+def _claim_on(table, label: str, name: str, link: str, base, fp32_sim) -> dict:
     """One :data:`PAPER_CLAIMS` claim measured on one BF16 row ``label`` of :func:`stabiliser_table` (see
     :func:`paper_claims`): its seed, ``broken``, ``holds``, ``short``, ``said`` (the row's links and fate, its FP32
     twin) and ``verdict`` (:func:`_claim_verdict`)."""
@@ -604,8 +604,8 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
     sim = r.get("rank-1 similarity")
     if sim is not None and base is not None:
         similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
-                      + (f" and the FP32 run's {healthy:.3f} (`{FP32_RERUN}` at step "
-                         f"{table.loc[FP32_RERUN, 'doctor step']:,})" if healthy is not None else ""))
+                      + (f" and the FP32 run's {fp32_sim:.3f} (`{FP32_RERUN}` at step "
+                         f"{table.loc[FP32_RERUN, 'doctor step']:,})" if fp32_sim is not None else ""))
     else:
         similarity = "rank-1 similarity not measured (no doctor report)"
     seed = stabiliser_seed(label)[1]
@@ -618,7 +618,7 @@ def _claim_on(table, label: str, name: str, link: str, base, healthy) -> dict:
     if link == "rank-1 similarity":
         said = similarity + "; " + ratios
         # the reference without BF16 attention: the row's own FP32 twin where measured, else the plain FP32 run
-        ref, ref_name = (twin_sim, "its FP32 twin's") if twin_sim is not None else (healthy, "the FP32 run's")
+        ref, ref_name = (twin_sim, "its FP32 twin's") if twin_sim is not None else (fp32_sim, "the FP32 run's")
         broken = None if sim is None or ref is None else bool(sim <= ref)
         short = f"{sim:.3f} against {ref_name} {ref:.3f}" if broken is not None else "similarity not measured"
     else:
