@@ -267,3 +267,33 @@ def test_recipe_plan_matches_the_committed_twins_batch(tmp_path):
     assert recipe_plan(recipe, root=tmp_path).endswith("They run at the BF16 twin's batch once that twin is committed "
                                                        "(`scripts/gpu/paper_recipe.sh`).")
     assert recipe_plan(_recipe({"a": "neither"}, {"a": "neither"})) == ""
+
+
+def test_outlier_heads_text_measures_the_chosen_heads_at_the_runaway_onset(tmp_path):
+    """The recipe's outlier-heads row is explained from the twins' diagnostics at the BF16 twin's runaway onset: the
+    W_Q ratios and logits printed are those of the logs, and the verdict says whether the row's heads lead both;
+    without the committed rows, nothing."""
+    from lpfa.compare import head_metric_frame
+    from lpfa.pages.isolation import outlier_heads_text
+    from lpfa.run import Run, runaway_onset
+
+    rows = experiment_rows("paper_recipe",
+                           ["bf16_paper_recipe", "fp32_paper_recipe", "fp32_outlier_heads_paper_recipe"])
+    text = outlier_heads_text()
+    step, layer = runaway_onset(rows["bf16_paper_recipe"])
+    heads = sorted(Run(rows["fp32_outlier_heads_paper_recipe"]).train["fp32_heads"][str(layer)])
+
+    def at(label, metric):
+        f = head_metric_frame(rows[label], metric)
+        return f[(f.layer == layer) & (f.step == step)].set_index("head").value
+
+    ratio = at("bf16_paper_recipe", "wq_spectral_norm") / at("fp32_paper_recipe", "wq_spectral_norm")
+    logit = at("bf16_paper_recipe", "max_logit")
+    assert text.startswith(f"The outlier heads {heads[0]} and {heads[1]} of layer {layer}: at step {step:,},")
+    for h in ratio.nlargest(2).index:
+        assert f"{h} (×{ratio[h]:.2f})" in text
+    for h in logit.nlargest(2).index:
+        assert f"{h} ({logit[h]:,.0f})" in text
+    lead = sorted(ratio.nlargest(2).index) == heads == sorted(logit.nlargest(2).index)
+    assert text.endswith("the row's heads lead both." if lead else "the row's heads are not the leaders of both.")
+    assert outlier_heads_text(root=tmp_path) == ""

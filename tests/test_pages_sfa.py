@@ -249,6 +249,8 @@ def test_gpt2m_price_from_the_committed_logs():
     assert len(boom) >= 3
     # every explosion step of the recipe, reruns of a seed included (the scorecard counts them all)
     assert ", ".join(f"{s:,}" for s in boom[:-1]) in text
+    assert (", past every step at which" in text if boom[-1] < 6000 else  # not past a step the run does not reach
+            f", past {sum(s < 6000 for s in boom)} of the {len(boom)} steps at which" in text)
     for number in (f"{tok['bf16_paper_recipe']:,.0f} tokens/s with BF16", f"{tok['fp32_paper_recipe']:,.0f} tokens/s "
                    "with FP32", f"about {minutes['bf16_paper_recipe']:.0f} minutes in BF16",
                    f"{minutes['fp32_paper_recipe']:.0f} in FP32", f"{boom[-1]:,})",

@@ -38,6 +38,7 @@ from lpfa.run import (
     Run,
     heads_running_away,
     run_verdict,
+    runaway_onset,
 )
 from lpfa.scaling import committed_speed, wall_minutes
 from lpfa.survival import failed_within
@@ -410,6 +411,37 @@ def base_rate_text(recipe, fates: pd.DataFrame | None = None) -> str:
                      f"plain BF16 loss had exploded in {k} of {n} runs")
     return ("Each row is one run, so a row whose loss did not explode is read against how often the plain BF16 loss "
             "explodes that soon: " + "; ".join(parts) + ".")
+
+
+def outlier_heads_text(experiment: str = "paper_recipe", row: str = "fp32_outlier_heads_paper_recipe",
+                       root=None) -> str:
+    """Why the ``row``'s FP32 heads are the outlier heads, measured: at the BF16 twin's runaway onset
+    (:func:`lpfa.run.runaway_onset`, the first record of a layer's logit past the runaway level), the heads of that
+    layer ranked by their W_Q spectral norm over the FP32 twin's and by their own largest logit; says whether the
+    row's heads are the top two of both. "" when the row or the twins are not committed."""
+    found = experiment_rows(experiment, ["bf16_paper_recipe", "fp32_paper_recipe", row], root=root)
+    if len(found) < 3:
+        return ""
+    onset = runaway_onset(found["bf16_paper_recipe"])
+    heads = {int(k): v for k, v in Run(found[row]).train.get("fp32_heads", {}).items()}
+    if onset is None or not heads:
+        return ""
+    step, layer = onset
+    chosen = sorted(heads.get(layer, []))
+
+    def at(label, metric):
+        f = head_metric_frame(found[label], metric)
+        return f[(f.layer == layer) & (f.step == step)].set_index("head").value
+
+    ratio = (at("bf16_paper_recipe", "wq_spectral_norm") / at("fp32_paper_recipe", "wq_spectral_norm")).sort_values(
+        ascending=False)
+    logit = at("bf16_paper_recipe", "max_logit").sort_values(ascending=False)
+    lead = sorted(ratio.index[:2]) == chosen and sorted(logit.index[:2]) == chosen
+    return (f"The outlier heads {and_join([str(h) for h in chosen])} of layer {layer}: at step {step:,}, when the BF16 "
+            f"twin's layer {layer} first logged a logit past the runaway level, the heads with the largest W_Q norm "
+            f"over the FP32 twin's were {and_join([f'{h} (×{ratio[h]:.2f})' for h in ratio.index[:2]])}, and those "
+            f"with the largest logit {and_join([f'{h} ({logit[h]:,.0f})' for h in logit.index[:2]])}"
+            + (": the row's heads lead both." if lead else ": the row's heads are not the leaders of both."))
 
 
 def recipe_display_table(recipe):

@@ -283,13 +283,15 @@ def explosions_text(table) -> str:
     BF16 row did too)."""
     boom = table[table["exploded"]]
     text = (f"Of the {len(table)} committed runs of the {', '.join(dict.fromkeys(e for e, _ in table.index))} "
-            "experiments, ")
+            "experiments (the latest of each name), ")
     if boom.empty:
         return text + "none exploded."
     parts = []
     for (exp, label), r in boom.iterrows():
-        twin = ("" if r["fp32 twin exploded"] is None else ", its FP32 twin too" if r["fp32 twin exploded"] else
-                ", its FP32 twin not" if r["fp32 twin steps"] > r["explosion step"] else
+        twin = ((", no FP32 twin of the same name" if label.startswith("bf16") else "")
+                if r["fp32 twin exploded"] is None else ", its FP32 twin too" if r["fp32 twin exploded"] else
+                f", its FP32 twin not, in {int(r['fp32 twin steps'] - r['explosion step']):,} more steps"
+                if r["fp32 twin steps"] > r["explosion step"] else
                 f", its FP32 twin stopped sooner, at step {int(r['fp32 twin steps']):,}")
         parts.append(f"`{label}` ({exp}: {r['change'] or r['attention']}; step {int(r['explosion step']):,}{twin})")
     return text + f"{len(boom)} exploded: " + "; ".join(parts) + "."

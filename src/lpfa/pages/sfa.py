@@ -608,8 +608,9 @@ def gpt2m_text(price: pd.DataFrame, steps: int, fates=None) -> str:
             f"FP32 attention ({f['steps_per_s']:.1f} steps/s), after {b['compile_s']:.0f}–{f['compile_s']:.0f} s of "
             f"compilation (`results/gpt2m_price/{price.index.name}`, {int(b['steps']):,} and {int(f['steps']):,} "
             f"steps). A {steps:,}-step run"
-            + (f", past every step at which GPT-2 S's loss exploded at this recipe "
-               f"({and_join([f'{s:,}' for s in boom])})," if boom else "")
+            + ((", past every step at which GPT-2 S's loss exploded at this recipe " if steps > boom[-1] else
+                f", past {sum(s < steps for s in boom)} of the {len(boom)} steps at which GPT-2 S's loss exploded at "
+                "this recipe ") + f"({and_join([f'{s:,}' for s in boom])})," if boom else "")
             + f" takes about {minutes['bf16_paper_recipe']:.0f} minutes in BF16 and "
             f"{minutes['fp32_paper_recipe']:.0f} in FP32, so the three rows of Fig. 7c (BF16, FP32 and SFA, priced as "
             f"BF16) take about {total:.0f} minutes of one H200 for one seed. They are not among the committed runs: "
