@@ -497,12 +497,13 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
     text = [f"With its BF16 sign kept, the dosed δ error made the loss explode in **{b['exploded_runs']} of "
             f"{b['runs']} runs**, at k = {_ks(b['exploded_ks'])} ({steps(b)}); at k = {_ks(b['runaway_only_ks'])} "
             "the layer-1 logits ran away but the loss had not exploded by the end of the run."]
-    text.append(f"The control, the same magnitude with a random sign per row, exploded in **{c['exploded_runs']} of "
-                f"{c['runs']} runs** "
+    text.append(f"The control, the same magnitude with a random sign per row, made the loss explode in "
+                f"**{c['exploded_runs']} of {c['runs']} runs** "
                 + (f"({steps(c)})" if c["exploded_runs"] else f"(k = {_ks(c['ks'])})")
                 + (f", and its logits ran away without an explosion at k = {_ks(c['runaway_only_ks'])}"
                    if c["runaway_only_ks"] else "")
-                + (f"; at k = {_ks(f['bias_decides_ks'])} every biased run exploded and no control did, so there, "
+                + (f"; at k = {_ks(f['bias_decides_ks'])} the loss exploded in every biased run and in no control "
+                   "run, so there, "
                    f"with {_n_control(table, f['bias_decides_ks'])} at each dose and on the `repro` preset only, the "
                    "*bias*, not the size of the δ error, decides whether the loss explodes" if f["bias_decides_ks"]
                    else "")
