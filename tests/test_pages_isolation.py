@@ -239,8 +239,11 @@ def test_base_rate_text_reads_each_quiet_row_against_the_plain_bf16_runs():
                           "exploded": [True, True, False, False, False]})
     text = base_rate_text(recipe, fates)
     # by 6,000: 4,900 and 5,800 exploded, 7,000 ran past; 5,200 stopped too soon; by 5,000: 4,900 of 3 that can say
-    assert "`a` stopped at step 6,000, by which the plain BF16 loss had exploded in 2 of 3 runs" in text
-    assert "`b` stopped at step 5,000, by which the plain BF16 loss had exploded in 1 of 4 runs" in text
+    assert "`a` (6,000 steps): the plain BF16 loss had exploded by then in 2 of 3 runs" in text
+    assert "`b` (5,000 steps): the plain BF16 loss had exploded by then in 1 of 4 runs" in text
+    same = recipe.assign(steps=[5450, 9920, 6000, 6000, 5500, 4000])  # one count for both rows: said once
+    assert ("`a` (6,000 steps) and `b` (6,000 steps): the plain BF16 loss had exploded by then in 2 of 3 runs."
+            in base_rate_text(same, fates))
     assert "`c`" not in text and "`d`" not in text
     assert base_rate_text(recipe.loc[["c", "d"]], fates) == ""
 

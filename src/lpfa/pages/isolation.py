@@ -404,13 +404,14 @@ def base_rate_text(recipe, fates: pd.DataFrame | None = None) -> str:
     bf16 = fates[fates.precision == "bf16"] if len(fates) else fates
     if quiet.empty or bf16.empty:
         return ""
-    parts = []
+    groups: dict[tuple[int, int], list[str]] = {}  # (k, n) -> the rows it holds for, with their steps
     for label, r in quiet.iterrows():
         k, n = failed_within(bf16["end"], bf16["exploded"], int(r["steps"]))
-        parts.append(f"`{label.removesuffix('_paper_recipe')}` stopped at step {int(r['steps']):,}, by which the "
-                     f"plain BF16 loss had exploded in {k} of {n} runs")
+        groups.setdefault((k, n), []).append(f"`{label.removesuffix('_paper_recipe')}` ({int(r['steps']):,} steps)")
     return ("Each row is one run, so a row whose loss did not explode is read against how often the plain BF16 loss "
-            "explodes that soon: " + "; ".join(parts) + ".")
+            "explodes that soon: "
+            + "; ".join(f"{and_join(rows)}: the plain BF16 loss had exploded by then in {k} of {n} runs"
+                        for (k, n), rows in groups.items()) + ".")
 
 
 def outlier_heads_text(experiment: str = "paper_recipe", row: str = "fp32_outlier_heads_paper_recipe",
