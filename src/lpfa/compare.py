@@ -62,6 +62,11 @@ def head_metric_frame(run_dir: str | Path, metric: str):
     )
 
 
+def heads_at(frame: pd.DataFrame, layer: int, step: int) -> pd.Series:
+    """One layer's per-head values at one diagnostics step of a :func:`head_metric_frame`, indexed by head."""
+    return frame[(frame.layer == layer) & (frame.step == step)].set_index("head").value
+
+
 def step_before_failure(
     runs: dict,
     metric: str = "wq_spectral_norm",

@@ -20,7 +20,7 @@ import re
 import pandas as pd
 
 from lpfa.audit import PRODUCTION, at_largest_T, ci_text, excludes_zero, load_audit, result
-from lpfa.compare import head_metric_frame, precursor_table, step_before_failure
+from lpfa.compare import head_metric_frame, heads_at, precursor_table, step_before_failure
 from lpfa.data import GPU_CORPUS_TRAIN_TOKENS
 from lpfa.dose import committed_runs, dose_findings, dose_table
 from lpfa.experiments import MECHANISM_CONTROL, MECHANISM_REPLAY
@@ -94,7 +94,7 @@ def _fig2_rows(experiment: str, layer: int, root) -> list[dict]:
     # Fig. 3: every head of the layer at the last diagnostics step before the BF16 explosion (as page 07 draws it)
     frames = {k: head_metric_frame(d, "wq_spectral_norm") for k, d in pairs[first].items()}  # read once, used twice
     at = step_before_failure(pairs[first], frames=frames, verdicts=v)
-    heads = {k: f[(f.layer == layer) & (f.step == at)].set_index("head").value for k, f in frames.items()}
+    heads = {k: heads_at(f, layer, at) for k, f in frames.items()}
     ratio = heads["bf16"] / heads["fp32"]
     grown = int((ratio > 1.25).sum())
     rows.append(_row("The W_Q spectral norm of a few heads in an early layer grows before the explosion", "Fig. 3",

@@ -22,6 +22,7 @@ from lpfa.compare import (
     OUTCOMES,
     experiment_table,
     head_metric_frame,
+    heads_at,
     layer_max,
     outcome,
     plot_logit_runaway,
@@ -431,8 +432,7 @@ def outlier_heads_text(experiment: str = "paper_recipe", row: str = "fp32_outlie
     chosen = sorted(heads.get(layer, []))
 
     def at(label, metric):
-        f = head_metric_frame(found[label], metric)
-        return f[(f.layer == layer) & (f.step == step)].set_index("head").value
+        return heads_at(head_metric_frame(found[label], metric), layer, step)
 
     ratio = (at("bf16_paper_recipe", "wq_spectral_norm") / at("fp32_paper_recipe", "wq_spectral_norm")).sort_values(
         ascending=False)

@@ -58,7 +58,7 @@ CENSORED_LABEL = "no failure by the end of the run"
 # x offsets (factors of k) in the dose figure, so runs at one dose do not hide each other
 DODGE = {"control": 1.1, "other": 1 / 1.1}
 # the step by which a run of the recipe counts as having exploded or not (the survival text, Fig. 2's verdict): past
-# every committed BF16 explosion (4,883 to 5,818), within what one GPU run reaches
+# most committed BF16 explosions (a later one counts as not by then), within what one GPU run reaches
 HORIZON = 6000
 # how far past its seed's BF16 explosion an FP32 run must train to say that FP32 attention did not explode there
 TWIN_MARGIN = 1000

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from lpfa.compare import divergence_step, growth_table, head_metric_frame, layer_max
+from lpfa.compare import divergence_step, growth_table, head_metric_frame, heads_at, layer_max
 from lpfa.pages import provenance_line
 from lpfa.pages.loss_explosion import recipe_rows
 from lpfa.params import dict_of, integer, optional, text
@@ -108,8 +108,7 @@ def wq_ratio_text(runs: dict, layer: int, step: int, bf16: str = "bf16", fp32: s
     is layer-wide (more than half the heads) or carried by a few heads, as in the paper."""
     at = {}
     for label in (bf16, fp32):
-        f = head_metric_frame(runs[label], "wq_spectral_norm")
-        at[label] = f[(f.layer == layer) & (f.step == step)].set_index("head").value
+        at[label] = heads_at(head_metric_frame(runs[label], "wq_spectral_norm"), layer, step)
     top = (at[bf16] / at[fp32]).sort_values(ascending=False)
     n = int((top > grown).sum())
     return (f"At step {step:,}, layer {layer}'s heads {', '.join(str(h) for h in top.index[:3])} have the largest "

@@ -327,7 +327,7 @@ def untimed_stabilisers(costs) -> list[str]:
             if label not in BASES and stabiliser_seed(label)[1] is None and label not in costs.index]
 
 
-# steps per row: the survival count's horizon (lpfa.pages.loss_explosion.HORIZON), past every committed BF16 explosion
+# steps per row: the survival count's horizon (lpfa.pages.loss_explosion.HORIZON), past most committed BF16 explosions
 STABILISER_STEPS = 6000
 
 
@@ -372,9 +372,10 @@ def alone_overhead(root=None) -> tuple[float, str] | None:
         return None
     for folder in reversed(folders):  # newest first
         runs = [d for d in sorted(folder.iterdir()) if (d / "summary.json").is_file()]
-        if len(runs) != 1 or not Run(runs[0]).train.get("compile"):
+        run = Run(runs[0]) if len(runs) == 1 else None
+        if run is None or not run.train.get("compile"):
             continue
-        price, summary = run_price(runs[0]), Run(runs[0]).summary
+        price, summary = run_price(runs[0]), run.summary
         return summary["wall_s"] - summary["steps"] * price["step_s"], f"{folder.name}/{runs[0].name}"
     return None
 
@@ -400,7 +401,7 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
         tps = alone.get(stabiliser_seed(label)[0])
         return None if tps is None else (tokens / tps + overhead) / 60
 
-    timed = {label: minutes(label) for label in pending if minutes(label) is not None}
+    timed = {label: m for label in pending if (m := minutes(label)) is not None}
     untimed = [label for label in pending if label not in timed]
     speeds, sharing = stabiliser_speeds(root)
     compared, gains = [], []
