@@ -51,12 +51,57 @@ def test_bench_file_names_a_missing_run():
         kn.bench_file("bench.json", "nope")
 
 
-def test_provenance_notes_name_the_latest_run_and_its_commit():
-    latest = results.runs(kn.EXPERIMENT)[-1]
+def test_provenance_notes_name_the_latest_complete_run_and_its_commit():
+    complete = [r for r in results.runs(kn.EXPERIMENT) if (r / "bench.json").is_file()
+                and json.loads((r / "bench.json").read_text()).get("complete", True)]
+    latest = complete[-1]
     prov = json.loads((latest / "provenance.json").read_text())
     notes = kn.provenance_notes()
     assert notes["bench_run"] == f"`{latest.name}`" and f"commit `{prov['git_commit']}`" in notes["bench_env"]
     assert notes["bench_command"] == f"`{prov['command']}`"
+
+
+def _row(tflops, graph):
+    return {"fwd_tflops": tflops, "bwd_tflops": tflops, "fwd_bwd_tflops": tflops, "graph_fwd_bwd_tflops": graph}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A results store with an attention benchmark whose newest run was cut after three speed rows."""
+    monkeypatch.setattr(results, "results_dir", lambda: tmp_path)
+    exp = tmp_path / kn.EXPERIMENT
+    runs = {"h200-2026-01-01": ({"rows": {"sdpa_flash": _row(100.0, 120.0)}, "complete": True}, "2026-01-01"),
+            "h100-2026-02-01": ({"rows": {"sdpa_flash": _row(100.0, 160.0), "fa2": _row(50.0, 120.0),
+                                          "fa2:finite": _row(90.0, 200.0)}, "complete": False}, "2026-02-01")}
+    for name, (bench, date) in runs.items():
+        (exp / name).mkdir(parents=True)
+        (exp / name / "bench.json").write_text(json.dumps(bench))
+        (exp / name / "provenance.json").write_text(json.dumps(
+            {"date_utc": date, "device": f"GPU {name[:4]}", "git_commit": "abcdef0123-dirty", "torch": "t",
+             "triton": "tr", "command": "c"}))
+    (exp / "h200-2026-01-01" / "memory.json").write_text("{}")
+    return exp
+
+
+def test_the_speed_table_skips_a_run_cut_by_its_time_limit(store):
+    """A bench.json with complete false lacks rows the page's ratios need: the page keeps the latest complete run's
+    table and provenance, names the cut run apart, and still reads a named run as it is."""
+    assert kn.bench_run_of("bench.json") == store / "h200-2026-01-01"
+    assert kn.bench_file("bench.json")["complete"] is True
+    assert kn.provenance_notes()["bench_run"] == "`h200-2026-01-01`"
+    assert kn.bench_file("bench.json", "h100-2026-02-01")["complete"] is False
+    assert kn.partial_runs() == [store / "h100-2026-02-01"]
+    assert kn.partial_runs("h100-2026-02-01") == []
+
+
+def test_partial_speed_text_gives_the_cut_runs_gpu_time_ratios(store):
+    text = kn.partial_speed_text(kn.partial_runs())
+    # by GPU time (the CUDA-graph columns): fa2 120/160, fa2:finite 200/160; paper was not timed, so not named
+    assert text.startswith("A later run, `h100-2026-02-01` (GPU h100, commit `abcdef0`), was cut by its time limit "
+                           "after 3 rows of the speed table;")
+    assert "0.75× for `fa2` of SDPA-flash's speed" in text and "paper" not in text
+    assert "checks off (as the trainer calls the kernels) at 1.25× for `fa2:finite`" in text
+    assert kn.partial_speed_text([]) == ""
 
 
 def test_check_table_holds_each_tensor_of_each_preset():

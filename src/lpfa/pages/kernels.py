@@ -41,15 +41,69 @@ NCU_MIN_US, NCU_BIG_US = 5.0, 100.0  # kernels counted per pass; the attention k
 POLICY_FIELDS = ("scores", "p_bar", "o_block", "accumulator", "o_store", "delta", "backward")
 
 
-def bench_file(name: str, run: str | None = None):
-    """``name`` of the attention benchmark's run ``run`` (:func:`lpfa.results.load`; None: the latest run that has
-    it), parsed where it is JSON."""
-    return load(EXPERIMENT, name, run)
+def is_complete(bench: dict) -> bool:
+    """Whether a ``bench.json`` holds every row its run set out to time: ``benchmarks/attention.py`` writes it after
+    each row, with ``complete`` false until the last (a run cut by its time limit keeps the rows it timed). Runs
+    written before the flag existed are complete."""
+    return bool(bench.get("complete", True))
 
 
 def bench_run_of(name: str, run: str | None = None):
-    """The folder the page reads ``name`` from: ``run``'s, or with ``run`` None the latest run that holds ``name``."""
-    return run_dir(EXPERIMENT, run) if run else file_run(EXPERIMENT, name)
+    """The folder the page reads ``name`` from: ``run``'s, or with ``run`` None the latest run that holds ``name``;
+    for ``bench.json`` the latest whose table is complete (:func:`is_complete`: the page's ratios need every row)."""
+    if run:
+        return run_dir(EXPERIMENT, run)
+    if name == "bench.json":
+        for r in reversed(result_runs(EXPERIMENT)):
+            bench = _bench_of(r)
+            if bench is not None and is_complete(bench):
+                return r
+    return file_run(EXPERIMENT, name)
+
+
+def _bench_of(folder) -> dict | None:
+    """The ``bench.json`` of a run folder, None where it has none or no provenance (not used)."""
+    if (folder / "bench.json").is_file() and (folder / "provenance.json").is_file():
+        return load(EXPERIMENT, "bench.json", folder.name)
+    return None
+
+
+def bench_file(name: str, run: str | None = None):
+    """``name`` of the attention benchmark's run ``run`` (:func:`lpfa.results.load`; None: the run
+    :func:`bench_run_of` picks), parsed where it is JSON."""
+    return load(EXPERIMENT, name, bench_run_of(name, run).name)
+
+
+def partial_runs(run: str | None = None) -> list:
+    """The benchmark runs after the page's speed table's (:func:`bench_run_of`) whose ``bench.json`` is not complete
+    (cut by their time limit), oldest first: what they timed is newer than the page's table, but not all of it."""
+    base = bench_run_of("bench.json", run)
+    later = result_runs(EXPERIMENT)
+    later = later[later.index(base) + 1:]
+    return [r for r in later if (bench := _bench_of(r)) is not None and not is_complete(bench)]
+
+
+def partial_speed_text(runs: list) -> str:
+    """One sentence per run of :func:`partial_runs`: its device, commit and the rows it timed, with ``fa2``'s and
+    ``paper``'s forward+backward ratio to SDPA-flash by GPU time (replayed from a CUDA graph), and with the non-finite
+    checks off (``:finite``, as the trainer calls them) where it timed that. "" without such runs."""
+    out = []
+    for r in runs:
+        bench, prov = _bench_of(r), load(EXPERIMENT, "provenance.json", r.name)
+        t = speed_table(bench)
+        col = "GPU-only ratio" if "GPU-only ratio" in t.columns else "ratio to SDPA-flash"
+        how = "by GPU time (replayed from a CUDA graph)" if col == "GPU-only ratio" else "by `do_bench`"
+        parts = [f"{t.loc[n, col]:.2f}× for `{n}`" for n in ("fa2", "paper") if n in t.index]
+        finite = [f"{t.loc[n, col]:.2f}× for `{n}`" for n in ("fa2:finite", "paper:finite") if n in t.index]
+        if not parts:
+            continue
+        commit = str(prov["git_commit"]).removesuffix("-dirty")[:7]
+        out.append(f"A later run, `{r.name}` ({prov['device']}, commit `{commit}`), was cut by its time limit after "
+                   f"{len(t)} rows of the speed table; {how}, forward and backward ran at " + " and ".join(parts)
+                   + " of SDPA-flash's speed in the same run"
+                   + (", and with the non-finite checks off (as the trainer calls the kernels) at "
+                      + " and ".join(finite) if finite else "") + ".")
+    return " ".join(out)
 
 
 def presets_table():
@@ -97,10 +151,11 @@ def rerun_benchmark() -> str:
 
 
 def provenance_notes(run: str | None = None) -> dict[str, str]:
-    """The run's provenance for the page's text: ``bench_run`` (its name), ``bench_env`` (device, torch, Triton,
-    commit, date) and ``bench_command``."""
-    prov = bench_file("provenance.json", run)
-    return {"bench_run": f"`{run_dir(EXPERIMENT, run).name}`",
+    """The provenance of the speed table's run (:func:`bench_run_of`) for the page's text: ``bench_run`` (its name),
+    ``bench_env`` (device, torch, Triton, commit, date) and ``bench_command``."""
+    folder = bench_run_of("bench.json", run)
+    prov = load(EXPERIMENT, "provenance.json", folder.name)
+    return {"bench_run": f"`{folder.name}`",
             "bench_env": (f"{prov['device']}, torch {prov['torch']}, Triton {prov['triton']}, "
                           f"commit `{prov['git_commit']}`, {prov['date_utc']}"),
             "bench_command": f"`{prov['command']}`"}
@@ -656,7 +711,8 @@ def load_page(run: str | None) -> KernelsPage:
 
 def page_texts(p: KernelsPage) -> dict[str, str]:
     """Every sentence and number page 12 glues into its prose, by name, from :func:`load_page`."""
-    return {**provenance_notes(p.run), **speed_notes(p.bench), **overhead_notes(p.overhead, p.run),
+    return {**provenance_notes(p.run), **speed_notes(p.bench),
+            "speed_partial": partial_speed_text(partial_runs(p.run)), **overhead_notes(p.overhead, p.run),
             "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes),
             **ncu_notes(p.ncu, p.ncu_table, p.ncu_run), **sfa_overhead_notes(p.sfa, p.sfa_run),
             **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run), **full_table_notes()}
