@@ -25,6 +25,7 @@ from lpfa.pages.loss_explosion import (
     twin_runs,
     verdict_table,
 )
+from lpfa.plotting import MAX_ROWS
 from lpfa.run import run_verdict
 from lpfa.scaling import PAPER_EXPLOSION_STEP, committed_speed
 from lpfa.train import PRESETS
@@ -77,9 +78,11 @@ def test_opening_text_carries_the_twins_numbers(fig2):
     text = opening_text("paper_recipe", None, TWINS, verdicts, conf, crit)
     bf16 = _json(runs["bf16"] / "summary.json")
     from lpfa.pages import VERDICT_WORDS
-    from lpfa.pages.loss_explosion import fig2_verdict, recipe_fates
+    from lpfa.pages.loss_explosion import fate_counts, fig2_verdict, recipe_fates
 
-    assert text.startswith(f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(recipe_fates())]}: the loss exploded in ")
+    # the verdict over every run; the counts are the scorecard's note above the lead, not repeated in it
+    assert text.startswith(f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(recipe_fates())]}** by every committed run")
+    assert fate_counts(recipe_fates()) not in text
     assert f"the BF16 twin's loss exploded at step {bf16['explosion_step']:,}" in text
     assert f"**{_tokens(conf):,} tokens per step**" in text
     assert f"about step {PAPER_EXPLOSION_STEP:,}" in text
@@ -289,6 +292,29 @@ def test_survival_table_and_text_on_known_runs():
     assert "`run2` (BF16, seed 3, compiled, 7,000 steps)" in text
     assert len(plot_survival(fates).axes[0].get_lines()) >= 2
     assert survival_text(pd.DataFrame()) == "No run of the paper's GPT-2 S recipe is committed."
+
+
+def test_fates_summary_counts_each_precision_and_seed():
+    """Page 06's table: one row per (precision, seed), the runs and explosions of that seed, the longest run that did
+    not explode and the earliest runaway; the full table (every run) goes to a CSV instead."""
+    from lpfa.pages.loss_explosion import fates_summary, full_fates_table, recipe_fates
+
+    fates = pd.DataFrame({"precision": ["bf16"] * 4 + ["fp32"] * 2, "seed": [3, 1, 3, 3, 1, 3],
+                          "compiled": [True] * 6, "steps": [5200, 6000, 7000, 5500, 9000, 4000],
+                          "exploded": [True, False, False, True, False, False],
+                          "explosion step": [5000, None, None, 5400, None, None],
+                          "runaway step": [3000, None, 2800, None, None, None],
+                          "end": [5000, 6000, 7000, 5400, 9000, 4000]}, index=[f"e/r/run{i}" for i in range(6)])
+    t = fates_summary(fates)
+    assert t.index.tolist() == [("bf16", 1), ("bf16", 3), ("fp32", 1), ("fp32", 3)]
+    assert t.loc[("bf16", 3)].tolist() == [3, 2, "5,000, 5,400", 7000, 2800]
+    assert t.loc[("bf16", 1), "explosion steps"] == "" and pd.isna(t.loc[("bf16", 1), "first runaway step"])
+    assert t.loc[("fp32", 3), "longest run without exploding"] == 4000
+    committed = recipe_fates()
+    assert len(fates_summary(committed)) <= MAX_ROWS
+    full, what, sources = full_fates_table()
+    assert full.index.tolist() == committed.index.tolist() and "end" not in full.columns
+    assert sources == sorted(sources) and all(s.startswith("results/") for s in sources)
 
 
 def test_batch_text_says_what_the_smaller_batch_changes():

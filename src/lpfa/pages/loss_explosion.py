@@ -130,7 +130,8 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
     :func:`lpfa.run.run_verdict`) of the twins trained with ``conf`` (the BF16 twin's train config), set against the
     paper's recipe and explosion step; with ``n_pairs`` committed BF16/FP32 pairs (:func:`fig2_twins`), their
     ``seeds`` (:func:`seed_table`, when there are at least two) and the SFA twin's verdict ``sfa`` where one is
-    committed. With ``fates`` (:func:`recipe_fates`) the lead counts every committed run of the recipe instead."""
+    committed. With ``fates`` (:func:`recipe_fates`) the verdict is over every committed run of the recipe instead
+    (:func:`fig2_verdict`; their counts are the scorecard's note, :func:`fate_counts`, just above the lead)."""
     b, f = verdicts["bf16"], verdicts["fp32"]
     paper = PRESETS["gpt2-s-paper"]
     recipe = (f"the paper's own recipe at GPT-2 S size (`{conf['model']}`, T = {conf['block_size']}, peak lr "
@@ -149,15 +150,17 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
                    f"did not explode in {sfa['steps']:,} steps")
                 + " (the SFA page). ")
     if fates is not None and not fates.empty:
-        lead = f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}: {fate_counts(fates)}.** {horizon_text(fates)} "
+        # the counts themselves are in the scorecard's note right above the lead, and under the survival curve
+        lead = (f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}** by every committed run of the recipe (counted in "
+                "the note above and drawn as a survival curve below). ")
     else:
         lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** "
     return (lead + f"With {recipe}, the BF16 twin's loss exploded at step {b['explosion_step']:,} "
             f"({b['explosion_step'] * tokens_per_step(conf) / 1e6:.0f}M tokens), while its FP32 twin trained "
             f"{f['steps']:,} steps on the same batches without exploding. The paper's run exploded at about step "
             f"{PAPER_EXPLOSION_STEP:,} ({paper_explosion_tokens() / 1e9:.1f}B tokens at its batch). "
-            + ("Every committed run of the recipe is counted below, as a survival curve. " if fates is not None
-               and not fates.empty else "" if seeds is None or len(seeds) < 2 else seeds_text(seeds) + " ")
+            + ("" if fates is not None and not fates.empty or seeds is None or len(seeds) < 2
+               else seeds_text(seeds) + " ")
             + ("" if n_pairs >= 3 or fates is not None else
                f"{'One pair does' if n_pairs == 1 else f'{n_pairs} pairs do'} not measure the spread of the explosion "
                "step: more seeds at this recipe are still to run. ")
@@ -807,6 +810,38 @@ def recipe_fates(root=None) -> pd.DataFrame:
                      "runaway step": v.get("runaway_step"),
                      "end": v["explosion_step"] if v["exploded"] else v["steps"]})
     return pd.DataFrame(rows).set_index("run") if rows else pd.DataFrame()
+
+
+def fates_summary(fates: pd.DataFrame) -> pd.DataFrame:
+    """:func:`recipe_fates` per attention precision and seed, as page 06 shows it (every run's row is a CSV:
+    :func:`full_fates_table`): the runs, how many of them exploded and at which steps, the longest run that stopped
+    without exploding, and the earliest logit runaway."""
+    rows = []
+    for (precision, seed), g in fates.groupby(["precision", "seed"]):
+        quiet, runaway = g.loc[~g.exploded, "steps"], g["runaway step"].dropna()
+        rows.append({"precision": precision, "seed": int(seed), "runs": len(g), "exploded": int(g.exploded.sum()),
+                     "explosion steps": ", ".join(f"{int(x):,}" for x in sorted(g.loc[g.exploded, "explosion step"])),
+                     "longest run without exploding": int(quiet.max()) if len(quiet) else None,
+                     "first runaway step": int(runaway.min()) if len(runaway) else None})
+    return pd.DataFrame(rows).set_index(["precision", "seed"])
+
+
+def full_fates_table():
+    """The full table behind :func:`fates_summary` for :mod:`lpfa.pages.tables`: :func:`recipe_fates`, one row per
+    run, what it is, and the experiments it read."""
+    fates = recipe_fates()
+    what = ("Page 06's full table: every committed run of the paper's GPT-2 S recipe with the paper's BF16 attention "
+            "or FP32 attention and nothing else changed, with whether and when its loss exploded and its logits ran "
+            "away (lpfa.pages.loss_explosion.recipe_fates)")
+    return fates.drop(columns="end"), what, [f"results/{e}" for e in sorted({r.split("/")[0] for r in fates.index})]
+
+
+def fates_table_text() -> str:
+    """What page 06's table of :func:`fates_summary` shows, with a link to every run's row."""
+    from lpfa.pages.tables import link
+
+    return ("The table counts the runs per attention precision and seed; every run's row, with its folder, steps and "
+            f"whether it was compiled, is in {link('recipe_fates')}.")
 
 
 def fate_counts(fates: pd.DataFrame) -> str:

@@ -21,6 +21,7 @@ from lpfa.paths import repo_root
 FOLDER = "results/tables"  # under the repository root; the book copies it beside the pages
 # name -> (module, function): the function returns (DataFrame, what it is in a sentence, [results folders it read])
 FULL_TABLES = {
+    "recipe_fates": ("lpfa.pages.loss_explosion", "full_fates_table"),
     "early_warning_replay": ("lpfa.pages.early_warning", "full_replay_table"),
     "kernel_bias_audit": ("lpfa.pages.kernel_bias", "full_bias_table"),
     "attention_shapes": ("lpfa.pages.kernels", "full_shapes_table"),
