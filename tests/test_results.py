@@ -863,9 +863,10 @@ def test_stabiliser_plan_times_each_row_alone_with_the_measured_overhead():
     tps, run = speeds["FP32, compiled"]
     solo = tokens / (tokens / alone["fp32_paper_recipe"] + seconds)
     assert f"FP32, compiled: {sharing} × {tps:,.0f} tokens/s (`{run}`) against {solo:,.0f} for" in text
-    assert text.startswith("Two runs sharing an H200 trained no faster together" if max(
+    shared = f"Runs sharing an H200 ({sharing} at a time) trained "
+    assert text.startswith(shared + "no faster together" if max(
         sharing * speeds[k][0] / (tokens / (tokens / alone[r] + seconds)) for k, r in
-        (("FP32, compiled", "fp32_paper_recipe"), ("BF16, compiled", "bf16_paper_recipe"))) < 1.05 else "Two runs")
+        (("FP32, compiled", "fp32_paper_recipe"), ("BF16, compiled", "bf16_paper_recipe"))) < 1.05 else shared)
 
 
 def test_muon_clip_rows_are_held_against_their_twins_and_the_muon_base():
@@ -1256,14 +1257,15 @@ def test_stabiliser_plan_times_rows_alone_and_says_whether_sharing_gains(tmp_pat
         return stabiliser_plan(["bf16_softcap", "bf16_qknorm_s1", "fp32_softcap"], root=root)
 
     slow = plan({"bf16_gated": tokens / 140_000, "fp32_gated": tokens / 90_000})  # 2 × 140k < 300k; 2 × 90k < 200k
-    assert slow.startswith("Two runs sharing an H200 trained no faster together than one alone, each counted over "
-                           "6,000 steps with compilation and evaluations (BF16, compiled: 2 × 140,000 tokens/s "
-                           "(`bf16_gated`) against 300,000 for `bf16_paper_recipe` alone; FP32, compiled: 2 × 90,000")
+    assert slow.startswith("Runs sharing an H200 (2 at a time) trained no faster together than one alone, each "
+                           "counted over 6,000 steps with compilation and evaluations (BF16, compiled: 2 × 140,000 "
+                           "tokens/s (`bf16_gated`) against 300,000 for `bf16_paper_recipe` alone; FP32, compiled: "
+                           "2 × 90,000")
     assert f"`bf16_softcap` {tokens / 250_000 / 60:.1f} min, `bf16_qknorm_s1` {tokens / 280_000 / 60:.1f} min" in slow
     assert f": {(tokens / 250_000 + tokens / 280_000) / 60:.0f} GPU-minutes in all; `fp32_softcap` not timed" in slow
     assert slow.endswith(f"({RERUN_PAGE} gives the commands).")
     fast = plan({"bf16_gated": tokens / 180_000, "fp32_gated": tokens / 90_000})  # 360k: 20% over one alone
-    assert fast.startswith("Two runs sharing an H200 trained up to 20% faster together than one alone")
+    assert fast.startswith("Runs sharing an H200 (2 at a time) trained up to 20% faster together than one alone")
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 

@@ -383,9 +383,10 @@ def alone_overhead(root=None) -> tuple[float, str] | None:
 def stabiliser_plan(pending: list[str], root=None) -> str:
     """What the ``pending`` stabiliser rows cost to run, one at a time: :data:`STABILISER_STEPS` steps at the recipe's
     batch, each at its speed alone on one GPU (:func:`stabiliser_costs`; a second seed at its row's) plus the time a
-    run alone spends outside its steps (:func:`alone_overhead`). The lead says whether two runs sharing one H200
-    (:func:`stabiliser_speeds`) trained faster together than one alone, both sides counted with that overhead over the
-    same steps ("no faster" below 5%). Empty without the recipe's BF16 run or a speed benchmark."""
+    run alone spends outside its steps (:func:`alone_overhead`). The lead says whether the runs sharing one H200
+    (:func:`stabiliser_speeds`: how many, and their speeds) trained faster together than one alone, both sides
+    counted with that overhead over the same steps ("no faster" below 5%). Empty without the recipe's BF16 run or a
+    speed benchmark."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
@@ -414,8 +415,9 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
                             f"`{ref}` alone")
     gain = max(gains, default=None)
     lead = ("" if gain is None else
-            f"Two runs sharing an H200 trained {'no faster' if gain < 0.05 else f'up to {gain:.0%} faster'} together "
-            f"than one alone, each counted over {STABILISER_STEPS:,} steps with compilation and evaluations ("
+            f"Runs sharing an H200 ({sharing} at a time) trained "
+            f"{'no faster' if gain < 0.05 else f'up to {gain:.0%} faster'} together than one alone, each counted over "
+            f"{STABILISER_STEPS:,} steps with compilation and evaluations ("
             + "; ".join(compared) + "). ")
     return (lead + "Alone on one GPU, at each row's speed there (`benchmarks/stabiliser_cost.py`)"
             + (f" and the {overhead:.0f} s that a run alone spends outside its steps (compilation, evaluations, the "
