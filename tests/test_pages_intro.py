@@ -67,6 +67,14 @@ def test_plot_fig2_marks_the_bf16_explosion(tmp_path):
     assert plot_fig2("paper_recipe", root=tmp_path) is None  # no committed twins: no figure
 
 
+def test_the_pages_word_helpers():
+    from lpfa.pages import and_join, capital, plural
+
+    assert [plural(n, "seed") for n in (0, 1, 2)] == ["seeds", "seed", "seeds"]
+    assert and_join([]) == "" and and_join(["a"]) == "a" and and_join(["a", "b", "c"]) == "a, b and c"
+    assert capital("the loss") == "The loss" and capital("") == ""
+
+
 def test_setting_of_names_the_preset_a_run_was_trained_with():
     from lpfa.pages import setting_of
     from lpfa.train import PRESETS

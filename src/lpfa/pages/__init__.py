@@ -34,6 +34,11 @@ def and_join(items: list[str]) -> str:
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
 
 
+def plural(n: int, noun: str) -> str:
+    """``noun`` for one, ``noun`` + "s" for any other count (0 included): ``f"{n} {plural(n, 'seed')}"``."""
+    return noun if n == 1 else noun + "s"
+
+
 def capital(text: str) -> str:
     """``text`` with its first letter upper-cased (a clause that begins a sentence); the rest as it is."""
     return text[:1].upper() + text[1:]

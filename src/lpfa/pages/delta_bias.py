@@ -12,7 +12,7 @@ import pandas as pd
 
 from lpfa.compare import same_recipe_runs
 from lpfa.explosion import RunawayCriterion
-from lpfa.pages import and_join, setting_of
+from lpfa.pages import and_join, plural, setting_of
 from lpfa.params import dict_of, optional, text
 from lpfa.plotting import COLORS, format_table, use_style
 from lpfa.replay import bias_test, choose_layer_heads, delta_bias_frame, detail_steps, load_replay
@@ -413,7 +413,7 @@ def trajectory_text(table: pd.DataFrame) -> str:
         "\n".join(lines) + f"\n\nThe bias is strongest at step {best[0]:,} (head {best[1]}, t = "
         f"{table['t'].max():.1f})"
         + (
-            f"; at step{'s' if len(weak) > 1 else ''} {', '.join(weak)} no head's t statistic reaches {STRONG_T}"
+            f"; at {plural(len(weak), 'step')} {', '.join(weak)} no head's t statistic reaches {STRONG_T}"
             if weak
             else ""
         )

@@ -29,7 +29,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_respon
 from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
-from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, setting_of
+from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, plural, setting_of
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -154,7 +154,7 @@ def fig2_headline(verdicts: dict, conf: dict, n_pairs: int, seeds=None, sfa: dic
         lead = (f"**Fig. 2 is {VERDICT_WORDS[fig2_verdict(fates)]}** by every committed run of the recipe (counted in "
                 "the note above and drawn as a survival curve below). ")
     else:
-        lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} seed{'s' if n_pairs > 1 else ''}.** "
+        lead = f"**Fig. 2 is reproduced, with {n_pairs if n_pairs > 1 else 'one'} {plural(n_pairs, 'seed')}.** "
     return (lead + f"With {recipe}, the BF16 twin's loss exploded at step {b['explosion_step']:,} "
             f"({b['explosion_step'] * tokens_per_step(conf) / 1e6:.0f}M tokens), while its FP32 twin trained "
             f"{f['steps']:,} steps on the same batches without exploding. The paper's run exploded at about step "
@@ -332,11 +332,11 @@ def seeds_text(table) -> str:
                 f"; the other had not exploded when its run ended, at step {alive.iloc[0]:,}" if len(alive) == 1 else
                 f"; the other {len(alive)} had not exploded when their runs ended, at steps "
                 f"{and_join([f'{s:,}' for s in sorted(alive)])}")
-    text = (f"The BF16 run's loss exploded in {len(boom)} of {len(table)} seed{'s' if len(table) > 1 else ''}"
-            + (f" (at step{'s' if len(boom) > 1 else ''} {and_join([f'{s:,}' for s in sorted(boom)])})"
+    text = (f"The BF16 run's loss exploded in {len(boom)} of {len(table)} {plural(len(table), 'seed')}"
+            + (f" (at {plural(len(boom), 'step')} {and_join([f'{s:,}' for s in sorted(boom)])})"
                if len(boom) else "")
             + censored
-            + f"; {len(ran)} FP32 twin{'s' if len(ran) != 1 else ''} ran"
+            + f"; {len(ran)} FP32 {plural(len(ran), 'twin')} ran"
             + (f" ({and_join([f'{int(s):,}' for s in ran['fp32 steps']])} steps)" if len(ran) else "")
             + f" and {int(ran['fp32 exploded'].astype(bool).sum())} exploded")
     missing = [str(int(table.loc[label, "seed"])) for label in table.index[table["fp32 exploded"].isna()]]
@@ -494,7 +494,7 @@ def dose_text(table: pd.DataFrame, base: str = "paper_untiled") -> str:
     b, c = f["bias"], f["control"]
 
     def steps(d):
-        return "; ".join(f"k = {k:g}: step{'s' if len(v) > 1 else ''} {', '.join(f'{s:,}' for s in v)}"
+        return "; ".join(f"k = {k:g}: {plural(len(v), 'step')} {', '.join(f'{s:,}' for s in v)}"
                          for k, v in d["explosion_steps"].items() if v)
 
     text = [f"With its BF16 sign kept, the dosed δ error made the loss explode in **{b['exploded_runs']} of "
@@ -702,7 +702,7 @@ def dose_view(table: pd.DataFrame, fit: dict | None, k: float, what: str = "expl
              "runaway": "its logits did not run away"}.get(event, f"no {event}")
     runs = ", ".join(f"{label} ({quiet} by step {int(table.at[label, 'steps']):,})" if pd.isna(y[label])
                      else f"{label} (step {int(y[label]):,})" for label in at_k)
-    text = f"At dose k = {k:g}: " + (f"{len(at_k)} run{'s' if len(at_k) > 1 else ''}: {runs}." if len(at_k) else
+    text = f"At dose k = {k:g}: " + (f"{len(at_k)} {plural(len(at_k), 'run')}: {runs}." if len(at_k) else
                                      "no committed run.")
     pred, lo, hi = predict(fit, k) if fit is not None else (math.nan,) * 3
     if math.isfinite(pred):
@@ -947,7 +947,7 @@ def same_seed_text(fates: pd.DataFrame, precision: str = "bf16") -> str:
         boom = sorted(int(x) for x in runs["explosion step"].dropna())
         quiet = sorted(int(x) for x in runs.loc[~runs.exploded, "steps"])
         both = bool(boom) and bool(quiet)  # then each group is counted: "4 exploded at ..., and 1 stopped ..."
-        fates_of = ([f"{f'{len(boom)} ' if both else ''}exploded at step{'s' if len(boom) > 1 else ''} "
+        fates_of = ([f"{f'{len(boom)} ' if both else ''}exploded at {plural(len(boom), 'step')} "
                      f"{and_join([f'{x:,}' for x in boom])}"] if boom else [])
         if quiet:
             fates_of.append(f"{f'{len(quiet)} ' if both else ''}stopped without exploding at "
@@ -995,7 +995,7 @@ def seed_twins_text(twins: pd.DataFrame, margin: int = TWIN_MARGIN) -> str:
         ref = f"its BF16 explosion at step {row['BF16 step']:,}" if row["BF16 exploded"] else \
             f"its BF16 run's last step, {row['BF16 step']:,}"
         d = row["steps past"]
-        return f"seed {seed}, {abs(d):,} step{'' if abs(d) == 1 else 's'} {'past' if d >= 0 else 'short of'} {ref}"
+        return f"seed {seed}, {abs(d):,} {plural(abs(d), 'step')} {'past' if d >= 0 else 'short of'} {ref}"
 
     good, short = twins[twins.twin], twins[~twins.twin]
     text = (f"An FP32 run is a twin when it trains {margin:,} steps past its seed's first BF16 explosion, or as far as "

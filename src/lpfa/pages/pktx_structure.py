@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from lpfa.pages import and_join
+from lpfa.pages import and_join, plural
 from lpfa.pages.delta_bias import REPLAY_PARAMS, STRONG_T
 from lpfa.params import text
 from lpfa.plotting import fixed, use_style
@@ -121,7 +121,7 @@ def similarity_text(result: dict, arrays: dict, table: pd.DataFrame, control: tu
     text = ("**Measured.**\n\n" + "\n".join(lines) + "\n\n" + lead
             + ", and each step's direction overlaps the previous step's by the amounts above, far more than random "
             "directions do."
-            + (f" For head{'s' if len(odd) > 1 else ''} {and_join([str(h) for h in odd])} the first replayed step is "
+            + (f" For {plural(len(odd), 'head')} {and_join([str(h) for h in odd])} the first replayed step is "
                "the exception: its direction "
                f"overlaps at most {max(arrays[f'h{h}_overlap_first'][1:].max() for h in odd):.2f} with any later "
                "step's, while the later steps agree with each other." if odd else ""))

@@ -14,7 +14,7 @@ import pandas as pd
 from lpfa.compare import LOGIT_APART, OUTCOMES
 from lpfa.experiments import SEEDS
 from lpfa.experiments import rows as design_rows
-from lpfa.pages import RERUN_PAGE
+from lpfa.pages import RERUN_PAGE, plural
 from lpfa.pages.loss_explosion import fate_counts, recipe_fates
 from lpfa.params import integer, optional, real, text
 from lpfa.results import experiment_rows, run_dir
@@ -100,7 +100,7 @@ def seed_spread_text(summary, table) -> str:
     lines = []
     for m, r in summary.iterrows():
         n = int(r["runs"])
-        line = (f"* **{m}**: of {n} run{'s' if n != 1 else ''}, the loss exploded in {int(r['exploded'])} and the "
+        line = (f"* **{m}**: of {n} {plural(n, 'run')}, the loss exploded in {int(r['exploded'])} and the "
                 f"logits ran away in {int(r['ran away'])}")
         if r["ran away"]:
             line += f" (steps {int(r['first runaway']):,} to {int(r['last runaway']):,})"

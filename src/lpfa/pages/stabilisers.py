@@ -42,7 +42,7 @@ from lpfa.experiments import (
 )
 from lpfa.experiments import rows as rows_of
 from lpfa.mechanism import error_persistence
-from lpfa.pages import RERUN_PAGE, and_join
+from lpfa.pages import RERUN_PAGE, and_join, plural
 from lpfa.pages.loss_explosion import recipe_fates
 from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
@@ -470,7 +470,7 @@ def sr_persistence(sequences: int = 1, steps: int = 8, rel: float = 1e-3, root=N
     r = table["÷ paper"]
     kept = bool((table.loc[["paper_sr", "paper_sr reseeded"], "its accumulation"] >= KEPT * math.sqrt(steps)).all())
     text = (f"On the layer-{meta['layer']} q, k, v and dO captured at step {meta['step']:,} of a BF16 run "
-            f"({meta['policy']}; {sequences} sequence{'s' if sequences > 1 else ''}), drifted over {steps} steps by "
+            f"({meta['policy']}; {sequences} {plural(sequences, 'sequence')}), drifted over {steps} steps by "
             f"{rel:g} per step, head {worst[1]} carries the largest δ error (Σ_T δ_lp − δ_hp = {ref:.2e} under "
             f"`paper`). Stochastic rounding leaves {r['paper_sr']:.2f}× of it with one seed and "
             f"{r['paper_sr reseeded']:.2f}× reseeded each step, with accumulations "
@@ -666,7 +666,7 @@ def seed_evidence(table, labels) -> str:
     seeds = sorted({int(table.loc[label, "seed"]) for label in labels if label in table.index})
     if not seeds:
         return ""
-    return f"one run each, at seed{'s' if len(seeds) > 1 else ''} {', '.join(map(str, seeds))}"
+    return f"one run each, at {plural(len(seeds), 'seed')} {', '.join(map(str, seeds))}"
 
 
 def stabiliser_finding(table, layer: int = 1) -> str:

@@ -16,7 +16,7 @@ import pandas as pd
 from lpfa.compare import divergence_step, head_metric_frame, layer_max
 from lpfa.diagnostics import DOMINANT_SIGN
 from lpfa.explosion import ExplosionCriterion, explosion_step, rise_step
-from lpfa.pages import and_join, provenance_line
+from lpfa.pages import and_join, plural, provenance_line
 from lpfa.params import dict_of, integer, optional, text
 from lpfa.plotting import format_table, line_styles, use_style
 from lpfa.results import run_dir
@@ -109,7 +109,7 @@ def tie_rise_text(runs: dict, table: pd.DataFrame) -> str:
                      "has still not exploded")
         lines.append(f"* **{label}**: " + (f"the loss explodes at step {int(boom):,}; " if pd.notna(boom)
                                            else "the loss did not explode; ")
-                     + (f"tie fraction rises in layer{'s' if len(risen) > 1 else ''} "
+                     + (f"tie fraction rises in {plural(len(risen), 'layer')} "
                         f"{and_join([str(lay) for lay in risen.index])} (first at step {first})" if len(risen)
                         else "no layer's tie fraction rises")
                      + after)
