@@ -1010,22 +1010,12 @@ def seed_twins_text(twins: pd.DataFrame, margin: int = TWIN_MARGIN) -> str:
 
 def survival_text(fates: pd.DataFrame, horizon: int = HORIZON) -> str:
     """How often the recipe's loss exploded, per precision: every committed run (:func:`fate_counts`), then the share
-    by step ``horizon`` among the runs that can say (:func:`horizon_text`), each run that stopped without exploding,
-    by name, seed and whether it was compiled, and how far the runs of one seed part (:func:`same_seed_text`)."""
+    by step ``horizon`` among the runs that can say (:func:`horizon_text`), and how far the runs of one seed part
+    (:func:`same_seed_text`). Each run's own row is in the table under it (:func:`fates_summary`, and its CSV)."""
     if fates.empty:
         return "No run of the paper's GPT-2 S recipe is committed."
-    quiet = fates[~fates.exploded]
     same = same_seed_text(fates)
-    labels = pd.Series([r.split("/")[-1] for r in fates.index], index=fates.index)
-    twice = labels.duplicated(keep=False)  # one label in two folders: name the folder too
-    labels[twice] = [r.split("/", 1)[-1] for r in fates.index[twice]]
-    return (capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon)
-            + (" The runs that stopped without exploding: "
-               + and_join([f"`{labels[r]}` ({row.precision.upper()}, seed {row.seed}, "
-                           f"{'compiled' if row.compiled else 'eager'}, {row.steps:,} steps)"
-                           for r, row in quiet.sort_values(["precision", "steps"]).iterrows()]) + "."
-               if len(quiet) else "")
-            + (" " + same if same else ""))
+    return capital(fate_counts(fates)) + ". " + horizon_text(fates, horizon) + (" " + same if same else "")
 
 
 def batch_text(conf: dict, explosion_step: int | None, horizon: int = HORIZON) -> str:
