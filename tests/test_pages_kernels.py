@@ -90,8 +90,13 @@ def test_the_speed_table_skips_a_run_cut_by_its_time_limit(store):
     assert kn.bench_file("bench.json")["complete"] is True
     assert kn.provenance_notes()["bench_run"] == "`h200-2026-01-01`"
     assert kn.bench_file("bench.json", "h100-2026-02-01")["complete"] is False
+    # a part the named run did not measure comes from the latest run that did
+    assert kn.bench_run_of("memory.json", "h100-2026-02-01") == store / "h200-2026-01-01"
     assert kn.partial_runs() == [store / "h100-2026-02-01"]
     assert kn.partial_runs("h100-2026-02-01") == []
+    with pytest.raises(ValueError, match=r"^run='h100-2026-02-01': its speed table was cut by its time limit .*"
+                                         r"e\.g\. 'h200-2026-01-01', or None for the latest$"):
+        kn.load_page("h100-2026-02-01")
 
 
 def test_partial_speed_text_gives_the_cut_runs_gpu_time_ratios(store):

@@ -49,10 +49,15 @@ def is_complete(bench: dict) -> bool:
 
 
 def bench_run_of(name: str, run: str | None = None):
-    """The folder the page reads ``name`` from: ``run``'s, or with ``run`` None the latest run that holds ``name``;
-    for ``bench.json`` the latest whose table is complete (:func:`is_complete`: the page's ratios need every row)."""
+    """The folder the page reads ``name`` from: ``run``'s where it holds ``name`` (its ``bench.json`` always: a run
+    that is not committed is a one-line FileNotFoundError), else the latest run that holds ``name`` (a run may
+    measure only some parts); for ``bench.json`` without ``run``, the latest whose table is complete
+    (:func:`is_complete`: the page's ratios need every row)."""
     if run:
-        return run_dir(EXPERIMENT, run)
+        folder = run_dir(EXPERIMENT, run)
+        if name == "bench.json" or (folder / name).is_file():
+            return folder
+        return file_run(EXPERIMENT, name)
     if name == "bench.json":
         for r in reversed(result_runs(EXPERIMENT)):
             bench = _bench_of(r)
@@ -700,7 +705,12 @@ def full_table_notes() -> dict[str, str]:
 
 
 def load_page(run: str | None) -> KernelsPage:
-    """Page 12's committed results for benchmark run ``run`` (None: the latest): see :class:`KernelsPage`."""
+    """Page 12's committed results for benchmark run ``run`` (None: the latest with a complete speed table): see
+    :class:`KernelsPage`. A named run whose speed table was cut short is a one-line ValueError."""
+    if run and not is_complete(bench_file("bench.json", run)):
+        complete = bench_run_of("bench.json").name
+        raise ValueError(f"run={run!r}: its speed table was cut by its time limit (bench.json complete=false); "
+                         f"expected a run with a complete one, e.g. {complete!r}, or None for the latest")
     ncu, ncu_run = load_ncu()
     sfa, sfa_run = sfa_overhead()
     return KernelsPage(run, *(bench_file(f"{part}.json", run) for part in ("bench", "check", "memory")),
