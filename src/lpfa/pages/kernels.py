@@ -67,7 +67,8 @@ def bench_run_of(name: str, run: str | None = None):
 
 
 def _bench_of(folder) -> dict | None:
-    """The ``bench.json`` of a run folder, None where it has none or no provenance (not used)."""
+    """The ``bench.json`` of a run folder; None where it has none, or no provenance (results without provenance are
+    not used)."""
     if (folder / "bench.json").is_file() and (folder / "provenance.json").is_file():
         return load(EXPERIMENT, "bench.json", folder.name)
     return None

@@ -815,7 +815,9 @@ def recipe_fates(root=None) -> pd.DataFrame:
 def fates_summary(fates: pd.DataFrame) -> pd.DataFrame:
     """:func:`recipe_fates` per attention precision and seed, as page 06 shows it (every run's row is a CSV:
     :func:`full_fates_table`): the runs, how many of them exploded and at which steps, the longest run that stopped
-    without exploding, and the earliest logit runaway."""
+    without exploding, and the earliest logit runaway. Empty when no run is committed."""
+    if fates.empty:
+        return pd.DataFrame()
     rows = []
     for (precision, seed), g in fates.groupby(["precision", "seed"]):
         quiet, runaway = g.loc[~g.exploded, "steps"], g["runaway step"].dropna()
