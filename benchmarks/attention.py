@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lpfa.attention import PRESETS, attention
+from lpfa.attention import PRESETS, attention, triton_common
 from lpfa.attention import reference as ref
 from lpfa.provenance import provenance, write_json
 
@@ -215,6 +215,12 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
         if name in FINITE_PRESETS:  # the trainer's setting once it vouches for finite inputs: no non-finite checks
             measure(f"{name}:finite", lambda name=name: attention(q, k, v, policy=name, backend="triton",
                                                                   assume_finite=True))
+            # the non-finite fix-up in a second launch per kernel instead of inside the first (triton_common.FIXUPS)
+            default, triton_common.FIXUP = triton_common.FIXUP, "launch"
+            try:
+                measure(f"{name}:launch", lambda name=name: attention(q, k, v, policy=name, backend="triton"))
+            finally:
+                triton_common.FIXUP = default
     if extras:
         # no CUDA graph: the reference's block loop is host-bound by design, and the GPU-only time says nothing of it
         measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"), graph=False)
@@ -225,7 +231,9 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
 # in the table: the Triton kernels are causal only (lpfa.attention.triton_common.check_triton_support)
 SHAPES = [(16, 12, 1024, 64), (16, 6, 1024, 128), (4, 12, 4096, 64), (1, 12, 16384, 64)]
 SHAPE_PRESETS = ["fa2", "paper", "fa2_sfa", "paper_sfa"]
-FINITE_PRESETS = ["fa2", "paper"]  # also measured with attention(assume_finite=True), as "<preset>:finite"
+# also measured with attention(assume_finite=True), as "<preset>:finite", and with the non-finite fix-up in a second
+# launch (triton_common.FIXUP = "launch"), as "<preset>:launch"
+FINITE_PRESETS = ["fa2", "paper"]
 
 
 def shapes(budget_s, deadline):
@@ -404,9 +412,15 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes (a smoke run)")
     p.add_argument("--parts", default="check,error,speed,shapes,memory,compile")
+    p.add_argument("--presets", default=None,
+                   help="comma-separated presets for the speed part (default: all of PRESET_ORDER); a run with a "
+                        "subset is a screening run: its bench.json is never marked complete, so no page takes it")
     p.add_argument("--summarize", action="store_true",
                    help="only rebuild summary.json and table.txt from DIR/bench.json (no GPU needed)")
     a = p.parse_args()
+    unknown = [n for n in (a.presets or "").split(",") if n and n not in PRESETS]
+    if unknown:
+        p.error(f"--presets names {', '.join(unknown)}: expected presets of lpfa.attention.PRESETS")
     if a.summarize:
         bench = json.loads((Path(a.out) / "bench.json").read_text())
         B, H, T, D = bench["shape"]
@@ -420,7 +434,8 @@ def main():
     B, H, T, D = 16, 12, 1024, 64
     t0 = time.time()
     write_json(out / "provenance.json",
-               provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick}))
+               provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick,
+                                  "presets": a.presets}))
     results = {}
     if "compile" in parts:
         results["compile"] = compile_check()
@@ -437,8 +452,10 @@ def main():
         def save(rows, done=False):
             write_json(out / "bench.json", {"shape": [B, H, T, D], "rows": rows, "complete": done})
 
-        rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0, save=save)
-        save(rows, done=True)
+        presets = a.presets.split(",") if a.presets else None
+        rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0, presets=presets, extras=presets is None,
+                     save=save)
+        save(rows, done=presets is None)
         write_speed_summary(out, {"B": B, "H": H, "T": T, "D": D}, rows)
     if "shapes" in parts:
         rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)

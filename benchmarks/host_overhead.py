@@ -4,8 +4,8 @@ At GPT-2 shapes (B=16, H=12, T=1024, D=64) the op is host-bound: issuing a forwa
 longer than the GPU takes to run them. This splits the host's time per call into the layers of the call, each timed
 on its own (n calls back to back, no sync, then one sync; the GPU queue does not fill at this n):
 
-* ``launch/<kernel>``: one Triton launch through ``JITFunction.run`` (argument binding, cache key, launch);
-* ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, flags, every launch);
+* ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, every launch), and the same with the
+  non-finite fix-up in a second launch (``fixup="launch"``, :data:`lpfa.attention.triton_common.FIXUPS`);
 * ``op/fwd``: the ``lpfa::flash_attention_fwd`` custom op (dispatch, then ``flash_forward``);
 * ``attention/fwd``, ``attention/fwd_bwd``: the public call (input checks, policy, op, autograd);
 * the same two for SDPA-flash, for scale.
@@ -53,7 +53,6 @@ def main():
 
     from lpfa.attention.kernels import _fwd_op, policy_key
     from lpfa.attention.triton_bwd import flash_backward
-    from lpfa.attention.triton_common import nonfinite_flags
     from lpfa.attention.triton_fwd import flash_forward
 
     B, H, T, D = a.shape
@@ -73,11 +72,13 @@ def main():
         return run
 
     rows = {
-        "launch/_nonfinite_kernel": lambda: nonfinite_flags(v),
         "flash_forward": lambda: flash_forward(q, k, v, pol, scale, validate=False),
         "flash_backward": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
                                                  grad_dtype=torch.bfloat16),
-        "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False, False),
+        "flash_forward fixup=launch": lambda: flash_forward(q, k, v, pol, scale, validate=False, fixup="launch"),
+        "flash_backward fixup=launch": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
+                                                              grad_dtype=torch.bfloat16, fixup="launch"),
+        "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False),
         "attention/fwd": lambda: attention(q, k, v, policy=pol, backend="triton"),
         "attention/fwd_bwd": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),
         "attention/fwd_bwd assume_finite": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton",

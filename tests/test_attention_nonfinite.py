@@ -167,28 +167,22 @@ def test_masked_minus_inf_key_keeps_rows_finite():
         torch.testing.assert_close(o[0, 0, 3:].double(), want[0, 0, 3:], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("T,D", [(1, 16), (33, 16), (300, 16)])  # 300·16 > one program's 4096 elements
-def test_nonfinite_flags_name_exactly_the_poisoned_batch_heads(T, D, dtype):
-    """The kernels' per-(batch, head) flags (one Triton pass, :func:`nonfinite_flags`) against torch.isfinite, with
-    NaN, +inf, −inf and the largest finite value at fresh random places, in slices longer than one program's."""
-    from lpfa.attention.triton_common import nonfinite_flags
 
-    seed = torch.seed() % 2**31
-    g = torch.Generator().manual_seed(seed)
-    B, H = 2, 5
-    x = torch.randn(B, H, T, D, generator=g).to(dtype)
-    x[0, 1].view(-1)[-1] = torch.finfo(dtype).max  # finite: must not flag
-    for bh, value in zip(torch.randperm(B * H, generator=g)[:3].tolist(), (math.nan, math.inf, -math.inf)):
-        x.view(B * H, -1)[bh, torch.randint(T * D, (1,), generator=g)] = value
-    want = (~torch.isfinite(x)).flatten(2).any(dim=-1).flatten().to(torch.int32)
-    xf = x.float() if dtype == torch.bfloat16 else x  # the wrappers hand the interpreter FP32
-    got = nonfinite_flags(xf)
-    assert got.shape == (1, B * H) and torch.equal(got[0], want), (got.tolist(), want.tolist(), f"seed={seed}")
-    assert int(want.sum()) == 3
-    # several tensors in one launch: each row its own tensor's flags
-    clean = torch.randn(B, H, T, D, generator=g)
-    many = nonfinite_flags(clean, xf, xf.flip(1))
-    assert torch.equal(many, torch.stack([torch.zeros_like(want), want, want.view(B, H).flip(1).flatten()]))
-    with pytest.raises(ValueError, match="1 to 3 tensors of one shape"):
-        nonfinite_flags(clean, clean[:, :1])
+@pytest.mark.parametrize("name", ["fa2", "paper"])
+def test_nonfinite_do_reaches_only_what_sees_it(name):
+    """A NaN in dO at row i reaches dQ's row i and the dK, dV rows of the keys row i sees (j <= i), nothing else,
+    in both backends: the Triton kernels' fast path would spread it to every key of the tile through 0·NaN, and
+    the programs it reaches run again on the non-finite path."""
+    pol = _policy(name)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    q, k, v, do = (torch.randn(1, H, T, D, generator=g).bfloat16() for _ in range(4))
+    rows = [int(torch.randint(T, (1,), generator=g)) for _ in range(H)]
+    for h, i in enumerate(rows):
+        do[0, h, i, int(torch.randint(D, (1,), generator=g))] = math.nan
+    for backend in ("reference", "triton"):
+        _, dq, dk, dv = _run(q, k, v, do, pol, True, backend)
+        for h, i in enumerate(rows):
+            assert dq[0, h, i].isnan().any() and torch.cat([dq[0, h, :i], dq[0, h, i + 1:]]).isfinite().all()
+            for grad in (dk, dv):
+                assert grad[0, h, : i + 1].isnan().any(dim=-1).all(), (backend, h, i)
+                assert grad[0, h, i + 1:].isfinite().all(), (backend, h, i)

@@ -73,30 +73,9 @@ def test_tie_stats_with_triton_backend():
 def test_custom_op_registration():
     q, k, v = (t.detach() for t in _qkv(T=32))
     key = policy_key(PRESETS["fa2"].with_(block_q=16, block_k=16))
-    for for_backward, assume_finite in ((False, False), (True, False), (True, True)):
-        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, for_backward, assume_finite),
+    for assume_finite in (False, True):
+        torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, assume_finite),
                               test_utils=("test_schema", "test_faketensor"))
-
-
-def test_flags_kept_for_the_backward_are_the_ones_it_would_compute():
-    """The forward op keeps the non-finite flags of V, Q, K when a backward will follow, and the backward then
-    computes only dO's: the same flags as computing all of them there, and the same gradients either way."""
-    from lpfa.attention.kernels import _bwd_op
-    from lpfa.attention.triton_common import nonfinite_flags
-
-    q, k, v = (t.detach().float() for t in _qkv(B=2, H=3, T=40))
-    k[1, 2, 7, 3] = float("nan")
-    v[0, 1, 30, 0] = float("inf")
-    key = policy_key(PRESETS["fa2"])
-    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True, False)
-    assert torch.equal(flags, nonfinite_flags(v, q, k))
-    assert flags[0].nonzero().flatten().tolist() == [1] and flags[2].nonzero().flatten().tolist() == [5]
-    assert _fwd_op(q, k, v, key, 0.25, False, False)[2].shape == (1, 0)  # nothing kept without a backward
-    do = torch.randn_like(q)
-    kept = _bwd_op(do, q, k, v, o, lse, flags, key, 0.25, False)
-    recomputed = _bwd_op(do, q, k, v, o, lse, torch.zeros(1, 0, dtype=torch.int32), key, 0.25, False)
-    for a, b in zip(kept, recomputed):
-        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
 
 
 def test_custom_policies_under_torch_compile():
@@ -123,7 +102,7 @@ def test_custom_policies_under_torch_compile():
                       fullgraph=True)
     _close(g(q, k, v), attention(q, k, v, policy=pol2, backend="reference"), 0.99)
     with pytest.raises(KeyError, match="no precision policy is registered under 'nonsense'"):
-        _fwd_op(q, k, v, "nonsense", 0.25, False, False)
+        _fwd_op(q, k, v, "nonsense", 0.25, False)
 
 
 def test_backend_errors():
@@ -143,17 +122,17 @@ def test_fake_kernels_match_real_layouts_for_model_shaped_inputs():
     q, k, v = (torch.randn(B, T, H, D).bfloat16().transpose(1, 2) for _ in range(3))
     assert not q.is_contiguous()
     key = policy_key(PRESETS["paper"].with_(block_q=16, block_k=16))
-    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, True, False), test_utils=("test_schema", "test_faketensor"))
-    o, lse, flags = _fwd_op(q, k, v, key, 0.25, True, False)
+    torch.library.opcheck(_fwd_op, (q, k, v, key, 0.25, False), test_utils=("test_schema", "test_faketensor"))
+    o, lse = _fwd_op(q, k, v, key, 0.25, False)
     do = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)
-    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, flags, key, 0.25, False),
+    torch.library.opcheck(_bwd_op, (do, q, k, v, o, lse, key, 0.25, False),
                           test_utils=("test_schema", "test_faketensor"))
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode() as mode:
-        fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse, flags)]
+        fake = [mode.from_tensor(t) for t in (do, q, k, v, o, lse)]
         fake_out = _bwd_op(*fake, key, 0.25, False)
-    for real, f in zip(_bwd_op(do, q, k, v, o, lse, flags, key, 0.25, False), fake_out):
+    for real, f in zip(_bwd_op(do, q, k, v, o, lse, key, 0.25, False), fake_out):
         assert real.stride() == f.stride() and real.dtype == f.dtype
 
 
@@ -211,10 +190,8 @@ def test_inputs_are_validated_once_per_call(monkeypatch):
     assert calls["inputs"] == 2  # the direct call checked its inputs
 
 
-def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
-    """``assume_finite=True``: the same O and gradients bit for bit on finite inputs, from four kernel launches
-    instead of nine (no non-finite flags, one launch per kernel), eagerly and through the compiled op's path. What
-    it gives up: a NaN in V then reaches the rows that cannot see its key, as a plain GEMM spreads it."""
+def _launches(monkeypatch):
+    """The kernels' names, in order, as every Triton launch of the wrappers makes them (a list filled in place)."""
     import lpfa.attention.triton_bwd as tb
     import lpfa.attention.triton_common as tc
     import lpfa.attention.triton_fwd as tf
@@ -228,6 +205,14 @@ def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
 
     for mod in (tc, tf, tb):
         monkeypatch.setattr(mod, "launch", count)
+    return launched
+
+
+def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
+    """``assume_finite=True``: the same O and gradients bit for bit on finite inputs, from the same four kernel
+    launches (the kernels then skip the test of their results). What it gives up: a NaN in V then reaches the rows
+    that cannot see its key, as a plain GEMM spreads it."""
+    launched = _launches(monkeypatch)
     pol = PRESETS["fa2"].with_(block_q=16, block_k=16)
     base = [t.detach() for t in _qkv(T=40)]
     grads, n = {}, {}
@@ -239,10 +224,8 @@ def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
         grads[assume], n[assume] = (o, q.grad, k.grad, v.grad), list(launched)
     for a, b in zip(grads[False], grads[True]):
         assert torch.equal(a, b)
-    assert len(n[False]) == 9 and len(n[True]) == 4 and "_nonfinite_kernel" not in n[True]
-    key = policy_key(pol)
+    assert n[False] == n[True] == ["_flash_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
     q, k, v = base
-    assert _fwd_op(q, k, v, key, 0.25, True, True)[2].shape == (1, 0)  # no flags kept for the backward
     v = v.clone()
     v[0, 1, 30, 0] = float("nan")  # key 30: rows 30.. see it
     checked = attention(q, k, v, policy=pol, backend="triton")
@@ -251,3 +234,40 @@ def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
     assert trusted[0, 1, :30, 0].isnan().any()
     with pytest.raises(TypeError, match="assume_finite='yes': expected True or False"):
         attention(q, k, v, policy=pol, backend="triton", assume_finite="yes")
+
+
+def _same(a, b):
+    """Bit for bit, NaN where NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("name", ["fa2", "paper"])
+def test_fixup_in_a_second_launch_gives_the_bits_of_the_inline_one(monkeypatch, name):
+    """The non-finite fix-up run inside each kernel's program (``FIXUP = "inline"``, the default: four launches) or
+    in a second launch of each kernel for the programs the first flagged (``"launch"``: seven) gives the same O and
+    gradients bit for bit, with an inf or NaN at fresh random places of q, k, v and dO (one batch·head each) as on
+    finite inputs."""
+    import lpfa.attention.triton_common as tc
+
+    launched = _launches(monkeypatch)
+    pol = PRESETS[name].with_(block_q=16, block_k=16)
+    g = torch.Generator().manual_seed(torch.seed() % 2**31)
+    B, H, T, D = 2, 2, 37, 16
+    q, k, v, do = (torch.randn(B, H, T, D, generator=g).bfloat16() for _ in range(4))
+    for t, value in zip((q, k, v, do), (float("nan"), float("inf"), float("-inf"), float("nan"))):
+        b, h, row, col = (int(torch.randint(n, (1,), generator=g)) for n in (B, H, T, D))
+        t[b, h, row, col] = value
+    out, counts = {}, {}
+    for mode in ("inline", "launch"):
+        monkeypatch.setattr(tc, "FIXUP", mode)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        launched.clear()
+        o = attention(*leaves, policy=pol, backend="triton")
+        out[mode] = (o, *torch.autograd.grad(o, leaves, do))
+        counts[mode] = len(launched)
+    assert counts == {"inline": 4, "launch": 7}
+    for part, a, b in zip(("O", "dq", "dk", "dv"), out["inline"], out["launch"]):
+        assert _same(a, b), part
+    assert not out["inline"][0].isfinite().all() and out["inline"][0].isfinite().any()
+    with pytest.raises(ValueError, match="fixup='twice': expected one of 'inline', 'launch' or None"):
+        tc.fixup_launches("twice", False)

@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu/kernels.sh          # results in $OUT/kernels.tar.gz: bench/, tune/, sfa/, train/, gpu_tests.txt
 #
-# Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS (overhead,speed,shapes; the bit-level
+# Steps (seconds each, all adjustable): BENCH_S (240) benchmarks/attention.py --parts $PARTS $BENCH_ARGS (overhead,speed,shapes; the bit-level
 # check against the reference is left to the GPU tests, as it takes minutes),
 # HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call), NCU_S (150) benchmarks/ncu_attention.py
 # (Nsight Compute's counters per kernel of one forward+backward: what limits each),
@@ -37,7 +37,7 @@ if [ -d .wheels ] && ! $PY -c "import xdist" 2>/dev/null; then $PY -m pip instal
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TESTS_N:-8}")
 step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_attention_gpu.py tests/test_train_gpu.py ${TESTS_K:+-k "$TESTS_K"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$WORK/gpu_tests.log"
-step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}"
+step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}" ${BENCH_ARGS:-}
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
 step "${NCU_S:-150}" ncu $PY benchmarks/ncu_attention.py --out "$WORK/ncu" ${NCU_ARGS:-}
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}

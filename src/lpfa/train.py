@@ -112,8 +112,8 @@ class TrainConfig:
     #  (torch._inductor.config.deterministic), scatters with atomics fall back to deterministic kernels and an op
     #  without one raises (torch.use_deterministic_algorithms), so a compiled run can be replayed from its checkpoints
     #  (lpfa.replay); slower. Eager runs with lpfa attention are deterministic without it
-    attn_assume_finite: bool = True  # lpfa attention skips its non-finite checks: four kernel launches per layer
-    #  instead of nine, the same bits on finite inputs; a non-finite loss stops the run either way (checked every step)
+    attn_assume_finite: bool = True  # lpfa attention skips the test of its kernels' results for inf or NaN (the
+    #  same bits on finite inputs); a non-finite loss stops the run either way (checked every step)
     sr_reseed: bool = False  # stochastic rounding drawn afresh each step: each SR policy's sr_seed becomes (its
     #  seed + step) mod 2**32 (the stabiliser experiments; else one seed for the run, so a stable value at a stable
     #  position rounds the same way every step); eager only (compile=false)

@@ -62,29 +62,21 @@ def _policy(key: str) -> PrecisionPolicy:
                        "lpfa.attention.kernels.policy_key(policy) or register(policy)") from None
 
 
-def _forward(q, k, v, pol: PrecisionPolicy, scale: float, for_backward: bool, assume_finite: bool = False):
-    """(O, lse, flags): ``flags`` the non-finite flags of V, Q and K (3, B·H) when ``for_backward``, so that the
-    backward computes only dO's (:func:`lpfa.attention.triton_common.nonfinite_flags`), else none (1, 0); none either
-    with ``assume_finite`` (the caller vouches for finite inputs: no flags at all). attention() checked the inputs, so
-    the launches skip the checks."""
+def _forward(q, k, v, pol: PrecisionPolicy, scale: float, assume_finite: bool = False):
+    """(O, lse). attention() checked the inputs, so the launches skip the checks."""
     # the kernels import triton (optional), which fixes their interpreter mode on import: loaded at the first launch
     from lpfa.attention.triton_fwd import flash_forward
 
-    if for_backward and not assume_finite:
-        return flash_forward(q, k, v, pol, scale, validate=False, return_flags=True)
-    o, lse = flash_forward(q, k, v, pol, scale, validate=False, assume_finite=assume_finite)
-    return o, lse, torch.zeros(1, 0, device=q.device, dtype=torch.int32)  # no flags kept: no backward will read them
+    return flash_forward(q, k, v, pol, scale, validate=False, assume_finite=assume_finite)
 
 
-def _backward(do, q, k, v, o, lse, flags, pol: PrecisionPolicy, scale: float, assume_finite: bool = False):
+def _backward(do, q, k, v, o, lse, pol: PrecisionPolicy, scale: float, assume_finite: bool = False):
     """(dQ, dK, dV) in the inputs' dtype (q, k, v share one, checked), stored so by the kernels (no FP32 copies to
-    convert); dO, q, k, v in any layout (the kernels take their strides: no copies of the model's transposed views).
-    ``flags``: the forward's of V, Q, K, or none kept (a forward run without grad, e.g. under checkpointing's first
-    pass)."""
+    convert); dO, q, k, v in any layout (the kernels take their strides: no copies of the model's transposed views)."""
     from lpfa.attention.triton_bwd import flash_backward  # triton: as in _forward
 
     return flash_backward(do, q, k, v, o, lse, pol, scale, validate=False, grad_dtype=q.dtype,
-                          input_flags=flags if flags.shape[0] == 3 else None, assume_finite=assume_finite)
+                          assume_finite=assume_finite)
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -92,58 +84,56 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, pol, scale, assume_finite):
-        o, lse, flags = _forward(q, k, v, pol, scale, True, assume_finite)
-        ctx.save_for_backward(q, k, v, o, lse, flags)
+        o, lse = _forward(q, k, v, pol, scale, assume_finite)
+        ctx.save_for_backward(q, k, v, o, lse)
         ctx.pol, ctx.scale, ctx.assume_finite = pol, scale, assume_finite
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse, flags = ctx.saved_tensors
-        return (*_backward(do, q, k, v, o, lse, flags, ctx.pol, ctx.scale, ctx.assume_finite), None, None, None)
+        q, k, v, o, lse = ctx.saved_tensors
+        return (*_backward(do, q, k, v, o, lse, ctx.pol, ctx.scale, ctx.assume_finite), None, None, None)
 
 
 @torch.library.custom_op("lpfa::flash_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: float,
-            for_backward: bool, assume_finite: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            assume_finite: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled door: :func:`_forward` for the registered policy ``key``."""
-    return _forward(q, k, v, _policy(key), scale, for_backward, assume_finite)
+    return _forward(q, k, v, _policy(key), scale, assume_finite)
 
 
 @_fwd_op.register_fake
-def _(q, k, v, key, scale, for_backward, assume_finite):
+def _(q, k, v, key, scale, assume_finite):
     pol = _policy(key)
     o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
-    with_flags = for_backward and not assume_finite
-    flags = q.new_empty((3, q.shape[0] * q.shape[1]) if with_flags else (1, 0), dtype=torch.int32)
-    return o, q.new_empty(q.shape[:-1], dtype=torch.float32), flags
+    return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
 @torch.library.custom_op("lpfa::flash_attention_bwd", mutates_args=())
 def _bwd_op(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    flags: torch.Tensor, key: str, scale: float, assume_finite: bool,
+    key: str, scale: float, assume_finite: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, flags, _policy(key), scale, assume_finite)
+    return _backward(do, q, k, v, o, lse, _policy(key), scale, assume_finite)
 
 
 @_bwd_op.register_fake
-def _(do, q, k, v, o, lse, flags, key, scale, assume_finite):
+def _(do, q, k, v, o, lse, key, scale, assume_finite):
     # the kernels return contiguous gradients whatever the inputs' layout (the model passes transposed views)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, key, scale, for_backward, assume_finite = inputs
-    o, lse, flags = output
-    ctx.save_for_backward(q, k, v, o, lse, flags)
+    q, k, v, key, scale, assume_finite = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
     ctx.key, ctx.scale, ctx.assume_finite = key, scale, assume_finite
 
 
-def _op_backward(ctx, do, dlse, dflags):
-    q, k, v, o, lse, flags = ctx.saved_tensors
-    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, flags, ctx.key, ctx.scale, ctx.assume_finite)
-    return dq, dk, dv, None, None, None, None
+def _op_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = _bwd_op(do, q, k, v, o, lse, ctx.key, ctx.scale, ctx.assume_finite)
+    return dq, dk, dv, None, None, None
 
 
 _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
@@ -151,13 +141,12 @@ _fwd_op.register_autograd(_op_backward, setup_context=_setup_context)
 
 def _flash(q, k, v, pol: PrecisionPolicy, scale: float, assume_finite: bool = False) -> torch.Tensor:
     """O of one launch policy: through the custom op while ``torch.compile`` traces, else eagerly; the forward alone
-    (no flags kept, no autograd node) when autograd will not run this call's backward."""
-    for_backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    (no autograd node) when autograd will not run this call's backward."""
     if torch.compiler.is_compiling():
-        return _fwd_op(q, k, v, policy_key(pol), scale, for_backward, assume_finite)[0]
-    if for_backward:
+        return _fwd_op(q, k, v, policy_key(pol), scale, assume_finite)[0]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttention.apply(q, k, v, pol, scale, assume_finite)
-    return _forward(q, k, v, pol, scale, False, assume_finite)[0]
+    return _forward(q, k, v, pol, scale, assume_finite)[0]
 
 
 def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy: PrecisionPolicy,

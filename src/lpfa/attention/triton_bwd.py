@@ -49,8 +49,9 @@ up to the diagonal, then masked. The results are bit-identical to masking everyt
 
 Registers: K, V (dK/dV kernel) and Q, dO (dQ kernel) stay in their input dtype for the whole loop (a BF16 tile
 feeds the tensor cores as it is); with an FP32 backward the block partials are the accumulators themselves (there is
-no rounding point at a block's end, so only the FP32 order changes); and each kernel runs twice, the second launch
-only for the batch·heads whose Q or dO (dK/dV) or K (dQ) holds an inf or NaN (``NONFINITE``, as the forward's).
+no rounding point at a block's end, so only the FP32 order changes); and the non-finite path, which keeps an inf or NaN
+of Q or dO (dK/dV) or K (dQ) from the keys or rows that cannot see it, runs only in the programs whose fast result is
+not finite (``FIXUP``, as the forward's: :data:`~lpfa.attention.triton_common.FIXUPS`).
 
 Compute tiles are separate from policy blocks (the ``paper`` preset uses 512 × 512 blocks): a tile is
 64 rows/keys when the policy block is a multiple of 64, else one tile of next_pow2(block) (>= 16) per
@@ -90,11 +91,9 @@ favours the opposite shape to the dK/dV kernel's (many rows, few keys per step: 
 128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path (the kernels
 before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips the input checks for
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
-checked and whose dO autograd shapes). ``input_flags``: the (3, B·H) non-finite flags of V, Q, K that
-``flash_forward(..., return_flags=True)`` returned for these inputs (None: computed here, in the one launch that dO's
-needs anyway). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or NaN, so no flags are computed
-and each kernel launches once instead of twice (three launches fewer); a non-finite operand then spreads as it would
-in a plain GEMM (``flash_forward``'s ``assume_finite``).
+checked and whose dO autograd shapes). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or
+NaN, so the kernels' results are not tested; a non-finite operand then spreads as it would in a plain GEMM.
+``fixup``: ``"inline"`` or ``"launch"``, as ``flash_forward``'s.
 """
 
 from __future__ import annotations
@@ -104,6 +103,7 @@ import torch
 from lpfa.attention.policy import BF16, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, get_policy
 from lpfa.attention.triton_common import (
     MIN_TILE,
+    _any_nonfinite,
     _dot,
     _dot_visible,
     _exp_shifted,
@@ -111,6 +111,7 @@ from lpfa.attention.triton_common import (
     _keep_visible,
     _load_tile,
     _next_pow2,
+    _program_index,
     _rnd,
     _rnd_s,
     _score_pos,
@@ -118,10 +119,11 @@ from lpfa.attention.triton_common import (
     _softcap,
     _sr_pre,
     check_triton_inputs,
+    fixup_flags,
+    fixup_launches,
     gemm_mode,
     launch,
     libdevice,
-    nonfinite_flags,
     policy_tiles,
     shared_layout,
     tl,
@@ -261,58 +263,15 @@ if triton is not None:
         return dv_part, dk_part
 
     @triton.jit
-    def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
-        Q_NONFINITE, DO_NONFINITE,  # (B*H,) int32 flags: Q / dO of this batch·head hold an inf or NaN
-        T, scale, sr_seed,
-        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
-        do_stride_b, do_stride_h, do_stride_t,  # DO's
-        HEAD_DIM: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
-        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (ceil(BK / BLOCK_N); the last may be cut short)
-        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
-        DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
-        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
-        EXP2: tl.constexpr,  # policy.exp == "exp2"
-        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        NONFINITE: tl.constexpr,  # as the forward's: False takes Q, dO as finite, True redoes the batch·heads where
-        # they are not
-    ):
-        pid_n = tl.program_id(0)  # key compute tile
-        pid_bh = tl.program_id(1)  # (batch, head)
-        if NONFINITE:
-            q_nonfinite = tl.load(Q_NONFINITE + pid_bh)
-            do_nonfinite = tl.load(DO_NONFINITE + pid_bh)
-            if (q_nonfinite == 0) & (do_nonfinite == 0):
-                return
-        else:
-            q_nonfinite = 0
-            do_nonfinite = 0
-        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
-        row_base = pid_bh.to(tl.int64) * T
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
-
-        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
-        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
-        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
-        loc_n = tl.arange(0, BLOCK_N)
-        offs_n = k_start + loc_n
-        key_ok = (loc_n < NK) & (offs_n < T)
-        offs_d = tl.arange(0, HEAD_DIM)
-
-        # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
-        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
-        in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
-        # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
-        k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
-
+    def _dkdv_tile(k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
+                   nonfinite, T, s_pre, HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+                   QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr,
+                   PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                   EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """(dK_j, dV_j) of the key tile held in ``k``, ``v``, over every policy query block that sees it.
+        ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or NaN of Q or dO reaches
+        exactly the keys its row sees."""
         # dK_j, dV_j accumulators (bw precision), across policy query blocks
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -344,17 +303,17 @@ if triton is not None:
                 q_tail = q_hi
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
                 SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False,
                 SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
-                stride_t, do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
+                stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
                 SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
 
@@ -365,6 +324,70 @@ if triton is not None:
             else:
                 dv = dv_part
                 dk = dk_part
+
+        return dk, dv
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
+        BAD,  # (programs,) int32: this program's dK or dV is not finite (FIXUP = FIX_FLAG writes it, FIX_REDO reads)
+        T, scale, sr_seed,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
+        HEAD_DIM: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
+        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (ceil(BK / BLOCK_N); the last may be cut short)
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
+        DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        FIXUP: tl.constexpr,  # how a non-finite Q or dO is kept from keys it cannot see (triton_common.FIX_*)
+    ):
+        pid_n = tl.program_id(0)  # key compute tile
+        pid_bh = tl.program_id(1)  # (batch, head)
+        if FIXUP == 3:  # FIX_REDO: only the programs whose dK or dV the first launch found not finite
+            if tl.load(BAD + _program_index()) == 0:
+                return
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
+        row_base = pid_bh.to(tl.int64) * T
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
+
+        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
+        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
+        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
+        loc_n = tl.arange(0, BLOCK_N)
+        offs_n = k_start + loc_n
+        key_ok = (loc_n < NK) & (offs_n < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+
+        # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
+        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
+        in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
+        # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
+        k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
+
+        # the fast path, or in the second launch the non-finite path (triton_common.FIXUPS)
+        dk, dv = _dkdv_tile(
+            k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
+            1 if FIXUP == 3 else 0, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+            DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+        if FIXUP == 1 or FIXUP == 2:  # FIX_INLINE, FIX_FLAG: did a non-finite Q or dO reach this tile's dK, dV?
+            bad = _any_nonfinite(dk, key_ok) | _any_nonfinite(dv, key_ok)
+            if FIXUP == 2:
+                tl.store(BAD + _program_index(), bad)
+            elif bad != 0:  # once more on the non-finite path
+                dk, dv = _dkdv_tile(
+                    k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
+                    1, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
+                    PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
         tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -399,9 +422,50 @@ if triton is not None:
         return dq_part
 
     @triton.jit
+    def _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, nonfinite, T, s_pre,
+                 HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr,
+                 DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                 CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """dQ_i of the query tile held in ``q``, ``do``, over every policy key block it sees. ``nonfinite`` = 0 (a
+        constant): plain GEMMs; 1: the non-finite path, where an inf or NaN of K reaches exactly the rows that see
+        its key."""
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+        # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
+        k_end = tl.minimum(q_start + NQ, T)
+        k_end = tl.where(q_start < T, k_end, 0)
+        # policy key blocks j = 0, 1, ... up to the diagonal, ascending as in the reference
+        for j in range(0, (k_end + BK - 1) // BK):
+            k_blk = j * BK
+            k_hi = tl.minimum(k_blk + BK, k_end)
+            dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) if BW_BF16 else dq  # FP32: dQ_i itself
+            # key sub-tiles k0 = k_blk, k_blk + BLOCK_N, … < k_hi, ascending: those up to k_mid lie inside the
+            # block and end at or before key q_start, so every row sees them whole (no mask); the rest touch
+            # the diagonal, the block's end or T (a padded sub-tile, BLOCK_N > BK, always does)
+            if CAUSAL_SPLIT:
+                k_mid = k_blk + tl.minimum(tl.maximum(q_start + 1 - k_blk, 0) // BLOCK_N, BK // BLOCK_N) * BLOCK_N
+            else:
+                k_mid = k_blk
+            dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
+                                nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2,
+                                SR_SCORES=SR_SCORES)
+            dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
+                                nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2,
+                                SR_SCORES=SR_SCORES)
+            # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
+            if BW_BF16:
+                dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
+            else:
+                dq = dq_part
+        return dq
+
+    @triton.jit
     def _bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ,
-        K_NONFINITE,  # (B*H,) int32 flag: K of this batch·head holds an inf or NaN
+        BAD,  # (programs,) int32: this program's dQ is not finite (FIXUP = FIX_FLAG writes it, FIX_REDO reads it)
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -416,16 +480,13 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        NONFINITE: tl.constexpr,  # as the dK/dV kernel's, for K
+        FIXUP: tl.constexpr,  # as the dK/dV kernel's, for K
     ):
         pid_m = tl.program_id(0)  # query compute tile
         pid_bh = tl.program_id(1)
-        if NONFINITE:
-            k_nonfinite = tl.load(K_NONFINITE + pid_bh)
-            if k_nonfinite == 0:
+        if FIXUP == 3:  # FIX_REDO: only the programs whose dQ the first launch found not finite
+            if tl.load(BAD + _program_index()) == 0:
                 return
-        else:
-            k_nonfinite = 0
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
@@ -448,42 +509,24 @@ if triton is not None:
         lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
-        # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
-        k_end = tl.minimum(q_start + NQ, T)
-        k_end = tl.where(q_start < T, k_end, 0)
-        # policy key blocks j = 0, 1, ... up to the diagonal, ascending as in the reference
-        for j in range(0, (k_end + BK - 1) // BK):
-            k_blk = j * BK
-            k_hi = tl.minimum(k_blk + BK, k_end)
-            dq_part = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32) if BW_BF16 else dq  # FP32: dQ_i itself
-            # key sub-tiles k0 = k_blk, k_blk + BLOCK_N, … < k_hi, ascending: those up to k_mid lie inside the
-            # block and end at or before key q_start, so every row sees them whole (no mask); the rest touch
-            # the diagonal, the block's end or T (a padded sub-tile, BLOCK_N > BK, always does)
-            if CAUSAL_SPLIT:
-                k_mid = k_blk + tl.minimum(tl.maximum(q_start + 1 - k_blk, 0) // BLOCK_N, BK // BLOCK_N) * BLOCK_N
-            else:
-                k_mid = k_blk
-            dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
-                                k_nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2,
-                                SR_SCORES=SR_SCORES)
-            dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
-                                k_nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                                DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2,
-                                SR_SCORES=SR_SCORES)
-            # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
-            if BW_BF16:
-                dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
-            else:
-                dq = dq_part
+        # the fast path, or in the second launch the non-finite path (triton_common.FIXUPS)
+        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1 if FIXUP == 3 else 0,
+                      T, s_pre, HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
+                      DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+        if FIXUP == 1 or FIXUP == 2:  # FIX_INLINE, FIX_FLAG: did a non-finite K reach this tile's dQ?
+            bad = _any_nonfinite(dq, row_ok)
+            if FIXUP == 2:
+                tl.store(BAD + _program_index(), bad)
+            elif bad != 0:  # once more on the non-finite path
+                dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1, T, s_pre,
+                              HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
+                              DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
-           assume_finite: bool = False):
+           assume_finite: bool = False, fixup: str | None = None):
     """δ per row (B, H, T) by ``pol.delta`` alone (no dose). ``q, k, v``: the inputs as given (for the recomputing
     forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them, ``strides`` their layouts
     (H, then q, k, v's and dO's (B, H, T) strides)."""
@@ -502,7 +545,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     if pol.delta in ("o_fp32", "o_exact"):
         # O recomputed: S as the forward (o_fp32) or FP32
         o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math,
-                                 assume_finite=assume_finite)
+                                 assume_finite=assume_finite, fixup=fixup)
         prod_bf16 = False
     else:  # "o_stored"
         o_src = o_
@@ -538,16 +581,16 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
-                   input_flags: torch.Tensor | None = None, dq_block_m: int | None = None,
-                   dq_block_n: int | None = None,
-                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dq_block_m: int | None = None, dq_block_n: int | None = None,
+                   assume_finite: bool = False, fixup: str | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
     return them. Returns ``(dq, dk, dv)`` with the values of :func:`lpfa.attention.reference.backward`, as FP32
     tensors or in ``grad_dtype`` (``torch.bfloat16`` for BF16 inputs, as the autograd op does; the same bits as
-    ``.to(torch.bfloat16)``). The keyword options (tuning, test switches, ``validate``, ``input_flags``) are in the
-    module docstring."""
+    ``.to(torch.bfloat16)``). The keyword options (tuning, test switches, ``validate``, ``assume_finite``, ``fixup``)
+    are in the module docstring."""
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
         _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
@@ -588,10 +631,10 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
 
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
     delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides,
-                   assume_finite)
+                   assume_finite, fixup)
     if delta_dose_active(pol):
         ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math,
-                     flags, strides, assume_finite)
+                     flags, strides, assume_finite, fixup)
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
@@ -611,39 +654,30 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    # each kernel twice: every batch·head with its operands taken as finite, then only those whose are not
-    # (NONFINITE: the non-finite path costs registers, and choosing on the host would need a sync)
+    # each kernel once, or twice for the programs whose fast result is not finite (triton_common.FIXUPS)
+    modes = fixup_launches(fixup, assume_finite)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
-    # per-(batch, head) non-finite flags of Q and dO (dK/dV kernel) and K (dQ kernel), in one launch
-    if assume_finite:  # the caller vouches for finite inputs: no flags (NONFINITE=False never reads them)
-        q_flags = k_flags = do_flags = torch.empty(1, device=q.device, dtype=torch.int32)
-    elif input_flags is None:
-        q_flags, k_flags = nonfinite_flags(q_, k_)  # one launch per layout: no copies to line them up
-        (do_flags,) = nonfinite_flags(do_)
-    else:
-        if tuple(input_flags.shape) != (3, B * H) or input_flags.dtype != torch.int32:
-            raise ValueError(f"input_flags must be the (3, {B * H}) int32 flags of V, Q, K from flash_forward(..., "
-                             f"return_flags=True), got {tuple(input_flags.shape)} {input_flags.dtype}")
-        (do_flags,), q_flags, k_flags = nonfinite_flags(do_), input_flags[1], input_flags[2]
-    for nonfinite in (False,) if assume_finite else (False, True):
+    bad = fixup_flags(modes, n_ktiles * B * H, lse_)
+    for mode in modes:
         launch(
             _bwd_dkdv_kernel, (n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, q_flags, do_flags, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dk, dv, bad, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-            NONFINITE=nonfinite,
+            FIXUP=mode,
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
-    for nonfinite in (False,) if assume_finite else (False, True):
+    bad = fixup_flags(modes, n_qtiles * B * H, lse_)
+    for mode in modes:
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, k_flags, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dq, bad, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
-            NONFINITE=nonfinite,
+            FIXUP=mode,
             **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
     if store_dtype != grad_dtype:

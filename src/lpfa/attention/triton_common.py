@@ -16,7 +16,7 @@ diagonal or the end of the sequence or of a policy block build masks. The mask i
 so the results are bit-identical either way (``causal_split=False`` at launch masks every tile, for comparison).
 
 Launches (:func:`launch`): Triton's ``JITFunction.run`` binds and specializes every argument, builds a cache key and
-checks the kernel's globals on each call, and a forward and backward launches nine kernels. :func:`launch` sends
+checks the kernel's globals on each call, and a forward and backward launches four kernels. :func:`launch` sends
 the first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
 argument: constexprs and launch options) through ``run``, which compiles or finds the kernel; later calls hand the
 same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
@@ -390,27 +390,16 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _nonfinite_kernel(X0, X1, X2, FLAGS, T, H, stride_b, stride_h, stride_t, BH, D: tl.constexpr,
-                          BLOCK: tl.constexpr):
-        """FLAGS[i, bh] = 1 if the bh-th (batch, head) slice (T rows of D, rows stride_t apart) of Xi holds an inf or
-        NaN, else 0: one program per (slice, tensor), walking its slice in BLOCK-element chunks. Every flag is stored
-        once, with no atomics, so FLAGS needs no zeroing first (one launch in all, whatever the number of tensors)."""
-        pid_bh = tl.program_id(0)  # (batch, head)
-        which = tl.program_id(1)  # which tensor
-        base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
-        bad = tl.zeros([BLOCK], dtype=tl.int32)
-        for start in range(0, T * D, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            ok = offs < T * D
-            at = base + (offs // D) * stride_t + offs % D  # row offs // D, column offs % D
-            if which == 0:
-                x = tl.load(X0 + at, mask=ok, other=0.0).to(tl.float32)
-            elif which == 1:
-                x = tl.load(X1 + at, mask=ok, other=0.0).to(tl.float32)
-            else:
-                x = tl.load(X2 + at, mask=ok, other=0.0).to(tl.float32)
-            bad = bad | ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)  # NaN, or ±inf
-        tl.store(FLAGS + which * BH + pid_bh, tl.max(bad, axis=0))
+    def _any_nonfinite(x, ok):
+        """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0: the test of
+        a kernel's fast result that decides whether its program runs again on the non-finite path (:data:`FIXUPS`)."""
+        bad = ((x != x) | (tl.abs(x) == float("inf"))) & ok[:, None]
+        return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
+
+    @triton.jit
+    def _program_index():
+        """This program's index in its (x, y) grid, x fastest: its slot in a launch's flags (FIX_FLAG, FIX_REDO)."""
+        return tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
 
 
 def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
@@ -484,24 +473,35 @@ def shared_layout(*xs):
     return xs, st[:3]
 
 
-NONFINITE_BLOCK = 2048  # elements per chunk of _nonfinite_kernel
-MAX_FLAGGED = 3  # tensors per launch of _nonfinite_kernel
+# How each kernel keeps an inf or NaN operand from reaching the outputs that cannot see it (the FIXUP constexpr).
+# A masked pair is 0 in the fast path's GEMMs (P̄ V, Pᵀ dO, dSᵀ Q, dS K), and 0·inf = NaN would carry a non-finite
+# operand into rows that do not see it; the non-finite path (_dot_visible with its flag set) masks it exactly, but
+# compiled into the hot loop it costs registers. Every value a non-finite operand touches in a GEMM turns inf or NaN
+# and stays so to the program's output, so a program whose fast result is finite has met none, and its result is
+# the non-finite path's bit for bit (that path equals the plain GEMM where every operand is finite); a program whose
+# fast result is not runs again on the non-finite path. The ways to run it again:
+FIX_NONE = 0  # the fast path alone (attention(assume_finite=True): the caller vouches for finite inputs)
+FIX_INLINE = 1  # the fast path, then in the same program the non-finite path when its result is not finite
+FIX_FLAG = 2  # the fast path, and a flag per program: its result is not finite (a second launch follows)
+FIX_REDO = 3  # the second launch: a program runs the non-finite path only where the first one flagged it
+FIXUPS = {"inline": (FIX_INLINE,), "launch": (FIX_FLAG, FIX_REDO)}  # launches of one kernel, by name
+FIXUP = "inline"  # the default (benchmarks/attention.py times both)
 
 
-def nonfinite_flags(*xs):
-    """(len(xs), B·H) int32: row i is 1 where the (batch, head) slice of ``xs[i]`` (each (B, H, T, D), one shape, in
-    one layout: :func:`shared_layout`) holds an inf or NaN, for :func:`_dot_visible`. One launch for up to
-    :data:`MAX_FLAGGED` tensors, one pass over each, on the device (no host sync)."""
-    if not 1 <= len(xs) <= MAX_FLAGGED or any(x.shape != xs[0].shape for x in xs):
-        raise ValueError(f"nonfinite_flags takes 1 to {MAX_FLAGGED} tensors of one shape, got shapes "
-                         f"{[tuple(x.shape) for x in xs]}")
-    xs, (sb, sh, st) = shared_layout(*xs)
-    B, H, T, D = xs[0].shape
-    flags = torch.empty(len(xs), B * H, device=xs[0].device, dtype=torch.int32)
-    ptrs = [*xs, *(xs[0],) * (MAX_FLAGGED - len(xs))]  # unused slots: any valid tensor (never read)
-    launch(_nonfinite_kernel, (B * H, len(xs)), *ptrs, flags, T, H, sb, sh, st, B * H, D=D, BLOCK=NONFINITE_BLOCK,
-           num_warps=8)
-    return flags
+def fixup_launches(fixup: str | None, assume_finite: bool) -> tuple[int, ...]:
+    """The FIXUP constexpr of each launch of one kernel: ``fixup`` one of :data:`FIXUPS` (None: :data:`FIXUP`);
+    ``assume_finite``: the fast path alone, one launch."""
+    if fixup is not None and fixup not in FIXUPS:
+        raise ValueError(f"fixup={fixup!r}: expected one of {', '.join(map(repr, FIXUPS))} or None")
+    return (FIX_NONE,) if assume_finite else FIXUPS[fixup or FIXUP]
+
+
+def fixup_flags(modes: tuple[int, ...], n_programs: int, unused: torch.Tensor) -> torch.Tensor:
+    """The per-program flags that a FIX_FLAG launch writes and its FIX_REDO launch reads (int32, one per program,
+    each written once: no zeroing), or, for the other modes, ``unused`` (any tensor: never read)."""
+    if FIX_FLAG in modes:
+        return torch.empty(n_programs, device=unused.device, dtype=torch.int32)
+    return unused
 
 
 def _next_pow2(n: int) -> int:
