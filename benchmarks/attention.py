@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from lpfa.attention import PRESETS, attention, triton_common
+from lpfa.attention import PRESETS, attention
 from lpfa.attention import reference as ref
 from lpfa.provenance import provenance, write_json
 
@@ -215,12 +215,6 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
         if name in FINITE_PRESETS:  # the trainer's setting once it vouches for finite inputs: no non-finite checks
             measure(f"{name}:finite", lambda name=name: attention(q, k, v, policy=name, backend="triton",
                                                                   assume_finite=True))
-            # the non-finite fix-up in a second launch per kernel instead of inside the first (triton_common.FIXUPS)
-            default, triton_common.FIXUP = triton_common.FIXUP, "launch"
-            try:
-                measure(f"{name}:launch", lambda name=name: attention(q, k, v, policy=name, backend="triton"))
-            finally:
-                triton_common.FIXUP = default
     if extras:
         # no CUDA graph: the reference's block loop is host-bound by design, and the GPU-only time says nothing of it
         measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"), graph=False)
@@ -231,9 +225,7 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
 # in the table: the Triton kernels are causal only (lpfa.attention.triton_common.check_triton_support)
 SHAPES = [(16, 12, 1024, 64), (16, 6, 1024, 128), (4, 12, 4096, 64), (1, 12, 16384, 64)]
 SHAPE_PRESETS = ["fa2", "paper", "fa2_sfa", "paper_sfa"]
-# also measured with attention(assume_finite=True), as "<preset>:finite", and with the non-finite fix-up in a second
-# launch (triton_common.FIXUP = "launch"), as "<preset>:launch"
-FINITE_PRESETS = ["fa2", "paper"]
+FINITE_PRESETS = ["fa2", "paper"]  # also measured with attention(assume_finite=True), as "<preset>:finite"
 
 
 def shapes(budget_s, deadline):

@@ -4,8 +4,7 @@ At GPT-2 shapes (B=16, H=12, T=1024, D=64) the op is host-bound: issuing a forwa
 longer than the GPU takes to run them. This splits the host's time per call into the layers of the call, each timed
 on its own (n calls back to back, no sync, then one sync; the GPU queue does not fill at this n):
 
-* ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, every launch), and the same with the
-  non-finite fix-up in a second launch (``fixup="launch"``, :data:`lpfa.attention.triton_common.FIXUPS`);
+* ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, every launch);
 * ``op/fwd``: the ``lpfa::flash_attention_fwd`` custom op (dispatch, then ``flash_forward``);
 * ``attention/fwd``, ``attention/fwd_bwd``: the public call (input checks, policy, op, autograd);
 * the same two for SDPA-flash, for scale.
@@ -75,9 +74,6 @@ def main():
         "flash_forward": lambda: flash_forward(q, k, v, pol, scale, validate=False),
         "flash_backward": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
                                                  grad_dtype=torch.bfloat16),
-        "flash_forward fixup=launch": lambda: flash_forward(q, k, v, pol, scale, validate=False, fixup="launch"),
-        "flash_backward fixup=launch": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
-                                                              grad_dtype=torch.bfloat16, fixup="launch"),
         "op/fwd": lambda: _fwd_op(q, k, v, key, scale, False),
         "attention/fwd": lambda: attention(q, k, v, policy=pol, backend="triton"),
         "attention/fwd_bwd": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),

@@ -23,10 +23,11 @@ causal, and the Triton kernels are causal only), ``scale`` (default 1/√D). SDP
 costs an extra pass of the reference forward, so leave it None in training unless you want the numbers.
 Non-finite inputs propagate as :mod:`lpfa.attention.reference` describes (only to rows that see them).
 ``assume_finite=True`` (Triton backend): the caller vouches that q, k, v and the gradient dO hold no inf or NaN, as
-a trainer that stops at a non-finite loss can. The kernels then skip the test of their results that sends a program
-meeting a non-finite value down the exact non-finite path (:data:`lpfa.attention.triton_common.FIXUPS`); a
-non-finite value that does arrive spreads as in a plain GEMM, to rows that cannot see it. Either way a forward and
-backward is four kernel launches. The reference backend is exact either way and ignores it.
+a trainer that stops at a non-finite loss can. The kernels then skip their second launches, which recompute on the
+exact non-finite path the tiles whose outputs hold an inf or NaN (:func:`lpfa.attention.triton_common.redo_launches`):
+four launches per forward and backward instead of seven, the same bits on finite inputs; a non-finite value that does
+arrive spreads as in a plain GEMM, to rows that cannot see it. The reference backend is exact either way and ignores
+it.
 """
 
 from __future__ import annotations

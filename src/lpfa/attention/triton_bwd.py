@@ -50,8 +50,9 @@ up to the diagonal, then masked. The results are bit-identical to masking everyt
 Registers: K, V (dK/dV kernel) and Q, dO (dQ kernel) stay in their input dtype for the whole loop (a BF16 tile
 feeds the tensor cores as it is); with an FP32 backward the block partials are the accumulators themselves (there is
 no rounding point at a block's end, so only the FP32 order changes); and the non-finite path, which keeps an inf or NaN
-of Q or dO (dK/dV) or K (dQ) from the keys or rows that cannot see it, runs only in the programs whose fast result is
-not finite (``FIXUP``, as the forward's: :data:`~lpfa.attention.triton_common.FIXUPS`).
+of Q or dO (dK/dV) or K (dQ) from the keys or rows that cannot see it, is not compiled into the fast kernels: each
+kernel launches a second time (``REDO``, as the forward's) and recomputes on that path only the tiles whose stored
+gradients hold an inf or NaN (:func:`~lpfa.attention.triton_common.redo_launches`).
 
 Compute tiles are separate from policy blocks (the ``paper`` preset uses 512 × 512 blocks): a tile is
 64 rows/keys when the policy block is a multiple of 64, else one tile of next_pow2(block) (>= 16) per
@@ -92,8 +93,7 @@ favours the opposite shape to the dK/dV kernel's (many rows, few keys per step: 
 before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips the input checks for
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
 checked and whose dO autograd shapes). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or
-NaN, so the kernels' results are not tested; a non-finite operand then spreads as it would in a plain GEMM.
-``fixup``: ``"inline"`` or ``"launch"``, as ``flash_forward``'s.
+NaN, so each kernel launches once (no redo); a non-finite operand then spreads as it would in a plain GEMM.
 """
 
 from __future__ import annotations
@@ -111,7 +111,6 @@ from lpfa.attention.triton_common import (
     _keep_visible,
     _load_tile,
     _next_pow2,
-    _program_index,
     _rnd,
     _rnd_s,
     _score_pos,
@@ -119,12 +118,11 @@ from lpfa.attention.triton_common import (
     _softcap,
     _sr_pre,
     check_triton_inputs,
-    fixup_flags,
-    fixup_launches,
     gemm_mode,
     launch,
     libdevice,
     policy_tiles,
+    redo_launches,
     shared_layout,
     tl,
     triton,
@@ -330,7 +328,6 @@ if triton is not None:
     @triton.jit
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
-        BAD,  # (programs,) int32: this program's dK or dV is not finite (FIXUP = FIX_FLAG writes it, FIX_REDO reads)
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -345,13 +342,10 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        FIXUP: tl.constexpr,  # how a non-finite Q or dO is kept from keys it cannot see (triton_common.FIX_*)
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose dK or dV the first left not finite
     ):
         pid_n = tl.program_id(0)  # key compute tile
         pid_bh = tl.program_id(1)  # (batch, head)
-        if FIXUP == 3:  # FIX_REDO: only the programs whose dK or dV the first launch found not finite
-            if tl.load(BAD + _program_index()) == 0:
-                return
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
@@ -369,25 +363,21 @@ if triton is not None:
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
         kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
+        if REDO:  # only a tile whose dK or dV holds an inf or NaN: a non-finite Q or dO met in the fast path's GEMMs
+            seen = tl.load(DK + kv_ptrs, mask=key_ok[:, None], other=0.0)
+            seen_v = tl.load(DV + kv_ptrs, mask=key_ok[:, None], other=0.0)
+            if (_any_nonfinite(seen, key_ok) | _any_nonfinite(seen_v, key_ok)) == 0:
+                return
         in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
         # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
         k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
 
-        # the fast path, or in the second launch the non-finite path (triton_common.FIXUPS)
+        # plain GEMMs, or on the redo the non-finite path: Q's or dO's inf or NaN only where its row sees the key
         dk, dv = _dkdv_tile(
             k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
-            1 if FIXUP == 3 else 0, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+            1 if REDO else 0, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
             DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
-        if FIXUP == 1 or FIXUP == 2:  # FIX_INLINE, FIX_FLAG: did a non-finite Q or dO reach this tile's dK, dV?
-            bad = _any_nonfinite(dk, key_ok) | _any_nonfinite(dv, key_ok)
-            if FIXUP == 2:
-                tl.store(BAD + _program_index(), bad)
-            elif bad != 0:  # once more on the non-finite path
-                dk, dv = _dkdv_tile(
-                    k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
-                    1, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
-                    PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
         tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -465,7 +455,6 @@ if triton is not None:
     @triton.jit
     def _bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ,
-        BAD,  # (programs,) int32: this program's dQ is not finite (FIXUP = FIX_FLAG writes it, FIX_REDO reads it)
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -480,13 +469,10 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        FIXUP: tl.constexpr,  # as the dK/dV kernel's, for K
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose dQ the first left not finite
     ):
         pid_m = tl.program_id(0)  # query compute tile
         pid_bh = tl.program_id(1)
-        if FIXUP == 3:  # FIX_REDO: only the programs whose dQ the first launch found not finite
-            if tl.load(BAD + _program_index()) == 0:
-                return
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
@@ -504,29 +490,24 @@ if triton is not None:
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
         q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
+        if REDO:  # only a tile whose dQ holds an inf or NaN: a non-finite K met in the fast path's dS K GEMMs
+            if _any_nonfinite(tl.load(DQ + q_ptrs, mask=row_ok[:, None], other=0.0), row_ok) == 0:
+                return
         q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
         do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
-        # the fast path, or in the second launch the non-finite path (triton_common.FIXUPS)
-        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1 if FIXUP == 3 else 0,
+        # plain GEMMs, or on the redo the non-finite path: K's inf or NaN only where a row sees its key
+        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1 if REDO else 0,
                       T, s_pre, HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
                       DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
-        if FIXUP == 1 or FIXUP == 2:  # FIX_INLINE, FIX_FLAG: did a non-finite K reach this tile's dQ?
-            bad = _any_nonfinite(dq, row_ok)
-            if FIXUP == 2:
-                tl.store(BAD + _program_index(), bad)
-            elif bad != 0:  # once more on the non-finite path
-                dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1, T, s_pre,
-                              HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
-                              DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
-           assume_finite: bool = False, fixup: str | None = None):
+           assume_finite: bool = False):
     """δ per row (B, H, T) by ``pol.delta`` alone (no dose). ``q, k, v``: the inputs as given (for the recomputing
     forward of ``o_fp32``/``o_exact``); the underscored tensors: as the kernels load them, ``strides`` their layouts
     (H, then q, k, v's and dO's (B, H, T) strides)."""
@@ -545,7 +526,7 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     if pol.delta in ("o_fp32", "o_exact"):
         # O recomputed: S as the forward (o_fp32) or FP32
         o_src, _ = flash_forward(q, k, v, delta_o_policy(pol), scale, dot_bf16=dot_bf16, precise_math=precise_math,
-                                 assume_finite=assume_finite, fixup=fixup)
+                                 assume_finite=assume_finite)
         prod_bf16 = False
     else:  # "o_stored"
         o_src = o_
@@ -582,15 +563,14 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
-                   assume_finite: bool = False, fixup: str | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
     return them. Returns ``(dq, dk, dv)`` with the values of :func:`lpfa.attention.reference.backward`, as FP32
     tensors or in ``grad_dtype`` (``torch.bfloat16`` for BF16 inputs, as the autograd op does; the same bits as
-    ``.to(torch.bfloat16)``). The keyword options (tuning, test switches, ``validate``, ``assume_finite``, ``fixup``)
-    are in the module docstring."""
+    ``.to(torch.bfloat16)``). The keyword options (tuning, test switches, ``validate``, ``assume_finite``) are in the
+    module docstring."""
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
         _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
@@ -631,10 +611,10 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
 
     # ---- δ per row: the policy's formula, its error against delta="o_fp32" dosed by policy.dose ----
     delta = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol, scale, dot_bf16, precise_math, flags, strides,
-                   assume_finite, fixup)
+                   assume_finite)
     if delta_dose_active(pol):
         ref = _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol.with_(delta="o_fp32"), scale, dot_bf16, precise_math,
-                     flags, strides, assume_finite, fixup)
+                     flags, strides, assume_finite)
         delta = dose_delta(delta, ref, pol)
 
     # ---- dK, dV: one program per key tile ----
@@ -654,30 +634,27 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    # each kernel once, or twice for the programs whose fast result is not finite (triton_common.FIXUPS)
-    modes = fixup_launches(fixup, assume_finite)
+    # each kernel twice: the fast path, then the tiles it left not finite (triton_common.redo_launches)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
-    bad = fixup_flags(modes, n_ktiles * B * H, lse_)
-    for mode in modes:
+    for redo in redo_launches(assume_finite):
         launch(
             _bwd_dkdv_kernel, (n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, bad, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-            FIXUP=mode,
+            REDO=redo,
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
-    bad = fixup_flags(modes, n_qtiles * B * H, lse_)
-    for mode in modes:
+    for redo in redo_launches(assume_finite):
         launch(
             _bwd_dq_kernel, (n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, bad, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dq, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
-            FIXUP=mode,
+            REDO=redo,
             **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
     if store_dtype != grad_dtype:

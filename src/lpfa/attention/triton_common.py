@@ -16,7 +16,7 @@ diagonal or the end of the sequence or of a policy block build masks. The mask i
 so the results are bit-identical either way (``causal_split=False`` at launch masks every tile, for comparison).
 
 Launches (:func:`launch`): Triton's ``JITFunction.run`` binds and specializes every argument, builds a cache key and
-checks the kernel's globals on each call, and a forward and backward launches four kernels. :func:`launch` sends
+checks the kernel's globals on each call, and a forward and backward launches seven kernels. :func:`launch` sends
 the first call of a specialization (the key of :func:`_arg_key` over the positional arguments, with every keyword
 argument: constexprs and launch options) through ``run``, which compiles or finds the kernel; later calls hand the
 same compiled kernel straight to its launcher. Positional arguments are the kernel's runtime arguments, keyword
@@ -273,7 +273,7 @@ if triton is not None:
     def _dot_visible(a, b, visible, b_nonfinite, MODE: tl.constexpr):
         """a @ b summed over visible pairs only (:func:`lpfa.attention.reference._mm_visible`): ``a`` (M, K) is 0
         where ``visible`` (M, K) is False (``None``: every pair is visible, an unmasked tile), ``b`` (K, N) may
-        hold inf/NaN when the runtime flag ``b_nonfinite`` is set (one flag per batch·head, from the wrapper). A
+        hold inf/NaN when ``b_nonfinite`` is 1 (a constant: the kernels' non-finite path, :func:`redo_launches`). A
         non-finite b[k, n] then makes out[m, n] NaN exactly where (m, k) is visible (a second GEMM, of 0/1
         indicators, finds where one is reached; with every pair visible, a column test). Without the flag this is
         one plain GEMM. MODE: as :func:`_dot`."""
@@ -392,14 +392,9 @@ if triton is not None:
     @triton.jit
     def _any_nonfinite(x, ok):
         """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0: the test of
-        a kernel's fast result that decides whether its program runs again on the non-finite path (:data:`FIXUPS`)."""
+        a program's stored output that decides whether it runs again on the non-finite path (:func:`redo_launches`)."""
         bad = ((x != x) | (tl.abs(x) == float("inf"))) & ok[:, None]
         return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
-
-    @triton.jit
-    def _program_index():
-        """This program's index in its (x, y) grid, x fastest: its slot in a launch's flags (FIX_FLAG, FIX_REDO)."""
-        return tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)
 
 
 def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:
@@ -473,35 +468,22 @@ def shared_layout(*xs):
     return xs, st[:3]
 
 
-# How each kernel keeps an inf or NaN operand from reaching the outputs that cannot see it (the FIXUP constexpr).
-# A masked pair is 0 in the fast path's GEMMs (P̄ V, Pᵀ dO, dSᵀ Q, dS K), and 0·inf = NaN would carry a non-finite
-# operand into rows that do not see it; the non-finite path (_dot_visible with its flag set) masks it exactly, but
-# compiled into the hot loop it costs registers. Every value a non-finite operand touches in a GEMM turns inf or NaN
-# and stays so to the program's output, so a program whose fast result is finite has met none, and its result is
-# the non-finite path's bit for bit (that path equals the plain GEMM where every operand is finite); a program whose
-# fast result is not runs again on the non-finite path. The ways to run it again:
-FIX_NONE = 0  # the fast path alone (attention(assume_finite=True): the caller vouches for finite inputs)
-FIX_INLINE = 1  # the fast path, then in the same program the non-finite path when its result is not finite
-FIX_FLAG = 2  # the fast path, and a flag per program: its result is not finite (a second launch follows)
-FIX_REDO = 3  # the second launch: a program runs the non-finite path only where the first one flagged it
-FIXUPS = {"inline": (FIX_INLINE,), "launch": (FIX_FLAG, FIX_REDO)}  # launches of one kernel, by name
-FIXUP = "inline"  # the default (benchmarks/attention.py times both)
+# How each kernel keeps an inf or NaN operand from reaching the outputs that cannot see it. A masked pair is 0 in
+# the fast path's GEMMs (P̄ V, Pᵀ dO, dSᵀ Q, dS K), and 0·inf = NaN would carry a non-finite operand into rows that do
+# not see it; the non-finite path (_dot_visible with its flag set) masks it exactly, but compiled into the hot loop it
+# costs registers, and compiled in after it, as a second pass for a program whose result is not finite, it cut fa2's
+# forward+backward from 174 to 118 TFLOP/s on an H100 (results/attention_screening/h100-2026-12-06-e307f53). Every
+# value a non-finite operand touches in a GEMM turns inf or NaN and stays so to the stored output, so a tile whose
+# stored output is finite has met none, and that output is the non-finite path's bit for bit (the path equals the
+# plain GEMM where every operand is finite). So each kernel launches twice: the fast path (REDO=False) for every
+# tile, then REDO=True, whose programs read back their own output tile and return unless it holds an inf or NaN, and
+# then compute it again on the non-finite path. Nothing syncs with the host.
 
 
-def fixup_launches(fixup: str | None, assume_finite: bool) -> tuple[int, ...]:
-    """The FIXUP constexpr of each launch of one kernel: ``fixup`` one of :data:`FIXUPS` (None: :data:`FIXUP`);
-    ``assume_finite``: the fast path alone, one launch."""
-    if fixup is not None and fixup not in FIXUPS:
-        raise ValueError(f"fixup={fixup!r}: expected one of {', '.join(map(repr, FIXUPS))} or None")
-    return (FIX_NONE,) if assume_finite else FIXUPS[fixup or FIXUP]
-
-
-def fixup_flags(modes: tuple[int, ...], n_programs: int, unused: torch.Tensor) -> torch.Tensor:
-    """The per-program flags that a FIX_FLAG launch writes and its FIX_REDO launch reads (int32, one per program,
-    each written once: no zeroing), or, for the other modes, ``unused`` (any tensor: never read)."""
-    if FIX_FLAG in modes:
-        return torch.empty(n_programs, device=unused.device, dtype=torch.int32)
-    return unused
+def redo_launches(assume_finite: bool) -> tuple[bool, ...]:
+    """The REDO constexpr of each launch of one kernel (the comment above): the fast path, then the fix-up; the fast
+    path alone when the caller vouches for finite inputs (``assume_finite``)."""
+    return (False,) if assume_finite else (False, True)
 
 
 def _next_pow2(n: int) -> int:

@@ -33,16 +33,16 @@ r2 = −inf (thr = −inf counts every visible key) when the row sees more than 
 and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter); SFA then costs
 the base policy's GEMMs and the top-two reduction, in blocks of one tile as of several.
 
-Non-finite V: the fast path, checked
-------------------------------------
+Non-finite V: two launches
+--------------------------
 A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.attention.triton_common._dot_visible`),
 which takes a second GEMM and masks; compiled into the hot loop, that path alone pushed the kernel into register
-spills (``benchmarks/compile_check.py`` counts them). So each program runs plain P̄V GEMMs first and tests its O
-(:func:`~lpfa.attention.triton_common._any_nonfinite`): an inf or NaN of V that a GEMM meets, even as 0·inf, leaves
-its rows of O not finite, so a finite O is the non-finite path's O bit for bit, and only a program whose O is not
-finite computes its tile again on that path (``FIXUP``, :data:`~lpfa.attention.triton_common.FIXUPS`): in the same
-program (``"inline"``, one launch), or in a second launch that skips the programs the first did not flag
-(``"launch"``). Nothing is read twice and nothing syncs with the host.
+spills (``benchmarks/compile_check.py`` counts them), and compiled in after the fast path it still slowed it. So
+:func:`flash_forward` launches the kernel twice: with ``REDO=False`` for every tile (plain P̄V GEMMs), then with
+``REDO=True``, whose programs read back their tile of O and return unless it holds an inf or NaN. An inf or NaN of V
+that a P̄V GEMM meets, even as 0·inf, leaves its rows of O not finite, so a finite tile is the non-finite path's bit
+for bit, and only the others are computed again on that path
+(:func:`~lpfa.attention.triton_common.redo_launches`). Nothing syncs with the host.
 
 Interpreter-safe rounding design
 --------------------------------
@@ -93,9 +93,8 @@ own that counts the scores within ε of the row max, as the reference does, inst
 the row-max pass (bit-identical; for tests and benchmarks). ``validate=False`` skips the input checks
 (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
 :func:`lpfa.attention.attention` does. ``assume_finite=True``: the caller vouches that q, k, v hold no inf or NaN (a
-trainer that stops at a non-finite loss can), so O is not tested; a non-finite V then reaches rows that cannot see its
-key (through 0·inf = NaN in the P̄V product), as in a plain GEMM. ``fixup``: ``"inline"`` or ``"launch"`` (the section
-above; None: :data:`~lpfa.attention.triton_common.FIXUP`).
+trainer that stops at a non-finite loss can), so the second launch is skipped; a non-finite V then reaches rows that
+cannot see its key (through 0·inf = NaN in the P̄V product), as in a plain GEMM.
 """
 
 from __future__ import annotations
@@ -113,7 +112,6 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _log,
     _max_nan,
-    _program_index,
     _rescale,
     _rnd,
     _rnd_l,
@@ -127,12 +125,11 @@ from lpfa.attention.triton_common import (
     _sr_pre,
     _top2,
     check_triton_inputs,
-    fixup_flags,
-    fixup_launches,
     gemm_mode,
     launch,
     libdevice,
     policy_tiles,
+    redo_launches,
     shared_layout,
     tl,
     triton,
@@ -373,7 +370,6 @@ if triton is not None:
     def _flash_fwd_kernel(
         Q, K, V, O, LSE,  # noqa: E741  Q, K, V (B, H, T, D), strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
-        BAD,  # (programs,) int32: this program's O is not finite (FIXUP = FIX_FLAG writes it, FIX_REDO reads it)
         T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
         sr_seed,  # policy.sr_seed (stochastic rounding)
         HEAD_DIM: tl.constexpr,
@@ -389,47 +385,36 @@ if triton is not None:
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        FIXUP: tl.constexpr,  # how a non-finite V is kept from rows that cannot see it (triton_common.FIX_*)
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose O the first left not finite (module docstring)
     ):
         pid_m = tl.program_id(0)  # query tile
         pid_bh = tl.program_id(1)  # (batch, head)
-        if FIXUP == 3:  # FIX_REDO: only the programs whose O the first launch found not finite
-            if tl.load(BAD + _program_index()) == 0:
-                return
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
-        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
-        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
-        Q, K, V = Q + in_base, K + in_base, V + in_base
-
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
         offs_d = tl.arange(0, HEAD_DIM)
+        o_ptrs = O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        if REDO:  # only a tile whose O holds an inf or NaN: a non-finite V met in the fast path's P̄V GEMMs
+            if _any_nonfinite(tl.load(o_ptrs, mask=row_ok[:, None], other=0.0), row_ok) == 0:
+                return
+        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
+        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
+        Q, K, V = Q + in_base, K + in_base, V + in_base
         loc_n = tl.arange(0, BLOCK_N)
 
         # Q tile: (BLOCK_M, D); padded rows are 0
         q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
 
-        # the fast path (plain P̄V GEMMs), or in the second launch the non-finite path (triton_common.FIXUPS)
+        # plain P̄V GEMMs, or on the redo the non-finite path: V's inf or NaN only where its key is seen
         out, lse = _fwd_tile(
-            q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, 1 if FIXUP == 3 else 0, scale, clamp_val,
+            q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, 1 if REDO else 0, scale, clamp_val,
             sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
             PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
             SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
-        if FIXUP == 1 or FIXUP == 2:  # FIX_INLINE, FIX_FLAG: did a non-finite value reach this tile's O?
-            bad = _any_nonfinite(out, row_ok)
-            if FIXUP == 2:
-                tl.store(BAD + _program_index(), bad)
-            elif bad != 0:  # once more on the non-finite path: V's inf or NaN only where its key is seen
-                out, lse = _fwd_tile(
-                    q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, 1, scale, clamp_val, sfa_beta, sfa_eps,
-                    sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16,
-                    OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH, SR_OBLOCK,
-                    SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
         # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
-        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None])
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
 
@@ -440,13 +425,12 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
-                  validate: bool = True, assume_finite: bool = False,
-                  fixup: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  validate: bool = True, assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
     name) on q, k, v, (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. Returns ``(o, lse)``: O in
     ``policy.o_store``'s dtype (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and
     the FP32 (B, H, T) log-sum-exp ``log(l) + m`` (the m actually used, SFA included). The keyword options (tuning,
-    test switches, ``validate``, ``assume_finite``, ``fixup``) are in the module docstring."""
+    test switches, ``validate``, ``assume_finite``) are in the module docstring."""
     pol: PrecisionPolicy = get_policy(policy)
     if validate:
         check_triton_inputs(q, k, v, pol, scale, causal)
@@ -477,26 +461,23 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     o = torch.empty(B, H, T, D, device=q.device, dtype=o_dtype)
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
-    modes = fixup_launches(fixup, assume_finite)  # one launch, or a second for the programs the first flags
-    bad = fixup_flags(modes, grid[0] * grid[1], lse)
-    for mode in modes:
-        _forward_launch(grid, q, k, v, o, lse, strides, bad, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
-                        inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, mode, num_warps,
+    for redo in redo_launches(assume_finite):  # the fast path, then the tiles whose O it left not finite
+        _forward_launch(grid, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+                        inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
                         num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return o, lse
 
 
-def _forward_launch(grid, q, k, v, o, lse, strides, bad, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
-                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, fixup, num_warps,
+def _forward_launch(grid, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
                     num_stages):
-    """One launch of :func:`_flash_fwd_kernel` (``fixup``: its FIXUP); ``strides``: q, k, v's (B, H, T) strides."""
+    """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO); ``strides``: q, k, v's (B, H, T) strides."""
     launch(
         _flash_fwd_kernel, grid,
         q, k, v, o, lse,
         q.shape[1], *strides,
-        bad,
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
         float(pol.sfa.beta) if pol.sfa is not None else 1.0,
@@ -517,7 +498,7 @@ def _forward_launch(grid, q, k, v, o, lse, strides, bad, T, scale, pol, D, block
         SFA_COUNT_PASS=bool(sfa_count_pass),
         EXP2=pol.exp == "exp2",
         SR_SCORES="scores" in pol.stochastic,
-        FIXUP=fixup,
+        REDO=bool(redo),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,
