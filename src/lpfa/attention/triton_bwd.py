@@ -103,7 +103,8 @@ import torch
 from lpfa.attention.policy import BF16, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, get_policy
 from lpfa.attention.triton_common import (
     MIN_TILE,
-    _any_nonfinite,
+    REDO_TILES,
+    _at,
     _dot,
     _dot_visible,
     _exp_shifted,
@@ -113,10 +114,12 @@ from lpfa.attention.triton_common import (
     _next_pow2,
     _rnd,
     _rnd_s,
+    _rows_nonfinite,
     _score_pos,
     _shift_arg,
     _softcap,
     _sr_pre,
+    _with,
     check_triton_inputs,
     gemm_mode,
     launch,
@@ -326,26 +329,16 @@ if triton is not None:
         return dk, dv
 
     @triton.jit
-    def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
-        T, scale, sr_seed,
-        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
-        do_stride_b, do_stride_h, do_stride_t,  # DO's
-        HEAD_DIM: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
-        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (ceil(BK / BLOCK_N); the last may be cut short)
-        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
-        DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
-        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
-        EXP2: tl.constexpr,  # policy.exp == "exp2"
-        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose dK or dV the first left not finite
-    ):
-        pid_n = tl.program_id(0)  # key compute tile
-        pid_bh = tl.program_id(1)  # (batch, head)
+    def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, pid_n, pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
+                      stride_t, do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                      HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, TILES_PER_BK: tl.constexpr, SCORES_BF16: tl.constexpr,
+                      BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                      PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                      CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr,
+                      SR_SCORES: tl.constexpr):
+        """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV (:func:`_dkdv_tile`; plain
+        GEMMs with ``nonfinite`` = 0, the non-finite path with 1), store them."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
@@ -363,25 +356,65 @@ if triton is not None:
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
         kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
-        if REDO:  # only a tile whose dK or dV holds an inf or NaN: a non-finite Q or dO met in the fast path's GEMMs
-            seen = tl.load(DK + kv_ptrs, mask=key_ok[:, None], other=0.0)
-            seen_v = tl.load(DV + kv_ptrs, mask=key_ok[:, None], other=0.0)
-            if (_any_nonfinite(seen, key_ok) | _any_nonfinite(seen_v, key_ok)) == 0:
-                return
         in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
         # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
         k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
 
-        # plain GEMMs, or on the redo the non-finite path: Q's or dO's inf or NaN only where its row sees the key
         dk, dv = _dkdv_tile(
             k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
-            1 if REDO else 0, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+            nonfinite, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
             DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
         tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
         tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+
+    @triton.jit
+    def _bwd_dkdv_kernel(
+        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
+        T, scale, sr_seed,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
+        HEAD_DIM: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
+        TILES_PER_BK: tl.constexpr,  # key tiles per policy key block (ceil(BK / BLOCK_N); the last may be cut short)
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr,
+        DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose dK or dV the first left not finite; its grid
+        # has one program per REDO_TILES key tiles
+        REDO_TILES: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(1)  # (batch, head)
+        if not REDO:  # key tile program_id(0), plain GEMMs
+            _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b,
+                          stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 0, HEAD_DIM, BQ, BK, BLOCK_M,
+                          BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT,
+                          PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+        else:  # REDO_TILES key tiles: read back their dK, dV, redo on the non-finite path those not finite
+            first = tl.program_id(0) * REDO_TILES
+            row0 = pid_bh.to(tl.int64) * T  # this batch·head's first row of DK, DV (contiguous)
+            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
+            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
+                t = first + i
+                k_start = (t // TILES_PER_BK) * BK + (t % TILES_PER_BK) * BLOCK_N
+                loc = tl.arange(0, BLOCK_N)
+                ok = (loc < BK - (t % TILES_PER_BK) * BLOCK_N) & (k_start + loc < T)  # tiles past the last: none
+                seen = (_rows_nonfinite(DK + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N)
+                        | _rows_nonfinite(DV + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N))
+                bad = _with(bad, i, seen)
+            for i in range(REDO_TILES):
+                if _at(bad, i) != 0:  # a non-finite Q or dO met in the fast path's GEMMs
+                    _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
+                                  stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 1, HEAD_DIM, BQ, BK,
+                                  BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
+                                  PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
@@ -453,26 +486,15 @@ if triton is not None:
         return dq
 
     @triton.jit
-    def _bwd_dq_kernel(
-        Q, K, V, DO, LSE, DELTA, DQ,
-        T, scale, sr_seed,
-        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
-        do_stride_b, do_stride_h, do_stride_t,  # DO's
-        HEAD_DIM: tl.constexpr,
-        BQ: tl.constexpr, BK: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
-        TILES_PER_BQ: tl.constexpr,  # query tiles per policy query block (ceil(BQ / BLOCK_M); the last may be short)
-        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
-        PRECISE_MATH: tl.constexpr,
-        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
-        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
-        EXP2: tl.constexpr,  # policy.exp == "exp2"
-        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose dQ the first left not finite
-    ):
-        pid_m = tl.program_id(0)  # query compute tile
-        pid_bh = tl.program_id(1)
+    def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, pid_m, pid_bh, T, scale, sr_seed, H, stride_b, stride_h, stride_t,
+                    do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                    HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
+                    BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                    DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, dO, lse, δ, compute its dQ (:func:`_dq_tile`;
+        plain GEMMs with ``nonfinite`` = 0, the non-finite path with 1), store it."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
@@ -490,20 +512,60 @@ if triton is not None:
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
         q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
-        if REDO:  # only a tile whose dQ holds an inf or NaN: a non-finite K met in the fast path's dS K GEMMs
-            if _any_nonfinite(tl.load(DQ + q_ptrs, mask=row_ok[:, None], other=0.0), row_ok) == 0:
-                return
         q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
         do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
-        # plain GEMMs, or on the redo the non-finite path: K's inf or NaN only where a row sees its key
-        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, 1 if REDO else 0,
+        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, nonfinite,
                       T, s_pre, HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
                       DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _bwd_dq_kernel(
+        Q, K, V, DO, LSE, DELTA, DQ,
+        T, scale, sr_seed,
+        H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
+        do_stride_b, do_stride_h, do_stride_t,  # DO's
+        HEAD_DIM: tl.constexpr,
+        BQ: tl.constexpr, BK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
+        TILES_PER_BQ: tl.constexpr,  # query tiles per policy query block (ceil(BQ / BLOCK_M); the last may be short)
+        SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
+        QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr,
+        PRECISE_MATH: tl.constexpr,
+        CAUSAL_SPLIT: tl.constexpr,  # False: every sub-tile through the masked path (for comparison)
+        SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
+        EXP2: tl.constexpr,  # policy.exp == "exp2"
+        SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose dQ the first left not finite; its grid has
+        # one program per REDO_TILES query tiles
+        REDO_TILES: tl.constexpr,
+    ):
+        pid_bh = tl.program_id(1)
+        if not REDO:  # query tile program_id(0), plain GEMMs
+            _dq_program(Q, K, V, DO, LSE, DELTA, DQ, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
+                        stride_t, do_stride_b, do_stride_h, do_stride_t, 0, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N,
+                        TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH,
+                        CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+        else:  # REDO_TILES query tiles: read back their dQ, redo on the non-finite path those not finite
+            first = tl.program_id(0) * REDO_TILES
+            dq_rows = DQ + pid_bh.to(tl.int64) * T * HEAD_DIM  # this batch·head's dQ (contiguous)
+            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
+            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
+                t = first + i
+                q_start = (t // TILES_PER_BQ) * BQ + (t % TILES_PER_BQ) * BLOCK_M
+                loc = tl.arange(0, BLOCK_M)
+                ok = (loc < BQ - (t % TILES_PER_BQ) * BLOCK_M) & (q_start + loc < T)  # tiles past the last: none
+                bad = _with(bad, i, _rows_nonfinite(dq_rows, q_start, ok, HEAD_DIM, BLOCK_M))
+            for i in range(REDO_TILES):
+                if _at(bad, i) != 0:  # a non-finite K met in the fast path's dS K GEMMs
+                    _dq_program(Q, K, V, DO, LSE, DELTA, DQ, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
+                                stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 1, HEAD_DIM, BQ, BK,
+                                BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
+                                DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
@@ -638,23 +700,23 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     n_ktiles = triton.cdiv(T, BK) * TPB_K
     for redo in redo_launches(assume_finite):
         launch(
-            _bwd_dkdv_kernel, (n_ktiles, B * H),
+            _bwd_dkdv_kernel, (triton.cdiv(n_ktiles, REDO_TILES) if redo else n_ktiles, B * H),
             q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-            REDO=redo,
+            REDO=redo, REDO_TILES=REDO_TILES,
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
     # ---- dQ: one program per query tile ----
     n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
     for redo in redo_launches(assume_finite):
         launch(
-            _bwd_dq_kernel, (n_qtiles, B * H),
+            _bwd_dq_kernel, (triton.cdiv(n_qtiles, REDO_TILES) if redo else n_qtiles, B * H),
             q_, k_, v_, do_, lse_, delta, dq, T, float(scale), pol.sr_seed, *strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
-            REDO=redo,
+            REDO=redo, REDO_TILES=REDO_TILES,
             **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
     if store_dtype != grad_dtype:

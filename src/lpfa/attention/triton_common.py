@@ -390,6 +390,25 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
+    def _rows_nonfinite(X, row0, ok, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+        """1 (int32) if rows row0 .. row0 + ROWS − 1 of the contiguous (·, HEAD_DIM) tensor X hold an inf or NaN where
+        ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's output."""
+        offs = row0 + tl.arange(0, ROWS)
+        x = tl.load(X + offs.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
+                    other=0.0)
+        return _any_nonfinite(x, ok)
+
+    @triton.jit
+    def _with(v, i, x):
+        """The vector v with element i set to x."""
+        return tl.where(tl.arange(0, v.shape[0]) == i, x, v)
+
+    @triton.jit
+    def _at(v, i):
+        """Element i of the vector v, as a scalar."""
+        return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0))
+
+    @triton.jit
     def _any_nonfinite(x, ok):
         """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0: the test of
         a program's stored output that decides whether it runs again on the non-finite path (:func:`redo_launches`)."""
@@ -476,8 +495,11 @@ def shared_layout(*xs):
 # value a non-finite operand touches in a GEMM turns inf or NaN and stays so to the stored output, so a tile whose
 # stored output is finite has met none, and that output is the non-finite path's bit for bit (the path equals the
 # plain GEMM where every operand is finite). So each kernel launches twice: the fast path (REDO=False) for every
-# tile, then REDO=True, whose programs read back their own output tile and return unless it holds an inf or NaN, and
-# then compute it again on the non-finite path. Nothing syncs with the host.
+# tile, then REDO=True, whose programs each read back REDO_TILES output tiles and compute again, on the non-finite
+# path, those that hold an inf or NaN. Nothing syncs with the host.
+
+
+REDO_TILES = 4  # tiles one program of a redo launch tests: fewer, longer programs, their loads in flight together
 
 
 def redo_launches(assume_finite: bool) -> tuple[bool, ...]:

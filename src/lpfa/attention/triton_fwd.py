@@ -39,9 +39,9 @@ A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.
 which takes a second GEMM and masks; compiled into the hot loop, that path alone pushed the kernel into register
 spills (``benchmarks/compile_check.py`` counts them), and compiled in after the fast path it still slowed it. So
 :func:`flash_forward` launches the kernel twice: with ``REDO=False`` for every tile (plain P̄V GEMMs), then with
-``REDO=True``, whose programs read back their tile of O and return unless it holds an inf or NaN. An inf or NaN of V
-that a P̄V GEMM meets, even as 0·inf, leaves its rows of O not finite, so a finite tile is the non-finite path's bit
-for bit, and only the others are computed again on that path
+``REDO=True``, whose programs each read back ``REDO_TILES`` tiles of O and compute again those that hold an inf or
+NaN. An inf or NaN of V that a P̄V GEMM meets, even as 0·inf, leaves its rows of O not finite, so a finite tile is the
+non-finite path's bit for bit, and only the others are computed again, on that path
 (:func:`~lpfa.attention.triton_common.redo_launches`). Nothing syncs with the host.
 
 Interpreter-safe rounding design
@@ -103,7 +103,8 @@ import torch
 
 from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
 from lpfa.attention.triton_common import (
-    _any_nonfinite,
+    REDO_TILES,
+    _at,
     _dot,
     _dot_visible,
     _exp_shifted,
@@ -119,11 +120,13 @@ from lpfa.attention.triton_common import (
     _rnd_s,
     _row_max,
     _row_top2,
+    _rows_nonfinite,
     _score_pos,
     _shift_arg,
     _softcap,
     _sr_pre,
     _top2,
+    _with,
     check_triton_inputs,
     gemm_mode,
     launch,
@@ -367,6 +370,42 @@ if triton is not None:
         return out, _log(l_i, PRECISE_MATH) + m_i
 
     @triton.jit
+    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val, sfa_beta,  # noqa: E741
+                     sfa_eps, sfa_min_shift, sr_seed, v_nonfinite,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
+                     OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
+                     USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
+                     PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
+                     SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
+                     SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, compute its O and lse (:func:`_fwd_tile`; plain
+        P̄V GEMMs with ``v_nonfinite`` = 0, the non-finite path with 1), store them."""
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
+        q_start = pid_m * BLOCK_M
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        offs_d = tl.arange(0, HEAD_DIM)
+        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
+        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
+        Q, K, V = Q + in_base, K + in_base, V + in_base
+        loc_n = tl.arange(0, BLOCK_N)
+
+        # Q tile: (BLOCK_M, D); padded rows are 0
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
+
+        out, lse = _fwd_tile(
+            q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, v_nonfinite, scale, clamp_val,
+            sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
+            PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
+            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+        # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
+        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+
+    @triton.jit
     def _flash_fwd_kernel(
         Q, K, V, O, LSE,  # noqa: E741  Q, K, V (B, H, T, D), strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
@@ -385,37 +424,32 @@ if triton is not None:
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose O the first left not finite (module docstring)
+        REDO: tl.constexpr,  # the second launch: redo the tiles whose O the first left not finite (module docstring);
+        # its grid has one program per REDO_TILES query tiles
+        REDO_TILES: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)  # query tile
         pid_bh = tl.program_id(1)  # (batch, head)
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
-        q_start = pid_m * BLOCK_M
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < T
-        offs_d = tl.arange(0, HEAD_DIM)
-        o_ptrs = O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        if REDO:  # only a tile whose O holds an inf or NaN: a non-finite V met in the fast path's P̄V GEMMs
-            if _any_nonfinite(tl.load(o_ptrs, mask=row_ok[:, None], other=0.0), row_ok) == 0:
-                return
-        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
-        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
-        Q, K, V = Q + in_base, K + in_base, V + in_base
-        loc_n = tl.arange(0, BLOCK_N)
-
-        # Q tile: (BLOCK_M, D); padded rows are 0
-        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
-
-        # plain P̄V GEMMs, or on the redo the non-finite path: V's inf or NaN only where its key is seen
-        out, lse = _fwd_tile(
-            q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, 1 if REDO else 0, scale, clamp_val,
-            sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
-            PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
-            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
-        # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
-        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
-        tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+        if not REDO:  # query tile program_id(0), plain P̄V GEMMs
+            _fwd_program(
+                Q, K, V, O, LSE, tl.program_id(0), pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val,
+                sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
+                PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
+                SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+        else:  # REDO_TILES query tiles: read back their O, then redo on the non-finite path those that are not finite
+            first = tl.program_id(0) * REDO_TILES
+            o_rows = O + pid_bh.to(tl.int64) * T * HEAD_DIM  # this batch·head's O (contiguous)
+            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
+            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
+                rows = (first + i) * BLOCK_M + tl.arange(0, BLOCK_M)
+                bad = _with(bad, i, _rows_nonfinite(o_rows, (first + i) * BLOCK_M, rows < T, HEAD_DIM, BLOCK_M))
+            for i in range(REDO_TILES):
+                if _at(bad, i) != 0:  # a non-finite V met in the fast path's P̄V GEMMs (tiles past T read as finite)
+                    _fwd_program(
+                        Q, K, V, O, LSE, first + i, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val,
+                        sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 1, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
+                        SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT,
+                        PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS,
+                        EXP2, SR_SCORES)
 
 
 BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
@@ -462,7 +496,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
     for redo in redo_launches(assume_finite):  # the fast path, then the tiles whose O it left not finite
-        _forward_launch(grid, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+        g = (triton.cdiv(grid[0], REDO_TILES), grid[1]) if redo else grid
+        _forward_launch(g, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
                         inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
                         num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
@@ -499,6 +534,7 @@ def _forward_launch(grid, q, k, v, o, lse, strides, T, scale, pol, D, block_m, B
         EXP2=pol.exp == "exp2",
         SR_SCORES="scores" in pol.stochastic,
         REDO=bool(redo),
+        REDO_TILES=REDO_TILES,
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,
