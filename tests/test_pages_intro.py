@@ -68,9 +68,11 @@ def test_plot_fig2_marks_the_bf16_explosion(tmp_path):
 
 
 def test_the_pages_word_helpers():
-    from lpfa.pages import and_join, capital, plural
+    from lpfa.pages import and_join, capital, gpu_name, plural
 
     assert [plural(n, "seed") for n in (0, 1, 2)] == ["seeds", "seed", "seeds"]
+    assert gpu_name("NVIDIA H100 80GB HBM3") == "H100" and gpu_name("2 x NVIDIA H200 (nvidia-h200-x2)") == "H200"
+    assert gpu_name("cpu") == "cpu"
     assert and_join([]) == "" and and_join(["a"]) == "a" and and_join(["a", "b", "c"]) == "a, b and c"
     assert capital("the loss") == "The loss" and capital("") == ""
 

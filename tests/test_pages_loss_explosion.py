@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from lpfa import results
 from lpfa.explosion import ExplosionCriterion
 from lpfa.pages.loss_explosion import (
     cost_text,
@@ -184,8 +185,10 @@ def test_cost_text_from_the_committed_speeds(fig2):
     runs = fig2[0]
     speeds = committed_speed("compile_throughput")
     text = cost_text(speeds, runs, None, 30_000)
-    tps = _json(sorted((ROOT / "results" / "train_throughput").iterdir())[-1] / "summary.json")
-    tps = tps["backends"]["lpfa_paper"]["tokens_per_s"]
+    latest = results.runs("train_throughput")[-1]  # the latest by date, as the page takes it
+    tps = _json(latest / "summary.json")["backends"]["lpfa_paper"]["tokens_per_s"]
+    gpu = _json(latest / "provenance.json")["device"].split("NVIDIA ")[1].split()[0]  # "H100", "H200"
+    assert f"tokens/s on one {gpu} (GPT-2 S, eager, `results/train_throughput/{latest.name}`)" in text
     tokens = PAPER_EXPLOSION_STEP * _tokens(PRESETS["gpt2-s-paper"])
     assert f"one such run takes {tokens / tps / 3600:.1f} GPU-hours" in text
     minutes = 30_000 * _tokens(PRESETS["repro"]) / speeds.loc["eager", "median tokens/s"] / 60

@@ -13,6 +13,8 @@ package. The modules, in the book's reading order: :mod:`.intro` (the scorecard)
 
 from __future__ import annotations
 
+import re
+
 from lpfa.params import check_params  # noqa: F401  (a notebook checks its parameters with it, from here)
 from lpfa.plotting import format_table  # noqa: F401  (and shows its tables with it)
 from lpfa.results import load, what
@@ -32,6 +34,13 @@ VERDICT_WORDS = {"reproduced": "reproduced", "partly": "partly reproduced", "not
 def and_join(items: list[str]) -> str:
     """``a``, ``a and b``, ``a, b and c``."""
     return " and ".join([", ".join(items[:-1]), items[-1]] if len(items) > 1 else items)
+
+
+def gpu_name(device: str) -> str:
+    """The GPU's model in a provenance's ``device`` ("NVIDIA H100 80GB HBM3", "2 x NVIDIA H200 (nvidia-h200-x2)"):
+    "H100", "H200"; the string as it is where it names no NVIDIA model."""
+    m = re.search(r"NVIDIA ([A-Z]+\d+)", device)
+    return m.group(1) if m else device
 
 
 def plural(n: int, noun: str) -> str:

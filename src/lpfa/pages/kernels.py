@@ -24,9 +24,10 @@ import torch
 
 from lpfa.attention import PRESETS, attention
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
+from lpfa.pages import and_join
 from lpfa.params import boolean, integer, optional, text
 from lpfa.paths import repo_root
-from lpfa.plotting import COLORS, format_table, use_style
+from lpfa.plotting import COLORS, MAX_ROWS, format_table, use_style
 from lpfa.results import file_run, load, run_date, run_dir
 from lpfa.results import runs as result_runs
 
@@ -158,10 +159,11 @@ def rerun_benchmark() -> str:
 
 def provenance_notes(run: str | None = None) -> dict[str, str]:
     """The provenance of the speed table's run (:func:`bench_run_of`) for the page's text: ``bench_run`` (its name),
-    ``bench_env`` (device, torch, Triton, commit, date) and ``bench_command``."""
+    ``bench_device`` ("one NVIDIA H100 80GB HBM3"), ``bench_env`` (device, torch, Triton, commit, date) and
+    ``bench_command``."""
     folder = bench_run_of("bench.json", run)
     prov = load(EXPERIMENT, "provenance.json", folder.name)
-    return {"bench_run": f"`{folder.name}`",
+    return {"bench_run": f"`{folder.name}`", "bench_device": f"one {prov['device']}",
             "bench_env": (f"{prov['device']}, torch {prov['torch']}, Triton {prov['triton']}, "
                           f"commit `{prov['git_commit']}`, {prov['date_utc']}"),
             "bench_command": f"`{prov['command']}`"}
@@ -350,7 +352,7 @@ def sfa_overhead_table(data: dict):
     return df[[c for c in df.columns if c != "spread"] + ["spread"]]
 
 
-SFA_NOTES = ("sfa_run", "sfa_commit", "sfa_now", "sfa_goal", "sfa_saved", "sfa_spread")
+SFA_NOTES = ("sfa_run", "sfa_commit", "sfa_device", "sfa_now", "sfa_goal", "sfa_saved", "sfa_spread")
 
 
 def sfa_overhead():
@@ -372,15 +374,16 @@ def sfa_overhead_display(table):
 def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> dict[str, str]:
     """The SFA forward's cost in words, from :func:`sfa_overhead`'s ``(table, folder)``: ``sfa_run``, ``sfa_commit``,
     ``sfa_now`` (the range of SFA's time over its base), ``sfa_goal`` (within ``target`` or not), ``sfa_saved`` (what
-    the row-max tie test saved over the counting pass, percentage points), ``sfa_spread`` and ``p12_note1`` (how to
-    make a run, when ``table`` is None; the others are then "–")."""
+    the row-max tie test saved over the counting pass, percentage points), ``sfa_spread``, ``sfa_device`` (the GPU)
+    and ``p12_note1`` (how to make a run, when ``table`` is None; the others are then "–")."""
     if table is None:
         return {**dict.fromkeys(SFA_NOTES, "–"), "p12_note1": (
             "**Not run yet**: `python benchmarks/sfa_overhead.py --out results/sfa_overhead/<run>` on a GPU.")}
     now = table[["paper_sfa over base", "fa2_sfa over base"]]
     saved = table[["paper_sfa count pass over base", "fa2_sfa count pass over base"]].to_numpy() - now.to_numpy()
+    prov = load("sfa_overhead", "provenance.json", folder.name)
     return {"sfa_run": f"`{folder.name}`",
-            "sfa_commit": f"`{load('sfa_overhead', 'provenance.json', folder.name)['git_commit'][:7]}`",
+            "sfa_commit": f"`{prov['git_commit'][:7]}`", "sfa_device": f"one {prov['device']}",
             "sfa_now": f"{now.min().min():+.0%} to {now.max().max():+.0%}",
             "sfa_goal": f"the goal of at most +{100 * target:.0f}% is {_verdict(now.max().max() <= target)}",
             "sfa_saved": f"up to {100 * saved.max():.0f} percentage points",
@@ -641,21 +644,39 @@ def ncu_text(table, base: str = "sdpa_flash") -> str:
     return " ".join(p + "." for p in parts)
 
 
+def redo_text(table, target: str = "fa2") -> str:
+    """``target``'s second launches in Nsight Compute's :func:`ncu_table` (a kernel's second launch is ``name#2``:
+    the tiles redone on the non-finite path, whose programs return at once on finite outputs), in words: their time,
+    and their share of the target's forward and backward. "" where the run has none."""
+    if target not in table.index.get_level_values("target"):
+        return ""
+    own = table.loc[target]["µs"]
+    redo = own[[k.endswith("#2") for k in own.index]]
+    if redo.empty:
+        return ""
+    what = "the second launch takes" if len(redo) == 1 else f"the {len(redo)} second launches take"
+    return (f"in `{target}`'s forward and backward {what} {redo.sum():,.0f} µs of {own.sum():,.0f} µs "
+            f"({redo.sum() / own.sum():.0%}), though no tile is redone on finite inputs")
+
+
 def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     """Nsight Compute's findings for the page's text, from :func:`load_ncu`'s ``(ncu, folder)`` and its
     :func:`ncu_table`: ``ncu_run`` (run and commit), ``ncu_launches`` (kernels of one ``fa2`` forward+backward),
-    ``ncu_text``; for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (any bound by compute or memory),
-    ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of peak); the thresholds ``ncu_bound_pct``,
-    ``ncu_min_us``, ``ncu_big_us``."""
+    ``ncu_text``, ``ncu_redo`` (:func:`redo_text`); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
+    clause: those bound by compute or memory), ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of
+    peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``."""
     prov = load("attention_ncu", "provenance.json", folder.name)
     big = table[table["µs"] >= NCU_BIG_US]
-    bound = [f"`{t}`'s `{k}` ({r})" for (t, k), r in big["limited by"].items() if not r.startswith("latency")]
+    by_reason: dict[str, list[str]] = {}
+    for (t, k), r in big["limited by"].items():
+        if not r.startswith("latency"):
+            by_reason.setdefault(r, []).append(f"`{t}`'s `{k}`")
+    bound = "; ".join(f"{and_join(ks)} {'is' if len(ks) == 1 else 'are'} bound by {r}" for r, ks in by_reason.items())
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_launches": f"{len(ncu['fa2'])}",
-            "ncu_text": ncu_text(table),
-            "ncu_bound": ("none is bound by the tensor cores or by memory" if not bound
-                          else "bound: " + ", ".join(bound)),
+            "ncu_text": ncu_text(table), "ncu_redo": redo_text(table),
+            "ncu_bound": bound or "none is bound by the tensor cores or by memory",
             "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
             "ncu_occupancy": f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%",
             "ncu_tensor": f"{big['tensor %'].max():.0f}%", "ncu_memory": f"{big['memory %'].max():.0f}%"}
@@ -682,27 +703,20 @@ class KernelsPage:
 
 
 def ncu_display(table):
-    """:func:`ncu_table` as the page shows it (:func:`lpfa.plotting.format_table`): the kernels of at least
-    :data:`NCU_BIG_US`, the attention kernels proper, with :data:`NCU_SHOWN`; every kernel is in a CSV."""
+    """:func:`ncu_table` as the page shows it (:func:`lpfa.plotting.format_table`), with :data:`NCU_SHOWN`: every
+    kernel of at least :data:`NCU_MIN_US`, or where they would be more than a page's table holds
+    (:data:`lpfa.plotting.MAX_ROWS`), those of at least :data:`NCU_BIG_US`, the attention kernels proper."""
+    if len(table) <= MAX_ROWS:
+        return format_table(table[NCU_SHOWN]).set_caption(f"Every kernel of at least {NCU_MIN_US:g} µs")
     return format_table(table.loc[table["µs"] >= NCU_BIG_US, NCU_SHOWN]).set_caption(
-        f"The kernels of at least {NCU_BIG_US:g} µs")
-
-
-def full_ncu_table():
-    """The full table behind :func:`ncu_display` for :mod:`lpfa.pages.tables`: :func:`ncu_table` of the latest
-    committed Nsight Compute run, what it is, and that folder."""
-    ncu, folder = load_ncu()
-    what = (f"Page 12's full Nsight Compute table: every kernel of at least {NCU_MIN_US:g} µs of one forward and "
-            f"backward per target, from results/attention_ncu/{folder.name}")
-    return ncu_table(ncu)[NCU_SHOWN], what, [f"results/attention_ncu/{folder.name}"]
+        f"The kernels of at least {NCU_BIG_US:g} µs (of {len(table)} of at least {NCU_MIN_US:g} µs)")
 
 
 def full_table_notes() -> dict[str, str]:
-    """Page 12's links to its full tables (:mod:`lpfa.pages.tables`): ``shapes_full`` and ``ncu_full``."""
+    """Page 12's link to its full table (:mod:`lpfa.pages.tables`): ``shapes_full``."""
     from lpfa.pages.tables import link
 
-    return {"shapes_full": f"Every shape's TFLOP/s, with SFA's cost over its base, is in {link('attention_shapes')}.",
-            "ncu_full": f"Every kernel of at least {NCU_MIN_US:g} µs is in {link('attention_ncu')}."}
+    return {"shapes_full": f"Every shape's TFLOP/s, with SFA's cost over its base, is in {link('attention_shapes')}."}
 
 
 def load_page(run: str | None) -> KernelsPage:

@@ -29,7 +29,7 @@ from lpfa.dose import committed_runs, dose_findings, dose_table, fit_dose_respon
 from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
-from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, plural, setting_of
+from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, gpu_name, plural, setting_of
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -751,8 +751,9 @@ def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, 
     GPT-2 S speed (``results/<throughput>``), against the wall time of the Fig. 2 BF16 twin (``runs``)."""
     t = Run(repro_runs["bf16"]).train if repro_runs else PRESETS["repro"]
     minutes = {k: wall_minutes(target_steps, v, t) for k, v in speeds["median tokens/s"].items()}
-    g_tps = json.loads((run_dir(throughput, None, root) / "summary.json").read_text())["backends"]["lpfa_paper"][
-        "tokens_per_s"]
+    g_run = run_dir(throughput, None, root)
+    g_tps = json.loads((g_run / "summary.json").read_text())["backends"]["lpfa_paper"]["tokens_per_s"]
+    g_gpu = gpu_name(json.loads((g_run / "provenance.json").read_text())["device"])
     gp, pp = PRESETS["gpt2-s"], PRESETS["gpt2-s-paper"]
     conf = Run(runs["bf16"]).train
     return (
@@ -768,7 +769,8 @@ def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, 
         f"**The paper's scale.** The paper's recipe (`gpt2-s-paper`: GPT-2 small, T = {pp['block_size']}, "
         f"{tokens_per_step(pp):,} tokens/step, peak lr {pp['lr']:g}, {pp['warmup_steps']:,} warmup steps) explodes "
         f"after about {PAPER_EXPLOSION_STEP:,} steps, {paper_explosion_tokens() / 1e9:.1f}B tokens. With the `paper` "
-        f"policy at {g_tps:,.0f} tokens/s on one H200 (GPT-2 S, eager, `results/{throughput}`), one such run takes "
+        f"policy at {g_tps:,.0f} tokens/s on one {g_gpu} (GPT-2 S, eager, `results/{throughput}/{g_run.name}`), one "
+        f"such run takes "
         f"{paper_explosion_tokens() / g_tps / 3600:.1f} GPU-hours, and a BF16/FP32/SFA set of three takes "
         f"{3 * paper_explosion_tokens() / g_tps / 3600:.0f} GPU-hours, on OpenWebText prepared as nanoGPT prepares it "
         f"(`data=` a folder with train.bin and val.bin). Our paper-recipe BF16 twin reached its explosion in "

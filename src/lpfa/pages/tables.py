@@ -25,7 +25,6 @@ FULL_TABLES = {
     "early_warning_replay": ("lpfa.pages.early_warning", "full_replay_table"),
     "kernel_bias_audit": ("lpfa.pages.kernel_bias", "full_bias_table"),
     "attention_shapes": ("lpfa.pages.kernels", "full_shapes_table"),
-    "attention_ncu": ("lpfa.pages.kernels", "full_ncu_table"),
 }
 
 

@@ -24,6 +24,7 @@ from lpfa.attention import PRESETS as POLICIES
 from lpfa.book import train_quietly
 from lpfa.compare import plot_losses
 from lpfa.explosion import attention_label
+from lpfa.pages import gpu_name
 from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
 from lpfa.results import experiment_rows, experiments, load, run_dir
@@ -201,17 +202,21 @@ def committed_throughput():
 
 def throughput_notes(table) -> dict[str, str]:
     """The committed training-throughput run in words: ``tput_text`` (:func:`throughput_text` of ``table``),
-    ``tput_run`` and ``tput_env`` (its device, torch and commit), and ``twin_text`` (:func:`twin_text` against
+    ``tput_run``, ``tput_env`` (its device, torch and commit) and ``tput_gpu`` ("one H100"), and ``twin_text``
+    (:func:`twin_text` against
     the attention benchmark's latest ``error.json``), and ``fp32_runs_text`` (:func:`fp32_attention_text`)."""
     prov = load("train_throughput", "provenance.json")
     return {"tput_text": throughput_text(table),
             "tput_run": f"`{run_dir('train_throughput').name}`",
             "tput_env": f"{prov['device']}, torch {prov['torch']}, commit `{prov['git_commit']}`",
+            "tput_gpu": f"one {gpu_name(prov['device'])}",
             "twin_text": twin_text(table, load("attention_benchmark", "error.json")),
             "fp32_runs_text": fp32_attention_text(fp32_attention_runs())}
 
 
 def throughput_display(table):
-    """:func:`throughput_table` as the page shows it: tokens/s, MFU, the ratio to SDPA and peak memory per backend."""
+    """:func:`throughput_table` as the page shows it: tokens/s (on the committed run's GPU), MFU, the ratio to SDPA and
+    peak memory per backend."""
+    gpu = gpu_name(load("train_throughput", "provenance.json")["device"])
     return format_table(table[["tokens_per_s", "mfu", "ratio to SDPA", "peak_mem_gib"]].astype(float),
-                        units={"tokens_per_s": "GPT-2 S, H200", "peak_mem_gib": "GiB"})
+                        units={"tokens_per_s": f"GPT-2 S, {gpu}", "peak_mem_gib": "GiB"})
