@@ -264,15 +264,39 @@ if triton is not None:
         return dv_part, dk_part
 
     @triton.jit
-    def _dkdv_tile(k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
-                   nonfinite, T, s_pre, HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr,
-                   QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr,
-                   PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
-        """(dK_j, dV_j) of the key tile held in ``k``, ``v``, over every policy query block that sees it.
-        ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or NaN of Q or dO reaches
-        exactly the keys its row sees."""
+    def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, pid_n, pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
+                      stride_t, do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                      HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, TILES_PER_BK: tl.constexpr, SCORES_BF16: tl.constexpr,
+                      BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                      PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
+                      CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr,
+                      SR_SCORES: tl.constexpr):
+        """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV over every policy query
+        block that sees it, store them. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an
+        inf or NaN of Q or dO reaches exactly the keys its row sees."""
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
+        row_base = pid_bh.to(tl.int64) * T
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
+
+        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
+        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
+        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
+        loc_n = tl.arange(0, BLOCK_N)
+        offs_n = k_start + loc_n
+        key_ok = (loc_n < NK) & (offs_n < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+
+        # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
+        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
+        in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
+        # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
+        k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
+        v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
+
         # dK_j, dV_j accumulators (bw precision), across policy query blocks
         dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -325,46 +349,6 @@ if triton is not None:
             else:
                 dv = dv_part
                 dk = dk_part
-
-        return dk, dv
-
-    @triton.jit
-    def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, pid_n, pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
-                      stride_t, do_stride_b, do_stride_h, do_stride_t, nonfinite,
-                      HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, TILES_PER_BK: tl.constexpr, SCORES_BF16: tl.constexpr,
-                      BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
-                      PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                      CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr,
-                      SR_SCORES: tl.constexpr):
-        """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV (:func:`_dkdv_tile`; plain
-        GEMMs with ``nonfinite`` = 0, the non-finite path with 1), store them."""
-        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
-        row_base = pid_bh.to(tl.int64) * T
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
-
-        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
-        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
-        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
-        loc_n = tl.arange(0, BLOCK_N)
-        offs_n = k_start + loc_n
-        key_ok = (loc_n < NK) & (offs_n < T)
-        offs_d = tl.arange(0, HEAD_DIM)
-
-        # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
-        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
-        in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
-        # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
-        k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
-        v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
-
-        dk, dv = _dkdv_tile(
-            k, v, k_start, NK, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t, do_stride_t, row_base, scale,
-            nonfinite, T, s_pre, HEAD_DIM, BQ, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-            DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
         tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
@@ -445,14 +429,38 @@ if triton is not None:
         return dq_part
 
     @triton.jit
-    def _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, nonfinite, T, s_pre,
-                 HEAD_DIM: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr,
-                 DOV_DOT: tl.constexpr, DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                 CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
-        """dQ_i of the query tile held in ``q``, ``do``, over every policy key block it sees. ``nonfinite`` = 0 (a
-        constant): plain GEMMs; 1: the non-finite path, where an inf or NaN of K reaches exactly the rows that see
-        its key."""
+    def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, pid_m, pid_bh, T, scale, sr_seed, H, stride_b, stride_h, stride_t,
+                    do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                    HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
+                    BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
+                    DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
+                    SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, dO, lse, δ, compute its dQ over every policy key
+        block it sees, store it. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or
+        NaN of K reaches exactly the rows that see its key."""
+        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
+        row_base = pid_bh.to(tl.int64) * T
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
+        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
+        DO = DO + b * do_stride_b + h * do_stride_h
+
+        # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
+        q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
+        NQ = tl.minimum(BLOCK_M, BQ - (pid_m % TILES_PER_BQ) * BLOCK_M)  # rows of the tile inside its policy block
+        loc_m = tl.arange(0, BLOCK_M)
+        offs_m = q_start + loc_m
+        row_ok = (loc_m < NQ) & (offs_m < T)
+        offs_d = tl.arange(0, HEAD_DIM)
+
+        # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
+        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
+        do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
+        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
+
         dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
         # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
@@ -483,43 +491,6 @@ if triton is not None:
                 dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
             else:
                 dq = dq_part
-        return dq
-
-    @triton.jit
-    def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, pid_m, pid_bh, T, scale, sr_seed, H, stride_b, stride_h, stride_t,
-                    do_stride_b, do_stride_h, do_stride_t, nonfinite,
-                    HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
-                    BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
-                    DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
-        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, dO, lse, δ, compute its dQ (:func:`_dq_tile`;
-        plain GEMMs with ``nonfinite`` = 0, the non-finite path with 1), store it."""
-        s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
-        row_base = pid_bh.to(tl.int64) * T
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
-
-        # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
-        q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
-        NQ = tl.minimum(BLOCK_M, BQ - (pid_m % TILES_PER_BQ) * BLOCK_M)  # rows of the tile inside its policy block
-        loc_m = tl.arange(0, BLOCK_M)
-        offs_m = q_start + loc_m
-        row_ok = (loc_m < NQ) & (offs_m < T)
-        offs_d = tl.arange(0, HEAD_DIM)
-
-        # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
-        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
-        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
-        do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
-        delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
-
-        dq = _dq_tile(q, do, lse, delta, q_start, NQ, offs_m, row_ok, K, V, stride_t, scale, nonfinite,
-                      T, s_pre, HEAD_DIM, BK, BLOCK_M, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
-                      DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
         tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 

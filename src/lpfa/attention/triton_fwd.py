@@ -319,18 +319,32 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
-    def _fwd_tile(q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, v_nonfinite,
-                  scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
-                  N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
-                  OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
-                  USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                  PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
-                  SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
-                  SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
-        """(O, lse) of the query tile [q_start, q_start + BLOCK_M): every policy key block up to the diagonal, then
-        O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs; 1: the
-        non-finite path, where an inf or NaN of V reaches exactly the rows that see its key."""
+    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val, sfa_beta,  # noqa: E741
+                     sfa_eps, sfa_min_shift, sr_seed, v_nonfinite,
+                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
+                     OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
+                     USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
+                     PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
+                     SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
+                     SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, run every policy key block up to the diagonal,
+        then store O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs;
+        1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key."""
+        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
+        q_start = pid_m * BLOCK_M
+        offs_m = q_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < T
+        offs_d = tl.arange(0, HEAD_DIM)
+        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
+        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
+        Q, K, V = Q + in_base, K + in_base, V + in_base
+        loc_n = tl.arange(0, BLOCK_N)
+
+        # Q tile: (BLOCK_M, D); padded rows are 0
+        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
+
         # running state: m = −inf, l = 0, o = 0
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -367,39 +381,8 @@ if triton is not None:
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
         out = _rnd_o(out, OSTORE_BF16, SR_OSTORE, sr_seed, 5, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
-        return out, _log(l_i, PRECISE_MATH) + m_i
+        lse = _log(l_i, PRECISE_MATH) + m_i
 
-    @triton.jit
-    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val, sfa_beta,  # noqa: E741
-                     sfa_eps, sfa_min_shift, sr_seed, v_nonfinite,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
-                     OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
-                     USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
-                     PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
-                     SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
-                     SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
-        """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, compute its O and lse (:func:`_fwd_tile`; plain
-        P̄V GEMMs with ``v_nonfinite`` = 0, the non-finite path with 1), store them."""
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
-        q_start = pid_m * BLOCK_M
-        offs_m = q_start + tl.arange(0, BLOCK_M)
-        row_ok = offs_m < T
-        offs_d = tl.arange(0, HEAD_DIM)
-        # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
-        in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
-        Q, K, V = Q + in_base, K + in_base, V + in_base
-        loc_n = tl.arange(0, BLOCK_N)
-
-        # Q tile: (BLOCK_M, D); padded rows are 0
-        q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        q = q.to(tl.bfloat16) if QK_DOT == 1 else q.to(tl.float32)  # converted once, not per key tile
-
-        out, lse = _fwd_tile(
-            q, K, V, stride_t, q_start, offs_m, offs_d, loc_n, T, v_nonfinite, scale, clamp_val,
-            sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
-            PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
-            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
         # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
         tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
