@@ -594,8 +594,9 @@ def ncu_table(ncu: dict, min_us: float = NCU_MIN_US):
     return pd.DataFrame(rows).set_index(["target", "kernel"]).round(2)
 
 
+# the per-kernel table's columns on the page ("limited by" names the top stall of a latency-bound kernel)
 NCU_SHOWN = ["pass", "µs", "M instructions", "tensor %", "issue %", "memory %", "occupancy %", "registers",
-             "top stall", "limited by"]  # the per-kernel table's columns on the page
+             "limited by"]
 
 
 def ncu_passes(table, base: str = "sdpa_flash"):
@@ -702,10 +703,15 @@ class KernelsPage:
     tuning: object
 
 
+NCU_NAME_CHARS = 28  # a kernel's name on the page, cut with "…" past this
+
+
 def ncu_display(table):
     """:func:`ncu_table` as the page shows it (:func:`lpfa.plotting.format_table`), with :data:`NCU_SHOWN`: every
     kernel of at least :data:`NCU_MIN_US`, or where they would be more than a page's table holds
     (:data:`lpfa.plotting.MAX_ROWS`), those of at least :data:`NCU_BIG_US`, the attention kernels proper."""
+    table = table.rename(index=lambda k: k if len(k) <= NCU_NAME_CHARS else k[:NCU_NAME_CHARS - 1] + "…",
+                         level="kernel")  # SDPA's longest kernel name alone would overflow the page column
     if len(table) <= MAX_ROWS:
         return format_table(table[NCU_SHOWN]).set_caption(f"Every kernel of at least {NCU_MIN_US:g} µs")
     return format_table(table.loc[table["µs"] >= NCU_BIG_US, NCU_SHOWN]).set_caption(
