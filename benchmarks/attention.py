@@ -24,6 +24,7 @@ that ``fp32_split`` has to beat to replace it.
 Usage::
 
     python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick] [--parts check,error,speed]
+    python benchmarks/attention.py --out DIR --parts speed --presets fa2,paper   # a screening run, never complete
 
 Writes ``check.json``, ``error.json``, ``bench.json``, ``overhead.json``, ``memory.json``, ``summary.json`` (preset →
 fwd+bwd TFLOP/s and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
