@@ -119,6 +119,7 @@ from lpfa.attention.triton_common import (
     _shift_arg,
     _softcap,
     _sr_pre,
+    _tile_rows,
     _with,
     check_triton_inputs,
     gemm_mode,
@@ -282,12 +283,9 @@ if triton is not None:
         Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
         DO = DO + b * do_stride_b + h * do_stride_h
 
-        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it
-        k_start = (pid_n // TILES_PER_BK) * BK + (pid_n % TILES_PER_BK) * BLOCK_N
-        NK = tl.minimum(BLOCK_N, BK - (pid_n % TILES_PER_BK) * BLOCK_N)  # keys of the tile inside its policy block
-        loc_n = tl.arange(0, BLOCK_N)
-        offs_n = k_start + loc_n
-        key_ok = (loc_n < NK) & (offs_n < T)
+        # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it (NK of them inside)
+        k_start, NK, key_ok = _tile_rows(pid_n, T, BK, BLOCK_N, TILES_PER_BK)
+        offs_n = k_start + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
@@ -386,10 +384,7 @@ if triton is not None:
             row0 = pid_bh.to(tl.int64) * T  # this batch·head's first row of DK, DV (contiguous)
             bad = tl.zeros([REDO_TILES], dtype=tl.int32)
             for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
-                t = first + i
-                k_start = (t // TILES_PER_BK) * BK + (t % TILES_PER_BK) * BLOCK_N
-                loc = tl.arange(0, BLOCK_N)
-                ok = (loc < BK - (t % TILES_PER_BK) * BLOCK_N) & (k_start + loc < T)  # tiles past the last: none
+                k_start, _, ok = _tile_rows(first + i, T, BK, BLOCK_N, TILES_PER_BK)  # past the last tile: no rows
                 seen = (_rows_nonfinite(DK + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N)
                         | _rows_nonfinite(DV + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N))
                 bad = _with(bad, i, seen)
@@ -446,12 +441,9 @@ if triton is not None:
         Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
         DO = DO + b * do_stride_b + h * do_stride_h
 
-        # this tile's queries: inside policy query block pid_m // TILES_PER_BQ
-        q_start = (pid_m // TILES_PER_BQ) * BQ + (pid_m % TILES_PER_BQ) * BLOCK_M
-        NQ = tl.minimum(BLOCK_M, BQ - (pid_m % TILES_PER_BQ) * BLOCK_M)  # rows of the tile inside its policy block
-        loc_m = tl.arange(0, BLOCK_M)
-        offs_m = q_start + loc_m
-        row_ok = (loc_m < NQ) & (offs_m < T)
+        # this tile's queries: inside policy query block pid_m // TILES_PER_BQ (NQ of them inside)
+        q_start, NQ, row_ok = _tile_rows(pid_m, T, BQ, BLOCK_M, TILES_PER_BQ)
+        offs_m = q_start + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
@@ -526,10 +518,7 @@ if triton is not None:
             dq_rows = DQ + pid_bh.to(tl.int64) * T * HEAD_DIM  # this batch·head's dQ (contiguous)
             bad = tl.zeros([REDO_TILES], dtype=tl.int32)
             for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
-                t = first + i
-                q_start = (t // TILES_PER_BQ) * BQ + (t % TILES_PER_BQ) * BLOCK_M
-                loc = tl.arange(0, BLOCK_M)
-                ok = (loc < BQ - (t % TILES_PER_BQ) * BLOCK_M) & (q_start + loc < T)  # tiles past the last: none
+                q_start, _, ok = _tile_rows(first + i, T, BQ, BLOCK_M, TILES_PER_BQ)  # past the last tile: no rows
                 bad = _with(bad, i, _rows_nonfinite(dq_rows, q_start, ok, HEAD_DIM, BLOCK_M))
             for i in range(REDO_TILES):
                 if _at(bad, i) != 0:  # a non-finite K met in the fast path's dS K GEMMs

@@ -399,6 +399,16 @@ if triton is not None:
         return _any_nonfinite(x, ok)
 
     @triton.jit
+    def _tile_rows(t, T, BLOCK: tl.constexpr, TILE: tl.constexpr, TILES_PER_BLOCK: tl.constexpr):
+        """Compute tile ``t`` of a sequence of T rows cut into policy blocks of BLOCK rows, each into TILES_PER_BLOCK
+        tiles of TILE rows (the last one cut short at the block's end): its first row, its rows inside the block,
+        and the (TILE,) mask of those rows that lie before T (all False for a tile past the last)."""
+        start = (t // TILES_PER_BLOCK) * BLOCK + (t % TILES_PER_BLOCK) * TILE
+        n = tl.minimum(TILE, BLOCK - (t % TILES_PER_BLOCK) * TILE)
+        loc = tl.arange(0, TILE)
+        return start, n, (loc < n) & (start + loc < T)
+
+    @triton.jit
     def _with(v, i, x):
         """The vector v with element i set to x."""
         return tl.where(tl.arange(0, v.shape[0]) == i, x, v)
