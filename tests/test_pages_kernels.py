@@ -187,6 +187,10 @@ def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe()
     assert notes["ncu_tensor"] == f"{max(round(m['tensor_pct'], 2) for m in big):.0f}%"
     assert (notes["ncu_min_us"], notes["ncu_big_us"], notes["ncu_bound_pct"]) == ("5 µs", "100 µs", "60%")
     assert list(table[kn.NCU_SHOWN].columns) == kn.NCU_SHOWN
+    # the passes said to execute more instructions than SDPA-flash's: exactly those with a ratio above 1
+    ratios = kn.ncu_passes(table)["M instructions × sdpa_flash"].drop("sdpa_flash", level="target")
+    for (target, p), r in ratios.items():
+        assert (f"`{target}`'s {p} ({r:.2f}×)" in notes["ncu_more"]) == (r > 1), (target, p, r)
 
 
 def test_sfa_overhead_notes_recompute_the_range_and_say_how_to_run_it():

@@ -663,7 +663,8 @@ def redo_text(table, target: str = "fa2") -> str:
 def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     """Nsight Compute's findings for the page's text, from :func:`load_ncu`'s ``(ncu, folder)`` and its
     :func:`ncu_table`: ``ncu_run`` (run and commit), ``ncu_launches`` (kernels of one ``fa2`` forward+backward),
-    ``ncu_text``, ``ncu_redo`` (:func:`redo_text`); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
+    ``ncu_text``, ``ncu_redo`` (:func:`redo_text`), ``ncu_more`` (the lpfa passes that execute more instructions
+    than SDPA-flash's, with the multiple); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
     clause: those bound by compute or memory), ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of
     peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``."""
     prov = load("attention_ncu", "provenance.json", folder.name)
@@ -673,11 +674,16 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
         if not r.startswith("latency"):
             by_reason.setdefault(r, []).append(f"`{t}`'s `{k}`")
     bound = "; ".join(f"{and_join(ks)} {'is' if len(ks) == 1 else 'are'} bound by {r}" for r, ks in by_reason.items())
+    passes = ncu_passes(table)
+    col = "M instructions × sdpa_flash"
+    more = [f"`{t}`'s {p} ({r:.2f}×)" for (t, p), r in passes[col].items()
+            if t != "sdpa_flash" and r == r and r > 1] if col in passes.columns else []
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_launches": f"{len(ncu['fa2'])}",
             "ncu_text": ncu_text(table), "ncu_redo": redo_text(table),
             "ncu_bound": bound or "none is bound by the tensor cores or by memory",
+            "ncu_more": and_join(more) or "none of the lpfa passes",
             "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
             "ncu_occupancy": f"{lo:.0f}%" if round(lo) == round(hi) else f"{lo:.0f}–{hi:.0f}%",
             "ncu_tensor": f"{big['tensor %'].max():.0f}%", "ncu_memory": f"{big['memory %'].max():.0f}%"}
