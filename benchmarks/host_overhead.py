@@ -2,12 +2,16 @@
 
 At GPT-2 shapes (B=16, H=12, T=1024, D=64) the op is host-bound: issuing a forward and backward takes the host
 longer than the GPU takes to run them. This splits the host's time per call into the layers of the call, each timed
-on its own (n calls back to back, no sync, then one sync; the GPU queue does not fill at this n):
+on its own (n calls back to back, no sync, then one sync; n = 100, 30 with a backward: the GPU's launch queue does not
+fill at these n):
 
 * ``flash_forward`` / ``flash_backward``: the launch wrappers (allocations, every launch);
 * ``op/fwd``: the ``lpfa::flash_attention_fwd`` custom op (dispatch, then ``flash_forward``);
 * ``attention/fwd``, ``attention/fwd_bwd``: the public call (input checks, policy, op, autograd);
-* the same two for SDPA-flash, for scale.
+* the same two for SDPA-flash, for scale;
+* ``fwd.backward``: forward then ``.backward()``, as a training step calls it (gradients accumulate into ``.grad``);
+* the forward+backward rows again after a ``torch.profiler`` session, then after a ``torch.compile``, in the same
+  process: what either leaves behind that slows the host's later eager calls.
 
 and writes a cProfile of ``attention/fwd_bwd`` (the 30 functions with the most time of their own).
 Usage: ``python benchmarks/host_overhead.py --out DIR [--policy fa2]``.
@@ -24,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from lpfa.attention import attention, get_policy
 from lpfa.provenance import provenance, write_json
@@ -70,6 +75,11 @@ def main():
             torch.autograd.grad(f(qg, kg, vg), (qg, kg, vg), do)
         return run
 
+    def fwd_backward(f):  # as a training step calls it: .backward() accumulates into the leaves' .grad
+        def run():
+            f(qg, kg, vg).backward(do)
+        return run
+
     rows = {
         "flash_forward": lambda: flash_forward(q, k, v, pol, scale, validate=False),
         "flash_backward": lambda: flash_backward(do, q, k, v, o, lse, pol, scale, validate=False,
@@ -79,13 +89,30 @@ def main():
         "attention/fwd_bwd": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),
         "attention/fwd_bwd assume_finite": fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton",
                                                                            assume_finite=True)),
+        "attention/fwd.backward": fwd_backward(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton")),
         "sdpa_flash/fwd": lambda: sdpa(q, k, v),
         "sdpa_flash/fwd_bwd": fwd_bwd(sdpa),
+        "sdpa_flash/fwd.backward": fwd_backward(sdpa),
     }
     out = {}
     for name, fn in rows.items():
-        out[name] = host_us(fn)
-        print(f"host {name:28s} {out[name]:8.1f} us", flush=True)
+        out[name] = host_us(fn, n=30 if "fwd_bwd" in name or "backward" in name else 100)
+        print(f"host {name:36s} {out[name]:8.1f} us", flush=True)
+    # The same public calls once a torch.profiler session has run in this process (as the benchmark's overhead part
+    # runs one per row), then once torch.compile has compiled a function (as its compile check does before its speed
+    # part): whatever either leaves behind (CUPTI callbacks, threads, hooks) shows as host time here.
+    with profile(activities=[ProfilerActivity.CUDA]):
+        rows["attention/fwd_bwd"]()
+        torch.cuda.synchronize()
+    compiled = torch.compile(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton") * 2.0, fullgraph=True)
+    for phase, before in (("after torch.profiler", None),
+                          ("after torch.compile", lambda: torch.autograd.grad(compiled(qg, kg, vg).float().sum(),
+                                                                              (qg, kg, vg)))):
+        if before is not None:
+            before()
+        for name in ("attention/fwd_bwd", "attention/fwd.backward", "sdpa_flash/fwd_bwd", "sdpa_flash/fwd.backward"):
+            out[f"{name} {phase}"] = host_us(rows[name], n=30)
+            print(f"host {name + ' ' + phase:48s} {out[name + ' ' + phase]:8.1f} us", flush=True)
 
     prof = cProfile.Profile()
     run = fwd_bwd(lambda x, y, z: attention(x, y, z, policy=pol, backend="triton"))
