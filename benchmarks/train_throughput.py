@@ -11,13 +11,17 @@ token) against the H200's 989 TFLOP/s dense BF16 peak.
 (its kernels summed) against the step's wall time (their difference: time the GPU waited for the host), and the
 kernels with the most GPU time per step, so that a gap to SDPA can be split into attention kernels, copies and the rest.
 
+``sdpa`` lets PyTorch choose SDPA's kernel (cuDNN's on Hopper); ``sdpa_flash`` pins it to FlashAttention-2's, the
+kernel the ``fa2`` policy emulates: every row's ratio to both is written.
+
 Usage: ``python benchmarks/train_throughput.py --out DIR [--batch 16] [--steps 10] [--compile] [--profile]
-[--compile-mode reduce-overhead] [--assume-finite]``
+[--compile-mode reduce-overhead] [--assume-finite] [--rows sdpa,lpfa_fa2,...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -27,12 +31,15 @@ from lpfa.model import GPT, GPTConfig
 from lpfa.provenance import provenance, write_json
 
 PEAK_BF16 = 989e12  # H200 SXM dense BF16 (datasheet)
-BACKENDS = [("sdpa", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"), ("lpfa_paper", "lpfa", "paper"),
-            ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"), ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2"),
-            ("sdpa_fp32", "sdpa_fp32", "fa2"), ("lpfa_fp32_split", "lpfa", "fp32_split")]
+BACKENDS = [("sdpa", "sdpa", "fa2"), ("sdpa_flash", "sdpa", "fa2"), ("lpfa_fa2", "lpfa", "fa2"),
+            ("lpfa_paper", "lpfa", "paper"), ("lpfa_fa2_sfa", "lpfa", "fa2_sfa"),
+            ("lpfa_paper_sfa", "lpfa", "paper_sfa"), ("math", "math", "fa2"), ("sdpa_fp32", "sdpa_fp32", "fa2"),
+            ("lpfa_fp32_split", "lpfa", "fp32_split")]
 # compiled as well with --compile (each costs a compilation); the last two are the FP32 twins: SDPA on FP32 q, k, v (the
 # committed twins') against fp32_split (FP32-level, bit-deterministic, BF16 tensor cores): which FP32 twin is faster
-COMPILED = ("sdpa", "lpfa_fa2", "lpfa_paper", "sdpa_fp32", "lpfa_fp32_split")
+COMPILED = ("sdpa", "sdpa_flash", "lpfa_fa2", "lpfa_paper", "sdpa_fp32", "lpfa_fp32_split")
+# "sdpa" lets PyTorch pick SDPA's kernel (cuDNN's on Hopper, 1.6× FlashAttention-2's forward+backward at these shapes:
+# results/attention_benchmark); "sdpa_flash" pins it to FlashAttention-2, the kernel lpfa's fa2 policy emulates
 
 
 def profile_steps(step, n: int = 2, top: int = 15) -> dict:
@@ -57,7 +64,7 @@ def profile_steps(step, n: int = 2, top: int = 15) -> dict:
 
 
 def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, compile: bool = False,
-            profile: bool = False, mode: str | None = None, assume_finite: bool = False):
+            profile: bool = False, mode: str | None = None, assume_finite: bool = False, flash_only: bool = False):
     torch.manual_seed(0)
     cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy,
                               attn_assume_finite=assume_finite)
@@ -67,8 +74,11 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        pin = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if flash_only else contextlib.nullcontext()
+        with pin, torch.autocast("cuda", dtype=torch.bfloat16):
             _, loss = fwd(inp, tgt)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -108,6 +118,8 @@ def main():
     p.add_argument("--profile", action="store_true", help="then profile two steps of each (GPU busy time, top kernels)")
     p.add_argument("--compile-mode", default=None, help="torch.compile's mode for the compiled rows (e.g. "
                    "reduce-overhead: CUDA graphs), default torch's")
+    p.add_argument("--rows", default=None,
+                   help="comma-separated rows to run (e.g. sdpa,lpfa_fa2_compiled), default all")
     p.add_argument("--assume-finite", action="store_true", help="lpfa attention without its non-finite checks "
                    "(GPTConfig.attn_assume_finite) in every lpfa row")
     a = p.parse_args()
@@ -123,10 +135,17 @@ def main():
     runs = [(name, backend, policy, False) for name, backend, policy in BACKENDS]
     if a.compile:
         runs += [(f"{name}_compiled", backend, policy, True) for name, backend, policy in BACKENDS if name in COMPILED]
+    if a.rows:
+        wanted = a.rows.split(",")
+        unknown = [w for w in wanted if w not in {r[0] for r in runs}]
+        if unknown:
+            p.error(f"--rows names {', '.join(unknown)}: expected some of {', '.join(r[0] for r in runs)}")
+        runs = [r for r in runs if r[0] in wanted]
     for name, backend, policy, compiled in runs:
         try:
             rows[name] = measure(backend, policy, a.batch, a.steps, compile=compiled, profile=a.profile,
-                                 mode=a.compile_mode if compiled else None, assume_finite=a.assume_finite)
+                                 mode=a.compile_mode if compiled else None, assume_finite=a.assume_finite,
+                                 flash_only=name.startswith("sdpa_flash"))
         except Exception as e:  # keep going: one backend failing must not lose the others
             rows[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
         torch.cuda.empty_cache()  # measure's model and optimizer are gone by now: give their memory back
@@ -139,21 +158,25 @@ def main():
             print(f"  profile: wall {pr['wall_ms']:.1f} ms, GPU busy {pr['gpu_busy_ms']:.1f} ms; "
                   + "; ".join(f"{k[:50]} {v:.2f}" for k, v in list(pr["top_kernels_ms"].items())[:8]), flush=True)
 
-    def base_of(name):  # each mode against SDPA in the same mode
-        return rows.get("sdpa_compiled" if name.endswith("_compiled") else "sdpa", {}).get("tokens_per_s")
+    def base_of(name, sdpa="sdpa"):  # each mode against SDPA (or SDPA pinned to FlashAttention-2) in the same mode
+        return rows.get(f"{sdpa}_compiled" if name.endswith("_compiled") else sdpa, {}).get("tokens_per_s")
+
+    def ratio(name, sdpa="sdpa"):
+        r, b = rows[name], base_of(name, sdpa)
+        return r["tokens_per_s"] / b if b and "tokens_per_s" in r else None
 
     summary = {"model": "gpt2-s", "T": 1024, "batch": a.batch,
                "backends": {n: {"tokens_per_s": r.get("tokens_per_s"), "mfu": r.get("mfu"),
                                 "compiled": n.endswith("_compiled"),
-                                "ratio_to_sdpa": (r["tokens_per_s"] / base_of(n))
-                                if base_of(n) and "tokens_per_s" in r else None}
+                                "ratio_to_sdpa": ratio(n), "ratio_to_sdpa_flash": ratio(n, "sdpa_flash")}
                             for n, r in rows.items()}}
     write_json(out / "summary.json", summary)
-    lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'peak GiB':>8s}   "
-             "(ratio: to SDPA in the same mode)"]
+    lines = [f"{'backend':24s} {'tokens/s':>10s} {'MFU':>6s} {'ratio':>6s} {'× flash':>7s} {'peak GiB':>8s}   "
+             "(ratio: to SDPA in the same mode; × flash: to SDPA pinned to FlashAttention-2)"]
     for n, r in rows.items():
         if "tokens_per_s" in r and base_of(n):
-            lines.append(f"{n:24s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {r['tokens_per_s'] / base_of(n):6.3f} "
+            flash = f"{ratio(n, 'sdpa_flash'):7.3f}" if ratio(n, "sdpa_flash") else f"{'-':>7s}"
+            lines.append(f"{n:24s} {r['tokens_per_s']:10,.0f} {r['mfu']:6.3f} {ratio(n):6.3f} {flash} "
                          f"{r['peak_mem_gib']:8.1f}")
         else:
             lines.append(f"{n:24s} {r.get('error', 'no SDPA row to compare with')}")
