@@ -624,6 +624,26 @@ def test_throughput_text_reads_the_committed_training_run():
     assert "`fa2` not measured compiled" in eager and "eager, against eager SDPA: `fa2` " in eager
 
 
+def test_throughput_table_compares_with_sdpa_pinned_to_flash_in_the_same_mode_only():
+    """Rows pinned to FlashAttention-2 give a second ratio, each mode against its own SDPA row: a compiled row has no
+    ratio where the compiled SDPA row failed (never the eager one), and a failed row drops out."""
+    import math
+
+    from lpfa.pages.training import throughput_table, throughput_text
+
+    t = throughput_table({"sdpa": {"tokens_per_s": 100.0}, "sdpa_flash": {"tokens_per_s": 80.0},
+                          "lpfa_fa2": {"tokens_per_s": 76.0}, "sdpa_compiled": {"tokens_per_s": 200.0},
+                          "sdpa_flash_compiled": {"error": "RuntimeError: x"},
+                          "lpfa_fa2_compiled": {"tokens_per_s": 190.0}})
+    assert "sdpa_flash_compiled" not in t.index
+    assert t.loc["lpfa_fa2", "ratio to SDPA-flash"] == 0.95 and t.loc["lpfa_fa2", "ratio to SDPA"] == 0.76
+    assert math.isnan(t.loc["lpfa_fa2_compiled", "ratio to SDPA-flash"])
+    assert "`fa2` at 0.95× (goal ≥ 0.95×: met)" in throughput_text(t)
+    t = throughput_table({"sdpa_compiled": {"tokens_per_s": 200.0}, "sdpa_flash_compiled": {"tokens_per_s": 160.0},
+                          "lpfa_fa2_compiled": {"tokens_per_s": 180.0}})
+    assert "`fa2` at 0.90× (goal ≥ 0.95×: not met; 1.12× SDPA pinned to FlashAttention-2)" in throughput_text(t)
+
+
 def _recipe_twins():
     from lpfa.pages.loss_explosion import recipe_rows
 

@@ -127,12 +127,21 @@ def plot_head_metric(run_dir: str | Path, metric: str = "wq_spectral_norm", laye
 def throughput_table(tput: dict):
     """``benchmarks/train_throughput.py``'s ``throughput.json`` as one row per backend, with ``ratio to SDPA``: its
     tokens/s over SDPA's in the same mode (a row ending in ``_compiled`` against ``sdpa_compiled``, the rest against
-    eager ``sdpa``)."""
+    eager ``sdpa``; NaN where the run lacks that row); where the run has SDPA pinned to FlashAttention-2
+    (``sdpa_flash`` rows: plain SDPA runs cuDNN's kernel on Hopper), also ``ratio to SDPA-flash``, the same way."""
     df = pd.DataFrame(tput).T
-    base = {n: df.loc["sdpa_compiled" if n.endswith("_compiled") and "sdpa_compiled" in df.index else "sdpa",
-                      "tokens_per_s"]
-            for n in df.index}
-    df["ratio to SDPA"] = df["tokens_per_s"] / pd.Series(base)
+    df = df[df["tokens_per_s"].notna()] if "tokens_per_s" in df else df  # a row that failed holds only its error
+
+    def ratios(sdpa):  # each row over the SDPA row of its own mode; none (NaN) where the run lacks that row
+        out = {}
+        for n in df.index:
+            base = f"{sdpa}_compiled" if n.endswith("_compiled") else sdpa
+            out[n] = df.loc[n, "tokens_per_s"] / df.loc[base, "tokens_per_s"] if base in df.index else float("nan")
+        return pd.Series(out, dtype=float)
+
+    df["ratio to SDPA"] = ratios("sdpa")
+    if "sdpa_flash" in df.index or "sdpa_flash_compiled" in df.index:
+        df["ratio to SDPA-flash"] = ratios("sdpa_flash")
     return df
 
 
@@ -140,12 +149,15 @@ def throughput_text(table, goals: dict[str, float] = TRAIN_GOALS) -> str:
     """Page 13's sentence from :func:`throughput_table`: each compiled lpfa row's ratio to SDPA compiled against its
     goal, and the eager rows' ratios; "not measured compiled" for a run made without ``--compile``."""
     ratio = table["ratio to SDPA"]
+    flash = table["ratio to SDPA-flash"] if "ratio to SDPA-flash" in table else None
     parts = []
     for row, goal in goals.items():
         name = row.removeprefix("lpfa_").removesuffix("_compiled")
         if row in ratio:
+            pinned = (f"; {flash[row]:.2f}× SDPA pinned to FlashAttention-2"
+                      if flash is not None and pd.notna(flash.get(row)) else "")
             parts.append(f"`{name}` at {ratio[row]:.2f}× (goal ≥ {goal:.2f}×: "
-                         f"{'met' if ratio[row] >= goal else 'not met'})")
+                         f"{'met' if ratio[row] >= goal else 'not met'}{pinned})")
         else:
             parts.append(f"`{name}` not measured compiled")
     eager = [f"`{n.removeprefix('lpfa_')}` {ratio[n]:.2f}×" for n in ratio.index
@@ -218,5 +230,7 @@ def throughput_display(table):
     """:func:`throughput_table` as the page shows it: tokens/s (on the committed run's GPU), MFU, the ratio to SDPA and
     peak memory per backend."""
     gpu = gpu_name(load("train_throughput", "provenance.json")["device"])
-    return format_table(table[["tokens_per_s", "mfu", "ratio to SDPA", "peak_mem_gib"]].astype(float),
+    flash = ["ratio to SDPA-flash"] if "ratio to SDPA-flash" in table else []
+    cols = ["tokens_per_s", "mfu", "ratio to SDPA", *flash, "peak_mem_gib"]
+    return format_table(table[cols].astype(float),
                         units={"tokens_per_s": f"GPT-2 S, {gpu}", "peak_mem_gib": "GiB"})
