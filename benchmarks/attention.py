@@ -255,7 +255,8 @@ def overhead(B, H, T, D, presets=("fa2", "paper"), n=20):
     the GPU queue does not fill at this n); ``gpu_us``: the GPU's busy time per call, the sum of its kernels'
     durations (torch.profiler), with the kernels by name; ``loop_us``: n calls back to back between two events (no
     L2 flush, the GPU never waits for the host when host_us < gpu_us); ``do_bench_us``: the speed part's method
-    (L2 flushed before each call, so the host's issue time shows wherever it exceeds the flush's)."""
+    (L2 flushed before each call, so the host's issue time shows wherever it exceeds the flush's). Every call's host,
+    loop and do_bench times come before the first profiler session, which may leave the process's launches slower."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
     from triton.testing import do_bench
@@ -271,48 +272,53 @@ def overhead(B, H, T, D, presets=("fa2", "paper"), n=20):
             return fwd
         return lambda: attention(q, k, v, policy=name, backend="triton")
 
-    out = {}
+    calls = {}
     for name in ("sdpa_flash", *presets):
         fwd = call(name)
 
-        def f():
+        def f(fwd=fwd):
             with torch.no_grad():
                 fwd()
 
-        def fb():
+        def fb(fwd=fwd):
             fwd().backward(do)
 
-        for what, fn in (("fwd", f), ("fwd_bwd", fb)):
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
+        calls[f"{name}/fwd"], calls[f"{name}/fwd_bwd"] = f, fb
+    out = {}
+    for key, fn in calls.items():  # host and loop times first, for every call: no profiler has run in the process yet
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(n):
+            fn()
+        host = (time.perf_counter() - t0) / n * 1e6
+        e.record()
+        torch.cuda.synchronize()
+        out[key] = {"host_us": host, "loop_us": s.elapsed_time(e) / n * 1e3,
+                    "do_bench_us": do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3}
+        for t in (q, k, v):
+            t.grad = None
+    for key, fn in calls.items():  # then the GPU's time per kernel, under torch.profiler
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 fn()
-            host = (time.perf_counter() - t0) / n * 1e6
-            e.record()
             torch.cuda.synchronize()
-            loop = s.elapsed_time(e) / n * 1e3
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(n):
-                    fn()
-                torch.cuda.synchronize()
-            kernels = {}
-            for ev in prof.key_averages():
-                t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
-                if t > 0:
-                    kernels[ev.key[:80]] = t / n
-            row = {"host_us": host, "gpu_us": sum(kernels.values()), "loop_us": loop,
-                   "do_bench_us": do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3,
-                   "kernels_us": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
-            out[f"{name}/{what}"] = row
-            for t in (q, k, v):
-                t.grad = None
-            print(f"overhead {name:10s} {what:7s} host {row['host_us']:7.1f} us  gpu {row['gpu_us']:7.1f} us  "
-                  f"loop {row['loop_us']:7.1f} us  do_bench {row['do_bench_us']:7.1f} us  ({len(kernels)} kernels: "
-                  + ", ".join(f"{k[:40]} {t:.0f}" for k, t in list(row["kernels_us"].items())[:6]) + ")", flush=True)
+        kernels = {}
+        for ev in prof.key_averages():
+            t = getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            if t > 0:
+                kernels[ev.key[:80]] = t / n
+        for t in (q, k, v):
+            t.grad = None
+        row = out[key]
+        row.update(gpu_us=sum(kernels.values()), kernels_us=dict(sorted(kernels.items(), key=lambda kv: -kv[1])))
+        name, what = key.split("/")
+        print(f"overhead {name:10s} {what:7s} host {row['host_us']:7.1f} us  gpu {row['gpu_us']:7.1f} us  "
+              f"loop {row['loop_us']:7.1f} us  do_bench {row['do_bench_us']:7.1f} us  ({len(kernels)} kernels: "
+              + ", ".join(f"{k[:40]} {t:.0f}" for k, t in list(row["kernels_us"].items())[:6]) + ")", flush=True)
     return out
 
 
