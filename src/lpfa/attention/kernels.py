@@ -105,9 +105,7 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: 
 @_fwd_op.register_fake
 def _(q, k, v, key, scale, assume_finite):
     pol = _policy(key)
-    from lpfa.attention.triton_common import empty_like_layout  # triton: as in _forward
-
-    o, _ = empty_like_layout(q, torch.bfloat16 if pol.o_store == BF16 else torch.float32)  # as flash_forward's O
+    o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
     return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -121,10 +119,8 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, key, scale, assume_finite):
-    from lpfa.attention.triton_common import empty_like_layout  # triton: as in _forward
-
-    # the kernels' gradients: dense, in q's order of dimensions (as the wrapper allocates them)
-    return tuple(empty_like_layout(q, q.dtype)[0] for _ in range(3))
+    # the kernels return contiguous gradients whatever the inputs' layout (the model passes transposed views)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output):

@@ -390,12 +390,11 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _rows_nonfinite(X, row0, ok, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-        """1 (int32) if rows row0 .. row0 + ROWS − 1 of X (one batch·head's rows, ``stride_t`` apart, unit stride along
-        D) hold an inf or NaN where ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's
-        output."""
+    def _rows_nonfinite(X, row0, ok, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+        """1 (int32) if rows row0 .. row0 + ROWS − 1 of the contiguous (·, HEAD_DIM) tensor X hold an inf or NaN where
+        ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's output."""
         offs = row0 + tl.arange(0, ROWS)
-        x = tl.load(X + offs.to(tl.int64)[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
+        x = tl.load(X + offs.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
                     other=0.0)
         return _any_nonfinite(x, ok)
 
@@ -498,19 +497,6 @@ def shared_layout(*xs):
     return xs, st[:3]
 
 
-def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """``(out, (stride_b, stride_h, stride_t))``: an uninitialised dense (B, H, T, D) tensor of ``dtype`` on x's device,
-    laid out in x's order of dimensions, and its strides. Where x's T stride exceeds its H stride (a transposed view of
-    a (B, T, H, D) or (B, T, 3, H, D) tensor, as GPT's attention passes q, k, v), that is (B, T, H, D) in memory, as
-    FlashAttention and SDPA store O and the gradients: the model's ``y.transpose(1, 2).contiguous()`` is then free,
-    and autograd's concatenation of dQ, dK, dV into the QKV projection's gradient copies whole rows. Else contiguous.
-    The order depends on x's strides alone, so the custom op's fake kernels (:mod:`lpfa.attention.kernels`) give the
-    same layout as the kernels' wrappers."""
-    order = (0, 2, 1, 3) if x.stride(2) > x.stride(1) else (0, 1, 2, 3)
-    out = torch.empty_permuted(x.shape, order, dtype=dtype, device=x.device)
-    return out, out.stride()[:3]
-
-
 # How each kernel keeps an inf or NaN operand from reaching the outputs that cannot see it. A masked pair is 0 in
 # the fast path's GEMMs (P̄ V, Pᵀ dO, dSᵀ Q, dS K), and 0·inf = NaN would carry a non-finite operand into rows that do
 # not see it; the non-finite path (_dot_visible with its flag set) masks it exactly, but compiled into the hot loop it
@@ -523,7 +509,8 @@ def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
 # path, those that hold an inf or NaN. Nothing syncs with the host.
 
 
-REDO_TILES = 4  # tiles one program of a redo launch tests: fewer, longer programs, their loads in flight together
+REDO_TILES = 1  # query or key tiles one redo program tests; 4 (fewer, longer programs) made fa2 slower
+# (results/attention_screening/h100-2026-12-06-171d4df, ab.log)
 
 
 def redo_launches(assume_finite: bool) -> tuple[bool, ...]:
