@@ -69,6 +69,8 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy,
                               attn_assume_finite=assume_finite)
     model = GPT(cfg).cuda()
+    if compile:  # a fresh compilation: Dynamo's cache would hand sdpa_flash the graph traced with SDPA's own choice
+        torch._dynamo.reset()
     fwd = torch.compile(model, mode=mode) if compile else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
