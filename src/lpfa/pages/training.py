@@ -227,8 +227,8 @@ def throughput_notes(table) -> dict[str, str]:
 
 
 def throughput_display(table):
-    """:func:`throughput_table` as the page shows it: tokens/s (on the committed run's GPU), MFU, the ratio to SDPA and
-    peak memory per backend."""
+    """:func:`throughput_table` as the page shows it: tokens/s (on the committed run's GPU), MFU, the ratio to SDPA (and
+    to SDPA-flash where the run has it) and peak memory per backend."""
     gpu = gpu_name(load("train_throughput", "provenance.json")["device"])
     flash = ["ratio to SDPA-flash"] if "ratio to SDPA-flash" in table else []
     cols = ["tokens_per_s", "mfu", "ratio to SDPA", *flash, "peak_mem_gib"]
