@@ -139,6 +139,14 @@ DELTA_ROWS = 64  # rows per program of the δ kernels (no policy-block structure
 if triton is not None:
 
     @triton.jit
+    def _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h):
+        """Row 0 of batch·head ``pid_bh`` (b = pid_bh // H, h = pid_bh % H) in Q, K, V, through their shared strides,
+        and in DO, through its own: the backward kernels' loads add ``t·stride_t`` to these."""
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        return (Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h,
+                DO + b * do_stride_b + h * do_stride_h)
+
+    @triton.jit
     def _bwd_delta_kernel(
         DO, O, DELTA,  # noqa: E741  DO (B, H, T, D), strides below; O contiguous (B*H, T, D), DELTA (B*H, T)
         T, H, do_stride_b, do_stride_h, do_stride_t,
@@ -174,9 +182,7 @@ if triton is not None:
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
+        Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -279,9 +285,7 @@ if triton is not None:
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
+        Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
 
         # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it (NK of them inside)
         k_start, NK, key_ok = _tile_rows(pid_n, T, BK, BLOCK_N, TILES_PER_BK)
@@ -437,9 +441,7 @@ if triton is not None:
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
-        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)  # this batch·head's row 0 of Q, K, V and of DO
-        Q, K, V = Q + b * stride_b + h * stride_h, K + b * stride_b + h * stride_h, V + b * stride_b + h * stride_h
-        DO = DO + b * do_stride_b + h * do_stride_h
+        Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
 
         # this tile's queries: inside policy query block pid_m // TILES_PER_BQ (NQ of them inside)
         q_start, NQ, row_ok = _tile_rows(pid_m, T, BQ, BLOCK_M, TILES_PER_BQ)

@@ -677,7 +677,7 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     passes = ncu_passes(table)
     col = "M instructions × sdpa_flash"
     more = [f"`{t}`'s {p} ({r:.2f}×)" for (t, p), r in passes[col].items()
-            if t != "sdpa_flash" and r == r and r > 1] if col in passes.columns else []
+            if t != "sdpa_flash" and pd.notna(r) and r > 1] if col in passes.columns else []
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_launches": f"{len(ncu['fa2'])}",
