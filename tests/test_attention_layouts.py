@@ -66,6 +66,23 @@ def test_every_layout_gives_the_bits_of_contiguous_inputs(name):
             assert torch.equal(a, b), (layout, what)
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced", "mixed"])
+def test_outputs_are_dense_in_qs_order_of_dimensions(layout):
+    """O, dQ, dK, dV come back dense in q's order of dimensions, as FlashAttention and SDPA return them: (B, T, H, D) in
+    memory for the model's views, so its ``y.transpose(1, 2).contiguous()`` is the same storage; contiguous else."""
+    pol = PRESETS["fa2"].with_(block_q=16, block_k=16)
+    (q, k, v), do = _layouts(7)[layout]
+    o, lse = flash_forward(q, k, v, pol, 0.25)
+    grads = flash_backward(do, q, k, v, o, lse, pol, 0.25, grad_dtype=torch.bfloat16)
+    model_order = layout in ("transposed", "sliced")  # q is a view of a (B, T, ·) tensor
+    for t in (o, *grads):
+        assert (t.transpose(1, 2) if model_order else t).is_contiguous(), t.stride()
+    assert lse.is_contiguous()
+    y = attention(q, k, v, policy=pol, backend="triton")
+    flat = y.transpose(1, 2).contiguous()
+    assert (flat.data_ptr() == y.data_ptr()) == model_order
+
+
 def test_autograd_through_the_models_views_matches_contiguous_inputs():
     ((q, k, v), do) = _layouts(3)["sliced"]
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]

@@ -105,7 +105,9 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key: str, scale: 
 @_fwd_op.register_fake
 def _(q, k, v, key, scale, assume_finite):
     pol = _policy(key)
-    o = q.new_empty(q.shape, dtype=torch.bfloat16 if pol.o_store == BF16 else torch.float32)
+    from lpfa.attention.triton_common import empty_like_layout  # triton: as in _forward
+
+    o, _ = empty_like_layout(q, torch.bfloat16 if pol.o_store == BF16 else torch.float32)  # as flash_forward's O
     return o, q.new_empty(q.shape[:-1], dtype=torch.float32)
 
 
@@ -119,8 +121,10 @@ def _bwd_op(
 
 @_bwd_op.register_fake
 def _(do, q, k, v, o, lse, key, scale, assume_finite):
-    # the kernels return contiguous gradients whatever the inputs' layout (the model passes transposed views)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    from lpfa.attention.triton_common import empty_like_layout  # triton: as in _forward
+
+    # the kernels' gradients: dense, in q's order of dimensions (as the wrapper allocates them)
+    return tuple(empty_like_layout(q, q.dtype)[0] for _ in range(3))
 
 
 def _setup_context(ctx, inputs, output):

@@ -72,8 +72,8 @@ recomputed S, and δ's dP for ``dp_p``); FP contraction is disabled at launch
 (``dS = P·scale·(dP − δ)`` rounds each product as in the reference) and ``PRECISE_MATH`` uses
 libdevice ``expf``. Under the interpreter the wrapper converts all inputs to FP32 copies;
 on a GPU the kernels load the native dtype (bf16 or fp32) and convert in registers. q, k, v are read in the layout
-they share and dO in its own (their strides, as the forward's: no copies of the model's transposed views); the
-gradients are written contiguous.
+they share, dO and O each in its own (their strides, as the forward's: no copies of the model's transposed views);
+the gradients are written dense in q's order of dimensions, as the forward's O (``triton_common.empty_like_layout``).
 
 Remaining differences from the reference: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernels accumulate in FP32 in their own order, so an FP32 difference of an
@@ -112,6 +112,7 @@ from lpfa.attention.triton_common import (
     _keep_visible,
     _load_tile,
     _next_pow2,
+    _out_rows,
     _rnd,
     _rnd_s,
     _rows_nonfinite,
@@ -122,6 +123,7 @@ from lpfa.attention.triton_common import (
     _tile_rows,
     _with,
     check_triton_inputs,
+    empty_like_layout,
     gemm_mode,
     launch,
     libdevice,
@@ -148,20 +150,22 @@ if triton is not None:
 
     @triton.jit
     def _bwd_delta_kernel(
-        DO, O, DELTA,  # noqa: E741  DO (B, H, T, D), strides below; O contiguous (B*H, T, D), DELTA (B*H, T)
+        DO, O, DELTA,  # noqa: E741  DO, O (B, H, T, D), strides below; DELTA (B*H, T)
         T, H, do_stride_b, do_stride_h, do_stride_t,
+        o_stride_b, o_stride_h, o_stride_t,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, PROD_BF16: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM
-        do_base = (pid_bh // H).to(tl.int64) * do_stride_b + (pid_bh % H).to(tl.int64) * do_stride_h
+        b, h = (pid_bh // H).to(tl.int64), (pid_bh % H).to(tl.int64)
+        do_base = b * do_stride_b + h * do_stride_h
+        o_base = b * o_stride_b + h * o_stride_h
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < T
         do = tl.load(DO + do_base + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = do.to(tl.float32)
-        o = tl.load(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        o = tl.load(O + o_base + offs_m[:, None] * o_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         o = o.to(tl.float32)
         # δ = rowsum(prod(dO ∘ O)), the sum in FP32
         delta = tl.sum(_rnd(do * o, PROD_BF16), axis=1)
@@ -272,7 +276,8 @@ if triton is not None:
 
     @triton.jit
     def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, pid_n, pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
-                      stride_t, do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                      stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                      G_STRIDE_T: tl.constexpr, nonfinite,
                       HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, TILES_PER_BK: tl.constexpr, SCORES_BF16: tl.constexpr,
                       BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
@@ -283,8 +288,8 @@ if triton is not None:
         block that sees it, store them. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an
         inf or NaN of Q or dO reaches exactly the keys its row sees."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DK's, DV's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
+        base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DK's and DV's row 0
         Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
 
         # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it (NK of them inside)
@@ -293,7 +298,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
 
         # K_j, V_j tile: (BLOCK_N, D), padded keys 0 (their dK, dV rows are never stored)
-        kv_ptrs = base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # DK, DV
+        kv_ptrs = base + offs_n[:, None] * G_STRIDE_T + offs_d[None, :]  # DK, DV
         in_ptrs = offs_n[:, None] * stride_t + offs_d[None, :]  # K, V
         # held for the whole loop in their own dtype (BF16 inputs: half the registers of FP32 copies)
         k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
@@ -358,10 +363,12 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv_kernel(
-        Q, K, V, DO, LSE, DELTA, DK, DV,  # inputs (B, H, T, D) with the strides below / (B*H, T); outputs contiguous
+        Q, K, V, DO, LSE, DELTA, DK, DV,  # (B, H, T, D) with the strides below; LSE, DELTA (B*H, T) contiguous
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
+        g_stride_b, g_stride_h,  # DK's and DV's (triton_common.empty_like_layout: q's order of dimensions)
+        G_STRIDE_T: tl.constexpr,  # and their row stride, a constant: D (contiguous) or H·D (the model's views)
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,  # policy block sizes
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query sub-tile, key tile)
@@ -380,24 +387,25 @@ if triton is not None:
         pid_bh = tl.program_id(1)  # (batch, head)
         if not REDO:  # key tile program_id(0), plain GEMMs
             _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b,
-                          stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 0, HEAD_DIM, BQ, BK, BLOCK_M,
-                          BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT,
-                          PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                          stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T,
+                          0, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                          DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
         else:  # REDO_TILES key tiles: read back their dK, dV, redo on the non-finite path those not finite
             first = tl.program_id(0) * REDO_TILES
-            row0 = pid_bh.to(tl.int64) * T  # this batch·head's first row of DK, DV (contiguous)
+            base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DK's, DV's row 0
             bad = tl.zeros([REDO_TILES], dtype=tl.int32)
             for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
                 k_start, _, ok = _tile_rows(first + i, T, BK, BLOCK_N, TILES_PER_BK)  # past the last tile: no rows
-                seen = (_rows_nonfinite(DK + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N)
-                        | _rows_nonfinite(DV + row0 * HEAD_DIM, k_start, ok, HEAD_DIM, BLOCK_N))
+                seen = (_rows_nonfinite(DK + base, k_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_N)
+                        | _rows_nonfinite(DV + base, k_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_N))
                 bad = _with(bad, i, seen)
             for i in range(REDO_TILES):
                 if _at(bad, i) != 0:  # a non-finite Q or dO met in the fast path's GEMMs
                     _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
-                                  stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 1, HEAD_DIM, BQ, BK,
-                                  BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
-                                  PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                                  stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                                  G_STRIDE_T, 1, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16,
+                                  OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2,
+                                  SR_SCORES)
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
@@ -429,7 +437,7 @@ if triton is not None:
 
     @triton.jit
     def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, pid_m, pid_bh, T, scale, sr_seed, H, stride_b, stride_h, stride_t,
-                    do_stride_b, do_stride_h, do_stride_t, nonfinite,
+                    do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T: tl.constexpr, nonfinite,
                     HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
                     BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
@@ -439,8 +447,8 @@ if triton is not None:
         block it sees, store it. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or
         NaN of K reaches exactly the rows that see its key."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # DQ's rows (contiguous)
         row_base = pid_bh.to(tl.int64) * T
+        base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DQ's row 0
         Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
 
         # this tile's queries: inside policy query block pid_m // TILES_PER_BQ (NQ of them inside)
@@ -449,7 +457,7 @@ if triton is not None:
         offs_d = tl.arange(0, HEAD_DIM)
 
         # Q_i tile, dO_i tile: (BLOCK_M, D);  lse, δ: (BLOCK_M,);  padded rows 0 (their dQ rows are never stored)
-        q_ptrs = base + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # DQ
+        q_ptrs = base + offs_m[:, None] * G_STRIDE_T + offs_d[None, :]  # DQ
         q = tl.load(Q + offs_m[:, None] * stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)  # own dtype
         do = tl.load(DO + offs_m[:, None] * do_stride_t + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
@@ -494,6 +502,8 @@ if triton is not None:
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
+        g_stride_b, g_stride_h,  # DQ's (triton_common.empty_like_layout: q's order of dimensions)
+        G_STRIDE_T: tl.constexpr,  # and its row stride, a constant: D (contiguous) or H·D (the model's views)
         HEAD_DIM: tl.constexpr,
         BQ: tl.constexpr, BK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # compute tiles (query tile, key sub-tile)
@@ -512,22 +522,22 @@ if triton is not None:
         pid_bh = tl.program_id(1)
         if not REDO:  # query tile program_id(0), plain GEMMs
             _dq_program(Q, K, V, DO, LSE, DELTA, DQ, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
-                        stride_t, do_stride_b, do_stride_h, do_stride_t, 0, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N,
-                        TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH,
-                        CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                        stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T, 0,
+                        HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
+                        DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
         else:  # REDO_TILES query tiles: read back their dQ, redo on the non-finite path those not finite
             first = tl.program_id(0) * REDO_TILES
-            dq_rows = DQ + pid_bh.to(tl.int64) * T * HEAD_DIM  # this batch·head's dQ (contiguous)
+            dq_rows = DQ + _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # its dQ
             bad = tl.zeros([REDO_TILES], dtype=tl.int32)
             for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
                 q_start, _, ok = _tile_rows(first + i, T, BQ, BLOCK_M, TILES_PER_BQ)  # past the last tile: no rows
-                bad = _with(bad, i, _rows_nonfinite(dq_rows, q_start, ok, HEAD_DIM, BLOCK_M))
+                bad = _with(bad, i, _rows_nonfinite(dq_rows, q_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_M))
             for i in range(REDO_TILES):
                 if _at(bad, i) != 0:  # a non-finite K met in the fast path's dS K GEMMs
                     _dq_program(Q, K, V, DO, LSE, DELTA, DQ, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
-                                stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, 1, HEAD_DIM, BQ, BK,
-                                BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT,
-                                DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                                stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                                G_STRIDE_T, 1, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16,
+                                OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
@@ -555,10 +565,11 @@ def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_
     else:  # "o_stored"
         o_src = o_
         prod_bf16 = pol.backward == BF16 and pol.o_store == BF16
+    (o_src,), o_strides = shared_layout(o_src)  # in its own layout (unit stride along D, else a copy)
     t_m = min(max(_next_pow2(T), MIN_TILE), DELTA_ROWS)
     launch(
         _bwd_delta_kernel, (triton.cdiv(T, t_m), B * H),
-        do_, o_src.contiguous(), delta, T, strides[0], *strides[4:],
+        do_, o_src, delta, T, strides[0], *strides[4:], *o_strides,
         HEAD_DIM=D, BLOCK_M=t_m, PROD_BF16=prod_bf16,
         enable_fp_fusion=False,
     )
@@ -616,11 +627,11 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     is_bf = {n: t.dtype == torch.bfloat16 for n, t in (("do", do), ("q", q), ("k", k), ("v", v))}
     # the interpreter's BF16 is not faithful: FP32 copies there (values unchanged, the layout kept where dense)
     do_, q_, k_, v_, o_ = (t.float() if interp else t for t in (do, q, k, v, o_store))
-    # q, k, v in their shared layout, dO in its own (the model's transposed views: no copies); o and lse contiguous
+    # q, k, v in their shared layout, dO and O each in its own (the model's transposed views: no copies)
     (q_, k_, v_), qkv_strides = shared_layout(q_, k_, v_)
     (do_,), do_strides = shared_layout(do_)
     strides = (H, *qkv_strides, *do_strides)
-    o_, lse_ = o_.contiguous(), lse.contiguous()
+    lse_ = lse.contiguous()
     # one MODE per GEMM (triton_common.gemm_mode): BF16 tensor cores where both operands are BF16 by construction,
     # with gemm="bf16x6" every other operand split in three BF16 parts. q, k share a dtype, so QKᵀ and KQᵀ share one;
     # dP = dO Vᵀ (dQ and δ kernels) and dPᵀ = V dOᵀ (dK/dV kernel) are each other's mirror image
@@ -646,9 +657,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         raise ValueError(f"grad_dtype={grad_dtype}: expected torch.float32 or torch.bfloat16")
     # the interpreter's float → bf16 cast truncates: there the kernels store FP32 and the rounding happens below
     store_dtype = torch.float32 if interp else grad_dtype
-    dq = torch.empty(B, H, T, D, device=q.device, dtype=store_dtype)
-    dk = torch.empty_like(dq)
-    dv = torch.empty_like(dq)
+    # in q's order of dimensions, as FlashAttention stores them (triton_common.empty_like_layout)
+    (dq, g_strides), (dk, _), (dv, _) = (empty_like_layout(q, store_dtype) for _ in range(3))
     common = dict(
         HEAD_DIM=D, BQ=BQ, BK=BK, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
@@ -663,7 +673,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for redo in redo_launches(assume_finite):
         launch(
             _bwd_dkdv_kernel, (triton.cdiv(n_ktiles, REDO_TILES) if redo else n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale), pol.sr_seed, *strides, *g_strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
@@ -675,7 +685,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     for redo in redo_launches(assume_finite):
         launch(
             _bwd_dq_kernel, (triton.cdiv(n_qtiles, REDO_TILES) if redo else n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, T, float(scale), pol.sr_seed, *strides,
+            q_, k_, v_, do_, lse_, delta, dq, T, float(scale), pol.sr_seed, *strides, *g_strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
             REDO=redo, REDO_TILES=REDO_TILES,

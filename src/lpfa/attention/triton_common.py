@@ -390,11 +390,23 @@ if triton is not None:
             return tl.log(x)
 
     @triton.jit
-    def _rows_nonfinite(X, row0, ok, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-        """1 (int32) if rows row0 .. row0 + ROWS − 1 of the contiguous (·, HEAD_DIM) tensor X hold an inf or NaN where
-        ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's output."""
+    def _out_rows(pid_bh, T, H, stride_b, stride_h, STRIDE_T: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """Offset of batch·head ``pid_bh``'s row 0 in a kernel output laid out by :func:`empty_like_layout`, whose
+        row stride ``STRIDE_T`` is a constant: HEAD_DIM where the output is contiguous (or has one head), and there
+        pid_bh·T·HEAD_DIM, the arithmetic of a contiguous output; else (the model's views: (B, T, H, D) in memory)
+        b·stride_b + h·stride_h."""
+        if STRIDE_T == HEAD_DIM:
+            return pid_bh.to(tl.int64) * T * HEAD_DIM
+        else:
+            return (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
+
+    @triton.jit
+    def _rows_nonfinite(X, row0, ok, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+        """1 (int32) if rows row0 .. row0 + ROWS − 1 of X (one batch·head's rows, ``stride_t`` apart, unit stride along
+        D) hold an inf or NaN where ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's
+        output."""
         offs = row0 + tl.arange(0, ROWS)
-        x = tl.load(X + offs.to(tl.int64)[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
+        x = tl.load(X + offs.to(tl.int64)[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
                     other=0.0)
         return _any_nonfinite(x, ok)
 
@@ -495,6 +507,19 @@ def shared_layout(*xs):
         xs = tuple(x.contiguous() for x in xs)
         st = xs[0].stride()
     return xs, st[:3]
+
+
+def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``(out, (stride_b, stride_h, stride_t))``: an uninitialised dense (B, H, T, D) tensor of ``dtype`` on x's device,
+    laid out in x's order of dimensions, and its strides. Where x's T stride exceeds its H stride (a transposed view of
+    a (B, T, H, D) or (B, T, 3, H, D) tensor, as GPT's attention passes q, k, v), that is (B, T, H, D) in memory, as
+    FlashAttention and SDPA store O and the gradients: the model's ``y.transpose(1, 2).contiguous()`` is then free,
+    and autograd's concatenation of dQ, dK, dV into the QKV projection's gradient copies whole rows. Else contiguous.
+    The order depends on x's strides alone, so the custom op's fake kernels (:mod:`lpfa.attention.kernels`) give the
+    same layout as the kernels' wrappers."""
+    order = (0, 2, 1, 3) if x.stride(2) > x.stride(1) else (0, 1, 2, 3)
+    out = torch.empty_permuted(x.shape, order, dtype=dtype, device=x.device)
+    return out, out.stride()[:3]
 
 
 # How each kernel keeps an inf or NaN operand from reaching the outputs that cannot see it. A masked pair is 0 in

@@ -72,7 +72,9 @@ the kernel loads the native dtype and keeps BF16 operands for the tensor cores w
 
 Layouts: q, k, v arrive in any layout they share with unit stride along D (``triton_common.shared_layout``), and the
 kernel addresses row t of batch·head (b, h) at ``b·stride_b + h·stride_h + t·stride_t``. GPT's attention passes
-transposed views of its (B, T, 3·C) projection, which therefore need no copies; O and lse are written contiguous.
+transposed views of its (B, T, 3·C) projection, which therefore need no copies. O is written dense in q's order of
+dimensions (``triton_common.empty_like_layout``): (B, T, H, D) in memory for the model's views, as FlashAttention and
+SDPA store it, so the model's ``y.transpose(1, 2).contiguous()`` copies nothing; lse is (B, H, T) contiguous.
 
 Differences from the reference that remain: the reference sums GEMMs and row sums in float64 and
 rounds once to FP32; the kernel accumulates in FP32 in its own order, so an FP32 difference of an
@@ -113,6 +115,7 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _log,
     _max_nan,
+    _out_rows,
     _rescale,
     _rnd,
     _rnd_l,
@@ -128,6 +131,7 @@ from lpfa.attention.triton_common import (
     _top2,
     _with,
     check_triton_inputs,
+    empty_like_layout,
     gemm_mode,
     launch,
     libdevice,
@@ -319,8 +323,9 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
-    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val, sfa_beta,  # noqa: E741
-                     sfa_eps, sfa_min_shift, sr_seed, v_nonfinite,
+    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,  # noqa: E741
+                     O_STRIDE_T: tl.constexpr, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed,
+                     v_nonfinite,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                      N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                      OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
@@ -331,7 +336,6 @@ if triton is not None:
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, run every policy key block up to the diagonal,
         then store O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs;
         1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key."""
-        base = pid_bh.to(tl.int64) * T * HEAD_DIM  # O's rows (contiguous)
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
@@ -339,6 +343,7 @@ if triton is not None:
         # this batch·head's row 0 of Q, K, V, whatever their layout (the model passes transposed views)
         in_base = (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
         Q, K, V = Q + in_base, K + in_base, V + in_base
+        O = O + _out_rows(pid_bh, T, H, o_stride_b, o_stride_h, O_STRIDE_T, HEAD_DIM)  # noqa: E741  and O's, own layout
         loc_n = tl.arange(0, BLOCK_N)
 
         # Q tile: (BLOCK_M, D); padded rows are 0
@@ -384,14 +389,16 @@ if triton is not None:
         lse = _log(l_i, PRECISE_MATH) + m_i
 
         # the store casts to O's dtype: exact, since `out` already holds o_store-representable values
-        tl.store(O + base + offs_m[:, None] * HEAD_DIM + offs_d[None, :], out.to(O.dtype.element_ty),
+        tl.store(O + offs_m[:, None] * O_STRIDE_T + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
 
     @triton.jit
     def _flash_fwd_kernel(
-        Q, K, V, O, LSE,  # noqa: E741  Q, K, V (B, H, T, D), strides below; O contiguous (B*H, T, D), LSE FP32 (B*H, T)
+        Q, K, V, O, LSE,  # noqa: E741  Q, K, V, O (B, H, T, D), strides below; LSE FP32 (B*H, T) contiguous
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
+        o_stride_b, o_stride_h,  # O's (triton_common.empty_like_layout: Q's order of dimensions)
+        O_STRIDE_T: tl.constexpr,  # and its row stride, a constant: D (contiguous) or H·D (the model's views)
         T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
         sr_seed,  # policy.sr_seed (stochastic rounding)
         HEAD_DIM: tl.constexpr,
@@ -414,22 +421,25 @@ if triton is not None:
         pid_bh = tl.program_id(1)  # (batch, head)
         if not REDO:  # query tile program_id(0), plain P̄V GEMMs
             _fwd_program(
-                Q, K, V, O, LSE, tl.program_id(0), pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val,
-                sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16,
-                PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
-                SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+                Q, K, V, O, LSE, tl.program_id(0), pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,
+                O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0, HEAD_DIM, BLOCK_M, BK,
+                BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT,
+                PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2,
+                SR_SCORES)
         else:  # REDO_TILES query tiles: read back their O, then redo on the non-finite path those that are not finite
             first = tl.program_id(0) * REDO_TILES
-            o_rows = O + pid_bh.to(tl.int64) * T * HEAD_DIM  # this batch·head's O (contiguous)
+            o_rows = O + _out_rows(pid_bh, T, H, o_stride_b, o_stride_h, O_STRIDE_T, HEAD_DIM)  # its O
             bad = tl.zeros([REDO_TILES], dtype=tl.int32)
             for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
                 rows = (first + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-                bad = _with(bad, i, _rows_nonfinite(o_rows, (first + i) * BLOCK_M, rows < T, HEAD_DIM, BLOCK_M))
+                bad = _with(bad, i, _rows_nonfinite(o_rows, (first + i) * BLOCK_M, rows < T, O_STRIDE_T, HEAD_DIM,
+                                                    BLOCK_M))
             for i in range(REDO_TILES):
                 if _at(bad, i) != 0:  # a non-finite V met in the fast path's P̄V GEMMs (tiles past T read as finite)
                     _fwd_program(
-                        Q, K, V, O, LSE, first + i, pid_bh, H, stride_b, stride_h, stride_t, T, scale, clamp_val,
-                        sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 1, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB,
+                        Q, K, V, O, LSE, first + i, pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,
+                        O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 1, HEAD_DIM,
+                        BLOCK_M, BK, BLOCK_N, N_SUB,
                         SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT,
                         PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS,
                         EXP2, SR_SCORES)
@@ -471,16 +481,17 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if precise_math is None:
         precise_math = (not interp) and libdevice is not None
     inputs_bf16 = q.dtype == torch.bfloat16
+    q_in = q  # O's layout follows q as given
     if interp:  # the interpreter's BF16 is not faithful: hand it FP32 copies (same values, same layout where dense)
         q, k, v = (t.float() for t in (q, k, v))
     (q, k, v), strides = shared_layout(q, k, v)  # in place when q, k, v share a layout (the model's views): no copies
     o_dtype = torch.bfloat16 if pol.o_store == BF16 and not interp else torch.float32
-    o = torch.empty(B, H, T, D, device=q.device, dtype=o_dtype)
+    o, o_strides = empty_like_layout(q_in, o_dtype)  # in q's order of dimensions, as FlashAttention stores O
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
     for redo in redo_launches(assume_finite):  # the fast path, then the tiles whose O it left not finite
         g = (triton.cdiv(grid[0], REDO_TILES), grid[1]) if redo else grid
-        _forward_launch(g, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+        _forward_launch(g, q, k, v, o, lse, strides, o_strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
                         inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
                         num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
@@ -488,14 +499,15 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     return o, lse
 
 
-def _forward_launch(grid, q, k, v, o, lse, strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
+def _forward_launch(grid, q, k, v, o, lse, strides, o_strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
                     inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
                     num_stages):
-    """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO); ``strides``: q, k, v's (B, H, T) strides."""
+    """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO); ``strides``: q, k, v's (B, H, T) strides,
+    ``o_strides`` O's."""
     launch(
         _flash_fwd_kernel, grid,
         q, k, v, o, lse,
-        q.shape[1], *strides,
+        q.shape[1], *strides, *o_strides,
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
         float(pol.sfa.beta) if pol.sfa is not None else 1.0,
