@@ -104,6 +104,7 @@ from lpfa.attention.policy import BF16, PrecisionPolicy, delta_dose_active, delt
 from lpfa.attention.triton_common import (
     MIN_TILE,
     REDO_TILES,
+    _any_nonfinite,
     _at,
     _dot,
     _dot_visible,
@@ -113,15 +114,15 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _next_pow2,
     _out_rows,
+    _redo_flags,
     _rnd,
     _rnd_s,
-    _rows_nonfinite,
     _score_pos,
     _shift_arg,
     _softcap,
     _sr_pre,
+    _store_flag,
     _tile_rows,
-    _with,
     check_triton_inputs,
     empty_like_layout,
     gemm_mode,
@@ -275,9 +276,9 @@ if triton is not None:
         return dv_part, dk_part
 
     @triton.jit
-    def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, pid_n, pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
-                      stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
-                      G_STRIDE_T: tl.constexpr, nonfinite,
+    def _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS, n_tiles, pid_n, pid_bh, T, scale, sr_seed, H,
+                      stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                      G_STRIDE_T: tl.constexpr, nonfinite, FLAG: tl.constexpr,
                       HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, TILES_PER_BK: tl.constexpr, SCORES_BF16: tl.constexpr,
                       BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
@@ -286,7 +287,8 @@ if triton is not None:
                       SR_SCORES: tl.constexpr):
         """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV over every policy query
         block that sees it, store them. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an
-        inf or NaN of Q or dO reaches exactly the keys its row sees."""
+        inf or NaN of Q or dO reaches exactly the keys its row sees. FLAG: also store the tile's flag for the redo
+        launch (triton_common._store_flag)."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         row_base = pid_bh.to(tl.int64) * T
         base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DK's and DV's row 0
@@ -358,12 +360,17 @@ if triton is not None:
                 dk = dk_part
 
         # stored in the gradients' dtype (FP32, or the inputs' BF16: one round to nearest even, as a later .to() would)
-        tl.store(DK + kv_ptrs, dk.to(DK.dtype.element_ty), mask=key_ok[:, None])
-        tl.store(DV + kv_ptrs, dv.to(DV.dtype.element_ty), mask=key_ok[:, None])
+        dk, dv = dk.to(DK.dtype.element_ty), dv.to(DV.dtype.element_ty)
+        tl.store(DK + kv_ptrs, dk, mask=key_ok[:, None])
+        tl.store(DV + kv_ptrs, dv, mask=key_ok[:, None])
+        if FLAG:  # 1 where this tile of dK or dV holds an inf or NaN: the redo launch computes it again
+            _store_flag(FLAGS, pid_bh, pid_n, n_tiles,
+                        _any_nonfinite(dk.to(tl.float32), key_ok) | _any_nonfinite(dv.to(tl.float32), key_ok))
 
     @triton.jit
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # (B, H, T, D) with the strides below; LSE, DELTA (B*H, T) contiguous
+        FLAGS, n_tiles,  # int32 (B*H, n_tiles): 1 per key tile whose dK or dV the fast launch left not finite
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -380,32 +387,29 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose dK or dV the first left not finite; its grid
-        # has one program per REDO_TILES key tiles
+        REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged; one program per REDO_TILES key
+        # tiles
         REDO_TILES: tl.constexpr,
+        FLAG: tl.constexpr,  # the first launch stores its flags (False: assume_finite, no second launch)
     ):
         pid_bh = tl.program_id(1)  # (batch, head)
         if not REDO:  # key tile program_id(0), plain GEMMs
-            _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b,
-                          stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T,
-                          0, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                          DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
-        else:  # REDO_TILES key tiles: read back their dK, dV, redo on the non-finite path those not finite
+            _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS, n_tiles, tl.program_id(0), pid_bh, T, scale, sr_seed,
+                          H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b,
+                          g_stride_h, G_STRIDE_T, 0, FLAG, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK,
+                          SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT,
+                          SOFTCAP, EXP2, SR_SCORES)
+        else:  # REDO_TILES key tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
-            base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DK's, DV's row 0
-            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
-            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
-                k_start, _, ok = _tile_rows(first + i, T, BK, BLOCK_N, TILES_PER_BK)  # past the last tile: no rows
-                seen = (_rows_nonfinite(DK + base, k_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_N)
-                        | _rows_nonfinite(DV + base, k_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_N))
-                bad = _with(bad, i, seen)
-            for i in range(REDO_TILES):
-                if _at(bad, i) != 0:  # a non-finite Q or dO met in the fast path's GEMMs
-                    _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
-                                  stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
-                                  G_STRIDE_T, 1, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK, SCORES_BF16, BW_BF16,
-                                  OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2,
-                                  SR_SCORES)
+            bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
+            if tl.max(bad, axis=0) != 0:  # (usually none: the program ends here)
+                for i in range(REDO_TILES):
+                    if _at(bad, i) != 0:  # a non-finite Q or dO met in the fast path's GEMMs
+                        _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS, n_tiles, first + i, pid_bh, T, scale,
+                                      sr_seed, H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t,
+                                      g_stride_b, g_stride_h, G_STRIDE_T, 1, False, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N,
+                                      TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT,
+                                      PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
@@ -436,8 +440,9 @@ if triton is not None:
         return dq_part
 
     @triton.jit
-    def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, pid_m, pid_bh, T, scale, sr_seed, H, stride_b, stride_h, stride_t,
-                    do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T: tl.constexpr, nonfinite,
+    def _dq_program(Q, K, V, DO, LSE, DELTA, DQ, FLAGS, n_tiles, pid_m, pid_bh, T, scale, sr_seed, H, stride_b,
+                    stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                    G_STRIDE_T: tl.constexpr, nonfinite, FLAG: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BQ: tl.constexpr, BK: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
                     BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
@@ -445,7 +450,8 @@ if triton is not None:
                     SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, dO, lse, δ, compute its dQ over every policy key
         block it sees, store it. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or
-        NaN of K reaches exactly the rows that see its key."""
+        NaN of K reaches exactly the rows that see its key. FLAG: also store the tile's flag for the redo launch
+        (triton_common._store_flag)."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         row_base = pid_bh.to(tl.int64) * T
         base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DQ's row 0
@@ -494,11 +500,15 @@ if triton is not None:
             else:
                 dq = dq_part
 
-        tl.store(DQ + q_ptrs, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+        dq = dq.to(DQ.dtype.element_ty)
+        tl.store(DQ + q_ptrs, dq, mask=row_ok[:, None])
+        if FLAG:  # 1 where this tile of dQ holds an inf or NaN: the redo launch computes it again
+            _store_flag(FLAGS, pid_bh, pid_m, n_tiles, _any_nonfinite(dq.to(tl.float32), row_ok))
 
     @triton.jit
     def _bwd_dq_kernel(
         Q, K, V, DO, LSE, DELTA, DQ,
+        FLAGS, n_tiles,  # int32 (B*H, n_tiles): 1 per query tile whose dQ the fast launch left not finite
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -515,29 +525,28 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose dQ the first left not finite; its grid has
-        # one program per REDO_TILES query tiles
+        REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged; one program per REDO_TILES
+        # query tiles
         REDO_TILES: tl.constexpr,
+        FLAG: tl.constexpr,  # the first launch stores its flags (False: assume_finite, no second launch)
     ):
         pid_bh = tl.program_id(1)
         if not REDO:  # query tile program_id(0), plain GEMMs
-            _dq_program(Q, K, V, DO, LSE, DELTA, DQ, tl.program_id(0), pid_bh, T, scale, sr_seed, H, stride_b, stride_h,
-                        stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h, G_STRIDE_T, 0,
-                        HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
-                        DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
-        else:  # REDO_TILES query tiles: read back their dQ, redo on the non-finite path those not finite
+            _dq_program(Q, K, V, DO, LSE, DELTA, DQ, FLAGS, n_tiles, tl.program_id(0), pid_bh, T, scale, sr_seed, H,
+                        stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
+                        G_STRIDE_T, 0, FLAG, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16,
+                        OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+        else:  # REDO_TILES query tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
-            dq_rows = DQ + _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # its dQ
-            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
-            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
-                q_start, _, ok = _tile_rows(first + i, T, BQ, BLOCK_M, TILES_PER_BQ)  # past the last tile: no rows
-                bad = _with(bad, i, _rows_nonfinite(dq_rows, q_start, ok, G_STRIDE_T, HEAD_DIM, BLOCK_M))
-            for i in range(REDO_TILES):
-                if _at(bad, i) != 0:  # a non-finite K met in the fast path's dS K GEMMs
-                    _dq_program(Q, K, V, DO, LSE, DELTA, DQ, first + i, pid_bh, T, scale, sr_seed, H, stride_b,
-                                stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
-                                G_STRIDE_T, 1, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16,
-                                OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+            bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
+            if tl.max(bad, axis=0) != 0:  # (usually none: the program ends here)
+                for i in range(REDO_TILES):
+                    if _at(bad, i) != 0:  # a non-finite K met in the fast path's dS K GEMMs
+                        _dq_program(Q, K, V, DO, LSE, DELTA, DQ, FLAGS, n_tiles, first + i, pid_bh, T, scale, sr_seed,
+                                    H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b,
+                                    g_stride_h, G_STRIDE_T, 1, False, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ,
+                                    SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT,
+                                    SOFTCAP, EXP2, SR_SCORES)
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
@@ -670,25 +679,31 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     )
     # each kernel twice: the fast path, then the tiles it left not finite (triton_common.redo_launches)
     n_ktiles = triton.cdiv(T, BK) * TPB_K
+    n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
+    # one flag per key tile, then per query tile, stored by each fast launch for its second (none when the caller
+    # vouches for finite inputs: delta stands in for the pointer, never read)
+    tile_flags = delta if assume_finite else torch.empty(B * H * (n_ktiles + n_qtiles), device=q.device,
+                                                         dtype=torch.int32)
     for redo in redo_launches(assume_finite):
         launch(
             _bwd_dkdv_kernel, (triton.cdiv(n_ktiles, REDO_TILES) if redo else n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, T, float(scale), pol.sr_seed, *strides, *g_strides,
+            q_, k_, v_, do_, lse_, delta, dk, dv, tile_flags, n_ktiles, T, float(scale), pol.sr_seed, *strides,
+            *g_strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-            REDO=redo, REDO_TILES=REDO_TILES,
+            REDO=redo, REDO_TILES=REDO_TILES, FLAG=not assume_finite,
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
     # ---- dQ: one program per query tile ----
-    n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
+    q_flags = tile_flags if assume_finite else tile_flags[B * H * n_ktiles:]
     for redo in redo_launches(assume_finite):
         launch(
             _bwd_dq_kernel, (triton.cdiv(n_qtiles, REDO_TILES) if redo else n_qtiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dq, T, float(scale), pol.sr_seed, *strides, *g_strides,
+            q_, k_, v_, do_, lse_, delta, dq, q_flags, n_qtiles, T, float(scale), pol.sr_seed, *strides, *g_strides,
             TILES_PER_BQ=DQ_TPB_Q,
             DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
-            REDO=redo, REDO_TILES=REDO_TILES,
+            REDO=redo, REDO_TILES=REDO_TILES, FLAG=not assume_finite,
             **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
     if store_dtype != grad_dtype:

@@ -401,14 +401,17 @@ if triton is not None:
             return (pid_bh // H).to(tl.int64) * stride_b + (pid_bh % H).to(tl.int64) * stride_h
 
     @triton.jit
-    def _rows_nonfinite(X, row0, ok, stride_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-        """1 (int32) if rows row0 .. row0 + ROWS − 1 of X (one batch·head's rows, ``stride_t`` apart, unit stride along
-        D) hold an inf or NaN where ``ok`` (ROWS,) is True, else 0: the redo launches' test of one tile of a kernel's
-        output."""
-        offs = row0 + tl.arange(0, ROWS)
-        x = tl.load(X + offs.to(tl.int64)[:, None] * stride_t + tl.arange(0, HEAD_DIM)[None, :], mask=ok[:, None],
-                    other=0.0)
-        return _any_nonfinite(x, ok)
+    def _store_flag(FLAGS, pid_bh, tile, n_tiles, bad):
+        """The fast launch's verdict on one tile of its output: FLAGS[pid_bh, tile] = ``bad``, 1 where the tile it
+        stored holds an inf or NaN (:func:`_any_nonfinite`), else 0 (:func:`redo_launches`)."""
+        tl.store(FLAGS + pid_bh.to(tl.int64) * n_tiles + tile, bad)
+
+    @triton.jit
+    def _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES: tl.constexpr):
+        """The (REDO_TILES,) flags of tiles first .. first + REDO_TILES − 1 of batch·head ``pid_bh``, as the fast launch
+        stored them (:func:`_store_flag`); 0 past the last tile."""
+        offs = first + tl.arange(0, REDO_TILES)
+        return tl.load(FLAGS + pid_bh.to(tl.int64) * n_tiles + offs, mask=offs < n_tiles, other=0)
 
     @triton.jit
     def _tile_rows(t, T, BLOCK: tl.constexpr, TILE: tl.constexpr, TILES_PER_BLOCK: tl.constexpr):
@@ -432,8 +435,7 @@ if triton is not None:
 
     @triton.jit
     def _any_nonfinite(x, ok):
-        """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0: the test of
-        a program's stored output that decides whether it runs again on the non-finite path (:func:`redo_launches`)."""
+        """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0."""
         bad = ((x != x) | (tl.abs(x) == float("inf"))) & ok[:, None]
         return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
 
@@ -530,12 +532,14 @@ def empty_like_layout(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor
 # value a non-finite operand touches in a GEMM turns inf or NaN and stays so to the stored output, so a tile whose
 # stored output is finite has met none, and that output is the non-finite path's bit for bit (the path equals the
 # plain GEMM where every operand is finite). So each kernel launches twice: the fast path (REDO=False) for every
-# tile, then REDO=True, whose programs each read back REDO_TILES output tiles and compute again, on the non-finite
-# path, those that hold an inf or NaN. Nothing syncs with the host.
+# tile, which also stores one flag per tile, 1 where the output it stored holds an inf or NaN (_store_flag); then
+# REDO=True, whose programs each read the flags of REDO_TILES tiles and compute again, on the non-finite path, those
+# flagged. Nothing syncs with the host.
 
 
-REDO_TILES = 1  # query or key tiles one redo program tests; 4 (fewer, longer programs) made fa2 slower
-# (results/attention_screening/h100-2026-12-06-171d4df, ab.log)
+REDO_TILES = 64  # tiles whose flags one redo program reads: one program per batch·head up to T = 4,096 at 64-row
+# tiles. Reading back the output instead, one tile per program, took 12% of fa2's forward+backward GPU time at GPT-2
+# shapes (results/attention_ncu/h100-2026-12-06).
 
 
 def redo_launches(assume_finite: bool) -> tuple[bool, ...]:

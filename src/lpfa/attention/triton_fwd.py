@@ -39,10 +39,11 @@ A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.
 which takes a second GEMM and masks; compiled into the hot loop, that path alone pushed the kernel into register
 spills (``benchmarks/compile_check.py`` counts them), and compiled in after the fast path it still slowed it. So
 :func:`flash_forward` launches the kernel twice: with ``REDO=False`` for every tile (plain P̄V GEMMs), then with
-``REDO=True``, whose programs each read back ``REDO_TILES`` tiles of O and compute again those that hold an inf or
-NaN. An inf or NaN of V that a P̄V GEMM meets, even as 0·inf, leaves its rows of O not finite, so a finite tile is the
-non-finite path's bit for bit, and only the others are computed again, on that path
-(:func:`~lpfa.attention.triton_common.redo_launches`). Nothing syncs with the host.
+``REDO=True``. The first also stores one flag per tile, set where the tile of O it stored holds an inf or NaN; the
+second's programs each read ``REDO_TILES`` flags and compute again the tiles flagged. An inf or NaN of V that a P̄V
+GEMM meets, even as 0·inf, leaves its rows of O not finite, so a finite tile is the non-finite path's bit for bit,
+and only the others are computed again, on that path (:func:`~lpfa.attention.triton_common.redo_launches`). Nothing
+syncs with the host.
 
 Interpreter-safe rounding design
 --------------------------------
@@ -106,6 +107,7 @@ import torch
 from lpfa.attention.policy import BF16, PrecisionPolicy, get_policy
 from lpfa.attention.triton_common import (
     REDO_TILES,
+    _any_nonfinite,
     _at,
     _dot,
     _dot_visible,
@@ -116,6 +118,7 @@ from lpfa.attention.triton_common import (
     _log,
     _max_nan,
     _out_rows,
+    _redo_flags,
     _rescale,
     _rnd,
     _rnd_l,
@@ -123,13 +126,12 @@ from lpfa.attention.triton_common import (
     _rnd_s,
     _row_max,
     _row_top2,
-    _rows_nonfinite,
     _score_pos,
     _shift_arg,
     _softcap,
     _sr_pre,
+    _store_flag,
     _top2,
-    _with,
     check_triton_inputs,
     empty_like_layout,
     gemm_mode,
@@ -323,9 +325,9 @@ if triton is not None:
         return acc, l_i, m_new
 
     @triton.jit
-    def _fwd_program(Q, K, V, O, LSE, pid_m, pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,  # noqa: E741
-                     O_STRIDE_T: tl.constexpr, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed,
-                     v_nonfinite,
+    def _fwd_program(Q, K, V, O, LSE, FLAGS, n_tiles, pid_m, pid_bh, H, stride_b, stride_h, stride_t,  # noqa: E741
+                     o_stride_b, o_stride_h, O_STRIDE_T: tl.constexpr, T, scale, clamp_val, sfa_beta, sfa_eps,
+                     sfa_min_shift, sr_seed, v_nonfinite, FLAG: tl.constexpr,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BK: tl.constexpr, BLOCK_N: tl.constexpr,
                      N_SUB: tl.constexpr, SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr,
                      OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, OSTORE_BF16: tl.constexpr,
@@ -335,7 +337,8 @@ if triton is not None:
                      SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, run every policy key block up to the diagonal,
         then store O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs;
-        1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key."""
+        1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key. FLAG: also store
+        the tile's flag for the redo launch (triton_common._store_flag)."""
         q_start = pid_m * BLOCK_M
         offs_m = q_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < T
@@ -392,10 +395,13 @@ if triton is not None:
         tl.store(O + offs_m[:, None] * O_STRIDE_T + offs_d[None, :], out.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
         tl.store(LSE + pid_bh.to(tl.int64) * T + offs_m, lse, mask=row_ok)
+        if FLAG:  # 1 where this tile of O holds an inf or NaN: the redo launch computes it again
+            _store_flag(FLAGS, pid_bh, pid_m, n_tiles, _any_nonfinite(out, row_ok))
 
     @triton.jit
     def _flash_fwd_kernel(
         Q, K, V, O, LSE,  # noqa: E741  Q, K, V, O (B, H, T, D), strides below; LSE FP32 (B*H, T) contiguous
+        FLAGS, n_tiles,  # int32 (B*H, n_tiles): 1 per query tile whose O the fast launch left not finite
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared; unit stride along D): any layout, no copies
         o_stride_b, o_stride_h,  # O's (triton_common.empty_like_layout: Q's order of dimensions)
         O_STRIDE_T: tl.constexpr,  # and its row stride, a constant: D (contiguous) or H·D (the model's views)
@@ -414,35 +420,31 @@ if triton is not None:
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
-        REDO: tl.constexpr,  # the second launch: redo the tiles whose O the first left not finite (module docstring);
-        # its grid has one program per REDO_TILES query tiles
+        REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged (module docstring); one program
+        # per REDO_TILES query tiles
         REDO_TILES: tl.constexpr,
+        FLAG: tl.constexpr,  # the first launch stores its flags (False: assume_finite, no second launch)
     ):
         pid_bh = tl.program_id(1)  # (batch, head)
         if not REDO:  # query tile program_id(0), plain P̄V GEMMs
             _fwd_program(
-                Q, K, V, O, LSE, tl.program_id(0), pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,
-                O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0, HEAD_DIM, BLOCK_M, BK,
-                BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT,
-                PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2,
-                SR_SCORES)
-        else:  # REDO_TILES query tiles: read back their O, then redo on the non-finite path those that are not finite
+                Q, K, V, O, LSE, FLAGS, n_tiles, tl.program_id(0), pid_bh, H, stride_b, stride_h, stride_t,
+                o_stride_b, o_stride_h, O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0,
+                FLAG, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16,
+                OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP,
+                CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+        else:  # REDO_TILES query tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
-            o_rows = O + _out_rows(pid_bh, T, H, o_stride_b, o_stride_h, O_STRIDE_T, HEAD_DIM)  # its O
-            bad = tl.zeros([REDO_TILES], dtype=tl.int32)
-            for i in tl.static_range(REDO_TILES):  # unrolled: the tiles' loads in flight together
-                rows = (first + i) * BLOCK_M + tl.arange(0, BLOCK_M)
-                bad = _with(bad, i, _rows_nonfinite(o_rows, (first + i) * BLOCK_M, rows < T, O_STRIDE_T, HEAD_DIM,
-                                                    BLOCK_M))
-            for i in range(REDO_TILES):
-                if _at(bad, i) != 0:  # a non-finite V met in the fast path's P̄V GEMMs (tiles past T read as finite)
-                    _fwd_program(
-                        Q, K, V, O, LSE, first + i, pid_bh, H, stride_b, stride_h, stride_t, o_stride_b, o_stride_h,
-                        O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 1, HEAD_DIM,
-                        BLOCK_M, BK, BLOCK_N, N_SUB,
-                        SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT,
-                        PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS,
-                        EXP2, SR_SCORES)
+            bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
+            if tl.max(bad, axis=0) != 0:  # (usually none: the program ends here)
+                for i in range(REDO_TILES):
+                    if _at(bad, i) != 0:  # a non-finite V met in the fast path's P̄V GEMMs
+                        _fwd_program(
+                            Q, K, V, O, LSE, FLAGS, n_tiles, first + i, pid_bh, H, stride_b, stride_h, stride_t,
+                            o_stride_b, o_stride_h, O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
+                            sr_seed, 1, False, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16,
+                            OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
+                            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
 
 
 BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
@@ -489,24 +491,27 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     o, o_strides = empty_like_layout(q_in, o_dtype)  # in q's order of dimensions, as FlashAttention stores O
     lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(T, block_m), B * H)
+    # one flag per query tile, stored by the fast launch for the second (none when the caller vouches for finite
+    # inputs: lse stands in for the pointer, never read)
+    flags = lse if assume_finite else torch.empty(B * H * grid[0], device=q.device, dtype=torch.int32)
     for redo in redo_launches(assume_finite):  # the fast path, then the tiles whose O it left not finite
         g = (triton.cdiv(grid[0], REDO_TILES), grid[1]) if redo else grid
-        _forward_launch(g, q, k, v, o, lse, strides, o_strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
-                        inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
-                        num_stages)
+        _forward_launch(g, q, k, v, o, lse, flags, grid[0], strides, o_strides, T, scale, pol, D, block_m, BK,
+                        BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo,
+                        not assume_finite, num_warps, num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return o, lse
 
 
-def _forward_launch(grid, q, k, v, o, lse, strides, o_strides, T, scale, pol, D, block_m, BK, BLOCK_N, N_SUB,
-                    inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, num_warps,
-                    num_stages):
-    """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO); ``strides``: q, k, v's (B, H, T) strides,
-    ``o_strides`` O's."""
+def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T, scale, pol, D, block_m, BK,
+                    BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, flag,
+                    num_warps, num_stages):
+    """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO, ``flag``: its FLAG); ``strides``: q, k, v's
+    (B, H, T) strides, ``o_strides`` O's; ``flags``: the (B·H, n_tiles) tile flags."""
     launch(
         _flash_fwd_kernel, grid,
-        q, k, v, o, lse,
+        q, k, v, o, lse, flags, n_tiles,
         q.shape[1], *strides, *o_strides,
         T, float(scale),
         float(pol.row_sum_clamp) if pol.row_sum_clamp is not None else 0.0,
@@ -530,6 +535,7 @@ def _forward_launch(grid, q, k, v, o, lse, strides, o_strides, T, scale, pol, D,
         SR_SCORES="scores" in pol.stochastic,
         REDO=bool(redo),
         REDO_TILES=REDO_TILES,
+        FLAG=bool(flag),
         enable_fp_fusion=False,  # no FMA: c·l + rowsum rounds twice, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,
