@@ -342,8 +342,10 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
     reference (and ``sfa_count_pass=True``) count the scores within ε of the max in a pass of their own. Policy
     blocks of 32 keys span two 16-key compute tiles, blocks of 16 one. The two kernels must give the same bits on exact
     ties inside and across tiles, near-ties either side of ε, rows that see one key of a block, all-tied rows and ±inf
-    scores, and match the reference on the finite rows. T = 75 is the smallest shape with whole blocks, a ragged last
-    block (11 keys), several query tiles and causal rows that see one, two and three blocks; T = 32 is one block."""
+    scores, and match the reference on the finite rows; so must the row-max pass that rounds every score against the
+    default one, which rounds only the raw top two (``raw_max``). T = 75 is the smallest shape with whole blocks, a
+    ragged last block (11 keys), several query tiles and causal rows that see one, two and three blocks; T = 32 is one
+    block."""
     seed = torch.seed() % 2**31
     g = torch.Generator().manual_seed(seed)
     D = 16
@@ -357,6 +359,10 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             o2, lse2 = flash_forward(qb, kb, vb, pol, 0.3, block_m=16, block_n=16, sfa_count_pass=True)
             assert torch.equal(_bits(o), _bits(o2)) and torch.equal(_bits(lse), _bits(lse2)), \
                 f"top-2 and counting pass differ in {int((_bits(o) != _bits(o2)).any(-1).sum())} rows"
+            # the top two from the raw Q Kᵀ, rounded after the pass, against every score rounded first
+            o3, lse3 = flash_forward(qb, kb, vb, pol, 0.3, block_m=16, block_n=16, raw_max=False)
+            assert torch.equal(_bits(o), _bits(o3)) and torch.equal(_bits(lse), _bits(lse3)), \
+                f"raw and rounded row-max pass differ in {int((_bits(o) != _bits(o3)).any(-1).sum())} rows"
             stats = AttentionStats()
             ro, rlse = ref_forward(qb.float(), kb.float(), vb.float(), pol, 0.3, stats=stats)
             tied = stats.sfa_rows[0]

@@ -93,8 +93,11 @@ values; ``precise_math`` (default: not under the interpreter) uses libdevice exp
 ``causal_split=False`` runs every key tile through the masked path (the kernel before the causal split;
 bit-identical results, for tests and benchmarks). ``sfa_count_pass=True`` decides SFA's ties by a pass of their
 own that counts the scores within ε of the row max, as the reference does, instead of from the top two scores of
-the row-max pass (bit-identical; for tests and benchmarks). ``validate=False`` skips the input checks
-(:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
+the row-max pass (bit-identical; for tests and benchmarks). ``raw_max=False`` rounds every score of the row-max pass
+over a policy block of several tiles, instead of taking the raw Q Kᵀ and rounding the row's largest (and, for SFA,
+second largest) value (:func:`_scores_of`: the rounding is monotone, so the two are bit-identical; for tests and
+benchmarks; the raw pass is used where S is rounded to nearest and not soft-capped). ``validate=False`` skips the
+input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
 :func:`lpfa.attention.attention` does. ``assume_finite=True``: the caller vouches that q, k, v hold no inf or NaN (a
 trainer that stops at a non-finite loss can), so the second launch is skipped; a non-finite V then reaches rows that
 cannot see its key (through 0·inf = NaN in the P̄V product), as in a plain GEMM.
@@ -157,22 +160,33 @@ if triton is not None:
     @triton.jit
     def _scores_tile(q, K, stride_t, k_lo, k_hi, offs_m, loc_n, T, scale, s_pre, HEAD_DIM: tl.constexpr,
                      SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr,
-                     PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr, SR_SCORES: tl.constexpr):
+                     PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr, SR_SCORES: tl.constexpr,
+                     RAW: tl.constexpr = False):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
         FP32, the two BF16 roundings stochastic with SR_SCORES (``s_pre``: _sr_pre of the seed and batch·head).
         MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
-        [0, T) and its block, at or below the diagonal for every row: a plain load, no mask."""
+        [0, T) and its block, at or below the diagonal for every row: a plain load, no mask. RAW: Q Kᵀ as the GEMM
+        returns it, masked alike, before any rounding (:func:`_scores_of` rounds it)."""
         offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
         kt = _load_tile(K + offs_n[None, :] * stride_t + offs_d[:, None], key_ok)
         s = _dot(q, kt, QK_DOT)  # BF16 operands (exact), IEEE FP32 or BF16 split (policy.gemm), FP32 accumulation
-        pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
-        s = _rnd_s(s, SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # the QKᵀ GEMM output
-        s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)  # ·scale (a BF16 op in the paper's code)
-        s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
+        if not RAW:
+            pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
+            s = _rnd_s(s, SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # the QKᵀ GEMM output
+            s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)  # ·scale (a BF16 op in the paper's code)
+            s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
         visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
         return _keep_visible(s, visible, float("-inf"))
+
+    @triton.jit
+    def _scores_of(x, scale, SCORES_BF16: tl.constexpr):
+        """bf16(bf16(x)·scale) or x·scale (FP32): the scores of raw Q Kᵀ values x, rounded to nearest as
+        :func:`_scores_tile` rounds them. Each step is non-decreasing in x (scale > 0), so the scores of a row's
+        largest x are its largest scores, and of its two largest x its two largest scores (ties kept): the row-max
+        pass takes them from the raw GEMM output and rounds two values per row, not every score (RAW_MAX)."""
+        return _rnd(_rnd(x, SCORES_BF16) * scale, SCORES_BF16)
 
     @triton.jit
     def _block_tiles(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
@@ -181,11 +195,11 @@ if triton is not None:
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
-                     SR_SCORES: tl.constexpr):
+                     SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 (SFA)
-        also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf); 1 (SFA with
-        sfa_count_pass): rs = #{S ≥ thr};
+        also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf), of the raw Q Kᵀ instead
+        of S with RAW_MAX (the caller rounds them, :func:`_scores_of`); 1 (SFA with sfa_count_pass): rs = #{S ≥ thr};
         2: rowsum(P̄) and Ō = p_bar(P̄) V with P̄ = exp(scores(S − m_use)), or with EXP2 exp2(fma(S, log₂e, −m_use))
         (m_use then holds fl(m·log₂e), _shift_arg). MASKED: see _scores_tile."""
         kb_hi = kb_lo + BK
@@ -195,7 +209,7 @@ if triton is not None:
             s = s_block if N_SUB == 1 else _scores_tile(q, K, stride_t, k_lo, kb_hi, offs_m, loc_n, T, scale, s_pre,
                                                         HEAD_DIM, SCORES_BF16, QK_DOT, MASKED=MASKED,
                                                         PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP,
-                                                        SR_SCORES=SR_SCORES)
+                                                        SR_SCORES=SR_SCORES, RAW=RAW_MAX and PASS == 0)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
                 if TOP2:  # and r2: the tile's top two (t1 ≥ t2, a tied max counting twice) merged into (rm, r2)
@@ -225,19 +239,21 @@ if triton is not None:
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
-                    SR_SCORES: tl.constexpr):
+                    SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES,
+                RAW_MAX=RAW_MAX)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m,
                 loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES,
+                RAW_MAX=RAW_MAX)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
@@ -248,7 +264,8 @@ if triton is not None:
                    OBLOCK_BF16: tl.constexpr, ACC_BF16: tl.constexpr, USE_CLAMP: tl.constexpr,
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                    PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr,
-                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                   SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
+                   RAW_MAX: tl.constexpr):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -270,7 +287,11 @@ if triton is not None:
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS, EXP2=EXP2,
-            SR_SCORES=SR_SCORES)
+            SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
+        if RAW_MAX:  # that pass took the raw Q Kᵀ: the scores of its top one (and two) are the block's
+            rm = _scores_of(rm, scale, SCORES_BF16)
+            if USE_SFA:
+                r2 = _scores_of(r2, scale, SCORES_BF16)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -289,7 +310,8 @@ if triton is not None:
                 rm, r2, rs, block_sum, o_blk = _block_pass(
                     rm, r2, rs, block_sum, o_blk, s, thr, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T,
                     scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
-                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                    PRECISE_MATH, PASS=1, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES,
+                    RAW_MAX=False)
                 tied = rs > 1
             m_sfa = tl.where(tied & (rm > 0), _rnd(rm * sfa_beta, SCORES_BF16), rm)
             m_sfa = tl.where(tied & (rm < 0), 0.0, m_sfa)
@@ -305,7 +327,8 @@ if triton is not None:
         rm, r2, rs, block_sum, o_blk = _block_pass(
             rm, r2, rs, block_sum, o_blk, s, rm, _shift_arg(m_use, EXP2), n_sub, t_full, q, K, V, stride_t, kb_lo,
             offs_m, loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
-            PV_DOT, PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES)
+            PV_DOT, PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES,
+            RAW_MAX=False)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             # a NaN sum stays NaN (torch.clamp_min)
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)
@@ -334,7 +357,8 @@ if triton is not None:
                      USE_CLAMP: tl.constexpr, USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                      PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
                      SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
-                     SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                     SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
+                     RAW_MAX: tl.constexpr):
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, run every policy key block up to the diagonal,
         then store O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs;
         1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key. FLAG: also store
@@ -370,7 +394,7 @@ if triton is not None:
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS,
-                EXP2=EXP2, SR_SCORES=SR_SCORES)
+                EXP2=EXP2, SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -384,7 +408,7 @@ if triton is not None:
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS, EXP2=EXP2,
-                SR_SCORES=SR_SCORES)
+                SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -420,6 +444,7 @@ if triton is not None:
         SFA_COUNT_PASS: tl.constexpr,  # True: SFA's tie count in a pass of its own over the tiles (for comparison)
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        RAW_MAX: tl.constexpr,  # the row-max pass over several tiles takes the raw Q Kᵀ (_scores_of)
         REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged (module docstring); one program
         # per REDO_TILES query tiles
         REDO_TILES: tl.constexpr,
@@ -432,7 +457,7 @@ if triton is not None:
                 o_stride_b, o_stride_h, O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0,
                 FLAG, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16,
                 OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP,
-                CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+                CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES, RAW_MAX)
         else:  # REDO_TILES query tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
             bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
@@ -444,7 +469,8 @@ if triton is not None:
                             o_stride_b, o_stride_h, O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift,
                             sr_seed, 1, False, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16,
                             OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
-                            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES)
+                            SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES,
+                            RAW_MAX)
 
 
 BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
@@ -454,7 +480,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
-                  validate: bool = True, assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  raw_max: bool = True, validate: bool = True,
+                  assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
     name) on q, k, v, (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. Returns ``(o, lse)``: O in
     ``policy.o_store``'s dtype (bf16 or fp32) with the same values as :func:`lpfa.attention.reference.forward`, and
@@ -497,16 +524,16 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     for redo in redo_launches(assume_finite):  # the fast path, then the tiles whose O it left not finite
         g = (triton.cdiv(grid[0], REDO_TILES), grid[1]) if redo else grid
         _forward_launch(g, q, k, v, o, lse, flags, grid[0], strides, o_strides, T, scale, pol, D, block_m, BK,
-                        BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo,
-                        not assume_finite, num_warps, num_stages)
+                        BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max,
+                        redo, not assume_finite, num_warps, num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return o, lse
 
 
 def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T, scale, pol, D, block_m, BK,
-                    BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, redo, flag,
-                    num_warps, num_stages):
+                    BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max, redo,
+                    flag, num_warps, num_stages):
     """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO, ``flag``: its FLAG); ``strides``: q, k, v's
     (B, H, T) strides, ``o_strides`` O's; ``flags``: the (B·H, n_tiles) tile flags."""
     launch(
@@ -533,6 +560,8 @@ def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T
         SFA_COUNT_PASS=bool(sfa_count_pass),
         EXP2=pol.exp == "exp2",
         SR_SCORES="scores" in pol.stochastic,
+        # the raw Q Kᵀ where the scores are rounded to nearest, uncapped (_scores_of), and recomputed per pass
+        RAW_MAX=bool(raw_max) and N_SUB > 1 and "scores" not in pol.stochastic and not pol.softcap,
         REDO=bool(redo),
         REDO_TILES=REDO_TILES,
         FLAG=bool(flag),
