@@ -1,0 +1,58 @@
+"""A/B timing of flash_forward's bit-identical options on one GPU: each option set against the defaults, in the same
+process, interleaved, by ``triton.testing.do_bench`` medians (forward only).
+
+    python benchmarks/forward_options.py --presets paper,paper_sfa --options raw_max=False sfa_count_pass=True
+
+Prints one line per (preset, T, option): the default's and the option's µs and their ratio, and checks that the
+option gives the default's bits (the options are switches for tests and benchmarks, :mod:`lpfa.attention.triton_fwd`).
+"""
+
+import argparse
+import ast
+import math
+
+import torch
+
+from lpfa.attention.triton_fwd import flash_forward
+from lpfa.provenance import provenance
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--presets", default="paper,paper_sfa")
+    p.add_argument("--options", nargs="+", default=["raw_max=False"],
+                   help="keyword=value of flash_forward, each timed against the defaults")
+    p.add_argument("--T", default="1024,4096")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per pair")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("needs a CUDA GPU")
+    opts = {}
+    for o in a.options:
+        key, _, value = o.partition("=")
+        if not value:
+            p.error(f"--options {o!r}: expected keyword=value")
+        opts[o] = {key: ast.literal_eval(value)}
+    from triton.testing import do_bench
+
+    print(provenance(config=vars(a))["device"], flush=True)
+    B, H, D = 16, 12, 64
+    for T in (int(t) for t in a.T.split(",")):
+        q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for name in a.presets.split(","):
+            base = flash_forward(q, k, v, name, 1 / math.sqrt(D))
+            for label, kw in opts.items():
+                other = flash_forward(q, k, v, name, 1 / math.sqrt(D), **kw)
+                same = all(torch.equal(x, y) for x, y in zip(base, other))
+                t0, t1 = [], []
+                for _ in range(a.rounds):
+                    t0.append(do_bench(lambda: flash_forward(q, k, v, name, 1 / math.sqrt(D)), warmup=25, rep=200))
+                    t1.append(do_bench(lambda: flash_forward(q, k, v, name, 1 / math.sqrt(D), **kw), warmup=25,
+                                       rep=200))
+                m0, m1 = sorted(t0)[len(t0) // 2] * 1e3, sorted(t1)[len(t1) // 2] * 1e3
+                print(f"{name:10s} T {T:5d}  default {m0:8.1f} us  {label} {m1:8.1f} us  ratio {m1 / m0:.3f}  "
+                      f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
