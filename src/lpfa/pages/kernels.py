@@ -24,7 +24,7 @@ import torch
 
 from lpfa.attention import PRESETS, attention
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
-from lpfa.pages import and_join
+from lpfa.pages import and_join, gpu_name
 from lpfa.params import boolean, integer, optional, text
 from lpfa.paths import repo_root
 from lpfa.plotting import COLORS, MAX_ROWS, format_table, use_style
@@ -159,11 +159,11 @@ def rerun_benchmark() -> str:
 
 def provenance_notes(run: str | None = None) -> dict[str, str]:
     """The provenance of the speed table's run (:func:`bench_run_of`) for the page's text: ``bench_run`` (its name),
-    ``bench_device`` ("one NVIDIA H100 80GB HBM3"), ``bench_env`` (device, torch, Triton, commit, date) and
-    ``bench_command``."""
+    ``bench_device`` ("one H100", as page 13 names its GPU: :func:`lpfa.pages.gpu_name`), ``bench_env`` (device,
+    torch, Triton, commit, date) and ``bench_command``."""
     folder = bench_run_of("bench.json", run)
     prov = load(EXPERIMENT, "provenance.json", folder.name)
-    return {"bench_run": f"`{folder.name}`", "bench_device": f"one {prov['device']}",
+    return {"bench_run": f"`{folder.name}`", "bench_device": f"one {gpu_name(prov['device'])}",
             "bench_env": (f"{prov['device']}, torch {prov['torch']}, Triton {prov['triton']}, "
                           f"commit `{prov['git_commit']}`, {prov['date_utc']}"),
             "bench_command": f"`{prov['command']}`"}
