@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._inductor import config as inductor_config
 
 from lpfa.model import GPT, GPTConfig
 from lpfa.provenance import provenance, write_json
@@ -72,6 +73,10 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     if compile:  # a fresh compilation: Dynamo's cache would hand sdpa_flash the graph traced with SDPA's own choice
         torch._dynamo.reset()
     fwd = torch.compile(model, mode=mode) if compile else model
+    # SDPA picks its kernel when AOTAutograd traces the graph, and the compile caches key on the graph Dynamo captured,
+    # where the pin is not seen: without them a pinned row would load the graph compiled for SDPA's own choice
+    # (cuDNN's kernel, 1 s of warm-up, in a run at a8a8d9d), so it compiles with the caches off
+    no_cache = inductor_config.patch(force_disable_caches=True) if compile and flash_only else contextlib.nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
@@ -89,8 +94,9 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
         return loss
 
     t_warm = time.time()
-    for _ in range(3):  # warm-up (the compilation, with --compile)
-        step()
+    with no_cache:
+        for _ in range(3):  # warm-up (the compilation, with --compile)
+            step()
     torch.cuda.synchronize()
     warmup_s = time.time() - t_warm
     torch.cuda.reset_peak_memory_stats()
@@ -108,6 +114,9 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
            "warmup_s": warmup_s}
     if profile:
         out["profile"] = profile_steps(step)
+        ran_cudnn = [k for k in out["profile"]["top_kernels_ms"] if "cudnn" in k]
+        if flash_only and ran_cudnn:  # the pin did not hold: this row is not FlashAttention-2
+            raise RuntimeError(f"SDPA pinned to FlashAttention-2 ran cuDNN's {ran_cudnn[0]}: the row is not valid")
     return out  # its model, optimizer and step are freed on return; the caller empties the cache
 
 
