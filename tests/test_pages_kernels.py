@@ -193,6 +193,19 @@ def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe()
         assert (f"`{target}`'s {p} ({r:.2f}×)" in notes["ncu_more"]) == (r > 1), (target, p, r)
 
 
+def test_redo_text_counts_second_launches_too_short_for_the_table():
+    """The second launches (``name#2``) that only read flags take a few µs each, below the per-kernel table's
+    threshold: the text still sums them, from every kernel of the run."""
+    ncu = {"fa2": {"_flash_fwd_kernel": {"duration_us": 130.0}, "_flash_fwd_kernel#2": {"duration_us": 3.5},
+                   "_bwd_dq_kernel": {"duration_us": 140.0}, "_bwd_dq_kernel#2": {"duration_us": 3.0}},
+           "sdpa_flash": {"flash_fwd_kernel": {"duration_us": 135.0}}}
+    assert kn.redo_text(ncu) == ("in `fa2`'s forward and backward the 2 second launches take 6 µs of 276 µs (2%), "
+                                 "though no tile is redone on finite inputs")
+    assert kn.redo_text(ncu, "sdpa_flash") == "" and kn.redo_text(ncu, "paper") == ""
+    assert kn.redo_text({"fa2": {"k": {"duration_us": 9.0}, "k#2": {"duration_us": 1.0}}}).startswith(
+        "in `fa2`'s forward and backward the second launch takes 1 µs of 10 µs (10%)")
+
+
 def test_sfa_overhead_notes_recompute_the_range_and_say_how_to_run_it():
     table, folder = kn.sfa_overhead()
     assert folder == results.runs("sfa_overhead")[-1]

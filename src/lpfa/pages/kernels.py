@@ -383,7 +383,7 @@ def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> di
     saved = table[["paper_sfa count pass over base", "fa2_sfa count pass over base"]].to_numpy() - now.to_numpy()
     prov = load("sfa_overhead", "provenance.json", folder.name)
     return {"sfa_run": f"`{folder.name}`",
-            "sfa_commit": f"`{prov['git_commit'][:7]}`", "sfa_device": f"one {prov['device']}",
+            "sfa_commit": f"`{prov['git_commit'][:7]}`", "sfa_device": f"one {gpu_name(prov['device'])}",
             "sfa_now": f"{now.min().min():+.0%} to {now.max().max():+.0%}",
             "sfa_goal": f"the goal of at most +{100 * target:.0f}% is {_verdict(now.max().max() <= target)}",
             "sfa_saved": f"up to {100 * saved.max():.0f} percentage points",
@@ -645,19 +645,20 @@ def ncu_text(table, base: str = "sdpa_flash") -> str:
     return " ".join(p + "." for p in parts)
 
 
-def redo_text(table, target: str = "fa2") -> str:
-    """``target``'s second launches in Nsight Compute's :func:`ncu_table` (a kernel's second launch is ``name#2``:
-    the tiles redone on the non-finite path, whose programs return at once on finite outputs), in words: their time,
-    and their share of the target's forward and backward. "" where the run has none."""
-    if target not in table.index.get_level_values("target"):
+def redo_text(ncu: dict, target: str = "fa2") -> str:
+    """``target``'s second launches in Nsight Compute's run (``ncu``: target → kernels, as :func:`load_ncu` gives
+    them; a kernel's second launch is ``name#2``: the tiles redone on the non-finite path, whose programs end at once
+    on finite outputs), in words: their time and their share of the target's forward and backward, every kernel
+    counted (the second launches fall below :data:`NCU_MIN_US` once they only read flags). "" where the run has
+    none."""
+    us = {k: m.get("duration_us") or 0.0 for k, m in ncu.get(target, {}).items()}
+    redo = {k: t for k, t in us.items() if k.endswith("#2")}
+    if not redo:
         return ""
-    own = table.loc[target]["µs"]
-    redo = own[[k.endswith("#2") for k in own.index]]
-    if redo.empty:
-        return ""
+    total, spent = sum(us.values()), sum(redo.values())
     what = "the second launch takes" if len(redo) == 1 else f"the {len(redo)} second launches take"
-    return (f"in `{target}`'s forward and backward {what} {redo.sum():,.0f} µs of {own.sum():,.0f} µs "
-            f"({redo.sum() / own.sum():.0%}), though no tile is redone on finite inputs")
+    return (f"in `{target}`'s forward and backward {what} {spent:,.0f} µs of {total:,.0f} µs "
+            f"({spent / total:.0%}), though no tile is redone on finite inputs")
 
 
 def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
@@ -681,7 +682,7 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_launches": f"{len(ncu['fa2'])}",
-            "ncu_text": ncu_text(table), "ncu_redo": redo_text(table),
+            "ncu_text": ncu_text(table), "ncu_redo": redo_text(ncu),
             "ncu_bound": bound or "none is bound by the tensor cores or by memory",
             "ncu_more": and_join(more) or "none of the lpfa passes",
             "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
