@@ -1,20 +1,22 @@
 """A/B timing of flash_forward's bit-identical options on one GPU: each option set against the defaults, in the same
 process, interleaved, by ``triton.testing.do_bench`` medians (forward only).
 
-    python benchmarks/forward_options.py --presets paper,paper_sfa --options raw_max=False sfa_count_pass=True
+    python benchmarks/forward_options.py --out DIR --presets paper,paper_sfa --options raw_max=False sfa_count_pass=True
 
 Prints one line per (preset, T, option): the default's and the option's µs and their ratio, and checks that the
 option gives the default's bits (the options are switches for tests and benchmarks, :mod:`lpfa.attention.triton_fwd`).
+With ``--out``, writes the rows to ``DIR/forward_options.json`` beside its ``provenance.json``.
 """
 
 import argparse
 import ast
 import math
+from pathlib import Path
 
 import torch
 
 from lpfa.attention.triton_fwd import flash_forward
-from lpfa.provenance import provenance
+from lpfa.provenance import provenance, write_json
 
 
 def main():
@@ -24,6 +26,7 @@ def main():
                    help="keyword=value of flash_forward, each timed against the defaults")
     p.add_argument("--T", default="1024,4096")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds per pair")
+    p.add_argument("--out", default=None, help="folder for forward_options.json and provenance.json")
     a = p.parse_args()
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
@@ -35,7 +38,11 @@ def main():
         opts[o] = {key: ast.literal_eval(value)}
     from triton.testing import do_bench
 
-    print(provenance(config=vars(a))["device"], flush=True)
+    prov = provenance(config=vars(a))
+    if a.out:
+        write_json(Path(a.out) / "provenance.json", prov)
+    print(prov["device"], flush=True)
+    rows = []
     B, H, D = 16, 12, 64
     for T in (int(t) for t in a.T.split(",")):
         q, k, v = (torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -52,6 +59,10 @@ def main():
                 m0, m1 = sorted(t0)[len(t0) // 2] * 1e3, sorted(t1)[len(t1) // 2] * 1e3
                 print(f"{name:10s} T {T:5d}  default {m0:8.1f} us  {label} {m1:8.1f} us  ratio {m1 / m0:.3f}  "
                       f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
+                rows.append({"preset": name, "B": B, "H": H, "T": T, "D": D, "option": label, "default_us": m0,
+                             "option_us": m1, "ratio": m1 / m0, "same_bits": same})
+                if a.out:  # after every row: a run cut by its time limit keeps what it measured
+                    write_json(Path(a.out) / "forward_options.json", rows)
 
 
 if __name__ == "__main__":
