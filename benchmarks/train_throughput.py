@@ -70,12 +70,12 @@ def measure(backend: str, policy: str, batch: int, steps: int, T: int = 1024, co
     cfg = GPTConfig.from_size("gpt2-s", vocab_size=50304, block_size=T, attn_backend=backend, attn_policy=policy,
                               attn_assume_finite=assume_finite)
     model = GPT(cfg).cuda()
-    if compile:  # a fresh compilation: Dynamo's cache would hand sdpa_flash the graph traced with SDPA's own choice
+    if compile:  # a fresh compilation per row: no graph of an earlier row is reused
         torch._dynamo.reset()
     fwd = torch.compile(model, mode=mode) if compile else model
-    # SDPA picks its kernel when AOTAutograd traces the graph, and the compile caches key on the graph Dynamo captured,
-    # where the pin is not seen: without them a pinned row would load the graph compiled for SDPA's own choice
-    # (cuDNN's kernel, 1 s of warm-up, in a run at a8a8d9d), so it compiles with the caches off
+    # SDPA picks its kernel when AOTAutograd traces the graph, but the compile caches key on the graph Dynamo captured,
+    # where the sdpa_kernel pin is not seen: with them a pinned row loaded the graph compiled for SDPA's own choice
+    # (cuDNN's kernel, 1 s of warm-up, in a run at a8a8d9d), so a pinned row compiles with the caches off
     no_cache = inductor_config.patch(force_disable_caches=True) if compile and flash_only else contextlib.nullcontext()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     x = torch.randint(0, 50257, (batch, T + 1), device="cuda")

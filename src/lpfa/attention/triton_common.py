@@ -424,11 +424,6 @@ if triton is not None:
         return start, n, (loc < n) & (start + loc < T)
 
     @triton.jit
-    def _with(v, i, x):
-        """The vector v with element i set to x."""
-        return tl.where(tl.arange(0, v.shape[0]) == i, x, v)
-
-    @triton.jit
     def _at(v, i):
         """Element i of the vector v, as a scalar."""
         return tl.sum(tl.where(tl.arange(0, v.shape[0]) == i, v, 0))

@@ -664,10 +664,13 @@ def redo_text(ncu: dict, target: str = "fa2") -> str:
 def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     """Nsight Compute's findings for the page's text, from :func:`load_ncu`'s ``(ncu, folder)`` and its
     :func:`ncu_table`: ``ncu_run`` (run and commit), ``ncu_launches`` (kernels of one ``fa2`` forward+backward),
-    ``ncu_text``, ``ncu_redo`` (:func:`redo_text`), ``ncu_more`` (the lpfa passes that execute more instructions
-    than SDPA-flash's, with the multiple); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
+    ``ncu_text``, ``ncu_redo`` (:func:`redo_text`), ``redo_tiles`` (the tiles whose flags one program of a second
+    launch reads, :data:`lpfa.attention.triton_common.REDO_TILES`), ``ncu_more`` (the lpfa passes that execute more
+    instructions than SDPA-flash's, with the multiple); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
     clause: those bound by compute or memory), ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of
     peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``."""
+    from lpfa.attention.triton_common import REDO_TILES  # here: importing it imports Triton
+
     prov = load("attention_ncu", "provenance.json", folder.name)
     big = table[table["µs"] >= NCU_BIG_US]
     by_reason: dict[str, list[str]] = {}
@@ -682,7 +685,7 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_launches": f"{len(ncu['fa2'])}",
-            "ncu_text": ncu_text(table), "ncu_redo": redo_text(ncu),
+            "ncu_text": ncu_text(table), "ncu_redo": redo_text(ncu), "redo_tiles": f"{REDO_TILES}",
             "ncu_bound": bound or "none is bound by the tensor cores or by memory",
             "ncu_more": and_join(more) or "none of the lpfa passes",
             "ncu_bound_pct": f"{BOUND_PCT:g}%", "ncu_min_us": f"{NCU_MIN_US:g} µs", "ncu_big_us": f"{NCU_BIG_US:g} µs",
