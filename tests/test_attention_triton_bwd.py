@@ -322,3 +322,49 @@ def test_grad_dtype_bf16_is_the_fp32_gradients_rounded():
         assert torch.equal(a.view(torch.int16), b.to(torch.bfloat16).view(torch.int16)), (name, seed)
     with pytest.raises(ValueError, match=r"grad_dtype=torch.float16: expected torch.float32 or torch.bfloat16"):
         flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name,blocks", [("fa2", 16), ("paper", 32), ("fa2_sfa", 16), ("paper_sfa", 32)])
+def test_scale_fold_bit_identical(name, blocks):
+    """With a scale that is a power of two, the kernels keep S/scale and fold the scale into exp's argument
+    (``triton_common._exp_scaled``); ``fold_scale=False`` scales every score first. Both must give the same bits,
+    forward and backward: on ordinary scores, a peaked head (scores of ±100s: P̄ and P underflow), exact ties (SFA's
+    branch), a head of scores so small that S·scale is subnormal, and ±inf in Q. T = 45 with 16-row compute tiles
+    crosses whole and ragged blocks; blocks of 32 keys take two tiles (the row-max pass over raw Q Kᵀ)."""
+    from lpfa.attention.triton_common import scale_folds
+    from lpfa.attention.triton_fwd import flash_forward
+
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(1, 5, 45, 16, torch.float32, seed)
+    q[:, 1] *= 40.0  # peaked: P̄, P underflow to subnormals and 0
+    k[:, 2, 3:9] = k[:, 2, 2:3]  # keys 2..8 equal: exact ties in every row that sees them
+    q[:, 3] *= 1e-20  # |Q Kᵀ| ~ 1e-39: S·scale subnormal
+    k[:, 3] *= 1e-19
+    q[:, 4, 7, 0] = math.inf
+    q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
+    pol = PRESETS[name].with_(block_q=blocks, block_k=blocks)
+    launch = dict(block_m=16, block_n=16)
+    for scale in (0.125, 0.25):
+        assert scale_folds(scale, pol)
+        try:
+            o, lse = flash_forward(q, k, v, pol, scale, **launch)
+            o2, lse2 = flash_forward(q, k, v, pol, scale, fold_scale=False, **launch)
+            assert torch.equal(_bits(o), _bits(o2)) and torch.equal(_bits(lse), _bits(lse2)), "forward"
+            grads = flash_backward(do, q, k, v, o, lse, pol, scale, **launch)
+            grads2 = flash_backward(do, q, k, v, o, lse, pol, scale, fold_scale=False, **launch)
+            for gname, a, b in zip(("dq", "dk", "dv"), grads, grads2):
+                assert torch.equal(_bits(a), _bits(b)), gname
+        except AssertionError as e:
+            raise AssertionError(f"{e} differs (scale={scale}, _inputs(1, 5, 45, 16, float32, seed={seed}))") from e
+
+
+def test_scale_folds_only_where_exact():
+    """The fold needs S·scale exact and the scores' rounding a function of S/scale: a power-of-two scale, rounding to
+    nearest, no soft cap."""
+    from lpfa.attention.triton_common import scale_folds
+
+    fa2 = PRESETS["fa2"]
+    assert scale_folds(0.125, fa2) and scale_folds(2.0**-5, PRESETS["paper"]) and scale_folds(1.0, fa2)
+    assert not scale_folds(1 / math.sqrt(128), fa2) and not scale_folds(0.3, fa2)
+    assert not scale_folds(0.125, fa2.with_(softcap=30.0))
+    assert not scale_folds(0.125, PRESETS["paper"].with_(stochastic=frozenset({"scores"})))

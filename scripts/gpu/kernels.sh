@@ -10,7 +10,8 @@
 # HOST_S (90) benchmarks/host_overhead.py (the host's time per layer of the call), NCU_S (150) benchmarks/ncu_attention.py
 # (Nsight Compute's counters per kernel of one forward+backward: what limits each),
 # TUNE_S (150) benchmarks/tune_attention.py ($TUNE_ARGS, default --quick), SFA_S (120) benchmarks/sfa_overhead.py
-# (SFA's forward cost), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
+# (SFA's forward cost), OPTF_S and OPTB_S (0 = skipped) benchmarks/kernel_options.py, forward and --kernel backward, with
+# $OPTF_ARGS and $OPTB_ARGS (A/B of the kernels' options against their defaults, with a bit check), TRAIN_S (0 = skipped) benchmarks/train_throughput.py $TRAIN_ARGS (default --compile --profile: every
 # backend eager, SDPA/fa2/paper also compiled), STAB_S (0 = skipped) benchmarks/stabiliser_cost.py --rows $STAB_ROWS (default
 # the soft-cap rows and the recipe runs they are divided by: what the soft-cap's exp2 tanh and reciprocal cost in training),
 # TESTS_S (180) tests/test_attention_gpu.py and tests/test_train_gpu.py (-k "$TESTS_K" when set), run first.
@@ -42,6 +43,8 @@ step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
 step "${NCU_S:-150}" ncu $PY benchmarks/ncu_attention.py --out "$WORK/ncu" ${NCU_ARGS:-}
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}
 step "${SFA_S:-120}" sfa $PY benchmarks/sfa_overhead.py --out "$WORK/sfa"
+step "${OPTF_S:-0}" options_fwd $PY benchmarks/kernel_options.py --out "$WORK/options_fwd" ${OPTF_ARGS:-}
+step "${OPTB_S:-0}" options_bwd $PY benchmarks/kernel_options.py --kernel backward --out "$WORK/options_bwd" ${OPTB_ARGS:-}
 step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile}
 step "${STAB_S:-0}" stabiliser_cost $PY benchmarks/stabiliser_cost.py --out "$WORK/stabiliser_cost" \
     --rows ${STAB_ROWS:-bf16_paper_recipe fp32_paper_recipe bf16_softcap fp32_softcap} --budget-s "$(( ${STAB_S:-0} / 2 ))"

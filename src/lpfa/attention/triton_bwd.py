@@ -90,7 +90,9 @@ tiles), ``num_warps``, ``num_stages``: launch tuning only; the policy's blocks f
 ``dq_block_m``/``dq_block_n`` (default: ``block_m``/``block_n``): the dQ kernel's own query tile and key sub-tile, which
 favours the opposite shape to the dK/dV kernel's (many rows, few keys per step: Triton's fused-attention tutorial uses
 128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path (the kernels
-before the causal split; bit-identical results, for tests and benchmarks). ``validate=False`` skips the input checks for
+before the causal split; bit-identical results, for tests and benchmarks). ``fold_scale=False``: every score multiplied
+by the scale before exp, as in :func:`lpfa.attention.triton_fwd.flash_forward` (bit-identical; for tests and
+benchmarks). ``validate=False`` skips the input checks for
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
 checked and whose dO autograd shapes). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or
 NaN, so each kernel launches once (no redo); a non-finite operand then spreads as it would in a plain GEMM.
@@ -108,6 +110,7 @@ from lpfa.attention.triton_common import (
     _at,
     _dot,
     _dot_visible,
+    _exp_scaled,
     _exp_shifted,
     _interpreter,
     _keep_visible,
@@ -130,6 +133,7 @@ from lpfa.attention.triton_common import (
     libdevice,
     policy_tiles,
     redo_launches,
+    scale_folds,
     shared_layout,
     tl,
     triton,
@@ -226,15 +230,21 @@ if triton is not None:
     @triton.jit
     def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, s_pre, pos, SCORES_BF16: tl.constexpr,
                   BW_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                  SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                  SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
         """For one tile, S = scores(scores(x yᵀ)·scale) (as the forward's S), P = exp(S − lse) (with EXP2
         exp2(fma(S, log₂e, −lse)), ``lse`` then fl(lse·log₂e): _shift_arg), dP = bw(u wᵀ) and
         dS = P·scale·(dP − δ); P and dS exactly 0 where not ``visible`` (None: every pair visible). ``lse``, ``δ``
-        come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V)."""
+        come broadcast along the tile's query axis; the dK/dV kernel passes the transposed tile (x = K, u = V). FOLD
+        (:func:`~lpfa.attention.triton_common.scale_folds`): P through :func:`_exp_scaled`, one multiply fewer."""
         s = _rnd_s(_dot(x, yt, QK_DOT), SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # stochastic: hashed by ``pos``
-        s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)
-        s, t = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # S' = c·tanh(S / c) where policy.softcap is set
-        p = _keep_visible(_exp_shifted(s, lse, False, PRECISE_MATH, EXP2), visible, 0.0)
+        if FOLD:  # scale a power of two: S/scale = s, the scale folded into exp's argument (the same bits)
+            t = s
+            p = _exp_scaled(s, scale, lse, False, PRECISE_MATH, EXP2)
+        else:
+            s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)
+            s, t = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # S' = c·tanh(S / c) where policy.softcap is set
+            p = _exp_shifted(s, lse, False, PRECISE_MATH, EXP2)
+        p = _keep_visible(p, visible, 0.0)
         dp = _rnd(_dot(u, wt, DOV_DOT), BW_BF16)
         ds = p * scale * (dp - delta)
         if SOFTCAP > 0:  # through the cap: dS = dS'·(1 − t²)
@@ -248,7 +258,8 @@ if triton is not None:
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
-                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
+                    FOLD: tl.constexpr = False):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
         lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
@@ -269,7 +280,8 @@ if triton is not None:
             # Sᵀ = scores(scores(K Qᵀ)·scale), Pᵀ = exp(Sᵀ − lse);  dPᵀ = bw(V dOᵀ), dSᵀ = Pᵀ·scale·(dPᵀ − δ)
             pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=True) if SR_SCORES else None
             pt, dst = _p_and_ds(k, qt, v, tl.trans(do), lse[None, :], delta[None, :], visible, scale, s_pre, pos,
-                                SCORES_BF16, BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES)
+                                SCORES_BF16, BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES,
+                                FOLD=FOLD)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
             dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
@@ -284,7 +296,7 @@ if triton is not None:
                       BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                       PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
                       CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr,
-                      SR_SCORES: tl.constexpr):
+                      SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
         """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV over every policy query
         block that sees it, store them. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an
         inf or NaN of Q or dO reaches exactly the keys its row sees. FLAG: also store the tile's flag for the redo
@@ -339,17 +351,17 @@ if triton is not None:
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -387,6 +399,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        FOLD: tl.constexpr,  # scale a power of two, folded into exp's argument (triton_common.scale_folds)
         REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged; one program per REDO_TILES key
         # tiles
         REDO_TILES: tl.constexpr,
@@ -398,7 +411,7 @@ if triton is not None:
                           H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b,
                           g_stride_h, G_STRIDE_T, 0, FLAG, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK,
                           SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT,
-                          SOFTCAP, EXP2, SR_SCORES)
+                          SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
         else:  # REDO_TILES key tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
             bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
@@ -409,7 +422,7 @@ if triton is not None:
                                       sr_seed, H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t,
                                       g_stride_b, g_stride_h, G_STRIDE_T, 1, False, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N,
                                       TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT,
-                                      PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                                      PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
@@ -417,7 +430,7 @@ if triton is not None:
                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                   OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                   DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-                  EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                  EXP2: tl.constexpr, SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
         """Key sub-tiles k0 = k_from, k_from + BLOCK_N, … < k_to of a policy key block against the query tile:
         the FP32 partial Σ op(dS) K. MASKED: keys < k_to only; else every key of each sub-tile is below k_to and
         at or below the tile's first row (the caller guarantees it): plain loads, no mask."""
@@ -434,7 +447,7 @@ if triton is not None:
             # S = scores(scores(Q Kᵀ)·scale), P = exp(S − lse);  dP = bw(dO Vᵀ), dS = P·scale·(dP − δ)
             pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
             p, ds = _p_and_ds(q, kt, do, vt, lse[:, None], delta[:, None], visible, scale, s_pre, pos, SCORES_BF16,
-                              BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES)
+                              BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
             # dQ partial += op(dS) K, over visible pairs
             dq_part += _dot_visible(_rnd(ds, OP_BF16), tl.trans(kt), visible, k_nonfinite, DSK_DOT)
         return dq_part
@@ -447,7 +460,7 @@ if triton is not None:
                     BLOCK_N: tl.constexpr, TILES_PER_BQ: tl.constexpr, SCORES_BF16: tl.constexpr,
                     BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     DSK_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
-                    SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr):
+                    SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, dO, lse, δ, compute its dQ over every policy key
         block it sees, store it. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an inf or
         NaN of K reaches exactly the rows that see its key. FLAG: also store the tile's flag for the redo launch
@@ -489,11 +502,11 @@ if triton is not None:
             dq_part = _dq_tiles(dq_part, k_blk, k_mid, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
                                 DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=False, SOFTCAP=SOFTCAP, EXP2=EXP2,
-                                SR_SCORES=SR_SCORES)
+                                SR_SCORES=SR_SCORES, FOLD=FOLD)
             dq_part = _dq_tiles(dq_part, k_mid, k_hi, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale,
                                 nonfinite, T, s_pre, HEAD_DIM, BLOCK_N, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT,
                                 DOV_DOT, DSK_DOT, PRECISE_MATH, MASKED=True, SOFTCAP=SOFTCAP, EXP2=EXP2,
-                                SR_SCORES=SR_SCORES)
+                                SR_SCORES=SR_SCORES, FOLD=FOLD)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             if BW_BF16:
                 dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
@@ -525,6 +538,7 @@ if triton is not None:
         SOFTCAP: tl.constexpr,  # policy.softcap, 0.0 = off
         EXP2: tl.constexpr,  # policy.exp == "exp2"
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
+        FOLD: tl.constexpr,  # scale a power of two, folded into exp's argument (triton_common.scale_folds)
         REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged; one program per REDO_TILES
         # query tiles
         REDO_TILES: tl.constexpr,
@@ -535,7 +549,8 @@ if triton is not None:
             _dq_program(Q, K, V, DO, LSE, DELTA, DQ, FLAGS, n_tiles, tl.program_id(0), pid_bh, T, scale, sr_seed, H,
                         stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b, g_stride_h,
                         G_STRIDE_T, 0, FLAG, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ, SCORES_BF16, BW_BF16,
-                        OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES)
+                        OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES,
+                        FOLD=FOLD)
         else:  # REDO_TILES query tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
             bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
@@ -546,7 +561,7 @@ if triton is not None:
                                     H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b,
                                     g_stride_h, G_STRIDE_T, 1, False, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BQ,
                                     SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, DSK_DOT, PRECISE_MATH, CAUSAL_SPLIT,
-                                    SOFTCAP, EXP2, SR_SCORES)
+                                    SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
 
 
 def _delta(q, k, v, q_, k_, v_, do_, o_, lse_, pol: PrecisionPolicy, scale, dot_bf16, precise_math, flags, strides,
@@ -607,7 +622,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
-                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   assume_finite: bool = False, fold_scale: bool = True,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
@@ -673,6 +689,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
         SCORES_BF16=pol.scores == BF16, BW_BF16=bw_bf16, OP_BF16=op_bf16, **flags,
         CAUSAL_SPLIT=bool(causal_split),
         SOFTCAP=float(pol.softcap or 0.0),
+        FOLD=bool(fold_scale) and scale_folds(scale, pol),  # S/scale, the scale in exp's argument (_exp_scaled)
         enable_fp_fusion=False,  # no FMA: P·scale·(dP − δ) rounds each product, as in the reference
         num_warps=num_warps,
         num_stages=num_stages,

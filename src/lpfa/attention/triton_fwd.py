@@ -96,7 +96,10 @@ own that counts the scores within ε of the row max, as the reference does, inst
 the row-max pass (bit-identical; for tests and benchmarks). ``raw_max=False`` rounds every score of the row-max pass
 over a policy block of several tiles, instead of taking the raw Q Kᵀ and rounding the row's largest (and, for SFA,
 second largest) value (:func:`_scores_of`: the rounding is monotone, so the two are bit-identical; for tests and
-benchmarks; the raw pass is used where S is rounded to nearest and not soft-capped). ``validate=False`` skips the
+benchmarks; the raw pass is used where S is rounded to nearest and not soft-capped). ``fold_scale=False`` multiplies
+every score by the scale, instead of holding S/scale and folding the scale into exp's argument where it is a power of
+two (1/8 at D = 64; :func:`~lpfa.attention.triton_common.scale_folds` and ``_exp_scaled``: the product is exact, so the
+two are bit-identical; for tests and benchmarks). ``validate=False`` skips the
 input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
 :func:`lpfa.attention.attention` does. ``assume_finite=True``: the caller vouches that q, k, v hold no inf or NaN (a
 trainer that stops at a non-finite loss can), so the second launch is skipped; a non-finite V then reaches rows that
@@ -114,6 +117,7 @@ from lpfa.attention.triton_common import (
     _at,
     _dot,
     _dot_visible,
+    _exp_scaled,
     _exp_shifted,
     _interpreter,
     _keep_visible,
@@ -142,6 +146,7 @@ from lpfa.attention.triton_common import (
     libdevice,
     policy_tiles,
     redo_launches,
+    scale_folds,
     shared_layout,
     tl,
     triton,
@@ -161,12 +166,13 @@ if triton is not None:
     def _scores_tile(q, K, stride_t, k_lo, k_hi, offs_m, loc_n, T, scale, s_pre, HEAD_DIM: tl.constexpr,
                      SCORES_BF16: tl.constexpr, QK_DOT: tl.constexpr, MASKED: tl.constexpr,
                      PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr, SR_SCORES: tl.constexpr,
-                     RAW: tl.constexpr = False):
+                     RAW: tl.constexpr = False, FOLD: tl.constexpr = False):
         """S = Q Kᵀ · scale for one key tile [k_lo, k_lo + BLOCK_N) ∩ [.., k_hi): bf16(bf16(QKᵀ)·scale) or
         FP32, the two BF16 roundings stochastic with SR_SCORES (``s_pre``: _sr_pre of the seed and batch·head).
         MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
         [0, T) and its block, at or below the diagonal for every row: a plain load, no mask. RAW: Q Kᵀ as the GEMM
-        returns it, masked alike, before any rounding (:func:`_scores_of` rounds it)."""
+        returns it, masked alike, before any rounding (:func:`_scores_of` rounds it). FOLD: S/scale = scores(Q Kᵀ),
+        masked alike (the scale a power of two, folded into exp's argument by :func:`~lpfa.attention.triton_common._exp_scaled`; exact)."""
         offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
@@ -175,8 +181,9 @@ if triton is not None:
         if not RAW:
             pos = _score_pos(offs_m, offs_n, T, TRANSPOSED=False) if SR_SCORES else None
             s = _rnd_s(s, SCORES_BF16, SR_SCORES, s_pre, 0, pos)  # the QKᵀ GEMM output
-            s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)  # ·scale (a BF16 op in the paper's code)
-            s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
+            if not FOLD:  # (FOLD: S/scale, the scale left to exp's argument, _exp_scaled)
+                s = _rnd_s(s * scale, SCORES_BF16, SR_SCORES, s_pre, 1, pos)  # ·scale (a BF16 op in the paper's code)
+                s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)  # c·tanh(S / c) where policy.softcap is set
         visible = _visible(k_lo, k_hi, offs_m, loc_n, T) if MASKED else None
         return _keep_visible(s, visible, float("-inf"))
 
@@ -195,7 +202,7 @@ if triton is not None:
                      SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                      PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                      MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
-                     SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr):
+                     SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr, FOLD: tl.constexpr = False):
         """One pass over the key tiles t_lo .. t_hi − 1 of the policy block at kb_lo, each tile's S recomputed
         (N_SUB > 1) or the block's one tile S = s_block (N_SUB == 1). PASS 0: rm = rowmax(S), and with TOP2 (SFA)
         also r2 = the second largest S (a tied maximum counts twice, masked keys are −inf), of the raw Q Kᵀ instead
@@ -209,7 +216,7 @@ if triton is not None:
             s = s_block if N_SUB == 1 else _scores_tile(q, K, stride_t, k_lo, kb_hi, offs_m, loc_n, T, scale, s_pre,
                                                         HEAD_DIM, SCORES_BF16, QK_DOT, MASKED=MASKED,
                                                         PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP,
-                                                        SR_SCORES=SR_SCORES, RAW=RAW_MAX and PASS == 0)
+                                                        SR_SCORES=SR_SCORES, RAW=RAW_MAX and PASS == 0, FOLD=FOLD)
             visible = _visible(k_lo, kb_hi, offs_m, loc_n, T) if MASKED else None
             if PASS == 0:  # rm = max(rm, rowmax(S)), NaN-propagating
                 if TOP2:  # and r2: the tile's top two (t1 ≥ t2, a tied max counting twice) merged into (rm, r2)
@@ -222,7 +229,11 @@ if triton is not None:
             else:
                 # P̄ = exp(scores(S − m_new)) (a BF16 subtraction when S is BF16), or exp2(fma(S, log₂e, −m·log₂e));
                 # 0 where masked; rowsum(P̄) in FP32
-                p = _keep_visible(_exp_shifted(s, m_use[:, None], SCORES_BF16, PRECISE_MATH, EXP2), visible, 0.0)
+                if FOLD:  # S/scale held: the scale joins exp's argument (the same bits, one multiply fewer)
+                    p = _exp_scaled(s, scale, m_use[:, None], SCORES_BF16, PRECISE_MATH, EXP2)
+                else:
+                    p = _exp_shifted(s, m_use[:, None], SCORES_BF16, PRECISE_MATH, EXP2)
+                p = _keep_visible(p, visible, 0.0)
                 block_sum += tl.sum(p, axis=1)
                 p_pv = _rnd(p, PBAR_BF16)  # P̄ as fed to the P̄V product
                 offs_n = k_lo + loc_n
@@ -239,7 +250,7 @@ if triton is not None:
                     SCORES_BF16: tl.constexpr, PBAR_BF16: tl.constexpr, QK_DOT: tl.constexpr,
                     PV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr, PASS: tl.constexpr,
                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, TOP2: tl.constexpr, EXP2: tl.constexpr,
-                    SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr):
+                    SR_SCORES: tl.constexpr, RAW_MAX: tl.constexpr, FOLD: tl.constexpr = False):
         """Pass PASS over the block's n_sub tiles in ascending order (the FP32 sums keep their order): the first
         t_full without masks, the rest (only in a MASKED block: one touching the diagonal or the end) with."""
         if N_SUB > 1 or not MASKED:  # (a MASKED block of one tile has t_full = 0)
@@ -247,13 +258,13 @@ if triton is not None:
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, 0, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n,
                 T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
                 PRECISE_MATH, PASS, MASKED=False, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES,
-                RAW_MAX=RAW_MAX)
+                RAW_MAX=RAW_MAX, FOLD=FOLD)
         if MASKED:
             rm, r2, rs, block_sum, o_blk = _block_tiles(
                 rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_full, n_sub, q, K, V, stride_t, kb_lo, offs_m,
                 loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
                 PV_DOT, PRECISE_MATH, PASS, MASKED=True, SOFTCAP=SOFTCAP, TOP2=TOP2, EXP2=EXP2, SR_SCORES=SR_SCORES,
-                RAW_MAX=RAW_MAX)
+                RAW_MAX=RAW_MAX, FOLD=FOLD)
         return rm, r2, rs, block_sum, o_blk
 
     @triton.jit
@@ -265,7 +276,7 @@ if triton is not None:
                    USE_SFA: tl.constexpr, QK_DOT: tl.constexpr, PV_DOT: tl.constexpr,
                    PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr, MASKED: tl.constexpr,
                    SOFTCAP: tl.constexpr, SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
-                   RAW_MAX: tl.constexpr):
+                   RAW_MAX: tl.constexpr, FOLD: tl.constexpr = False):
         """The policy key block [kb_lo, kb_lo + BK) against the query tile: its first n_sub compute tiles (those
         holding a key <= the tile's last row), of which the first t_full need no mask. MASKED = False: the whole
         block is visible to every row (t_full = n_sub = N_SUB). Returns the running state (o, l, m) updated."""
@@ -279,7 +290,7 @@ if triton is not None:
         # a block of one tile: S once, kept for every pass; else each pass recomputes its tiles' S
         s = _scores_tile(q, K, stride_t, kb_lo, kb_lo + BK, offs_m, loc_n, T, scale, s_pre, HEAD_DIM, SCORES_BF16,
                          QK_DOT, MASKED=MASKED, PRECISE_MATH=PRECISE_MATH, SOFTCAP=SOFTCAP,
-                         SR_SCORES=SR_SCORES) if N_SUB == 1 else None
+                         SR_SCORES=SR_SCORES, FOLD=FOLD) if N_SUB == 1 else None
 
         # ---- rm = rowmax(S) over the policy block's visible keys (pass 1 over a block of several tiles); with SFA
         # also r2, the second largest visible score (blocks of one tile too), so the tie test needs no count pass ----
@@ -287,8 +298,9 @@ if triton is not None:
             rm, r2, rs, block_sum, o_blk, s, rm, rm, n_sub, t_full, q, K, V, stride_t, kb_lo, offs_m, loc_n, T, scale,
             v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT, PV_DOT,
             PRECISE_MATH, PASS=0, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=USE_SFA and not SFA_COUNT_PASS, EXP2=EXP2,
-            SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
-        if RAW_MAX:  # that pass took the raw Q Kᵀ: the scores of its top one (and two) are the block's
+            SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX, FOLD=FOLD)
+        if RAW_MAX or FOLD:  # that pass took the raw Q Kᵀ (or S/scale): the scores of its top one (and two) are the
+            # block's
             rm = _scores_of(rm, scale, SCORES_BF16)
             if USE_SFA:
                 r2 = _scores_of(r2, scale, SCORES_BF16)
@@ -328,7 +340,7 @@ if triton is not None:
             rm, r2, rs, block_sum, o_blk, s, rm, _shift_arg(m_use, EXP2), n_sub, t_full, q, K, V, stride_t, kb_lo,
             offs_m, loc_n, T, scale, v_nonfinite, s_pre, HEAD_DIM, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, QK_DOT,
             PV_DOT, PRECISE_MATH, PASS=2, MASKED=MASKED, SOFTCAP=SOFTCAP, TOP2=False, EXP2=EXP2, SR_SCORES=SR_SCORES,
-            RAW_MAX=False)
+            RAW_MAX=False, FOLD=FOLD)
         if USE_CLAMP:  # the paper clamps each block's row sum at 1e-10
             # a NaN sum stays NaN (torch.clamp_min)
             block_sum = tl.where(row_live, _max_nan(block_sum, clamp_val), block_sum)
@@ -358,7 +370,7 @@ if triton is not None:
                      PRECISE_MATH: tl.constexpr, SR_OBLOCK: tl.constexpr, SR_ACC: tl.constexpr,
                      SR_OSTORE: tl.constexpr, SOFTCAP: tl.constexpr, CAUSAL_SPLIT: tl.constexpr,
                      SFA_COUNT_PASS: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
-                     RAW_MAX: tl.constexpr):
+                     RAW_MAX: tl.constexpr, FOLD: tl.constexpr = False):
         """Query tile ``pid_m`` of batch·head ``pid_bh``: load its Q, run every policy key block up to the diagonal,
         then store O = o_store(acc(o / l)) and lse = log(l) + m. ``v_nonfinite`` = 0 (a constant): plain P̄V GEMMs;
         1: the non-finite path, where an inf or NaN of V reaches exactly the rows that see its key. FLAG: also store
@@ -394,7 +406,7 @@ if triton is not None:
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=False, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS,
-                EXP2=EXP2, SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
+                EXP2=EXP2, SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX, FOLD=FOLD)
         for j in range(n_full, n_kblocks):
             kb_lo = j * BK
             # tiles of this policy block that hold a key <= q_last (the rest are invisible to every row), the
@@ -408,7 +420,7 @@ if triton is not None:
                 scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, pid_bh, sr_seed, HEAD_DIM, BLOCK_M, BK, BLOCK_N,
                 N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT,
                 PRECISE_MATH, SR_OBLOCK, SR_ACC, MASKED=True, SOFTCAP=SOFTCAP, SFA_COUNT_PASS=SFA_COUNT_PASS, EXP2=EXP2,
-                SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX)
+                SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX, FOLD=FOLD)
 
         # O = o_store(acc(o / l));  lse = log(l) + m
         out = _rnd_o(acc / l_i[:, None], ACC_BF16, SR_ACC, sr_seed, 4, pid_bh, 0, offs_m, offs_d, HEAD_DIM)
@@ -445,6 +457,7 @@ if triton is not None:
         EXP2: tl.constexpr,  # policy.exp == "exp2": FlashAttention-2's exp2 of one FMA
         SR_SCORES: tl.constexpr,  # policy.stochastic names "scores"
         RAW_MAX: tl.constexpr,  # the row-max pass over several tiles takes the raw Q Kᵀ (_scores_of)
+        FOLD: tl.constexpr,  # scale a power of two: S/scale held, the scale folded into exp's argument (_exp_scaled)
         REDO: tl.constexpr,  # the second launch: redo the tiles the first flagged (module docstring); one program
         # per REDO_TILES query tiles
         REDO_TILES: tl.constexpr,
@@ -457,7 +470,7 @@ if triton is not None:
                 o_stride_b, o_stride_h, O_STRIDE_T, T, scale, clamp_val, sfa_beta, sfa_eps, sfa_min_shift, sr_seed, 0,
                 FLAG, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16, OBLOCK_BF16, ACC_BF16,
                 OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH, SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP,
-                CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES, RAW_MAX)
+                CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES, RAW_MAX, FOLD=FOLD)
         else:  # REDO_TILES query tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
             bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
@@ -470,7 +483,7 @@ if triton is not None:
                             sr_seed, 1, False, HEAD_DIM, BLOCK_M, BK, BLOCK_N, N_SUB, SCORES_BF16, PBAR_BF16,
                             OBLOCK_BF16, ACC_BF16, OSTORE_BF16, USE_CLAMP, USE_SFA, QK_DOT, PV_DOT, PRECISE_MATH,
                             SR_OBLOCK, SR_ACC, SR_OSTORE, SOFTCAP, CAUSAL_SPLIT, SFA_COUNT_PASS, EXP2, SR_SCORES,
-                            RAW_MAX)
+                            RAW_MAX, FOLD=FOLD)
 
 
 BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
@@ -480,7 +493,7 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
-                  raw_max: bool = True, validate: bool = True,
+                  raw_max: bool = True, fold_scale: bool = True, validate: bool = True,
                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
     name) on q, k, v, (B, H, T, D) bf16 or fp32 tensors, D in {16, 32, 64, 128}. Returns ``(o, lse)``: O in
@@ -525,15 +538,15 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         g = (triton.cdiv(grid[0], REDO_TILES), grid[1]) if redo else grid
         _forward_launch(g, q, k, v, o, lse, flags, grid[0], strides, o_strides, T, scale, pol, D, block_m, BK,
                         BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max,
-                        redo, not assume_finite, num_warps, num_stages)
+                        fold_scale, redo, not assume_finite, num_warps, num_stages)
     if pol.o_store == BF16 and o.dtype != torch.bfloat16:
         o = o.to(torch.bfloat16)  # exact: the values are BF16 already
     return o, lse
 
 
 def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T, scale, pol, D, block_m, BK,
-                    BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max, redo,
-                    flag, num_warps, num_stages):
+                    BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max,
+                    fold_scale, redo, flag, num_warps, num_stages):
     """One launch of :func:`_flash_fwd_kernel` (``redo``: its REDO, ``flag``: its FLAG); ``strides``: q, k, v's
     (B, H, T) strides, ``o_strides`` O's; ``flags``: the (B·H, n_tiles) tile flags."""
     launch(
@@ -562,6 +575,8 @@ def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T
         SR_SCORES="scores" in pol.stochastic,
         # the raw Q Kᵀ where the scores are rounded to nearest, uncapped (_scores_of), and recomputed per pass
         RAW_MAX=bool(raw_max) and N_SUB > 1 and "scores" not in pol.stochastic and not pol.softcap,
+        # S/scale in every pass where the scale is a power of two (_exp_scaled; not with the count pass's S ≥ thr)
+        FOLD=bool(fold_scale) and scale_folds(scale, pol) and not sfa_count_pass,
         REDO=bool(redo),
         REDO_TILES=REDO_TILES,
         FLAG=bool(flag),
