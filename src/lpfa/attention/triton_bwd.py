@@ -228,6 +228,12 @@ if triton is not None:
         tl.store(DELTA + pid_bh.to(tl.int64) * T + offs_m, acc, mask=row_ok)
 
     @triton.jit
+    def _acc_bf16(acc, part):
+        """A BF16 backward's accumulator at the end of a policy block: bf16(acc + bf16(part)), ``acc`` held as BF16
+        (exact: the rounded values are BF16, so the casts around _rnd change no bit)."""
+        return _rnd(acc.to(tl.float32) + _rnd(part, True), True).to(tl.bfloat16)
+
+    @triton.jit
     def _p_and_ds(x, yt, u, wt, lse, delta, visible, scale, s_pre, pos, SCORES_BF16: tl.constexpr,
                   BW_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
                   SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
@@ -318,9 +324,10 @@ if triton is not None:
         k = tl.load(K + in_ptrs, mask=key_ok[:, None], other=0.0)
         v = tl.load(V + in_ptrs, mask=key_ok[:, None], other=0.0)
 
-        # dK_j, dV_j accumulators (bw precision), across policy query blocks
-        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+        # dK_j, dV_j accumulators (bw precision), across policy query blocks: held as BF16 when the backward is BF16
+        # (their values are BF16 after every block: half the registers, the same bits)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.bfloat16 if BW_BF16 else tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.bfloat16 if BW_BF16 else tl.float32)
 
         # causal: the first policy query block that can see any key of this tile holds query k_start;
         # earlier blocks contribute exact zeros. Ascending i, as the reference accumulates.
@@ -365,8 +372,8 @@ if triton is not None:
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
-                dv = _rnd(dv + _rnd(dv_part, BW_BF16), BW_BF16)
-                dk = _rnd(dk + _rnd(dk_part, BW_BF16), BW_BF16)
+                dv = _acc_bf16(dv, dv_part)
+                dk = _acc_bf16(dk, dk_part)
             else:
                 dv = dv_part
                 dk = dk_part
@@ -482,7 +489,7 @@ if triton is not None:
         lse = _shift_arg(tl.load(LSE + row_base + offs_m, mask=row_ok, other=0.0), EXP2)  # fl(lse·log₂e) for exp2
         delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)
 
-        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.bfloat16 if BW_BF16 else tl.float32)  # as dK, dV
 
         # keys < k_end can be visible to some row of this tile (causal); none if the tile is past T
         k_end = tl.minimum(q_start + NQ, T)
@@ -509,7 +516,7 @@ if triton is not None:
                                 SR_SCORES=SR_SCORES, FOLD=FOLD)
             # end of policy key block j: dQ_i = bw(dQ_i + bw(partial))
             if BW_BF16:
-                dq = _rnd(dq + _rnd(dq_part, BW_BF16), BW_BF16)
+                dq = _acc_bf16(dq, dq_part)
             else:
                 dq = dq_part
 

@@ -172,7 +172,8 @@ if triton is not None:
         MASKED: −inf where the key is masked (key > query, key ≥ k_hi, key ≥ T); else the tile lies inside
         [0, T) and its block, at or below the diagonal for every row: a plain load, no mask. RAW: Q Kᵀ as the GEMM
         returns it, masked alike, before any rounding (:func:`_scores_of` rounds it). FOLD: S/scale = scores(Q Kᵀ),
-        masked alike (the scale a power of two, folded into exp's argument by :func:`~lpfa.attention.triton_common._exp_scaled`; exact)."""
+        masked alike (the scale a power of two, folded into exp's argument by
+        :func:`~lpfa.attention.triton_common._exp_scaled`; exact)."""
         offs_n = k_lo + loc_n
         offs_d = tl.arange(0, HEAD_DIM)
         key_ok = ((offs_n < k_hi) & (offs_n < T))[None, :] if MASKED else None
