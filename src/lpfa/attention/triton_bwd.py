@@ -629,8 +629,8 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
-                   assume_finite: bool = False, fold_scale: bool = True,
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   assume_finite: bool = False,
+                   fold_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`

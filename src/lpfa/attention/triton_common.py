@@ -185,7 +185,8 @@ if triton is not None:
     @triton.jit
     def _top2(a1, a2, b1, b2):
         """The two largest of two pairs (a1 ≥ a2, b1 ≥ b2): the first NaN-propagating, the second max(min(a1, b1),
-        a2, b2), so a maximum held twice is also the second."""
+        a2, b2), so a maximum held twice is also the second. a2 and b2 meet in the NaN-propagating max, which the
+        compiler drops against a leaf's −inf (a row whose first is NaN never uses its second)."""
         return _max_nan(a1, b1), tl.maximum(tl.minimum(a1, b1), _max_nan(a2, b2))
 
     @triton.jit
