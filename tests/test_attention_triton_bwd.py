@@ -324,8 +324,10 @@ def test_grad_dtype_bf16_is_the_fp32_gradients_rounded():
         flash_backward(do, q, k, v, o, lse, pol, 0.3, grad_dtype=torch.float16)
 
 
-@pytest.mark.parametrize("name,blocks", [("fa2", 16), ("paper", 32), ("fa2_sfa", 16), ("paper_sfa", 32)])
-def test_scale_fold_bit_identical(name, blocks):
+# each preset at one power of two (the fold does not depend on which): 1/8 is D = 64's scale, 1/4 D = 16's
+@pytest.mark.parametrize("name,blocks,scale", [("fa2", 16, 0.125), ("paper", 32, 0.25), ("fa2_sfa", 16, 0.25),
+                                               ("paper_sfa", 32, 0.125)])
+def test_scale_fold_bit_identical(name, blocks, scale):
     """With a scale that is a power of two, the kernels keep S/scale and fold the scale into exp's argument
     (``triton_common._exp_scaled``); ``fold_scale=False`` scales every score first. Both must give the same bits,
     forward and backward: on ordinary scores, a peaked head (scores of ±100s: P̄ and P underflow), exact ties (SFA's
@@ -344,18 +346,17 @@ def test_scale_fold_bit_identical(name, blocks):
     q, k, v, do = (t.bfloat16() for t in (q, k, v, do))
     pol = PRESETS[name].with_(block_q=blocks, block_k=blocks)
     launch = dict(block_m=16, block_n=16)
-    for scale in (0.125, 0.25):
-        assert scale_folds(scale, pol)
-        try:
-            o, lse = flash_forward(q, k, v, pol, scale, **launch)
-            o2, lse2 = flash_forward(q, k, v, pol, scale, fold_scale=False, **launch)
-            assert torch.equal(_bits(o), _bits(o2)) and torch.equal(_bits(lse), _bits(lse2)), "forward"
-            grads = flash_backward(do, q, k, v, o, lse, pol, scale, **launch)
-            grads2 = flash_backward(do, q, k, v, o, lse, pol, scale, fold_scale=False, **launch)
-            for gname, a, b in zip(("dq", "dk", "dv"), grads, grads2):
-                assert torch.equal(_bits(a), _bits(b)), gname
-        except AssertionError as e:
-            raise AssertionError(f"{e} differs (scale={scale}, _inputs(1, 5, 45, 16, float32, seed={seed}))") from e
+    assert scale_folds(scale, pol)
+    try:
+        o, lse = flash_forward(q, k, v, pol, scale, **launch)
+        o2, lse2 = flash_forward(q, k, v, pol, scale, fold_scale=False, **launch)
+        assert torch.equal(_bits(o), _bits(o2)) and torch.equal(_bits(lse), _bits(lse2)), "forward"
+        grads = flash_backward(do, q, k, v, o, lse, pol, scale, **launch)
+        grads2 = flash_backward(do, q, k, v, o, lse, pol, scale, fold_scale=False, **launch)
+        for gname, a, b in zip(("dq", "dk", "dv"), grads, grads2):
+            assert torch.equal(_bits(a), _bits(b)), gname
+    except AssertionError as e:
+        raise AssertionError(f"{e} differs (scale={scale}, _inputs(1, 5, 45, 16, float32, seed={seed}))") from e
 
 
 def test_scale_folds_only_where_exact():

@@ -317,24 +317,17 @@ if triton is not None:
     LOG2E = tl.constexpr(_LOG2E)  # log₂e rounded to FP32 (lpfa.attention.reference.LOG2E)
 
     @triton.jit
-    def _fma(a, b: tl.constexpr, c):
-        """fl32(a·b + c) rounded once, for a tensor a, a constant b and c broadcast to a's shape: ``tl.fma`` on a GPU.
-        The interpreter's fma rounds twice, so there the product (exact) and the sum are taken in float64 and then
-        rounded to FP32: that differs from one rounding only where the float64 sum lies exactly halfway between two
-        FP32 values (:func:`lpfa.attention.reference.fma_f32` handles that case too), far below the FP32 exp's own
-        error at the exp2 that follows."""
+    def _fma(a, b, c):
+        """fl32(a·b + c) rounded once, for a tensor a, a scalar b holding an FP32 value (a constant, a kernel argument
+        or a product of one) and c broadcast to a's shape: ``tl.fma`` on a GPU. The interpreter's fma rounds twice, so
+        there the product (exact) and the sum are taken in float64 and then rounded to FP32: that differs from one
+        rounding only where the float64 sum lies exactly halfway between two FP32 values
+        (:func:`lpfa.attention.reference.fma_f32` handles that case too), far below the FP32 exp's own error at the
+        exp2 that follows."""
         if _COMPILED:
             return tl.fma(a, tl.full(a.shape, b, tl.float32), tl.broadcast_to(c, a.shape))
         else:
             return (a.to(tl.float64) * b + c.to(tl.float64)).to(tl.float32)
-
-    @triton.jit
-    def _fma_by(a, b, c):
-        """:func:`_fma` with b a runtime FP32 scalar (a kernel argument, or a product of one)."""
-        if _COMPILED:
-            return tl.fma(a, tl.broadcast_to(b, a.shape), tl.broadcast_to(c, a.shape))
-        else:
-            return (a.to(tl.float64) * b + c.to(tl.float64)).to(tl.float32)  # b: an FP32 value (a Python float here)
 
     @triton.jit
     def _exp2(x, PRECISE_MATH: tl.constexpr):
@@ -362,9 +355,9 @@ if triton is not None:
         real number as the unfolded form does, and the bits are the same (where x·scale would be subnormal, the
         argument differs by under 2⁻¹⁴⁹ and its exp does not). One multiply per score fewer."""
         if EXP2:
-            return _exp2(_fma_by(x, scale * LOG2E, -m_arg), PRECISE_MATH)
+            return _exp2(_fma(x, scale * LOG2E, -m_arg), PRECISE_MATH)
         else:
-            return _exp(_rnd(_fma_by(x, scale, -m_arg), DIFF_BF16), PRECISE_MATH)
+            return _exp(_rnd(_fma(x, scale, -m_arg), DIFF_BF16), PRECISE_MATH)
 
     @triton.jit
     def _shift_arg(m, EXP2: tl.constexpr):
