@@ -2,8 +2,9 @@
 
 Launch tuning only: a policy's blocks fix the rounding, so every configuration computes the same
 policy. Prints forward and backward TFLOP/s per configuration at GPT-2 shapes (B=16, H=12, T=1024,
-D=64) next to SDPA-flash measured in the same run, timed from CUDA graphs (the GPU's time, without the host's
-launches; ``--eager`` times calls as the host issues them). Usage: ``python benchmarks/tune_attention.py --out DIR``.
+D=64; ``--shape B,H,T,D`` for another) next to SDPA-flash measured in the same run, timed from CUDA graphs (the
+GPU's time, without the host's launches; ``--eager`` times calls as the host issues them).
+Usage: ``python benchmarks/tune_attention.py --out DIR``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from attention import graph_ms  # benchmarks/attention.py (this folder is on sys
 
 from lpfa.provenance import provenance, write_json
 
-B, H, T, D = 16, 12, 1024, 64
+GPT2_SHAPE = (16, 12, 1024, 64)  # B, H, T, D
 
 
 def ms(fn, rep=20):
@@ -36,7 +37,18 @@ def ms(fn, rep=20):
     return s.elapsed_time(e) / rep
 
 
-def rows_from_log(log: str) -> dict:
+def parse_shape(text: str) -> tuple[int, int, int, int]:
+    """``"4,12,4096,64"`` as (B, H, T, D); a one-line ValueError naming the text otherwise."""
+    try:
+        shape = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1 or shape[3] not in (16, 32, 64, 128):
+        raise ValueError(f"--shape {text!r}: expected B,H,T,D, four positive integers with D in 16, 32, 64, 128")
+    return shape
+
+
+def rows_from_log(log: str, shape=GPT2_SHAPE) -> dict:
     """tune.json's content from a run's printed output: the SDPA-flash line and one dict per configuration
     (``complete`` False: the run's own file was not written to the end)."""
     rows = []
@@ -46,7 +58,7 @@ def rows_from_log(log: str) -> dict:
             rows.append({"impl": "sdpa_flash", "fwd_tflops": f, "bwd_tflops": b})
         elif line.startswith("{'impl'"):
             rows.append(ast.literal_eval(line))
-    return {"shape": [B, H, T, D], "rows": rows, "complete": False, "from_log": True}
+    return {"shape": list(shape), "rows": rows, "complete": False, "from_log": True}
 
 
 def main():
@@ -58,6 +70,8 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--presets", default="fa2,paper")
+    p.add_argument("--shape", default=",".join(map(str, GPT2_SHAPE)), metavar="B,H,T,D",
+                   help="the shape swept (default GPT-2's: %(default)s)")
     p.add_argument("--quick", action="store_true",
                    help="a few launch configurations each (precise math only), for a short GPU call")
     p.add_argument("--eager", action="store_true",
@@ -70,9 +84,13 @@ def main():
                    help="only rebuild DIR/tune.json from the printed rows of a run cut by its time limit "
                         "(no GPU needed)")
     a = p.parse_args()
+    try:
+        B, H, T, D = parse_shape(a.shape)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     out = Path(a.out)
     if a.from_log:
-        write_json(out / "tune.json", rows_from_log(Path(a.from_log).read_text()))
+        write_json(out / "tune.json", rows_from_log(Path(a.from_log).read_text(), (B, H, T, D)))
         return
     write_json(out / "provenance.json",
                provenance(config={"B": B, "H": H, "T": T, "D": D, "presets": a.presets, "quick": a.quick,

@@ -272,6 +272,9 @@ def memory_notes(memory: dict, run: str | None = None) -> dict[str, str]:
             **{f"mem_growth_{name}": f"{peak(name, Ts[-1]) / peak(name, Ts[0]):.1f}" for name in ("fa2", "fp32")}}
 
 
+GPT2_SWEEP = [16, 12, 1024, 64]  # benchmarks/tune_attention.py's default shape
+
+
 def tuning_best(tune: dict):
     """The launch sweep of ``benchmarks/tune_attention.py`` (its ``tune.json``): per implementation and pass (fwd, bwd),
     the best TFLOP/s with its launch configuration, and the ratio to SDPA-flash measured in the same run. A DataFrame
@@ -291,8 +294,10 @@ def tuning_best(tune: dict):
 
 
 def _sweeps() -> list:
-    """The committed launch sweeps (``results/attention_tuning``) that hold a ``tune.json``, oldest first."""
-    return [d for d in result_runs("attention_tuning") if (d / "tune.json").is_file()]
+    """The committed launch sweeps (``results/attention_tuning``) that hold a ``tune.json`` at GPT-2 shapes (B 16, H 12,
+    T 1,024, D 64: the shape of the op's table they are read against), oldest first."""
+    return [d for d in result_runs("attention_tuning") if (d / "tune.json").is_file()
+            and json.loads((d / "tune.json").read_text()).get("shape", GPT2_SWEEP) == GPT2_SWEEP]
 
 
 def tuning_sweeps():
