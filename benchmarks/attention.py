@@ -63,6 +63,20 @@ def bench_ms(fn, budget_s=20.0):
     return do_bench(fn, warmup=25, rep=max(10, min(100, int(budget_s * 1000))), return_mode="median")
 
 
+def interleaved_ms(fns: dict, rounds: int, rep_ms: int = 200) -> dict[str, list[float]]:
+    """``{label: [ms, ...]}``: ``rounds`` timings of each callable of ``fns`` (``{label: fn}``), each a
+    ``triton.testing.do_bench`` median (L2 flushed between calls, ``rep_ms`` of measuring), taken in turn (every fn's
+    first timing, then every fn's second, ...), so that a drift of the GPU's clock during the run touches each alike
+    (METHOD: "time the same version twice"; the spread of one fn's timings says how much of a difference is noise)."""
+    from triton.testing import do_bench
+
+    ms = {label: [] for label in fns}
+    for _ in range(rounds):
+        for label, fn in fns.items():
+            ms[label].append(do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
+    return ms
+
+
 def graph_ms(fn, rep=20, replays=3):
     """Mean ms per call of ``fn`` replayed from a CUDA graph of ``rep`` calls: the GPU's time alone. Called eagerly,
     the host's launches (several per call, tens of µs each) can outlast a kernel at GPT-2 shapes and would be timed

@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 import torch
+from attention import interleaved_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
 
 from lpfa.attention.triton_bwd import flash_backward
 from lpfa.attention.triton_fwd import flash_forward
@@ -41,8 +42,6 @@ def main():
         if not value:
             p.error(f"--options {o!r}: expected keyword=value")
         opts[o] = {key: ast.literal_eval(value)}
-    from triton.testing import do_bench
-
     prov = provenance(config=vars(a))
     out = Path(a.out) / f"{a.kernel}_options.json" if a.out else None
     if a.out:
@@ -65,10 +64,7 @@ def main():
             for label, kw in opts.items():
                 other = call(**kw)
                 same = all(torch.equal(x, y) for x, y in zip(base, other))
-                t0, t1 = [], []
-                for _ in range(a.rounds):
-                    t0.append(do_bench(call, warmup=25, rep=200))
-                    t1.append(do_bench(lambda: call(**kw), warmup=25, rep=200))
+                t0, t1 = interleaved_ms({"default": call, label: lambda: call(**kw)}, a.rounds).values()
                 m0, m1 = sorted(t0)[len(t0) // 2] * 1e3, sorted(t1)[len(t1) // 2] * 1e3
                 print(f"{name:10s} T {T:5d}  default {m0:8.1f} us  {label} {m1:8.1f} us  ratio {m1 / m0:.3f}  "
                       f"{'same bits' if same else 'BITS DIFFER'}", flush=True)

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from attention import interleaved_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
 
 from lpfa.provenance import provenance, write_json
 
@@ -35,8 +36,6 @@ def fwd_flops(B, H, T, D):
 
 
 def main(argv=None) -> int:
-    from triton.testing import do_bench
-
     from lpfa.attention.triton_fwd import flash_forward
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -63,10 +62,7 @@ def main(argv=None) -> int:
             o2, l2 = fns[f"{base} count pass"]()
             assert torch.equal(o1, o2) and torch.equal(l1, l2), \
                 f"{base}: top-2 and counting pass differ at {(B, H, T, D)}"
-        ms = {label: [] for label in fns}
-        for _ in range(2):  # two interleaved timings of each variant
-            for label, fn in fns.items():
-                ms[label].append(do_bench(fn, warmup=25, rep=a.rep_ms, return_mode="median"))
+        ms = interleaved_ms(fns, rounds=2, rep_ms=a.rep_ms)  # two interleaved timings of each variant
         for label, pol, cp in VARIANTS:
             base = pol.removesuffix("_sfa")
             t, tb = min(ms[label]), min(ms[base])

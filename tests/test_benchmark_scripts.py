@@ -1,5 +1,6 @@
-"""benchmarks/tune_attention.py's arguments, on the CPU: the shape it sweeps, and the shape a sweep rebuilt from a
-cut run's log records (the book reads only sweeps at GPT-2 shapes against the op's GPT-2 table)."""
+"""The GPU benchmarks' parts that run on a CPU: tune_attention.py's arguments (the shape it sweeps, and the shape a
+sweep rebuilt from a cut run's log records: the book reads only sweeps at GPT-2 shapes against the op's GPT-2 table),
+and the interleaved timing that kernel_options.py and sfa_overhead.py share."""
 
 import json
 import os
@@ -39,3 +40,26 @@ def test_a_sweep_rebuilt_from_its_log_keeps_its_shape(tmp_path):
     assert tune["rows"] == [{"impl": "sdpa_flash", "fwd_tflops": 190.5, "bwd_tflops": 120.25},
                             {"impl": "fa2", "pass": "fwd", "block_m": 64, "block_n": 128, "tflops": 150.0,
                              "graph": True}]
+
+
+def test_interleaved_timings_take_each_fn_in_turn(monkeypatch):
+    """benchmarks/attention.py's interleaved_ms, which kernel_options.py and sfa_overhead.py time with: every fn's
+    first timing before any fn's second, each a do_bench median with the L2 flush and the measuring time asked for."""
+    import importlib.util
+
+    import triton.testing
+
+    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    calls = []
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        calls.append((fn(), rep, return_mode))
+        return float(len(calls))
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    ms = bench.interleaved_ms({"a": lambda: "a", "b": lambda: "b", "c": lambda: "c"}, rounds=2, rep_ms=50)
+    assert [c[0] for c in calls] == ["a", "b", "c", "a", "b", "c"]
+    assert {c[1:] for c in calls} == {(50, "median")}
+    assert ms == {"a": [1.0, 4.0], "b": [2.0, 5.0], "c": [3.0, 6.0]}
