@@ -263,10 +263,16 @@ def stabiliser_costs(root=None):
     (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU), each
     row from the latest run that timed it (a run may time only some rows; a row's ratio is always to its base of the
     same run): a DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by),
-    ``÷ base``, ``heads clipped`` (QK-clip's rescales; None without QK-clip) and ``run`` (the run folder), rows in the
-    order first timed (the reruns, their base runs again, are not timed). Empty without a committed run; a row that no
-    run timed but one tried has no tokens/s."""
-    columns = ["tokens/s", "speed base", "÷ base", "heads clipped", "run"]
+    ``÷ base``, ``heads clipped`` (QK-clip's rescales; None without QK-clip), ``run`` (the run folder), ``backend``
+    and ``base backend`` (the ``attn_backend`` of the row and of its base in that run: ``lpfa`` unless it names
+    another), rows in the order first timed (the reruns, their base runs again, are not timed). Empty without a
+    committed run; a row that no run timed but one tried has no tokens/s."""
+    columns = ["tokens/s", "speed base", "÷ base", "heads clipped", "run", "backend", "base backend"]
+
+    def backend(r):
+        return next((o.split("=", 1)[1] for o in (r or {}).get("overrides", []) if o.startswith("attn_backend=")),
+                    "lpfa")
+
     try:
         folders = [f for f in launches("stabiliser_cost", root)
                    if (f / "summary.json").is_file() and (f / "provenance.json").is_file()]
@@ -274,10 +280,12 @@ def stabiliser_costs(root=None):
         folders = []
     rows = {}
     for folder in folders:  # oldest first: a later timing of a row replaces an earlier one
-        for label, r in json.loads((folder / "summary.json").read_text()).items():
+        summary = json.loads((folder / "summary.json").read_text())
+        for label, r in summary.items():
             if r.get("tokens_per_s") is not None or label not in rows:
+                base = summary.get(r.get("speed_base")) if r.get("speed_base") else None
                 rows[label] = [r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base"),
-                               r.get("qk_clipped"), folder.name]
+                               r.get("qk_clipped"), folder.name, backend(r), backend(base) if base else None]
     return pd.DataFrame(list(rows.values()), index=list(rows), columns=columns)
 
 
@@ -292,10 +300,17 @@ def stabiliser_cost_text(costs) -> str:
     rows = timed.loc[[label for label in timed.index if label in STABILISERS and label not in BASES
                       or label == "sfa_paper_recipe"]].sort_values("÷ base")
 
+    def other_backend(label) -> bool:  # its attention ran on other kernels than its base's: a ratio of two backends
+        base = costs.loc[label, "base backend"]
+        return not pd.isna(base) and base != costs.loc[label, "backend"]
+
     def listed(labels):
         return ", ".join(f"`{label}` ×{rows.loc[label, '÷ base']:.2f}"
                          + ("" if rows.loc[label, "speed base"].endswith("_paper_recipe")
-                            else f" (of `{rows.loc[label, 'speed base']}`)") for label in labels)
+                            else f" (of `{rows.loc[label, 'speed base']}`)")
+                         + (f" (its attention on {costs.loc[label, 'backend']}'s kernels, its base's on "
+                            f"{costs.loc[label, 'base backend']}'s)" if other_backend(label) else "")
+                         for label in labels)
 
     bf16 = [label for label in rows.index if not label.startswith("fp32")]
     fp32 = [label for label in rows.index if label.startswith("fp32")]
@@ -311,14 +326,32 @@ def stabiliser_cost_text(costs) -> str:
     if len(clipped) and not clipped.astype(float).any():
         text += (" QK-clip rescaled no head in the timed steps (random tokens, from initialisation), so its "
                  "cost here is the tracking of the largest logits and the check.")
-    over = float(timed["÷ base"].max()) - 1
+    cap = "bf16_softcap"
+    if cap in timed.index and float(timed.loc[cap, "÷ base"]) < 1 - SOFTCAP_GOAL:
+        text += (f" The soft-cap costs {1 - float(timed.loc[cap, '÷ base']):.0%} of the BF16 run's speed, above "
+                 f"its goal of {SOFTCAP_GOAL:.0%}. What bounds it is arithmetic per score: c·tanh(S/c) takes an "
+                 "exp2, an FP32 division and three more roundings, in both passes of the forward over a 512-key "
+                 "block and again in both backward kernels. Without the cap the row-max pass takes the raw Q Kᵀ and "
+                 "rounds only each row's largest value, and a power-of-two scale folds into exp's argument; the cap "
+                 "turns both off, since the row max must be taken over the capped scores.")
+    same = [label for label in timed.index if not other_backend(label)]  # a stabiliser only adds work to its base
+    over = float(timed.loc[same, "÷ base"].max()) - 1 if same else 0.0
     if over > 0:
-        text += (f" One timing per row: `{timed['÷ base'].astype(float).idxmax()}` measured ×{1 + over:.3f} of its "
-                 f"base, so differences of about {100 * over:.0f} % or less are within the noise.")
+        text += (f" One timing per row: `{timed.loc[same, '÷ base'].astype(float).idxmax()}` measured "
+                 f"×{1 + over:.3f} of its base, so differences of about {100 * over:.0f} % or less are within the "
+                 "noise.")
+    runs = costs.dropna(subset=["tokens/s"]).groupby("run", sort=False).groups
+    if len(runs) > 1:  # rows of several benchmark runs, each ratio within its own run (and GPU)
+        text += " The rows come from " + and_join(
+            [f"`{run}` ({_ticked(list(labels))})" for run, labels in runs.items()]) + ", each divided by its base of " \
+            "the same run."
     untimed = untimed_stabilisers(costs)
     if untimed:
         text += f" Not timed: {_ticked(untimed)}."
     return text
+
+
+SOFTCAP_GOAL = 0.10  # the speed the soft-cap may cost: at most 10 % of its base's tokens/s
 
 
 def untimed_stabilisers(costs) -> list[str]:
