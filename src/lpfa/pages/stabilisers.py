@@ -292,8 +292,10 @@ def stabiliser_costs(root=None):
 def stabiliser_cost_text(costs) -> str:
     """:func:`stabiliser_costs` in sentences: the speed of the BF16 stabiliser rows (and SFA) as a fraction of their
     base's, slowest first, then their FP32 twins'; for scale, what FP32 attention, Muon and eager mode cost the BF16
-    run; whether QK-clip rescaled any head while it was timed; and how far any row measured above its base (the
-    timing's noise: a stabiliser only adds work); and the rows the benchmark has not timed."""
+    run (a row whose attention ran on another backend than its base's is said to be a ratio of two backends); whether
+    QK-clip rescaled any head while it was timed; what bounds the soft-cap's cost where it exceeds
+    :data:`SOFTCAP_GOAL`; how far any row measured above a base of its own backend (the timing's noise: a stabiliser
+    only adds work); which run each row comes from, where they come from several; and the rows not timed."""
     if costs.empty:
         return "No speed benchmark of the stabilisers is committed yet (`benchmarks/stabiliser_cost.py`)."
     timed = costs.dropna(subset=["÷ base"])
@@ -333,7 +335,8 @@ def stabiliser_cost_text(costs) -> str:
                  "exp2, an FP32 division and three more roundings, in both passes of the forward over a 512-key "
                  "block and again in both backward kernels. Without the cap the row-max pass takes the raw Q Kᵀ and "
                  "rounds only each row's largest value, and a power-of-two scale folds into exp's argument; the cap "
-                 "turns both off, since the row max must be taken over the capped scores.")
+                 "turns both off, since its tanh takes every score scaled and the kernel takes the row max over the "
+                 "capped scores.")
     same = [label for label in timed.index if not other_backend(label)]  # a stabiliser only adds work to its base
     over = float(timed.loc[same, "÷ base"].max()) - 1 if same else 0.0
     if over > 0:
