@@ -2,12 +2,14 @@
 sweep rebuilt from a cut run's log records: the book reads only sweeps at GPT-2 shapes against the op's GPT-2 table),
 and the interleaved timing that kernel_options.py and sfa_overhead.py share."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+import triton.testing
 from conftest import ROOT
 
 SCRIPT = ROOT / "benchmarks" / "tune_attention.py"
@@ -19,12 +21,27 @@ def run(tmp_path, *args):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
+def _module(name):
+    """benchmarks/NAME.py imported in this process (its folder on sys.path, as when it runs as a script)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
 @pytest.mark.parametrize("shape", ["4,12,4096", "4,12,x,64", "4,12,4096,48", "0,12,4096,64"])
-def test_a_bad_shape_is_one_line_naming_it(tmp_path, shape):
-    done = run(tmp_path, "--shape", shape)
+def test_a_bad_shape_is_refused_naming_it(shape):
+    with pytest.raises(ValueError) as e:
+        _module("tune_attention").parse_shape(shape)
+    assert str(e.value) == f"--shape {shape!r}: expected B,H,T,D, four positive integers with D in 16, 32, 64, 128"
+
+
+def test_a_bad_shape_is_one_line_on_the_command_line(tmp_path):
+    done = run(tmp_path, "--shape", "4,12,4096")
     assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines() == [f"--shape {shape!r}: expected B,H,T,D, four positive integers "
-                                                f"with D in 16, 32, 64, 128"]
+    assert done.stderr.strip().splitlines() == ["--shape '4,12,4096': expected B,H,T,D, four positive integers "
+                                                "with D in 16, 32, 64, 128"]
     assert not (tmp_path / "out").exists()
 
 
@@ -45,13 +62,7 @@ def test_a_sweep_rebuilt_from_its_log_keeps_its_shape(tmp_path):
 def test_interleaved_timings_take_each_fn_in_turn(monkeypatch):
     """benchmarks/attention.py's interleaved_ms, which kernel_options.py and sfa_overhead.py time with: every fn's
     first timing before any fn's second, each a do_bench median with the L2 flush and the measuring time asked for."""
-    import importlib.util
-
-    import triton.testing
-
-    spec = importlib.util.spec_from_file_location("bench_attention", ROOT / "benchmarks" / "attention.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _module("attention")
     calls = []
 
     def fake_do_bench(fn, warmup, rep, return_mode):

@@ -293,16 +293,17 @@ def tuning_best(tune: dict):
     return pd.DataFrame.from_dict(out, orient="index").rename_axis(["implementation", "pass"])
 
 
-def _sweeps() -> list:
-    """The committed launch sweeps (``results/attention_tuning``) that hold a ``tune.json`` at GPT-2 shapes (B 16, H 12,
-    T 1,024, D 64: the shape of the op's table they are read against), oldest first."""
-    return [d for d in result_runs("attention_tuning") if (d / "tune.json").is_file()
-            and json.loads((d / "tune.json").read_text()).get("shape", GPT2_SWEEP) == GPT2_SWEEP]
+def _sweeps() -> dict:
+    """``{run name: tune.json's content}`` of the committed launch sweeps (``results/attention_tuning``) at GPT-2 shapes
+    (B 16, H 12, T 1,024, D 64: the shape of the op's table they are read against), oldest first."""
+    tunes = {d.name: json.loads((d / "tune.json").read_text())
+             for d in result_runs("attention_tuning") if (d / "tune.json").is_file()}
+    return {name: t for name, t in tunes.items() if t.get("shape", GPT2_SWEEP) == GPT2_SWEEP}
 
 
 def tuning_sweeps():
     """:func:`tuning_best` of every committed launch sweep, concatenated: indexed by (run, implementation, pass)."""
-    return pd.concat({d.name: tuning_best(json.loads((d / "tune.json").read_text())) for d in _sweeps()}, names=["run"])
+    return pd.concat({name: tuning_best(tune) for name, tune in _sweeps().items()}, names=["run"])
 
 
 def tuning_notes(best, run: str | None = None) -> dict[str, str]:
@@ -315,7 +316,7 @@ def tuning_notes(best, run: str | None = None) -> dict[str, str]:
     def pass_name(p):
         return "forward" if p == "fwd" else "backward"
 
-    sweep_dir = _sweeps()[-1]
+    sweep_dir = run_dir("attention_tuning", name)
     op_dir = run_dir(EXPERIMENT, run)
     op_commit = load(EXPERIMENT, "provenance.json", op_dir.name)["git_commit"][:7]
     sweep_commit = json.loads((sweep_dir / "provenance.json").read_text())["git_commit"][:7]
