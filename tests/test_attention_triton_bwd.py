@@ -148,6 +148,21 @@ def test_compute_tiles_inside_policy_blocks(name, bq, bk, T, D):
     _check(grads, refs, pol, terms=terms)
 
 
+@pytest.mark.parametrize("name,T", [("fa2", 200), ("paper", 130)])
+def test_launch_defaults_at_head_dim_128(name, T):
+    """The D = 128 entries of ``triton_common.LAUNCHES``: fa2's 32-row query tiles against one 128-key tile, with the
+    dQ kernel's own 128 × 32 tiles; paper's 32 × 64 tiles inside its 512-key blocks. The gradients keep the reference's
+    values, with the BF16 accumulation once per policy block."""
+    from lpfa.attention.triton_common import default_launch
+
+    pol = PRESETS[name]
+    d = default_launch("backward", pol, 128)
+    assert (d.block_m, d.block_n, d.dq_block_m, d.dq_block_n) == ((32, 128, 128, 32) if name == "fa2" else
+                                                                  (32, 64, None, None))
+    grads, refs, terms = _run(pol, 1, T, 128, seed=17)
+    _check(grads, refs, pol, terms=terms)
+
+
 @pytest.mark.parametrize("name,bq,bk,T,dq_tiles", [
     ("paper", 64, 64, 100, (64, 16)),  # the dQ kernel's own tiles: many rows, few keys per step, inside 64-blocks
     ("fa2", 32, 32, 77, (32, 16)),

@@ -441,3 +441,18 @@ def test_row_reductions_equal_the_gpus_combine_functions():
     assert torch.equal(gpu_2[~nan_rows], here_2[~nan_rows])
     top2 = x[~nan_rows].sort(1, descending=True).values[:, :2]  # the max and the second largest, ties counted
     assert torch.equal(out[1][~nan_rows], top2[:, 0]) and torch.equal(out[2][~nan_rows], top2[:, 1])
+
+
+@pytest.mark.parametrize("name,T", [("fa2", 200), ("paper", 130)])
+def test_launch_defaults_at_head_dim_128(name, T):
+    """The D = 128 entries of ``triton_common.LAUNCHES`` (fa2: one 128 × 128 tile with 8 warps; paper: 64 × 64 inside
+    its 512-key blocks) keep the reference's O and lse: launch tuning moves no rounding point."""
+    from lpfa.attention.triton_common import default_launch
+
+    pol = PRESETS[name]
+    d = default_launch("forward", pol, 128)
+    assert (d.block_m, d.block_n) == ((128, 128) if name == "fa2" else (64, 64))
+    q, k, v = _inputs(1, 2, T, 128, torch.bfloat16, seed=13)
+    o, lse = flash_forward(q, k, v, pol, 128 ** -0.5)
+    ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 128 ** -0.5)
+    _check(o, lse, ro, rlse, pol)

@@ -86,8 +86,9 @@ Options of :func:`flash_backward`
 ---------------------------------
 ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are exactly BF16 values;
 ``precise_math`` (default: not under the interpreter) uses libdevice exp. ``block_m``/``block_n`` (query/key compute
-tiles), ``num_warps``, ``num_stages``: launch tuning only; the policy's blocks fix the rounding.
-``dq_block_m``/``dq_block_n`` (default: ``block_m``/``block_n``): the dQ kernel's own query tile and key sub-tile, which
+tiles), ``num_warps``, ``num_stages``: launch tuning only, since the policy's blocks fix the rounding (None: the entry
+of :data:`lpfa.attention.triton_common.LAUNCHES` for the policy and head dim). ``dq_block_m``/``dq_block_n`` (default:
+``block_m``/``block_n`` where given, else the table's): the dQ kernel's own query tile and key sub-tile, which
 favours the opposite shape to the dK/dV kernel's (many rows, few keys per step: Triton's fused-attention tutorial uses
 128 × 32 there and 32 × 128 for dK/dV). ``causal_split=False`` runs every sub-tile through the masked path (the kernels
 before the causal split; bit-identical results, for tests and benchmarks). ``fold_scale=False``: every score multiplied
@@ -127,6 +128,7 @@ from lpfa.attention.triton_common import (
     _store_flag,
     _tile_rows,
     check_triton_inputs,
+    default_launch,
     empty_like_layout,
     gemm_mode,
     launch,
@@ -625,8 +627,8 @@ def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scal
 
 
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
-                   precise_math: bool | None = None, block_m: int = COMPUTE_TILE, block_n: int = COMPUTE_TILE,
-                   num_warps: int | None = None, num_stages: int = 3, causal_split: bool = True,
+                   precise_math: bool | None = None, block_m: int | None = None, block_n: int | None = None,
+                   num_warps: int | None = None, num_stages: int | None = None, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
                    assume_finite: bool = False,
@@ -642,12 +644,17 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     if validate:
         _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
     B, H, T, D = q.shape
-    if num_warps is None:  # D = 128 with 4 warps spills the dK, dV accumulators (benchmarks/compile_check.py)
-        num_warps = 4 if D <= 64 else 8
+    # launch defaults (triton_common.LAUNCHES, timed per head dim): whatever the caller leaves None. The dQ kernel's
+    # tiles follow block_m/block_n when the caller sets those, else the table's
+    d = default_launch("backward", pol, D)
+    dq_block_m = dq_block_m or block_m or d.dq_block_m or d.block_m
+    dq_block_n = dq_block_n or block_n or d.dq_block_n or d.block_n
+    block_m, block_n = block_m or d.block_m, block_n or d.block_n
+    num_warps, num_stages = num_warps or d.num_warps, num_stages or d.num_stages
     BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, block_m)
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, block_n)
-    _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, dq_block_m or block_m)
-    _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, dq_block_n or block_n)
+    _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, dq_block_m)
+    _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, dq_block_n)
 
     interp = _interpreter()
     if dot_bf16 is None:

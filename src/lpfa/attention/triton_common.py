@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -572,6 +573,44 @@ def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, i
     if size >= preferred:
         return size, preferred, -(-size // preferred)
     return size, max(_next_pow2(size), MIN_TILE), 1
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's compute tiles and launch options: launch tuning only, since the policy's blocks fix the rounding
+    (:func:`policy_tiles` cuts them into these tiles). ``dq_block_m``/``dq_block_n``: the backward's dQ kernel's own
+    query tile and key sub-tile (None: ``block_m``/``block_n``)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    dq_block_m: int | None = None
+    dq_block_n: int | None = None
+
+
+# The launch defaults, by (pass, policy key block of at most one 128-key tile, head dim up to 64 or 128), each the
+# fastest configuration of a launch sweep (benchmarks/tune_attention.py) on one GPU:
+# * D <= 64: an H200 at GPT-2 shapes, B 16, H 12, T 1,024 (results/attention_tuning/h200-2026-12-01);
+# * D = 128: an H100 at B 16, H 6, T 1,024 (results/attention_tuning/h100-2026-12-06-d128): 213 TFLOP/s for fa2's
+#   forward at 128 x 128 against 142 at 64 x 64; the backward's 32-row query tiles as in Triton's fused-attention
+#   tutorial (fa2: 136 against 99-117 at 64 x 64; paper: 108 against 87-102).
+LAUNCHES = {
+    ("forward", True, 64): Launch(64, 128, 4, 3),
+    ("forward", False, 64): Launch(64, 64, 4, 3),
+    ("forward", True, 128): Launch(128, 128, 8, 2),
+    ("forward", False, 128): Launch(64, 64, 4, 3),
+    ("backward", True, 64): Launch(64, 64, 4, 3),
+    ("backward", False, 64): Launch(64, 64, 4, 3),
+    ("backward", True, 128): Launch(32, 128, 8, 2, dq_block_m=128, dq_block_n=32),
+    ("backward", False, 128): Launch(32, 64, 4, 3),
+}
+
+
+def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int) -> Launch:
+    """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
+    take D = 64's)."""
+    one_tile = policy.block_k is not None and policy.block_k <= 128
+    return LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
 
 
 def scale_folds(scale: float, policy: PrecisionPolicy) -> bool:

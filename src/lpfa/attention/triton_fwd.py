@@ -89,7 +89,8 @@ Options of :func:`flash_forward`
 --------------------------------
 ``dot_bf16`` (default: not under the interpreter) feeds tensor cores BF16 operands where they are exactly BF16
 values; ``precise_math`` (default: not under the interpreter) uses libdevice exp/log. ``block_m``/``block_n``
-(compute tiles), ``num_warps``, ``num_stages``: launch tuning only; the policy's blocks fix the rounding.
+(compute tiles), ``num_warps``, ``num_stages``: launch tuning only, since the policy's blocks fix the rounding (None:
+the entry of :data:`lpfa.attention.triton_common.LAUNCHES` for the policy and head dim).
 ``causal_split=False`` runs every key tile through the masked path (the kernel before the causal split;
 bit-identical results, for tests and benchmarks). ``sfa_count_pass=True`` decides SFA's ties by a pass of their
 own that counts the scores within ε of the row max, as the reference does, instead of from the top two scores of
@@ -140,6 +141,7 @@ from lpfa.attention.triton_common import (
     _store_flag,
     _top2,
     check_triton_inputs,
+    default_launch,
     empty_like_layout,
     gemm_mode,
     launch,
@@ -487,13 +489,11 @@ if triton is not None:
                             RAW_MAX, FOLD=FOLD)
 
 
-BLOCK_N_DEFAULT = 128  # keys per compute tile (the policy's key block is cut into such tiles)
-
 
 def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                   precise_math: bool | None = None, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int = 3, causal_split: bool = True, sfa_count_pass: bool = False,
+                  num_stages: int | None = None, causal_split: bool = True, sfa_count_pass: bool = False,
                   raw_max: bool = True, fold_scale: bool = True, validate: bool = True,
                   assume_finite: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal flash-attention forward with the rounding points of ``policy`` (a :class:`PrecisionPolicy` or a preset
@@ -505,18 +505,11 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     if validate:
         check_triton_inputs(q, k, v, pol, scale, causal)
     B, H, T, D = q.shape
-    # launch defaults. At D = 64, timed on an H200 (results/attention_tuning/h200-2026-12-01, GPT-2 shapes): a policy
-    # block of one 128-key tile (fa2) runs best as 64 × 128 tiles with 4 warps, the paper's 512-key blocks as 64 × 64
-    # with 4 warps. At D = 128, not timed yet: 64 × 64 with 8 warps, the tiles without register spills
-    # (benchmarks/compile_check.py counts them).
-    if block_n is None:
-        one_tile = pol.block_k is not None and pol.block_k <= BLOCK_N_DEFAULT
-        block_n = BLOCK_N_DEFAULT if (one_tile and D <= 64) else 64
+    # launch defaults (triton_common.LAUNCHES, timed per head dim): whatever the caller leaves None
+    d = default_launch("forward", pol, D)
+    block_m, block_n = block_m or d.block_m, block_n or d.block_n
+    num_warps, num_stages = num_warps or d.num_warps, num_stages or d.num_stages
     BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, block_n)
-    if block_m is None:
-        block_m = 64
-    if num_warps is None:
-        num_warps = 4 if D <= 64 else 8
 
     interp = _interpreter()
     if dot_bf16 is None:
