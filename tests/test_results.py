@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 import re
+import shutil
 
 import numpy as np
 import pandas as pd
@@ -912,9 +913,6 @@ def test_muon_clip_rows_are_held_against_their_twins_and_the_muon_base():
 def _stabiliser_root(tmp, walls: dict[str, float]):
     """A results root with the recipe's BF16 run and one stabiliser launch of ``walls`` (label: wall seconds for
     6,000 steps), from the committed configs."""
-    import json
-    import shutil
-
     src = {**results.experiment_rows("paper_recipe", ["bf16_paper_recipe"]), **results.experiment_rows("stabilisers")}
     for exp, launch, labels in (("paper_recipe", "h200-2026-01-01", ["bf16_paper_recipe"]),
                                 ("stabilisers", "h200-2026-01-02", walls)):
@@ -1296,7 +1294,7 @@ def test_stabiliser_plan_times_rows_alone_and_says_whether_sharing_gains(tmp_pat
     no overhead), a row the benchmark did not time is named, a second seed takes its row's speed, and the lead says
     whether two runs sharing the H200 trained faster together, each side over the same steps."""
     from lpfa.pages import RERUN_PAGE
-    from lpfa.pages.stabilisers import alone_overhead, stabiliser_plan
+    from lpfa.pages.stabilisers import alone_overhead, stabiliser_plan, stabiliser_speeds
 
     tokens = 6000 * 24 * 1024
     alone = {"bf16_paper_recipe": 300_000.0, "fp32_paper_recipe": 200_000.0, "bf16_softcap": 250_000.0,
@@ -1322,6 +1320,14 @@ def test_stabiliser_plan_times_rows_alone_and_says_whether_sharing_gains(tmp_pat
     assert slow.endswith(f"({RERUN_PAGE} gives the commands).")
     fast = plan({"bf16_gated": tokens / 180_000, "fp32_gated": tokens / 90_000})  # 360k: 20% over one alone
     assert fast.startswith("Runs sharing an H200 (2 at a time) trained up to 20% faster together than one alone")
+    # three runs sharing an H100, later: another GPU's speeds, left out of the H200's sentence
+    h200 = tmp_path / "0" / "stabilisers" / "h200-2026-01-02"  # the first plan's root: 140k and 90k
+    h100 = h200.with_name("h100-2026-01-04")
+    shutil.copytree(h200, h100)
+    shutil.copytree(h100 / "bf16_gated", h100 / "bf16_qknorm")
+    (h100 / "provenance.json").write_text(json.dumps({"date_utc": "2026-01-04T00:00:00+00:00"}))
+    assert stabiliser_speeds(h200.parent.parent) == ({"BF16, compiled": (140_000.0, "bf16_gated"),
+                                                      "FP32, compiled": (90_000.0, "fp32_gated")}, 2)
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""
 
 

@@ -378,11 +378,12 @@ def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> st
 
 def stabiliser_speeds(root=None):
     """Tokens/s of each committed stabiliser run while it shared one H200 with others: its steps × tokens per step over
-    its wall time (compilation, evaluations and checkpoints included), from the launches with the most runs. Returns
-    ``(speeds, sharing)``: ``{key: (tokens/s, run label)}`` per :func:`_speed_key` (the latest run of that key) and the
-    number of runs those launches shared the GPU between. ``({}, 0)`` without a committed stabiliser run."""
+    its wall time (compilation, evaluations and checkpoints included), from the launches on one H200 (folders named
+    ``h200-<date>``; an H100's runs would mix two GPUs' speeds) with the most runs. Returns ``(speeds, sharing)``:
+    ``{key: (tokens/s, run label)}`` per :func:`_speed_key` (the latest run of that key) and the number of runs those
+    launches shared the GPU between. ``({}, 0)`` without such a launch."""
     try:
-        folders = launches("stabilisers", root)
+        folders = [f for f in launches("stabilisers", root) if f.name.startswith("h200-")]
     except FileNotFoundError:
         return {}, 0
     by_launch = {f: [Run(d) for d in sorted(f.iterdir()) if (d / "summary.json").is_file()] for f in folders}
