@@ -456,3 +456,21 @@ def test_launch_defaults_at_head_dim_128(name, T):
     o, lse = flash_forward(q, k, v, pol, 128 ** -0.5)
     ro, rlse = ref_forward(q.float(), k.float(), v.float(), pol, 128 ** -0.5)
     _check(o, lse, ro, rlse, pol)
+
+
+@pytest.mark.parametrize("option,value", [("block_m", 48), ("block_n", 8), ("num_warps", 3), ("num_stages", 0),
+                                          ("block_m", 64.0)])
+def test_launch_options_outside_what_triton_compiles_raise_one_line(option, value):
+    """A compute tile that is no power of two of at least 16, warps that are no power of two, or no pipeline stage:
+    a one-line ValueError naming the option, from the forward and from the backward (and its dQ tiles)."""
+    from lpfa.attention.triton_bwd import flash_backward
+
+    q, k, v = _inputs(1, 1, 8, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match=f"^{option}={value!r}: expected [^\n]+$"):
+        flash_forward(q, k, v, "fa2", 0.25, **{option: value})
+    o, lse = flash_forward(q, k, v, "fa2", 0.25)
+    with pytest.raises(ValueError, match=f"^{option}={value!r}: expected [^\n]+$"):
+        flash_backward(q, q, k, v, o, lse, "fa2", 0.25, **{option: value})
+    if option.startswith("block"):
+        with pytest.raises(ValueError, match=f"^dq_{option}={value!r}: expected"):
+            flash_backward(q, q, k, v, o, lse, "fa2", 0.25, **{f"dq_{option}": value})

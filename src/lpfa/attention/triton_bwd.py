@@ -644,17 +644,16 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     if validate:
         _check_backward_inputs(do, q, k, v, o_store, lse, pol, scale, causal)
     B, H, T, D = q.shape
-    # launch defaults (triton_common.LAUNCHES, timed per head dim): whatever the caller leaves None. The dQ kernel's
-    # tiles follow block_m/block_n when the caller sets those, else the table's
-    d = default_launch("backward", pol, D)
-    dq_block_m = dq_block_m or block_m or d.dq_block_m or d.block_m
-    dq_block_n = dq_block_n or block_n or d.dq_block_n or d.block_n
-    block_m, block_n = block_m or d.block_m, block_n or d.block_n
-    num_warps, num_stages = num_warps or d.num_warps, num_stages or d.num_stages
-    BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, block_m)
-    BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, block_n)
-    _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, dq_block_m)
-    _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, dq_block_n)
+    # the launch: the caller's choices, the table's (triton_common.LAUNCHES, timed per head dim) where None; the dQ
+    # kernel's tiles follow block_m/block_n where the caller sets those, else the table's
+    run = default_launch("backward", pol, D, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                         num_stages=num_stages, dq_block_m=dq_block_m if dq_block_m is not None else block_m,
+                         dq_block_n=dq_block_n if dq_block_n is not None else block_n)
+    num_warps, num_stages = run.num_warps, run.num_stages
+    BQ, BLOCK_M, TPB_Q = policy_tiles(pol.block_q, T, run.block_m)
+    BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, run.block_n)
+    _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, run.dq_block_m or run.block_m)
+    _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, run.dq_block_n or run.block_n)
 
     interp = _interpreter()
     if dot_bf16 is None:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -606,11 +606,22 @@ LAUNCHES = {
 }
 
 
-def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int) -> Launch:
+def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, **given: int | None) -> Launch:
     """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
-    take D = 64's)."""
+    take D = 64's), with the caller's ``given`` choices (:class:`Launch`'s fields; None: the table's) in place of its
+    own. A tile must be a power of two of at least :data:`MIN_TILE` and the warps a power of two (``tl.arange`` and
+    ``tl.dot`` take no other), the stages at least 1: anything else is a one-line ValueError."""
+    for name, value in given.items():
+        if value is None:
+            continue
+        least = MIN_TILE if "block" in name else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least or (
+                name != "num_stages" and value & (value - 1)):
+            raise ValueError(f"{name}={value!r}: expected " + (f"a power of two >= {least}" if name != "num_stages"
+                                                               else "an integer >= 1"))
     one_tile = policy.block_k is not None and policy.block_k <= 128
-    return LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
+    table = LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
+    return replace(table, **{name: value for name, value in given.items() if value is not None})
 
 
 def scale_folds(scale: float, policy: PrecisionPolicy) -> bool:
