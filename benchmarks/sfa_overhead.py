@@ -36,6 +36,8 @@ def fwd_flops(B, H, T, D):
 
 
 def main(argv=None) -> int:
+    from lpfa.attention.policy import get_policy
+    from lpfa.attention.triton_common import default_launch, policy_tiles
     from lpfa.attention.triton_fwd import flash_forward
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -66,10 +68,13 @@ def main(argv=None) -> int:
         for label, pol, cp in VARIANTS:
             base = pol.removesuffix("_sfa")
             t, tb = min(ms[label]), min(ms[base])
+            launch = default_launch("forward", get_policy(pol), D)  # the tiles flash_forward ran with
+            _, tile, tiles = policy_tiles(get_policy(pol).block_k, T, launch.block_n)
             rows.append({"B": B, "H": H, "T": T, "D": D, "variant": label, "preset": pol, "sfa_count_pass": cp,
                          "ms": ms[label], "tflops": fwd_flops(B, H, T, D) / t / 1e9,
                          "over_base": None if label == base else t / tb - 1,
-                         "spread": max(ms[label]) / min(ms[label]) - 1})
+                         "spread": max(ms[label]) / min(ms[label]) - 1,
+                         "block_m": launch.block_m, "key_tile": tile, "tiles_per_block": tiles})
             r = rows[-1]
             over = "" if r["over_base"] is None else f"{r['over_base']:+7.1%}"
             print(f"{B:3d} {H:3d} {T:5d} {D:4d} {label:22s} {ms[label][0]:7.3f} {ms[label][1]:7.3f} ms "

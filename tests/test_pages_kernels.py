@@ -221,6 +221,25 @@ def test_sfa_overhead_notes_recompute_the_range_and_say_how_to_run_it():
     assert "benchmarks/sfa_overhead.py" in empty["p12_note1"]
 
 
+def test_sfa_tiles_text_names_the_presets_whose_block_spans_several_tiles():
+    """The sentence on where the row-max tie test saves anything follows the tiles each run recorded: `paper_sfa`'s
+    512-key blocks span 64-key tiles at every D, `fa2_sfa`'s 128-key block is one tile at D = 64 and (with the D = 128
+    table's 128-key tiles) at D = 128 too; a run whose D = 128 row split it says so; a run without the record says
+    that it predates it."""
+    def row(preset, D, tile, tiles, variant=None):
+        return {"preset": preset, "variant": variant or preset, "D": D, "key_tile": tile, "tiles_per_block": tiles}
+    rows = [row("paper", 64, 64, 8), row("paper_sfa", 64, 64, 8), row("paper_sfa", 64, 64, 8, "paper_sfa count pass"),
+            row("fa2_sfa", 64, 128, 1), row("paper_sfa", 128, 64, 8), row("fa2_sfa", 128, 128, 1)]
+    lead = "where a policy block spans several compute tiles: "
+    one = "holds the block in one tile, where the count was already a pass over registers"
+    assert kn.sfa_tiles_text(rows) == f"{lead}`paper_sfa`'s 512-key blocks in 64-key tiles; `fa2_sfa` {one}"
+    rows[-1] = row("fa2_sfa", 128, 64, 2)
+    assert kn.sfa_tiles_text(rows) == (f"{lead}`paper_sfa`'s 512-key blocks in 64-key tiles and `fa2_sfa`'s 128-key "
+                                       f"blocks in 64-key tiles at D = 128; `fa2_sfa` at D = 64 {one}")
+    old = [{k: v for k, v in r.items() if k not in ("key_tile", "tiles_per_block")} for r in rows]
+    assert kn.sfa_tiles_text(old).endswith("(this run did not record its tiles)")
+
+
 def test_tuning_notes_read_the_latest_sweep():
     best = kn.tuning_sweeps()
     sweeps = [d for d in results.runs("attention_tuning") if (d / "tune.json").is_file()

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from lpfa.attention import PRESETS, attention
+from lpfa.attention import PRESETS, attention, get_policy
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
 from lpfa.pages import and_join, gpu_name
 from lpfa.params import boolean, integer, optional, text
@@ -358,7 +358,38 @@ def sfa_overhead_table(data: dict):
     return df[[c for c in df.columns if c != "spread"] + ["spread"]]
 
 
-SFA_NOTES = ("sfa_run", "sfa_commit", "sfa_device", "sfa_now", "sfa_goal", "sfa_saved", "sfa_spread")
+SFA_NOTES = ("sfa_run", "sfa_commit", "sfa_device", "sfa_now", "sfa_goal", "sfa_saved", "sfa_spread", "sfa_tiles")
+
+
+def sfa_tiles_text(rows: list[dict]) -> str:
+    """Where the row-max tie test can save anything, from ``sfa_overhead.json``'s ``rows``: which SFA presets split
+    their policy block into several compute tiles at which head dims (``tiles_per_block`` > 1: the counting pass
+    then was a second pass over the block's keys), and which hold it in one tile (the count was a pass over
+    registers). Runs that predate the tiles' record say so."""
+    sfa = [r for r in rows if r["variant"] == r["preset"] and r["preset"].endswith("_sfa")]
+    if not sfa or any("tiles_per_block" not in r for r in sfa):
+        return "where a policy block spans several compute tiles (this run did not record its tiles)"
+
+    def where(preset: str, many: bool) -> str:
+        ds = sorted({r["D"] for r in sfa if r["preset"] == preset and (r["tiles_per_block"] > 1) == many})
+        alls = sorted({r["D"] for r in sfa if r["preset"] == preset})
+        return "" if not ds else "" if ds == alls else " at D = " + and_join([str(d) for d in ds])
+
+    multi, one = [], []
+    for preset in dict.fromkeys(r["preset"] for r in sfa):
+        block = get_policy(preset).block_k
+        for r in (x for x in sfa if x["preset"] == preset and x["tiles_per_block"] > 1):
+            phrase = f"`{preset}`'s {block}-key blocks in {r['key_tile']}-key tiles{where(preset, True)}"
+            if phrase not in multi:
+                multi.append(phrase)
+        if any(r["tiles_per_block"] == 1 for r in sfa if r["preset"] == preset):
+            one.append(f"`{preset}`{where(preset, False)}")
+    text = "where a policy block spans several compute tiles" + (f": {and_join(multi)}" if multi else
+                                                                 ", which none of its rows does")
+    if one:
+        verb = "holds" if len(one) == 1 else "hold"
+        text += f"; {and_join(one)} {verb} the block in one tile, where the count was already a pass over registers"
+    return text
 
 
 def sfa_overhead():
@@ -388,7 +419,8 @@ def sfa_overhead_notes(table, folder, target: float = TARGETS["SFA cost"]) -> di
     now = table[["paper_sfa over base", "fa2_sfa over base"]]
     saved = table[["paper_sfa count pass over base", "fa2_sfa count pass over base"]].to_numpy() - now.to_numpy()
     prov = load("sfa_overhead", "provenance.json", folder.name)
-    return {"sfa_run": f"`{folder.name}`",
+    rows = load("sfa_overhead", "sfa_overhead.json", folder.name)["rows"]
+    return {"sfa_run": f"`{folder.name}`", "sfa_tiles": sfa_tiles_text(rows),
             "sfa_commit": f"`{prov['git_commit'][:7]}`", "sfa_device": f"one {gpu_name(prov['device'])}",
             "sfa_now": f"{now.min().min():+.0%} to {now.max().max():+.0%}",
             "sfa_goal": f"the goal of at most +{100 * target:.0f}% is {_verdict(now.max().max() <= target)}",
