@@ -14,6 +14,7 @@ rows to ``DIR/forward_options.json`` (``DIR/backward_options.json``) beside its 
 import argparse
 import ast
 import math
+import statistics
 from pathlib import Path
 
 import torch
@@ -65,7 +66,7 @@ def main():
                 other = call(**kw)
                 same = all(torch.equal(x, y) for x, y in zip(base, other))
                 t0, t1 = interleaved_ms({"default": call, label: lambda: call(**kw)}, a.rounds).values()
-                m0, m1 = sorted(t0)[len(t0) // 2] * 1e3, sorted(t1)[len(t1) // 2] * 1e3
+                m0, m1 = statistics.median(t0) * 1e3, statistics.median(t1) * 1e3
                 print(f"{name:10s} T {T:5d}  default {m0:8.1f} us  {label} {m1:8.1f} us  ratio {m1 / m0:.3f}  "
                       f"{'same bits' if same else 'BITS DIFFER'}", flush=True)
                 rows.append({"preset": name, "B": B, "H": H, "T": T, "D": D, "option": label, "default_us": m0,

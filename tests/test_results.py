@@ -917,7 +917,8 @@ def _stabiliser_root(tmp, walls: dict[str, float]):
     for exp, launch, labels in (("paper_recipe", "h200-2026-01-01", ["bf16_paper_recipe"]),
                                 ("stabilisers", "h200-2026-01-02", walls)):
         (tmp / exp / launch).mkdir(parents=True)
-        (tmp / exp / launch / "provenance.json").write_text(json.dumps({"date_utc": launch[5:] + "T00:00:00+00:00"}))
+        (tmp / exp / launch / "provenance.json").write_text(json.dumps({"date_utc": launch[5:] + "T00:00:00+00:00",
+                                                                        "device": "1 x NVIDIA H200 (nvidia-h200)"}))
         for label in labels:
             d = tmp / exp / launch / label
             d.mkdir()
@@ -1325,7 +1326,8 @@ def test_stabiliser_plan_times_rows_alone_and_says_whether_sharing_gains(tmp_pat
     h100 = h200.with_name("h100-2026-01-04")
     shutil.copytree(h200, h100)
     shutil.copytree(h100 / "bf16_gated", h100 / "bf16_qknorm")
-    (h100 / "provenance.json").write_text(json.dumps({"date_utc": "2026-01-04T00:00:00+00:00"}))
+    (h100 / "provenance.json").write_text(json.dumps({"date_utc": "2026-01-04T00:00:00+00:00",
+                                                      "device": "NVIDIA H100 80GB HBM3"}))
     assert stabiliser_speeds(h200.parent.parent) == ({"BF16, compiled": (140_000.0, "bf16_gated"),
                                                       "FP32, compiled": (90_000.0, "fp32_gated")}, 2)
     assert stabiliser_plan(["bf16_qkclip"], root=tmp_path / "nothing") == ""

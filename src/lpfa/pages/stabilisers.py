@@ -42,7 +42,7 @@ from lpfa.experiments import (
 )
 from lpfa.experiments import rows as rows_of
 from lpfa.mechanism import error_persistence
-from lpfa.pages import RERUN_PAGE, and_join, plural
+from lpfa.pages import RERUN_PAGE, and_join, gpu_name, plural
 from lpfa.pages.loss_explosion import recipe_fates
 from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
@@ -378,12 +378,14 @@ def _speed_key(attn_policy: str, compile_: bool, optimizer: str = "adamw") -> st
 
 def stabiliser_speeds(root=None):
     """Tokens/s of each committed stabiliser run while it shared one H200 with others: its steps × tokens per step over
-    its wall time (compilation, evaluations and checkpoints included), from the launches on one H200 (folders named
-    ``h200-<date>``; an H100's runs would mix two GPUs' speeds) with the most runs. Returns ``(speeds, sharing)``:
+    its wall time (compilation, evaluations and checkpoints included), from the launches on one H200 (their
+    ``provenance.json``'s ``device``; an H100's runs would mix two GPUs' speeds) with the most runs. Returns
+    ``(speeds, sharing)``:
     ``{key: (tokens/s, run label)}`` per :func:`_speed_key` (the latest run of that key) and the number of runs those
     launches shared the GPU between. ``({}, 0)`` without such a launch."""
     try:
-        folders = [f for f in launches("stabilisers", root) if f.name.startswith("h200-")]
+        folders = [f for f in launches("stabilisers", root)
+                   if gpu_name(json.loads((f / "provenance.json").read_text()).get("device", "")) == "H200"]
     except FileNotFoundError:
         return {}, 0
     by_launch = {f: [Run(d) for d in sorted(f.iterdir()) if (d / "summary.json").is_file()] for f in folders}
