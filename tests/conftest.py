@@ -17,6 +17,16 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(var, str(kernel_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
+def full_throughput_run() -> Path:
+    """The latest committed benchmarks/train_throughput.py run of every backend (no --rows in its recorded command),
+    the run pages 06 and 13 read; found here from the files, apart from lpfa.pages.training.throughput_runs."""
+    import json
+
+    done = sorted((ROOT / "results" / "train_throughput").iterdir(),
+                  key=lambda d: json.loads((d / "provenance.json").read_text())["date_utc"])
+    return [d for d in done if "--rows" not in json.loads((d / "provenance.json").read_text())["command"]][-1]
+
+
 @pytest.fixture(scope="session")
 def executed_notebook(tmp_path_factory):
     """``executed_notebook(nb)``: notebook ``nb`` executed at the `small` profile, once per test run whatever the

@@ -9,8 +9,8 @@ import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import full_throughput_run
 
-from lpfa import results
 from lpfa.explosion import ExplosionCriterion
 from lpfa.pages.loss_explosion import (
     cost_text,
@@ -185,7 +185,7 @@ def test_cost_text_from_the_committed_speeds(fig2):
     runs = fig2[0]
     speeds = committed_speed("compile_throughput")
     text = cost_text(speeds, runs, None, 30_000)
-    latest = results.runs("train_throughput")[-1]  # the latest by date, as the page takes it
+    latest = full_throughput_run()  # the latest by date of every backend, as the page takes it
     tps = _json(latest / "summary.json")["backends"]["lpfa_paper"]["tokens_per_s"]
     gpu = _json(latest / "provenance.json")["device"].split("NVIDIA ")[1].split()[0]  # "H100", "H200"
     assert f"tokens/s on one {gpu} (GPT-2 S, eager, `results/train_throughput/{latest.name}`)" in text

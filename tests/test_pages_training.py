@@ -5,6 +5,7 @@ import tempfile
 
 import matplotlib
 import pytest
+from conftest import full_throughput_run
 
 from lpfa import results
 from lpfa.pages import training as tr
@@ -80,7 +81,8 @@ def test_train_smoke_rejects_an_unknown_policy(tmp_path):
 
 
 def test_throughput_notes_name_the_committed_run_and_its_twin():
-    latest = results.runs("train_throughput")[-1]
+    """The notes read the latest run of every backend; a later run of some rows gets its own sentence."""
+    latest = full_throughput_run()
     prov = json.loads((latest / "provenance.json").read_text())
     tput = json.loads((latest / "throughput.json").read_text())
     table = tr.committed_throughput()
@@ -90,8 +92,42 @@ def test_throughput_notes_name_the_committed_run_and_its_twin():
     r = tput["lpfa_fa2_compiled"]["tokens_per_s"] / tput["sdpa_compiled"]["tokens_per_s"]
     assert f"`fa2` at {r:.3f}×" in notes["tput_text"]
     assert notes["twin_text"].startswith("`fp32_split` trains GPT-2 S at compiled ")
+    later = results.runs("train_throughput")
+    later = later[later.index(latest) + 1:]
+    assert (notes["tput_later"] == "") == (not later)
+    for run in later:
+        t = json.loads((run / "throughput.json").read_text())
+        assert f"A later run, `{run.name}` (one " in notes["tput_later"]
+        if "lpfa_fa2_compiled" in t and "sdpa_compiled" in t:
+            r = t["lpfa_fa2_compiled"]["tokens_per_s"] / t["sdpa_compiled"]["tokens_per_s"]
+            assert f"`fa2` at {r:.3f}×" in notes["tput_later"]
     shown = tr.throughput_display(table)  # a Styler, or Tables when its columns are split to fit the page
     assert all(len(part.data) == len(tput) for part in getattr(shown, "parts", [shown]))
+
+
+def test_throughput_runs_read_the_latest_run_of_every_backend(tmp_path):
+    """A run made with --rows (only some backends) never becomes the pages' run, whatever its date: it is a later run,
+    with its own sentence; a root of such runs only is a one-line FileNotFoundError."""
+    def run(name, date, rows=None):
+        d = tmp_path / "train_throughput" / name
+        d.mkdir(parents=True)
+        cmd = "python3 benchmarks/train_throughput.py --out /tmp/x --compile" + (f" --rows {rows}" if rows else "")
+        (d / "provenance.json").write_text(json.dumps({"date_utc": date, "command": cmd, "git_commit": "abcdef0123",
+                                                       "device": "NVIDIA H100 80GB HBM3"}))
+        (d / "throughput.json").write_text(json.dumps({"sdpa_compiled": {"tokens_per_s": 400.0},
+                                                       "lpfa_fa2_compiled": {"tokens_per_s": 380.0}}))
+        return d
+
+    only = run("h100-2026-01-01", "2026-01-01T00:00:00+00:00", "sdpa_compiled,lpfa_fa2_compiled")
+    with pytest.raises(FileNotFoundError, match="no run of every backend"):
+        tr.throughput_runs(root=tmp_path)
+    full = run("h100-2026-01-02", "2026-01-02T00:00:00+00:00")
+    later = run("h100-2026-01-03", "2026-01-03T00:00:00+00:00", "sdpa_compiled,lpfa_fa2_compiled")
+    assert tr.timed_rows(later) == ["sdpa_compiled", "lpfa_fa2_compiled"] and tr.timed_rows(full) is None
+    assert tr.throughput_runs(root=tmp_path) == (full, [later]) and only not in tr.throughput_runs(root=tmp_path)[1]
+    text = tr.later_throughput_text([later], root=tmp_path)
+    assert text.startswith("A later run, `h100-2026-01-03` (one H100, commit `abcdef0`), timed only `sdpa_compiled`, "
+                           "`lpfa_fa2_compiled`; in it, compiled, GPT-2 S trains with `fa2` at 0.950×")
 
 
 def test_fp32_attention_runs_count_runs_whose_every_layer_is_fp32(tmp_path):

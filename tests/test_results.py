@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import ROOT
+from conftest import ROOT, full_throughput_run
 
 from lpfa import results
 
@@ -488,6 +488,11 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
     assert text["sfa"].startswith(f"{min(long_sfa):+.1%} to {max(long_sfa):+.1%}, ")
     assert ("within" in text["sfa"]) == (max(long_sfa) <= 0.05)
     assert ("within" in shapes_text(shapes, -1.0)["sfa"]) is False
+    longest = max(x["T"] for x in shapes["rows"])
+    up = {r[(longest, 64, n)]["ratio_to_sdpa_flash"] > r[(1024, 64, n)]["ratio_to_sdpa_flash"]
+          for n in ("fa2", "paper")}
+    assert text["trend"] == {frozenset({True}): "rise", frozenset({False}): "fall"}.get(frozenset(up), "move apart") \
+        + f" from T = 1,024 to T = {longest:,}"
     data = results.load("attention_benchmark", "overhead.json")
     o = overhead_text(overhead_table(data))
     fa2 = data["rows"]["fa2/fwd_bwd"]
@@ -619,7 +624,7 @@ def test_throughput_text_reads_the_committed_training_run():
     ≥ 0.9×)."""
     from lpfa.pages.training import TRAIN_GOALS, throughput_table, throughput_text
 
-    tput = results.load("train_throughput", "throughput.json")
+    tput = results.load("train_throughput", "throughput.json", full_throughput_run().name)
     t = throughput_table(tput)
     assert t.loc["sdpa", "ratio to SDPA"] == 1.0
     text = throughput_text(t)
@@ -797,7 +802,7 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
     each against float64, recomputed from the committed files."""
     from lpfa.pages.training import throughput_table, twin_text
 
-    tput = results.load("train_throughput", "throughput.json")
+    tput = results.load("train_throughput", "throughput.json", full_throughput_run().name)
     error = results.load("attention_benchmark", "error.json")
     text = twin_text(throughput_table(tput), error)
     r = tput["lpfa_fp32_split_compiled"]["tokens_per_s"] / tput["sdpa_fp32_compiled"]["tokens_per_s"]

@@ -593,7 +593,8 @@ class Launch:
 # * D <= 64: an H200 at GPT-2 shapes, B 16, H 12, T 1,024 (results/attention_tuning/h200-2026-12-01);
 # * D = 128: an H100 at B 16, H 6, T 1,024 (results/attention_tuning/h100-2026-12-06-d128): 213 TFLOP/s for fa2's
 #   forward at 128 x 128 against 142 at 64 x 64; the backward's 32-row query tiles as in Triton's fused-attention
-#   tutorial (fa2: 136 against 99-117 at 64 x 64; paper: 108 against 87-102).
+#   tutorial (fa2: 136 against 99-117 at 64 x 64; paper: 108 against 87-102). On the GPU they pass the D = 128 cases of
+#   tests/test_attention_gpu.py (results/attention_gpu_tests/h100-2026-12-07-d128).
 LAUNCHES = {
     ("forward", True, 64): Launch(64, 128, 4, 3),
     ("forward", False, 64): Launch(64, 64, 4, 3),

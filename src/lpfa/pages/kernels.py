@@ -518,7 +518,8 @@ def full_shapes_table():
 
 
 def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dict[str, str]:
-    """Page 12's clauses from ``shapes.json``: ``ratios``, ``fa2``'s and ``paper``'s forward+backward ratio to
+    """Page 12's clauses from ``shapes.json``: ``trend``, whether ``fa2``'s and ``paper``'s ratios rise or fall from
+    T = 1,024 to the longest T; ``ratios``, ``fa2``'s and ``paper``'s forward+backward ratio to
     SDPA-flash at T = 4,096, at the longest T (D = 64) and at D = 128, T = 1,024; ``sfa``, the range of the SFA
     presets' cost over their base at T ≥ 4,096 and whether it is within ``sfa_goal`` (a fraction); with ``goals``
     (``{impl: ratio}``), ``goals``: the shapes at which each one meets its goal, and its worst ratio elsewhere."""
@@ -527,7 +528,11 @@ def shapes_text(shapes: dict, sfa_goal: float, goals: dict | None = None) -> dic
     longest = int(sh["T"].max())
     long_sfa = pd.Series([o["fwd_bwd"] for o, t in zip(sh["sfa_overhead"], sh["T"])
                           if isinstance(o, dict) and t >= 4096])
+    # from T = 1,024 to the longest T (D = 64): both ratios up, both down, or one of each
+    moves = {ratio[(longest, 64, impl)] > ratio[(1024, 64, impl)] for impl in ("fa2", "paper")}
     return {
+        "trend": ("rise" if moves == {True} else "fall" if moves == {False} else "move apart")
+        + f" from T = 1,024 to T = {longest:,}",
         "ratios": (f"at T = 4,096 `fa2` runs at {ratio[(4096, 64, 'fa2')]:.2f}× SDPA-flash and `paper` at "
                    f"{ratio[(4096, 64, 'paper')]:.2f}×; at T = {longest:,} at {ratio[(longest, 64, 'fa2')]:.2f}× and "
                    f"{ratio[(longest, 64, 'paper')]:.2f}×; at D = 128 (T = 1,024) at "
@@ -562,10 +567,12 @@ def _goals_clause(sh: pd.DataFrame, goals: dict) -> str:
 
 
 def shapes_notes(shapes: dict, targets: dict = TARGETS) -> dict[str, str]:
-    """:func:`shapes_text` against the page's ``targets`` under the page's names: ``shape_long`` (the ratios),
-    ``shape_sfa`` (SFA's cost at T ≥ 4,096) and ``shape_goals`` (where ``fa2``'s and ``paper``'s goals are met)."""
+    """:func:`shapes_text` against the page's ``targets`` under the page's names: ``shape_trend`` (whether the ratios
+    rise or fall with T), ``shape_long`` (the ratios), ``shape_sfa`` (SFA's cost at T ≥ 4,096) and ``shape_goals``
+    (where ``fa2``'s and ``paper``'s goals are met)."""
     text = shapes_text(shapes, targets["SFA cost"], {k: targets[k] for k in ("fa2", "paper")})
-    return {"shape_long": text["ratios"], "shape_sfa": text["sfa"], "shape_goals": text["goals"]}
+    return {"shape_trend": text["trend"], "shape_long": text["ratios"], "shape_sfa": text["sfa"],
+            "shape_goals": text["goals"]}
 
 
 HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names

@@ -30,6 +30,7 @@ from lpfa.experiments import DESCRIPTIONS, EXPERIMENTS
 from lpfa.explosion import ExplosionCriterion, RunawayCriterion
 from lpfa.launch import run_experiment
 from lpfa.pages import RERUN_PAGE, VERDICT_WORDS, and_join, capital, gpu_name, plural, setting_of
+from lpfa.pages.training import throughput_runs
 from lpfa.params import boolean, dict_of, integer, optional, real, text
 from lpfa.paths import results_dir
 from lpfa.plotting import color_of, dash_of, use_style
@@ -751,7 +752,7 @@ def cost_text(speeds: pd.DataFrame, runs: dict, repro_runs: dict | None = None, 
     GPT-2 S speed (``results/<throughput>``), against the wall time of the Fig. 2 BF16 twin (``runs``)."""
     t = Run(repro_runs["bf16"]).train if repro_runs else PRESETS["repro"]
     minutes = {k: wall_minutes(target_steps, v, t) for k, v in speeds["median tokens/s"].items()}
-    g_run = run_dir(throughput, None, root)
+    g_run = throughput_runs(throughput, root)[0]  # a run of every backend: the eager `paper` row
     g_tps = json.loads((g_run / "summary.json").read_text())["backends"]["lpfa_paper"]["tokens_per_s"]
     g_gpu = gpu_name(json.loads((g_run / "provenance.json").read_text())["device"])
     gp, pp = PRESETS["gpt2-s"], PRESETS["gpt2-s-paper"]

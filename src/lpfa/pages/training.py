@@ -12,6 +12,7 @@ speed and in error against float64 (:func:`twin_text`).
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from lpfa.pages import gpu_name
 from lpfa.params import boolean, integer, optional, text
 from lpfa.plotting import format_table, use_style
 from lpfa.results import experiment_rows, experiments, load, run_dir
+from lpfa.results import runs as result_runs
 from lpfa.run import Run, layer_precision, load_metrics
 from lpfa.train import PRESETS, make_config
 
@@ -207,19 +209,56 @@ def fp32_attention_text(found: dict[str, list[str]]) -> str:
                      for label, exps in found.items())
 
 
+THROUGHPUT = "train_throughput"  # results/<THROUGHPUT>/<run>: benchmarks/train_throughput.py's runs
+
+
+def timed_rows(run: Path) -> list[str] | None:
+    """The rows a ``benchmarks/train_throughput.py`` run was asked to time (its command's ``--rows``, as its
+    ``provenance.json`` records the command), None where it timed every backend."""
+    found = re.search(r"--rows[ =](\S+)", json.loads((run / "provenance.json").read_text()).get("command", ""))
+    return found.group(1).split(",") if found else None
+
+
+def throughput_runs(experiment: str = THROUGHPUT, root=None) -> tuple[Path, list[Path]]:
+    """The training-throughput run the pages read (``results/<experiment>``), the latest committed one that timed
+    every backend (no ``--rows``: the page's table, the FP32 twin and the eager speeds need them all), and the later
+    runs that timed only some rows (:func:`timed_rows`), oldest first. Raises FileNotFoundError without a run of every
+    backend."""
+    done = result_runs(experiment, root)
+    full = [r for r in done if timed_rows(r) is None]
+    if not full:
+        raise FileNotFoundError(f"results/{experiment} has no run of every backend (runs: {[r.name for r in done]})")
+    return full[-1], done[done.index(full[-1]) + 1:]
+
+
 def committed_throughput():
-    """:func:`throughput_table` of the latest committed ``benchmarks/train_throughput.py`` run."""
-    return throughput_table(load("train_throughput", "throughput.json"))
+    """:func:`throughput_table` of the latest committed ``benchmarks/train_throughput.py`` run of every backend
+    (:func:`throughput_runs`)."""
+    return throughput_table(load(THROUGHPUT, "throughput.json", throughput_runs()[0].name))
+
+
+def later_throughput_text(later: list[Path], experiment: str = THROUGHPUT, root=None) -> str:
+    """One sentence per later run of only some rows (:func:`throughput_runs`): its GPU, commit and
+    :func:`throughput_text` of its rows; "" without one."""
+    out = []
+    for run in later:
+        prov = load(experiment, "provenance.json", run.name, root)
+        table = throughput_table(load(experiment, "throughput.json", run.name, root))
+        out.append(f"A later run, `{run.name}` (one {gpu_name(prov['device'])}, commit `{prov['git_commit'][:7]}`), "
+                   f"timed only {', '.join(f'`{r}`' for r in table.index)}; in it, {throughput_text(table)}.")
+    return " ".join(out)
 
 
 def throughput_notes(table) -> dict[str, str]:
-    """The committed training-throughput run in words: ``tput_text`` (:func:`throughput_text` of ``table``),
-    ``tput_run``, ``tput_env`` (its device, torch and commit) and ``tput_gpu`` ("one H100"), and ``twin_text``
-    (:func:`twin_text` against
-    the attention benchmark's latest ``error.json``), and ``fp32_runs_text`` (:func:`fp32_attention_text`)."""
-    prov = load("train_throughput", "provenance.json")
-    return {"tput_text": throughput_text(table),
-            "tput_run": f"`{run_dir('train_throughput').name}`",
+    """The committed training-throughput run of every backend (:func:`throughput_runs`) in words: ``tput_text``
+    (:func:`throughput_text` of ``table``), ``tput_run``, ``tput_env`` (its device, torch and commit) and ``tput_gpu``
+    ("one H100"), ``tput_later`` (:func:`later_throughput_text`: later runs of some rows), ``twin_text``
+    (:func:`twin_text` against the attention benchmark's latest ``error.json``) and ``fp32_runs_text``
+    (:func:`fp32_attention_text`)."""
+    run, later = throughput_runs()
+    prov = load(THROUGHPUT, "provenance.json", run.name)
+    return {"tput_text": throughput_text(table), "tput_later": later_throughput_text(later),
+            "tput_run": f"`{run.name}`",
             "tput_env": f"{prov['device']}, torch {prov['torch']}, commit `{prov['git_commit']}`",
             "tput_gpu": f"one {gpu_name(prov['device'])}",
             "twin_text": twin_text(table, load("attention_benchmark", "error.json")),
@@ -229,7 +268,7 @@ def throughput_notes(table) -> dict[str, str]:
 def throughput_display(table):
     """:func:`throughput_table` as the page shows it: tokens/s (on the committed run's GPU), MFU, the ratio to SDPA (and
     to SDPA-flash where the run has it) and peak memory per backend."""
-    gpu = gpu_name(load("train_throughput", "provenance.json")["device"])
+    gpu = gpu_name(load(THROUGHPUT, "provenance.json", throughput_runs()[0].name)["device"])
     flash = ["ratio to SDPA-flash"] if "ratio to SDPA-flash" in table else []
     cols = ["tokens_per_s", "mfu", "ratio to SDPA", *flash, "peak_mem_gib"]
     return format_table(table[cols].astype(float),
