@@ -168,6 +168,10 @@ def test_shapes_notes_state_each_goal_shape_by_shape():
         assert f"`{impl}` (≥ {kn.TARGETS[impl]:g}×) meets its goal at {len(met)} of {len(rows)} shapes" in \
             notes["shape_goals"]
     assert notes["shape_long"].startswith("at T = 4,096 `fa2` runs at ")
+    measured = [d for d in results.runs("attention_benchmark") if (d / "shapes.json").is_file()][-1]
+    prov = json.loads((measured / "provenance.json").read_text())
+    assert notes["shape_run"] == f"run `{measured.name}` on one {prov['device'].split('NVIDIA ')[1].split()[0]}, " \
+        f"commit `{prov['git_commit'][:7]}`"
 
 
 def test_host_runs_are_every_committed_host_overhead_run():

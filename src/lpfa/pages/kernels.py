@@ -566,13 +566,17 @@ def _goals_clause(sh: pd.DataFrame, goals: dict) -> str:
     return "; ".join(parts)
 
 
-def shapes_notes(shapes: dict, targets: dict = TARGETS) -> dict[str, str]:
+def shapes_notes(shapes: dict, targets: dict = TARGETS, run: str | None = None) -> dict[str, str]:
     """:func:`shapes_text` against the page's ``targets`` under the page's names: ``shape_trend`` (whether the ratios
     rise or fall with T), ``shape_long`` (the ratios), ``shape_sfa`` (SFA's cost at T ≥ 4,096) and ``shape_goals``
-    (where ``fa2``'s and ``paper``'s goals are met)."""
+    (where ``fa2``'s and ``paper``'s goals are met); ``shape_run``: the run that measured them
+    (:func:`bench_run_of` ``run``), its GPU and commit, since it need not be the speed table's."""
     text = shapes_text(shapes, targets["SFA cost"], {k: targets[k] for k in ("fa2", "paper")})
+    folder = bench_run_of("shapes.json", run)
+    prov = load(EXPERIMENT, "provenance.json", folder.name)
     return {"shape_trend": text["trend"], "shape_long": text["ratios"], "shape_sfa": text["sfa"],
-            "shape_goals": text["goals"]}
+            "shape_goals": text["goals"], "shape_run": f"run `{folder.name}` on one {gpu_name(prov['device'])}, "
+                                                      f"commit `{str(prov['git_commit'])[:7]}`"}
 
 
 HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names
@@ -809,6 +813,6 @@ def page_texts(p: KernelsPage) -> dict[str, str]:
     """Every sentence and number page 12 glues into its prose, by name, from :func:`load_page`."""
     return {**provenance_notes(p.run), **speed_notes(p.bench),
             "speed_partial": partial_speed_text(partial_runs(p.run)), **overhead_notes(p.overhead, p.run),
-            "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes),
+            "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes, run=p.run),
             **ncu_notes(p.ncu, p.ncu_table, p.ncu_run), **sfa_overhead_notes(p.sfa, p.sfa_run),
             **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run), **full_table_notes()}
