@@ -256,3 +256,6 @@ def test_tuning_notes_read_the_latest_sweep():
     assert notes["sweep_run"] == f"`{sweeps[-1].name}`"
     assert notes["sweep_fa2"].startswith(f"{fwd / sdpa['fwd_tflops']:.2f}× forward")
     assert notes["sweep_vs_op"].startswith("The ")
+    speed = [d for d in results.runs("attention_benchmark") if (d / "bench.json").is_file()
+             and json.loads((d / "bench.json").read_text()).get("complete", True)][-1]  # the speed table's run
+    assert f"(`{speed.name}`" in notes["sweep_vs_op"]

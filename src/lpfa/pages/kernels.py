@@ -317,7 +317,7 @@ def tuning_notes(best, run: str | None = None) -> dict[str, str]:
         return "forward" if p == "fwd" else "backward"
 
     sweep_dir = run_dir("attention_tuning", name)
-    op_dir = run_dir(EXPERIMENT, run)
+    op_dir = bench_run_of("bench.json", run)  # the speed table's run (a later run may hold only some parts)
     op_commit = load(EXPERIMENT, "provenance.json", op_dir.name)["git_commit"][:7]
     sweep_commit = json.loads((sweep_dir / "provenance.json").read_text())["git_commit"][:7]
     if op_commit == sweep_commit:
