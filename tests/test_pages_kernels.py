@@ -159,6 +159,30 @@ def test_overhead_notes_name_the_run_that_measured_the_overhead():
     assert notes["ovh_gpu_ratio"].startswith(f"{sdpa / fa2['gpu_us']:.2f}× for `fa2`")
 
 
+def test_short_sfa_spread_ranges_over_every_shapes_run(tmp_path):
+    """The T = 1,024 SFA cell, per SFA preset, as its range over the runs that hold shapes.json (runs without one and
+    other shapes left out); "" where no run times it."""
+    def run(name, date, fa2, paper=None):
+        d = tmp_path / "attention_benchmark" / name
+        d.mkdir(parents=True)
+        (d / "provenance.json").write_text(json.dumps({"date_utc": date}))
+        if fa2 is None:
+            return
+        rows = [{"T": 1024, "D": 64, "impl": "fa2_sfa", "sfa_overhead": {"fwd_bwd": fa2}},
+                {"T": 4096, "D": 64, "impl": "fa2_sfa", "sfa_overhead": {"fwd_bwd": 0.9}},
+                {"T": 1024, "D": 64, "impl": "fa2", "sfa_overhead": None}]
+        if paper is not None:
+            rows.append({"T": 1024, "D": 64, "impl": "paper_sfa", "sfa_overhead": {"fwd_bwd": paper}})
+        (d / "shapes.json").write_text(json.dumps({"rows": rows}))
+
+    run("h100-2026-01-01", "2026-01-01T00:00:00+00:00", None)
+    assert kn.short_sfa_spread(tmp_path) == ""
+    run("h100-2026-01-02", "2026-01-02T00:00:00+00:00", 0.22, 0.01)
+    run("h200-2026-01-03", "2026-01-03T00:00:00+00:00", -0.2, -0.05)
+    assert kn.short_sfa_spread(tmp_path) == ("over the 2 committed shapes runs it ranged from -20% to +22% for "
+                                             "`fa2_sfa` and -5% to +1% for `paper_sfa`")
+
+
 def test_shapes_notes_state_each_goal_shape_by_shape():
     shapes = kn.bench_file("shapes.json")
     notes = kn.shapes_notes(shapes)

@@ -566,17 +566,37 @@ def _goals_clause(sh: pd.DataFrame, goals: dict) -> str:
     return "; ".join(parts)
 
 
+def short_sfa_spread(root=None) -> str:
+    """SFA's forward+backward cost over its base at T = 1,024, D = 64 in every committed ``shapes.json``
+    (``results/attention_benchmark``), per SFA preset as a range over the runs: how far that one cell moves between
+    runs of the same benchmark. "" without a run that times it."""
+    found: dict[str, list[float]] = {}
+    for folder in result_runs(EXPERIMENT, root):
+        if not (folder / "shapes.json").is_file():
+            continue
+        for r in load(EXPERIMENT, "shapes.json", folder.name, root)["rows"]:
+            if (r["T"], r["D"]) == (1024, 64) and isinstance(r.get("sfa_overhead"), dict):
+                found.setdefault(r["impl"], []).append(r["sfa_overhead"]["fwd_bwd"])
+    if not found:
+        return ""
+    n = max(len(v) for v in found.values())
+    return (f"over the {n} committed shapes runs it ranged from "
+            + and_join([f"{min(v):+.0%} to {max(v):+.0%} for `{impl}`" for impl, v in found.items()]))
+
+
 def shapes_notes(shapes: dict, targets: dict = TARGETS, run: str | None = None) -> dict[str, str]:
     """:func:`shapes_text` against the page's ``targets`` under the page's names: ``shape_trend`` (whether the ratios
     rise or fall with T), ``shape_long`` (the ratios), ``shape_sfa`` (SFA's cost at T ≥ 4,096) and ``shape_goals``
     (where ``fa2``'s and ``paper``'s goals are met); ``shape_run``: the run that measured them
-    (:func:`bench_run_of` ``run``), its GPU and commit, since it need not be the speed table's."""
+    (:func:`bench_run_of` ``run``), its GPU and commit, since it need not be the speed table's;
+    ``shape_sfa_short``: :func:`short_sfa_spread`."""
     text = shapes_text(shapes, targets["SFA cost"], {k: targets[k] for k in ("fa2", "paper")})
     folder = bench_run_of("shapes.json", run)
     prov = load(EXPERIMENT, "provenance.json", folder.name)
     return {"shape_trend": text["trend"], "shape_long": text["ratios"], "shape_sfa": text["sfa"],
             "shape_goals": text["goals"], "shape_run": f"run `{folder.name}` on one {gpu_name(prov['device'])}, "
-                                                      f"commit `{str(prov['git_commit'])[:7]}`"}
+                                                      f"commit `{str(prov['git_commit'])[:7]}`",
+            "shape_sfa_short": short_sfa_spread()}
 
 
 HOST_LAYERS = {  # benchmarks/host_overhead.py's rows, in the order of the call's layers, with page 12's names
