@@ -68,8 +68,9 @@ def main(argv=None) -> int:
         for label, pol, cp in VARIANTS:
             base = pol.removesuffix("_sfa")
             t, tb = min(ms[label]), min(ms[base])
-            launch = default_launch("forward", get_policy(pol), D)  # the tiles flash_forward ran with
-            _, tile, tiles = policy_tiles(get_policy(pol).block_k, T, launch.block_n)
+            policy = get_policy(pol)
+            launch = default_launch("forward", policy, D)  # the tiles flash_forward ran with
+            _, tile, tiles = policy_tiles(policy.block_k, T, launch.block_n)
             rows.append({"B": B, "H": H, "T": T, "D": D, "variant": label, "preset": pol, "sfa_count_pass": cp,
                          "ms": ms[label], "tflops": fwd_flops(B, H, T, D) / t / 1e9,
                          "over_base": None if label == base else t / tb - 1,

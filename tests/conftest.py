@@ -1,3 +1,4 @@
+import json
 import os
 from pathlib import Path
 
@@ -20,8 +21,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def full_throughput_run() -> Path:
     """The latest committed benchmarks/train_throughput.py run of every backend (no --rows in its recorded command),
     the run pages 06 and 13 read; found here from the files, apart from lpfa.pages.training.throughput_runs."""
-    import json
-
     done = sorted((ROOT / "results" / "train_throughput").iterdir(),
                   key=lambda d: json.loads((d / "provenance.json").read_text())["date_utc"])
     return [d for d in done if "--rows" not in json.loads((d / "provenance.json").read_text())["command"]][-1]
@@ -110,7 +109,6 @@ def write_diag_run(root, name, logits, ties, wq, backend="lpfa", policy="paper",
     layer 1 head 2 carries ``logits``, ``ties`` and ``wq`` at diagnostics steps 0, 100, ...; every other head 1.0
     (ties 0). The loss is ``losses`` per step (default 3.0 for every step up to the last diagnostics)."""
     import gzip
-    import json
 
     from lpfa.model import GPTConfig
 
