@@ -1,17 +1,18 @@
 """What limits each attention kernel: Nsight Compute's counters for one forward+backward.
 
 For SDPA-flash (the FlashAttention-2 kernel that ``fa2`` emulates) and each lpfa preset, one call of forward+backward
-at GPT-2 shapes (B=16, H=12, T=1024, D=64, causal, BF16) runs under ``ncu`` after two warm-up calls (Triton compiles
-there), and every kernel of that call is profiled: its duration, compute and memory throughput as a share of the
-H200's peak (speed of light), achieved occupancy, registers per thread, the busiest pipes, and the warp stall reasons
-per issued instruction. ``lpfa.pages.kernels.ncu_table`` reads the result into page 12's table.
+at GPT-2 shapes (B=16, H=12, T=1024, D=64, causal, BF16; ``--shape`` for another) runs under ``ncu`` after two
+warm-up calls (Triton compiles there), and every kernel of that call is profiled: its duration, compute and memory
+throughput as a share of the GPU's peak (speed of light), achieved occupancy, registers per thread, the busiest pipes,
+and the warp stall reasons per issued instruction.
+``lpfa.pages.kernels.ncu_table`` reads the result into page 12's table.
 
 ``ncu`` runs with ``--clock-control none`` (the device guide: leave the clocks alone), so durations are at the clocks
 the GPU runs at, and each kernel is replayed once per counter pass; the durations are ncu's, not the benchmark's.
 
 Usage::
 
-    python benchmarks/ncu_attention.py --out DIR [--targets sdpa_flash,fa2,paper] [--ncu PATH]
+    python benchmarks/ncu_attention.py --out DIR [--targets sdpa_flash,fa2,paper] [--shape B,H,T,D] [--ncu PATH]
 
 Writes ``DIR/<target>.csv`` (ncu's raw page), ``DIR/ncu.json`` (target → kernels → metrics, by
 :func:`lpfa.attention.ncu.parse_ncu_csv`), ``DIR/ncu.log`` and ``DIR/provenance.json``.
@@ -38,12 +39,21 @@ SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "Compu
 SHAPE = dict(B=16, H=12, T=1024, D=64)
 
 
-def child(target: str) -> None:
-    """One profiled forward+backward of ``target`` (``sdpa_flash`` or an lpfa preset), between cudaProfilerStart/Stop
-    so that ncu (``--profile-from-start off``) sees only that call's kernels."""
+def parse_shape(text: str) -> dict:
+    """``"B,H,T,D"`` (four positive integers) as a dict like :data:`SHAPE`; a one-line error otherwise."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"ncu_attention: --shape {text!r}: expected four positive integers B,H,T,D "
+                         "(e.g. 16,12,1024,64)")
+    return dict(zip(SHAPE, map(int, parts)))
+
+
+def child(target: str, shape: dict) -> None:
+    """One profiled forward+backward of ``target`` (``sdpa_flash`` or an lpfa preset) at ``shape``, between
+    cudaProfilerStart/Stop so that ncu (``--profile-from-start off``) sees only that call's kernels."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    B, H, T, D = SHAPE.values()
+    B, H, T, D = shape.values()
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(B, H, T, D, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
@@ -81,10 +91,13 @@ def main():
     p.add_argument("--targets", default="sdpa_flash,fa2,paper")
     p.add_argument("--ncu", default=None,
                    help="path of the ncu executable (default: found on PATH or under /opt/nvidia)")
+    p.add_argument("--shape", default=",".join(map(str, SHAPE.values())),
+                   help="B,H,T,D of the profiled call (default GPT-2's: %(default)s)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
+    shape = parse_shape(a.shape)
     if a.child:
-        return child(a.child)
+        return child(a.child, shape)
     if not a.out:
         p.error("--out DIR is required")
     ncu = find_ncu(a.ncu)
@@ -96,7 +109,7 @@ def main():
         cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--csv", "--page", "raw",
                "--print-units", "base", "--print-kernel-base", "function",
                "--log-file", str(csv), *[x for s in SECTIONS for x in ("--section", s)],
-               sys.executable, __file__, "--child", target]
+               sys.executable, __file__, "--child", target, "--shape", a.shape]
         print("$", " ".join(cmd), flush=True)
         r = subprocess.run(cmd, capture_output=True, text=True)
         log.append(f"$ {' '.join(cmd)}\n{r.stdout}\n{r.stderr}\nexit {r.returncode}\n")
@@ -109,7 +122,7 @@ def main():
                   f"mem {m['mem_pct']:5.1f}%  stall {m['top_stall']}", flush=True)
     (out / "ncu.log").write_text("\n".join(log))
     (out / "ncu.json").write_text(json.dumps(result, indent=1))
-    write_json(out / "provenance.json", provenance(config={**SHAPE, "targets": a.targets.split(","),
+    write_json(out / "provenance.json", provenance(config={**shape, "targets": a.targets.split(","),
                                                            "sections": list(SECTIONS), "ncu": ncu}))
 
 
