@@ -217,6 +217,10 @@ def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe()
     assert notes["ncu_tensor"] == f"{max(round(m['tensor_pct'], 2) for m in big):.0f}%"
     assert (notes["ncu_min_us"], notes["ncu_big_us"], notes["ncu_bound_pct"]) == ("5 µs", "100 µs", "60%")
     assert list(table[kn.NCU_SHOWN].columns) == kn.NCU_SHOWN
+    config = json.loads((folder / "provenance.json").read_text())["config"]
+    assert f"T = {config['T']:,}" in notes["ncu_shape"] and f"D = {config['D']}" in notes["ncu_shape"]
+    assert notes["ncu_shape"].startswith("GPT-2 shapes") == ([config[k] for k in "BHTD"] == [16, 12, 1024, 64])
+    assert notes["ncu_targets"].count("`") == 2 * sum(t != "sdpa_flash" for t in config["targets"])
     # the passes said to execute more instructions than SDPA-flash's: exactly those with a ratio above 1
     ratios = kn.ncu_passes(table)["M instructions × sdpa_flash"].drop("sdpa_flash", level="target")
     for (target, p), r in ratios.items():

@@ -272,7 +272,7 @@ def memory_notes(memory: dict, run: str | None = None) -> dict[str, str]:
             **{f"mem_growth_{name}": f"{peak(name, Ts[-1]) / peak(name, Ts[0]):.1f}" for name in ("fa2", "fp32")}}
 
 
-GPT2_SWEEP = [16, 12, 1024, 64]  # benchmarks/tune_attention.py's default shape
+GPT2_SWEEP = [16, 12, 1024, 64]  # B, H, T, D: GPT-2 S at batch 16, tune_attention.py's and ncu_attention.py's default
 
 
 def tuning_best(tune: dict):
@@ -651,6 +651,9 @@ def load_ncu():
     return {t: parse_ncu_csv((folder / f"{t}.csv").read_text()) for t in prov["config"]["targets"]}, folder
 
 
+TARGET_NAMES = {"sdpa_flash": "SDPA-flash"}  # a profiled target as the page names it (an lpfa preset: `name`)
+
+
 def ncu_table(ncu: dict, min_us: float = NCU_MIN_US):
     """``benchmarks/ncu_attention.py``'s kernels (target → parsed kernels, as in ``ncu.json``) as one row per (target,
     kernel) of at least ``min_us``: its pass (:func:`lpfa.attention.ncu.kernel_pass`), µs, millions of instructions,
@@ -747,7 +750,8 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     launch reads, :data:`lpfa.attention.triton_common.REDO_TILES`), ``ncu_more`` (the lpfa passes that execute more
     instructions than SDPA-flash's, with the multiple); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
     clause: those bound by compute or memory), ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of
-    peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``."""
+    peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``; ``ncu_shape`` (the profiled call's B, H,
+    T, D, and "GPT-2 shapes" where they are :data:`GPT2_SWEEP`) and ``ncu_targets`` (what was profiled)."""
     from lpfa.attention.triton_common import REDO_TILES  # here: importing it imports Triton
 
     prov = load("attention_ncu", "provenance.json", folder.name)
@@ -762,7 +766,11 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     more = [f"`{t}`'s {p} ({r:.2f}×)" for (t, p), r in passes[col].items()
             if t != "sdpa_flash" and pd.notna(r) and r > 1] if col in passes.columns else []
     lo, hi = big["occupancy %"].min(), big["occupancy %"].max()
+    shape = {k: prov["config"][k] for k in "BHTD"}
+    dims = ", ".join(f"{k} = {v:,}" for k, v in shape.items())
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
+            "ncu_shape": f"GPT-2 shapes ({dims})" if list(shape.values()) == GPT2_SWEEP else dims,
+            "ncu_targets": and_join([TARGET_NAMES.get(t, f"`{t}`") for t in prov["config"]["targets"]]),
             "ncu_launches": f"{len(ncu['fa2'])}",
             "ncu_text": ncu_text(table), "ncu_redo": redo_text(ncu), "redo_tiles": f"{REDO_TILES}",
             "ncu_bound": bound or "none is bound by the tensor cores or by memory",
