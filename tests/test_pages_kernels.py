@@ -206,7 +206,9 @@ def test_host_runs_are_every_committed_host_overhead_run():
 
 def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe():
     ncu, folder = kn.load_ncu()
-    assert folder == results.runs("attention_ncu")[-1]
+    holding = [f for f in results.runs("attention_ncu")
+               if set(kn.NCU_TARGETS) <= set(json.loads((f / "provenance.json").read_text())["config"]["targets"])]
+    assert folder == holding[-1] and set(ncu) >= set(kn.NCU_TARGETS)
     table = kn.ncu_table(ncu)
     notes = kn.ncu_notes(ncu, table, folder)
     text = (folder / "fa2.csv").read_text()
@@ -225,6 +227,32 @@ def test_ncu_notes_recount_the_kernels_and_the_big_ones_use_of_the_tensor_pipe()
     ratios = kn.ncu_passes(table)["M instructions × sdpa_flash"].drop("sdpa_flash", level="target")
     for (target, p), r in ratios.items():
         assert (f"`{target}`'s {p} ({r:.2f}×)" in notes["ncu_more"]) == (r > 1), (target, p, r)
+
+
+def test_ncu_sfa_text_recomputes_the_forward_cost_from_the_latest_run_per_shape():
+    latest = {}
+    for f in results.runs("attention_ncu"):
+        config = json.loads((f / "provenance.json").read_text())["config"]
+        if "fa2_sfa" in config["targets"] and "fa2" in config["targets"]:
+            latest[config["T"], config["D"]] = f
+    text = kn.ncu_sfa_text()
+    assert latest and text.count("(run `") == len(latest)
+    for (T, D), f in latest.items():
+        ncu = json.loads((f / "ncu.json").read_text())
+        fwd = {t: sum(m["duration_us"] for k, m in ncu[t].items()  # the page's table: kernels of NCU_MIN_US or more
+                      if k.startswith("_flash_fwd") and m["duration_us"] >= kn.NCU_MIN_US) for t in ("fa2", "fa2_sfa")}
+        more = fwd["fa2_sfa"] / fwd["fa2"] - 1
+        assert f"at T = {T:,}, D = {D} (run `{f.name}`) `fa2_sfa`'s forward takes {more:+.0%}" in text
+
+
+def test_ncu_sfa_text_is_empty_without_an_sfa_preset_and_its_base(tmp_path):
+    run = tmp_path / "attention_ncu" / "h100-2026-01-01"
+    run.mkdir(parents=True)
+    (run / "provenance.json").write_text(json.dumps(
+        {"config": {"B": 1, "H": 1, "T": 64, "D": 64, "targets": ["sdpa_flash", "fa2_sfa"]}, "date_utc": "x"}))
+    assert kn.ncu_sfa_text(tmp_path) == ""
+    with pytest.raises(FileNotFoundError, match="profiles all of sdpa_flash, fa2, paper"):
+        kn.load_ncu(tmp_path)
 
 
 def test_redo_text_counts_second_launches_too_short_for_the_table():

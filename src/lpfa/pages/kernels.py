@@ -643,12 +643,65 @@ def host_layers_text(table) -> str:
             f"({last['fwd+bwd × SDPA-flash']:.1f}×, `{table.index[-1]}`)")
 
 
-def load_ncu():
-    """The latest committed ``benchmarks/ncu_attention.py`` run (``results/attention_ncu``): ``(kernels, folder)``,
-    ``kernels`` mapping each target of its provenance to :func:`lpfa.attention.ncu.parse_ncu_csv` of its CSV."""
-    folder = run_dir("attention_ncu")
-    prov = load("attention_ncu", "provenance.json", folder.name)
-    return {t: parse_ncu_csv((folder / f"{t}.csv").read_text()) for t in prov["config"]["targets"]}, folder
+NCU_TARGETS = ("sdpa_flash", "fa2", "paper")  # what page 12's Nsight Compute prose compares: a run needs all three
+
+
+def _ncu_kernels(folder, root=None) -> dict:
+    """One ``benchmarks/ncu_attention.py`` run's kernels: each target of its provenance mapped to
+    :func:`lpfa.attention.ncu.parse_ncu_csv` of its CSV."""
+    prov = load("attention_ncu", "provenance.json", folder.name, root)
+    return {t: parse_ncu_csv((folder / f"{t}.csv").read_text()) for t in prov["config"]["targets"]}
+
+
+def load_ncu(root=None):
+    """The latest committed ``benchmarks/ncu_attention.py`` run (``results/attention_ncu``) that profiles every one of
+    :data:`NCU_TARGETS`: ``(kernels, folder)``, ``kernels`` as :func:`_ncu_kernels` gives them."""
+    runs = [f for f in result_runs("attention_ncu", root)
+            if set(NCU_TARGETS) <= set(load("attention_ncu", "provenance.json", f.name, root)["config"]["targets"])]
+    if not runs:
+        raise FileNotFoundError(f"no committed attention_ncu run profiles all of {', '.join(NCU_TARGETS)}")
+    return _ncu_kernels(runs[-1], root), runs[-1]
+
+
+def _pct(x: float) -> str:
+    """A relative change as a signed whole percent, "±0%" where it rounds to zero."""
+    return "±0%" if round(100 * x) == 0 else f"{x:+.0%}"
+
+
+def ncu_sfa_text(root=None) -> str:
+    """SFA's cost by Nsight Compute, per shape from the latest committed run there that profiles an SFA preset
+    (``<base>_sfa``) and its base: the forward kernels' time and instructions over the base's, and the backward's
+    instructions and time (SFA changes only the forward's row max, Eq. 6). "" without such a run."""
+    latest = {}
+    for folder in result_runs("attention_ncu", root):
+        config = load("attention_ncu", "provenance.json", folder.name, root)["config"]
+        if any(t.endswith("_sfa") and t[:-4] in config["targets"] for t in config["targets"]):
+            latest[tuple(config[k] for k in "BHTD")] = folder
+    parts = []
+    for (B, H, T, D), folder in latest.items():
+        kernels = _ncu_kernels(folder, root)
+        passes = ncu_passes(ncu_table(kernels))
+        targets = list(dict.fromkeys(passes.index.get_level_values("target")))
+
+        def backward_instructions(target):  # every backward kernel, unrounded (ncu_passes rounds to 10,000)
+            return sum(m.get("instructions") or 0 for k, m in kernels[target].items() if kernel_pass(k) == "backward")
+
+        fwd, bwd = [], []
+        for sfa in [t for t in targets if t.endswith("_sfa") and t[:-4] in targets]:
+            base = sfa[:-4]
+            up = passes.loc[sfa] / passes.loc[base] - 1
+            fwd.append(f"`{sfa}`'s forward takes {_pct(up.loc['forward', 'µs'])} time for "
+                       f"{_pct(up.loc['forward', 'M instructions'])} instructions over `{base}`'s")
+            more = backward_instructions(sfa) / backward_instructions(base) - 1
+            bwd.append((more, _pct(up.loc["backward", "µs"])))
+        if fwd:
+            times = and_join([t for _, t in bwd])
+            each = "each backward" if len(bwd) > 1 else "the backward"
+            same = not any(i for i, _ in bwd)  # the same count, to the instruction
+            back = (f"{each} executes exactly its base's instructions ({times} time)" if same
+                    else f"{each} executes {and_join([_pct(i) for i, _ in bwd])} instructions ({times} time)")
+            parts.append(f"at T = {T:,}, D = {D} (run `{folder.name}`) {and_join(fwd)}, and {back}")
+    return "; ".join(parts)
 
 
 TARGET_NAMES = {"sdpa_flash": "SDPA-flash"}  # a profiled target as the page names it (an lpfa preset: `name`)
@@ -751,7 +804,8 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     instructions than SDPA-flash's, with the multiple); for the kernels of at least :data:`NCU_BIG_US`, ``ncu_bound`` (a
     clause: those bound by compute or memory), ``ncu_occupancy``, ``ncu_tensor`` and ``ncu_memory`` (largest % of
     peak); the thresholds ``ncu_bound_pct``, ``ncu_min_us``, ``ncu_big_us``; ``ncu_shape`` (the profiled call's B, H,
-    T, D, and "GPT-2 shapes" where they are :data:`GPT2_SWEEP`) and ``ncu_targets`` (what was profiled)."""
+    T, D, and "GPT-2 shapes" where they are :data:`GPT2_SWEEP`), ``ncu_targets`` (what was profiled) and ``ncu_sfa``
+    (:func:`ncu_sfa_text`)."""
     from lpfa.attention.triton_common import REDO_TILES  # here: importing it imports Triton
 
     prov = load("attention_ncu", "provenance.json", folder.name)
@@ -770,6 +824,7 @@ def ncu_notes(ncu: dict, table, folder) -> dict[str, str]:
     dims = ", ".join(f"{k} = {v:,}" for k, v in shape.items())
     return {"ncu_run": f"`{folder.name}`, commit `{prov['git_commit'][:7]}`",
             "ncu_shape": f"GPT-2 shapes ({dims})" if list(shape.values()) == GPT2_SWEEP else dims,
+            "ncu_sfa": ncu_sfa_text(),
             "ncu_targets": and_join([TARGET_NAMES.get(t, f"`{t}`") for t in prov["config"]["targets"]]),
             "ncu_launches": f"{len(ncu['fa2'])}",
             "ncu_text": ncu_text(table), "ncu_redo": redo_text(ncu), "redo_tiles": f"{REDO_TILES}",
