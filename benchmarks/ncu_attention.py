@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tune_attention import parse_shape  # benchmarks/tune_attention.py (this folder is on sys.path as a script)
 
 from lpfa.attention import attention
 from lpfa.attention.ncu import parse_ncu_csv
@@ -37,15 +38,6 @@ from lpfa.provenance import provenance, write_json
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
             "MemoryWorkloadAnalysis")
 SHAPE = dict(B=16, H=12, T=1024, D=64)
-
-
-def parse_shape(text: str) -> dict:
-    """``"B,H,T,D"`` (four positive integers) as a dict like :data:`SHAPE`; a one-line error otherwise."""
-    parts = text.split(",")
-    if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
-        raise SystemExit(f"ncu_attention: --shape {text!r}: expected four positive integers B,H,T,D "
-                         "(e.g. 16,12,1024,64)")
-    return dict(zip(SHAPE, map(int, parts)))
 
 
 def child(target: str, shape: dict) -> None:
@@ -95,7 +87,10 @@ def main():
                    help="B,H,T,D of the profiled call (default GPT-2's: %(default)s)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    shape = parse_shape(a.shape)
+    try:
+        shape = dict(zip(SHAPE, parse_shape(a.shape)))
+    except ValueError as e:
+        p.exit(2, f"{e}\n")
     if a.child:
         return child(a.child, shape)
     if not a.out:

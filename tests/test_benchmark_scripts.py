@@ -45,6 +45,15 @@ def test_a_bad_shape_is_one_line_on_the_command_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_ncu_attention_refuses_a_bad_shape_in_one_line_before_looking_for_ncu(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ncu_attention.py"), "--out", str(tmp_path / "o"),
+                           "--shape", "4,12,x,64"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "--shape '4,12,x,64': expected B,H,T,D, four positive integers with D in 16, 32, 64, 128"]
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_sweep_rebuilt_from_its_log_keeps_its_shape(tmp_path):
     log = tmp_path / "tune.log"
     log.write_text("sdpa_flash fwd 190.5 bwd 120.25 TFLOP/s\n"
