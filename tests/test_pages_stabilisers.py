@@ -47,10 +47,15 @@ def test_shown_table_renames_the_links_by_their_keys(committed):
     table, step, _ = committed
     shown = st.shown_table(table, step)
     assert list(shown.index) == list(table.index)
-    for key, name in st.STABILISER_LINKS.items():
+    seeds = table["seed"].astype(int)
+    for key, name in st.STABILISER_LINKS.items():  # each row against the BF16 recipe run of its own seed
         assert (shown[f"{key} @ {step}"] == table[f"{name} @ {step}"]).all()
-        ratio = table[f"{name} @ {step}"].astype(float) / float(table.loc["bf16_paper_recipe", f"{name} @ {step}"])
-        assert shown[f"{key} ÷ bf16"].tolist() == pytest.approx(ratio.tolist())
+        bf16 = {s: table.loc["bf16_paper_recipe" + ("" if s == 1337 else f"_s{s}"), f"{name} @ {step}"]
+                for s in set(seeds)}
+        ratio = [float(table.loc[label, f"{name} @ {step}"]) / float(bf16[seeds[label]]) for label in table.index]
+        assert shown[f"{key} ÷ bf16"].tolist() == pytest.approx(ratio)
+    bases = [x for x in table.index if x.startswith("bf16_paper_recipe")]  # each seed's BF16 run against itself
+    assert len(bases) == len(set(seeds)) and table.loc[bases, "ties ÷ bf16"].tolist() == [1.0] * len(bases)
     assert list(shown.columns[:5]) == ["stabiliser", "outcome", "steps", "explosion step", "runaway step"]
     assert list(shown.columns[-len(st.DOCTOR_LINKS):]) == list(st.DOCTOR_LINKS)
     with pytest.raises(ValueError, match=rf"^step=123: expected the step the table compares its rows at \({step}\)$"):

@@ -271,8 +271,8 @@ def _discussion_row(layer: int, root) -> dict:
     """The paper's Discussion on why stabilisers work, judged on page 17's rows
     (:func:`lpfa.pages.stabilisers.paper_claims`)."""
     table, _, _ = stabiliser_table(layer=layer, root=root)
-    judged = [c for c in paper_claims(table) if c["broken"] is not None or c["seed_dependent"]]
-    stand = [c for c in judged if c["broken"] and c["holds"]]  # (a seed-dependent explanation does not stand)
+    judged = [c for c in paper_claims(table) if c["judged"]]
+    stand = [c for c in judged if c["stands"]]  # (a seed-dependent explanation does not stand)
     verdict = ("not run" if not judged else "reproduced" if len(stand) == len(judged) == len(PAPER_CLAIMS)
                else "partly" if stand else "not reproduced")
     return _row("QK-norm and gated attention work by disrupting the structure of (PK)[T]ᵀX[T], QK-clipping by making "

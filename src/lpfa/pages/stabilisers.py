@@ -203,7 +203,7 @@ def stabiliser_table(layer: int = 1, root=None):
     runs = {**base, **found}
 
     def seed_base(label, mode):  # the recipe run of the row's seed: bf16_paper_recipe(_s<s>), fp32_paper_recipe(_s<s>)
-        s = stabiliser_seed(label)[1]
+        s = int(label.rsplit("_s", 1)[1]) if label in seed_bases else stabiliser_seed(label)[1]
         name = f"{mode}_paper_recipe" + (f"_s{s}" if s is not None else "")
         return name if name in base else f"{mode}_paper_recipe"
 
@@ -583,9 +583,13 @@ PAPER_CLAIMS = {"qknorm": ("rank-1 similarity",
 def _claim_verdict(broken, failure: str) -> str:
     """One :data:`PAPER_CLAIMS` claim judged on one BF16 row: whether the row breaks the claimed link (``broken``:
     True, False or None when unmeasured) and whether it holds (``failure`` is ``""``, from :func:`_failure`). The claim
-    is "this stabiliser works because it breaks this link", so it stands only when the row does both."""
-    if broken is None:
+    is "this stabiliser works because it breaks this link", so it stands only when the row does both; a row that fails
+    is against it whether or not its link is measured."""
+    if broken is None and not failure:
         return "not judged: the link is not measured on this row"
+    if broken is None:
+        return (f"**against the claim**: {failure}, so the stabiliser did not work here (the link is not measured on "
+                "this row)")
     if broken and not failure:
         return ("consistent with the claim: the row breaks the link, and neither its loss exploded nor its logits "
                 "ran away")
@@ -599,12 +603,22 @@ def _claim_verdict(broken, failure: str) -> str:
             "neither broke the link nor met the page's criterion")
 
 
+def _stands(broken, holds: bool) -> bool | None:
+    """Whether a :data:`PAPER_CLAIMS` claim stands on one row (:func:`_claim_verdict`): True when the row breaks the
+    link and holds, False when it keeps the link or fails, None when it holds and its link is not measured."""
+    if not holds:
+        return False
+    return None if broken is None else bool(broken)
+
+
 def paper_claims(table) -> list[dict]:
     """The paper's Discussion (:data:`PAPER_CLAIMS`) judged on each committed BF16 stabiliser row of
-    :func:`stabiliser_table` (how a link is measured and counts as broken: the module docstring): per claim ``who``
-    (the stabiliser), ``label``, ``broken`` (None when unmeasured), ``holds`` (no :func:`_failure`), ``short`` (the
-    link's number in a few words) and ``item`` (the claim, the row's links and fate, its FP32 twin and
-    :func:`_claim_verdict`'s verdict, as a MyST list item)."""
+    :func:`stabiliser_table` at every committed seed (how a link is measured and counts as broken: the module
+    docstring). Per claim: ``who`` (the stabiliser), ``label`` and ``labels`` (its rows), ``judged`` (some seed decides
+    it: :func:`_stands` is not None there), ``stands`` (it stands at every seed that decides it; None when none does),
+    ``seed_dependent`` (it stands at one seed and not at another), ``holds`` (no row fails), ``short`` (the link at
+    each seed in a few words), ``outcome`` and ``item`` (the claim, each row's links and fate, its FP32 twin and the
+    verdict, as a MyST list item)."""
     if table.empty:
         return []
     base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
@@ -617,14 +631,15 @@ def paper_claims(table) -> list[dict]:
         if not per:
             continue
         one = len(per) == 1
-        outcomes = {(c["broken"], c["holds"]) for c in per}
-        dependent = len(outcomes) > 1 and all(c["broken"] is not None for c in per)
-        verdict = (per[0]["verdict"] if one
-                   else "**seed-dependent**: " + "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per)
-                   if dependent else f"{per[0]['verdict']} (at {len(per)} seeds)" if len(outcomes) == 1
-                   else "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per))
+        decided = {c["stands"] for c in per if c["stands"] is not None}
+        dependent = len(decided) > 1
+        each = "; ".join(f"at seed {c['seed']}, {c['verdict']}" for c in per)
+        if one or len({c["verdict"] for c in per}) == 1:  # one verdict, at every seed
+            verdict = per[0]["verdict"] + ("" if one else f" (at {len(per)} seeds)")
+        else:
+            verdict = f"**seed-dependent**: {each}" if dependent else each
         claims.append({"who": claim.split(" works")[0], "label": per[0]["label"], "labels": labels,
-                       "broken": None if any(c["broken"] is None for c in per) else all(c["broken"] for c in per),
+                       "judged": bool(decided), "stands": decided == {True} if decided else None,
                        "holds": all(c["holds"] for c in per), "seed_dependent": dependent,
                        "short": per[0]["short"] if one else "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
                        "outcome": per[0]["outcome"] if one else "; ".join(f"seed {c['seed']}: {c['outcome']}"
@@ -662,29 +677,31 @@ def _claim_on(table, label: str, name: str, link: str, base, fp32_sim) -> dict:
         # the reference without BF16 attention: the row's own FP32 twin where measured, else the plain FP32 run
         ref, ref_name = (twin_sim, "its FP32 twin's") if twin_sim is not None else (fp32_sim, "the FP32 run's")
         broken = None if sim is None or ref is None else bool(sim <= ref)
-        short = f"{sim:.3f} against {ref_name} {ref:.3f}" if broken is not None else "similarity not measured"
+        short = (f"{'breaks' if broken else 'keeps'} the link ({sim:.3f} against {ref_name} {ref:.3f})"
+                 if broken is not None else "the link not measured")
     else:
         said = ratios + "; " + similarity
         broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
-        short = f"{r['ties ÷ bf16']:.2f}× the BF16 run's ties"
+        short = f"{'breaks' if broken else 'keeps'} the link ({r['ties ÷ bf16']:.2f}× the BF16 run's ties)"
     failure = _failure(r)
-    return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure, "short": short,
+    return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure,
+            "stands": _stands(broken, not failure), "short": short,
             "outcome": outcome(r["exploded"], r["runaway step"])
             + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None else ""),
             "said": f"`{label}` ({fate}): {said}.{twin_text}", "verdict": _claim_verdict(broken, failure)}
 
 
 def paper_claims_lead(claims: list[dict], evidence: str = "") -> str:
-    """:func:`paper_claims` in one sentence (plain text): how many of the judged explanations stand (the row breaks
-    the link and holds), on what ``evidence`` (:func:`seed_evidence`), then each one's link and fate."""
-    judged = [c for c in claims if c["broken"] is not None or c.get("seed_dependent")]
-    stand = [c for c in judged if c["broken"] and c["holds"]]
+    """:func:`paper_claims` in one sentence (plain text): how many of the judged explanations stand (at every seed that
+    decides them, the row breaks the link and holds), on what ``evidence`` (:func:`seed_evidence`), then each one's
+    link and fate."""
+    judged = [c for c in claims if c["judged"]]
+    stand = [c for c in judged if c["stands"]]
     return (f"{len(stand)} of the paper's {len(judged)} explanations measured here "
             + ("fits its run" if len(stand) == 1 else "fit their runs")
             + (f" ({evidence})" if evidence else "")
-            + "".join(f"; {c['who']}: seed-dependent ({c['short']})" if c.get("seed_dependent") else
-                      f"; {c['who']}: {'breaks' if c['broken'] else 'keeps'} the link ({c['short']}); outcome: "
-                      f"{c['outcome']}" for c in judged) + ".")
+            + "".join(f"; {c['who']}: seed-dependent ({c['short']})" if c["seed_dependent"] else
+                      f"; {c['who']}: {c['short']}; outcome: {c['outcome']}" for c in judged) + ".")
 
 
 def paper_claims_text(table) -> str:
@@ -693,8 +710,7 @@ def paper_claims_text(table) -> str:
     claims = paper_claims(table)
     if not claims:
         return "None of QK-norm, gated attention and QK-clip is committed yet."
-    evidence = seed_evidence(table, [label for c in claims if c["broken"] is not None or c["seed_dependent"]
-                                     for label in c["labels"]])
+    evidence = seed_evidence(table, [label for c in claims if c["judged"] for label in c["labels"]])
     return f"**{paper_claims_lead(claims, evidence)}**\n\n" + "\n".join(c["item"] for c in claims)
 
 
@@ -721,8 +737,8 @@ def stabiliser_finding(table, layer: int = 1) -> str:
 
     fails = {label: f"`{label}`: {f}" if (f := _failure(table.loc[label])) else "" for label in bf16}
     held = [label for label, f in fails.items() if not f]
-    twinless = [label for label in held if table.loc[label, "FP32 twin"] == "fp32_paper_recipe"
-                and label.startswith("bf16_")]  # its own FP32 twin not committed: held against the plain FP32 run
+    twinless = [label for label in held if table.loc[label, "FP32 twin"].startswith("fp32_paper_recipe")
+                and label.startswith("bf16_")]  # its own FP32 twin not committed: the plain FP32 run of its seed
     by_row: dict[str, list[str]] = {}  # a stabiliser's runs at each seed
     for label in bf16:
         by_row.setdefault(stabiliser_seed(label)[0], []).append(label)
@@ -738,7 +754,9 @@ def stabiliser_finding(table, layer: int = 1) -> str:
             + ("meets" if len(held) == 1 else "meet")
             + f" the criterion: neither the loss exploded nor the logits ran away, and the eval loss ended within "
             f"{LOSS_MATCH:g} of the FP32 twin's"
-            + (f" (for {_ticked(twinless)} the plain FP32 run's: its own twin is not committed)" if twinless else "")
+            + (f" (for {_ticked(twinless)} the plain FP32 run's of the same seed: "
+               + ("its own twin is" if len(twinless) == 1 else "their own twins are") + " not committed)"
+               if twinless else "")
             + "".join(f"; {f}" for f in fails.values() if f) + "".join(dependent) + ".**")
 
 
