@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Rows of the paper's recipe one at a time, each with the GPU to itself, in a queue that outlives the device call that
+# starts it. One at a time, because two BF16 recipe runs sharing an H200 trained no faster together than one alone
+# (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started).
+#
+#   export LPFA_GIT_COMMIT=<full hash>   # the device's copy of the tree has no .git; each run's config.json records it
+#   PHASE=start  ONLY="bf16_qknorm_s1 sr_s1" EXPERIMENT=stabilisers EXTRA="stop_at_step=6200" bash scripts/gpu/in_turn.sh
+#   PHASE=follow MAX_S=560 bash scripts/gpu/in_turn.sh   # progress; each finished row's archive to $OUT
+#
+# start copies src/, scripts/ and the data (DATA, default data/corpus) into QUEUE/tree (QUEUE: /tmp/in_turn), so that
+# later device calls, which rewrite the working tree and the carried data, never touch what the queue runs or reads,
+# then starts the queue detached (setsid) and returns. The queue runs each label of ONLY in order through
+# scripts/gpu/paper_recipe.sh: PHASE=start (BATCH, default 24, so no probe; BUDGET, default 900 s) and then
+# PHASE=finish (with DOCTOR_STEP and the script's other variables as given here), under the launch name NAME_<label>
+# (NAME: in_turn), so each row's archive, QUEUE/done/NAME_<label>.tar.gz, stands alone. A row that fails does not stop
+# the queue. follow waits up to MAX_S seconds for the queue to end, printing each running row's last log line every
+# POLL seconds (60), then copies the finished archives and in_turn_logs.tar.gz (the queue's log and each row's) to
+# $OUT. The device tool brings back at most 8 files a call: follow at least every 7 rows.
+set -u
+QUEUE=${QUEUE:-/tmp/in_turn}; NAME=${NAME:-in_turn}; ROOT=${ROOT:-/tmp/runs}; OUT=${OUT:-/tmp/out}
+export ROOT
+case ${PHASE:?PHASE must be start, follow or queue} in
+start)
+  : "${ONLY:?ONLY must name the rows to run, in order}"
+  if [ -f "$QUEUE/queue.pid" ] && kill -0 "$(cat "$QUEUE/queue.pid")" 2>/dev/null; then
+    echo "a queue is already running from $QUEUE (pid $(cat "$QUEUE/queue.pid")): follow it, or give the machine back"
+    exit 1
+  fi
+  DATA=${DATA:-data/corpus}
+  [ -d "$DATA" ] || { echo "DATA=$DATA: expected a folder of train.bin(.xz) and val.bin(.xz)"; exit 1; }
+  rm -rf "$QUEUE" && mkdir -p "$QUEUE/tree" "$QUEUE/done" || exit 1
+  cp -r src scripts "$QUEUE/tree/" && cp -r "$DATA" "$QUEUE/tree/data" || exit 1
+  (cd "$QUEUE/tree" || exit 1  # (the detached command alone in the background: it holds none of this call's output)
+   DATA="$QUEUE/tree/data" PHASE=queue setsid bash scripts/gpu/in_turn.sh > "$QUEUE/queue.log" 2>&1 < /dev/null &
+   echo $! > "$QUEUE/queue.pid")
+  echo "queue started (pid $(cat "$QUEUE/queue.pid")): $ONLY; log $QUEUE/queue.log"
+  ;;
+queue)  # (run by start, detached, from QUEUE/tree)
+  for label in $ONLY; do
+    echo "$(date -u +%FT%TZ) start $label"
+    NAME="${NAME}_$label" ONLY="$label" BATCH="${BATCH:-24}" BUDGET="${BUDGET:-900}" \
+      WAIT="$(( ${BUDGET:-900} + 600 ))" PHASE=start bash scripts/gpu/paper_recipe.sh > "$QUEUE/$label.log" 2>&1
+    NAME="${NAME}_$label" PHASE=finish WAIT=120 POLL=10 OUT="$QUEUE/done" bash scripts/gpu/paper_recipe.sh \
+      >> "$QUEUE/$label.log" 2>&1
+    echo "$(date -u +%FT%TZ) done $label (finish exit $?)"
+  done
+  echo "$(date -u +%FT%TZ) queue ended"
+  touch "$QUEUE/ended"
+  ;;
+follow)
+  [ -f "$QUEUE/queue.log" ] || { echo "no queue under $QUEUE: start one with PHASE=start"; exit 1; }
+  MAX_S=${MAX_S:-560}; POLL=${POLL:-60}; t0=$SECONDS; last=-$POLL
+  while [ ! -f "$QUEUE/ended" ] && [ $(( SECONDS - t0 )) -lt "$MAX_S" ]; do
+    if [ $(( SECONDS - last )) -ge "$POLL" ]; then
+      last=$SECONDS
+      echo "$(date -u +%T) $(tail -1 "$QUEUE/queue.log")"
+      for f in "$ROOT/${NAME}_"*/*/log.txt; do
+        [ -f "$f" ] && [ ! -f "$(dirname "$f")/summary.json" ] && echo "  $(basename "$(dirname "$f")"): $(tail -1 "$f")"
+      done
+    fi
+    sleep 5
+  done
+  cat "$QUEUE/queue.log"
+  mkdir -p "$OUT"
+  cp "$QUEUE"/done/*.tar.gz "$OUT"/ 2>/dev/null
+  (cd "$QUEUE" && tar -czf "$OUT/in_turn_logs.tar.gz" ./*.log)
+  ls "$OUT"
+  ;;
+*)
+  echo "PHASE=$PHASE: expected start, follow or queue"; exit 2
+  ;;
+esac
