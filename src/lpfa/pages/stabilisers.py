@@ -6,16 +6,19 @@ chain, whether the loss explodes or the logits run away, what each costs, and th
 the BF16 run of the paper's GPT-2 S recipe (``bf16_paper_recipe``). A row is compared with its own FP32 twin (the
 design's ``reference``) where the stabiliser changes the model, else with the FP32 attention twin
 ``fp32_paper_recipe``; the logged links (ties, largest logit, W_Q) are read at the last diagnostics step before the BF16
-run's loss explodes, and also given as ratios to the BF16 run's (:func:`stabiliser_table`).
+run's loss explodes, and also given as ratios to the BF16 run's of the row's seed (:func:`stabiliser_table`: a row at
+a second seed, :data:`lpfa.experiments.STABILISER_SEEDS`, has that seed's recipe runs as its bases).
 
 **The paper's Discussion** (:func:`paper_claims`) says why QK-norm, gated attention and QK-clipping work, without an
 experiment: each breaks one link (:data:`PAPER_CLAIMS`). A claim is judged on its BF16 row against the unstabilised
 BF16 run: the doctor's rank-1 similarity of (PK)[T]ᵀX[T] (Fig. 9) against ``bf16_rerun``'s, which has the checkpoint,
 with the FP32 run's (``fp32_rerun``) beside it as what the link is without BF16 attention; the ties against
-``bf16_paper_recipe``'s. The similarity counts as broken below the FP32 run's (BF16 attention no longer adds structure
-that FP32 attention lacks), the ties when they fall to :data:`TIES_KEPT` of the BF16 run's or fewer. A claim fits its
-run only when its row both breaks the link and meets the criterion: neither its loss exploded nor its logits ran away,
-and its eval loss ended within :data:`LOSS_MATCH` of its FP32 twin's (:func:`_failure`).
+``bf16_paper_recipe``'s. The similarity counts as broken at or below the row's own FP32 twin's where its report is
+committed, else the FP32 run's (BF16 attention no longer adds structure that FP32 attention lacks), the ties when they
+fall to :data:`TIES_KEPT` of the BF16 run's or fewer. A claim fits its run only when its row both breaks the link and
+meets the criterion: neither its loss exploded nor its logits ran away, and its eval loss ended within
+:data:`LOSS_MATCH` of its FP32 twin's (:func:`_failure`). Over seeds, a claim stands when it stands at every seed that
+decides it (a row that fails decides it, measured link or not), and is seed-dependent when the seeds disagree.
 """
 
 from __future__ import annotations
@@ -823,6 +826,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
                      f"reaches {T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
                    and table.loc[label, "ties ÷ bf16"] > TIES_KEPT and not table.loc[label, "exploded"]]
+    keeper_seeds = {int(table.loc[label, "seed"]) for label in tie_keepers}
     calm = [label for label in table.index if table.loc[label, "runaway step"] is None]
     not_bf16_o = {label for label in table.index if table.loc[label, f"layer {layer} δ from"] != "bf16 O"}
     items = ([f"SFA: {links('sfa_paper_recipe')}."] if "sfa_paper_recipe" in table.index else []) + [
@@ -830,11 +834,14 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     return (f"**{len(done)} of the {len(rows)} stabiliser runs are committed"
             + (f" ({_ticked(done)})" if done else "") + ".** "
             + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
-            "each row's links as ratios to the BF16 run's:\n\n" + "\n".join(f"- {item}" for item in items)
+            "each row's links as ratios to the BF16 run's"
+            + (" of the row's seed" if any(table["seed"].astype(int) != 1337) else "") + ":\n\n"
+            + "\n".join(f"- {item}" for item in items)
             + (f"\n\n{rerun.strip()}" if rerun else "") + doctor
-            + (f"\n\n**Ties need not go, in one seed:** {_ticked(tie_keepers)} keep at least half of the BF16 run's "
-               "tie fraction and their loss did not explode (one run each, seed 1337; how often the BF16 run of "
-               "this recipe explodes: the loss-explosion page)." if tie_keepers else "")
+            + (f"\n\n**Ties need not go{', in one seed' if len(keeper_seeds) == 1 else ''}:** "
+               f"{_ticked(tie_keepers)} keep at least half of the BF16 run's tie fraction and their loss did not "
+               f"explode ({seed_evidence(table, tie_keepers)}; how often the BF16 run of this recipe explodes: the "
+               "loss-explosion page)." if tie_keepers else "")
             + (f" The rows without any runaway ({_ticked(calm)}) are exactly those whose layer-{layer} δ does not come "
                "from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))
