@@ -221,26 +221,31 @@ def test_experiments_table_one_row_per_run_with_its_reference():
 @pytest.mark.skipif(shutil.which("bash") is None, reason="scripts/gpu/paper_recipe.sh needs bash")
 def test_paper_recipe_finish_runs_the_doctor_on_the_kept_checkpoint(tokens, tmp_path):
     """With DOCTOR_STEP, paper_recipe.sh's finish runs `lpfa doctor` on each run's checkpoint of that step and
-    brings its report back in the archive (the checkpoint itself never leaves the GPU machine); a run without that
-    checkpoint is skipped."""
+    brings its report back in the archive (the checkpoint itself never leaves the GPU machine), and with REPLAY_STEPS
+    also the replay of its training from that checkpoint; a run without that checkpoint is skipped."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "LPFA_RUNS": str(tmp_path / "runs")}
     common = [f"data={tokens}", "model=debug", "block_size=32", "batch_size=4", "max_steps=8", "eval_interval=0",
               "eval_batches=1", "warmup_steps=2", "device=cpu", "diag_interval=0"]
-    launch.start("pr", {"bf16_paper_recipe": ["attn_policy=paper", "ckpt_interval=4", "ckpt_history=true"],
+    launch.start("pr", {"bf16_paper_recipe": ["attn_policy=paper", "ckpt_interval=4", "ckpt_history=true",
+                                              "diag_interval=2"],  # the replay picks its heads from diagnostics
                         "fp32_paper_recipe": ["attn_policy=fp32_split", "ckpt_interval=0"]},
                  None, common, tmp_path / "runs")
     r = subprocess.run(["bash", str(ROOT / "scripts/gpu/paper_recipe.sh")], cwd=ROOT, capture_output=True, text=True,
                        timeout=600,
                        env={**env, "PHASE": "finish", "NAME": "pr", "ROOT": str(tmp_path / "runs"), "DATA": str(tokens),
                             "WAIT": "300", "POLL": "1", "OUT": str(tmp_path / "out"), "PY": sys.executable,
-                            "DOCTOR_STEP": "4"})
+                            "DOCTOR_STEP": "4", "REPLAY_STEPS": "3", "REPLAY_MAX_S": "120"})
     assert r.returncode == 0, r.stdout + r.stderr
     with tarfile.open(tmp_path / "out" / "pr.tar.gz") as tar:
         names = set(tar.getnames())
         report = json.load(tar.extractfile("pr/bf16_paper_recipe/doctor_step_000004/report.json"))
-    assert {"pr/bf16_paper_recipe/doctor_step_000004/report.md", "pr/bf16_paper_recipe/doctor_step_000004.log"} <= names
-    assert not any(n.startswith("pr/fp32_paper_recipe/doctor") for n in names)
+        replay = json.load(tar.extractfile("pr/bf16_paper_recipe/replay_step_000004/replay.json"))
+    assert {"pr/bf16_paper_recipe/doctor_step_000004/report.md", "pr/bf16_paper_recipe/doctor_step_000004.log",
+            "pr/bf16_paper_recipe/replay_step_000004.log"} <= names
+    assert not any(n.startswith(("pr/fp32_paper_recipe/doctor", "pr/fp32_paper_recipe/replay")) for n in names)
     assert report and "doctor: " in r.stdout
+    # REPLAY_STEPS: the run's training replayed from the doctor's checkpoint, layer 1 (REPLAY_LAYER) instrumented
+    assert replay["checkpoint_step"] == 4 and replay["layer"] == 1 and len(replay["per_step"]) == 3
 
 
 def test_committed_runs_match_their_definition():

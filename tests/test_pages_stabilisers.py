@@ -57,7 +57,8 @@ def test_shown_table_renames_the_links_by_their_keys(committed):
     bases = [x for x in table.index if x.startswith("bf16_paper_recipe")]  # each seed's BF16 run against itself
     assert len(bases) == len(set(seeds)) and table.loc[bases, "ties ÷ bf16"].tolist() == [1.0] * len(bases)
     assert list(shown.columns[:5]) == ["stabiliser", "outcome", "steps", "explosion step", "runaway step"]
-    assert list(shown.columns[-len(st.DOCTOR_LINKS):]) == list(st.DOCTOR_LINKS)
+    links = [*st.DOCTOR_LINKS, *st.REPLAY_LINKS]  # the links a checkpoint gives, by the doctor and by replay
+    assert list(shown.columns[-len(links):]) == links
     with pytest.raises(ValueError, match=rf"^step=123: expected the step the table compares its rows at \({step}\)$"):
         st.shown_table(table, 123)
 

@@ -2,8 +2,11 @@
 
 import json
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
+from conftest import ROOT
 
 from lpfa import data as lpfa_data
 from lpfa.run import Run, autocast, autocast_dtype, read_run_config, resolve_device, run_verdict
@@ -99,6 +102,42 @@ def test_doctor_reports_of_the_run_and_of_its_rerun(tmp_path):
                                                "doctor source": "rerun_to_2850/doctor_step_002800",
                                                "doctor probe": "4 × 256"}
     assert doctor_links(tmp_path / "none") == {}
+
+
+def test_replays_of_the_run_and_the_links_page_17_reads_from_them(tmp_path):
+    """Run.replays: replay_step_NNNNNN/replay.json in the run folder and in a rerun_*/ subfolder, by step, each with its
+    source; lpfa.pages.stabilisers.replay_links takes the last that instruments the layer and gives Fig. 5's bias test
+    of its most biased head, recomputed here by hand from the per-step sums of a committed replay."""
+    from lpfa.pages.stabilisers import replay_links, replay_text
+
+    committed = json.loads((ROOT / "results/mechanism/h100-2026-12-06/bf16_mechanism_deterministic_replay/"
+                                    "replay.json").read_text())
+    run = tmp_path / "bf16_qknorm"
+    short = {**committed, "per_step": committed["per_step"][:40]}
+    for folder, step, rep in (("", 5000, short), ("rerun_to_2850/", 2800, {**short, "layer": 3})):
+        (run / f"{folder}replay_step_{step:06d}").mkdir(parents=True)
+        (run / f"{folder}replay_step_{step:06d}" / "replay.json").write_text(json.dumps(rep))
+    replays = Run(run).replays
+    assert list(replays) == [2800, 5000] and replays[2800]["source"] == "rerun_to_2850/replay_step_002800"
+    links = replay_links(run, layer=committed["layer"])
+    t = {}
+    for h in committed["heads"]:  # per head: the t statistic of the per-step Σ δ error
+        x = np.array([r["heads"][str(h)]["sum_all"] for r in short["per_step"]])
+        t[h] = x.mean() / (x.std(ddof=1) / np.sqrt(len(x)))
+    worst = max(t, key=lambda h: abs(t[h]))
+    assert links["replay step"] == 5000 and links["replay steps"] == 40
+    assert links["replay source"] == "replay_step_005000"
+    assert links["δ |t| replay"] == pytest.approx(abs(t[worst]), rel=1e-9)
+    assert links["δ replay sign"] == ("+" if t[worst] > 0 else "−") and links["replay policy"] == committed["policy"]
+    assert replay_links(run, layer=3)["replay step"] == 2800 and replay_links(run, layer=7) == {}
+    assert replay_links(tmp_path / "none") == {}
+    table = pd.DataFrame([{**links, "seed": 1337}], index=["bf16_qknorm"])
+    text = replay_text(table, layer=committed["layer"])
+    resolved = "resolved" if abs(t[worst]) >= 3 else "not resolved"
+    assert text.startswith("\n\n**The δ bias by replay**") and (
+        f"- `bf16_qknorm`: 40 steps from step 5,000, the δ error of `{committed['policy']}`: largest |t| "
+        f"{abs(t[worst]):.1f}, mean δ error ") in text and text.endswith(f", {resolved}")
+    assert replay_text(table.assign(**{"replay steps": None})) == ""
 
 
 def test_checkpoint_before_explosion_picks_the_last_kept_state_before_it(tmp_path):

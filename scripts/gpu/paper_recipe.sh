@@ -32,6 +32,10 @@ COMMON=(data="$DATA" compile=true ckpt_interval=0 explosion_stop=300 ${EXTRA:-})
 # doctor_step_NNNNNN/report.json and report.md per run, in the archive. (GPT-2 S: about 1.5 GB of disk per checkpoint.)
 # DOCTOR_ARGS: more lpfa doctor options, e.g. "--batches 8 --seq-len 1024" for a probe that resolves a smaller δ bias
 # (the default 4 × 256 tokens; rows compared on page 17 should share one probe).
+# REPLAY_STEPS=N (e.g. 100; 0 = none): also replay each run's training for N steps from that same checkpoint with
+# layer REPLAY_LAYER (1) instrumented (python -m lpfa.replay, cut after REPLAY_MAX_S - 60 s; REPLAY_MAX_S 240): the
+# per-step δ error of Fig. 5, whose bias test (lpfa.replay.bias_test) resolves what one probe batch cannot; brings back
+# replay_step_NNNNNN/replay.json (the numbers; not the arrays of the figures) and its log.
 [ -n "${DOCTOR_STEP:-}" ] && COMMON+=(ckpt_interval="${DOCTOR_EVERY:-$DOCTOR_STEP}" ckpt_history=true)
 case ${PHASE:?PHASE must be start, wait or finish} in
 start)
@@ -77,6 +81,14 @@ wait|finish)
       timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" ${DOCTOR_ARGS:-} > "$d/$DOC.log" 2>&1
       tail -3 "$d/$DOC.log"
       X+=("$DOC/report.json" "$DOC/report.md" "$DOC.log")
+      if [ "${REPLAY_STEPS:-0}" -gt 0 ]; then  # Fig. 5's bias test on this row: its training replayed from that checkpoint
+        REP=$(printf "replay_step_%06d" "$step")
+        echo "replay: $REPLAY_STEPS steps from step $step, layer ${REPLAY_LAYER:-1}"
+        timeout "${REPLAY_MAX_S:-240}" $PY -m lpfa.replay --run "$d" --step "$step" --steps "$REPLAY_STEPS" \
+          --layer "${REPLAY_LAYER:-1}" --max-s "$(( ${REPLAY_MAX_S:-240} - 60 ))" --out "$d/$REP" > "$d/$REP.log" 2>&1
+        tail -2 "$d/$REP.log"
+        X+=("$REP/replay.json" "$REP.log")
+      fi
     done
     [ ${#X[@]} -gt 0 ] && X=(--extra "${X[@]}")
   fi

@@ -325,6 +325,20 @@ class Run:
                                   "source": str(f.parent.relative_to(self.path))})
         return dict(sorted(out.items()))
 
+    @property
+    def replays(self) -> dict[int, dict]:
+        """``{step: replay}``: the instrumented replays of the run's training from its checkpoints,
+        ``replay_step_NNNNNN/replay.json`` (``python -m lpfa.replay``'s numbers, what scripts/gpu/paper_recipe.sh's
+        ``REPLAY_STEPS`` brings back beside the doctor's report), also those in a ``rerun_*/`` subfolder, as
+        :attr:`doctor_reports`. Each gets ``"source"``, the folder it came from, relative to the run's."""
+        out = {}
+        found = sorted(self.path.glob("replay_step_*/replay.json"))
+        for f in found + sorted(self.path.glob("rerun_*/replay_step_*/replay.json")):
+            step = int(f.parent.name.removeprefix("replay_step_"))
+            out.setdefault(step, {**read_json(f, ": expected the replay.json python -m lpfa.replay writes"),
+                                  "source": str(f.parent.relative_to(self.path))})
+        return dict(sorted(out.items()))
+
     def checkpoint_before_explosion(self, limit: int) -> int | None:
         """The step of the last kept checkpoint at or before ``limit`` and before the loss exploded (the run's verdict),
         or None: what ``lpfa doctor`` examines for the links that need a checkpoint (scripts/gpu/paper_recipe.sh's

@@ -49,6 +49,7 @@ from lpfa.pages import RERUN_PAGE, and_join, gpu_name, plural
 from lpfa.pages.loss_explosion import recipe_fates
 from lpfa.params import integer
 from lpfa.plotting import COLORS, use_style
+from lpfa.replay import bias_test
 from lpfa.results import experiment_rows
 from lpfa.results import runs as launches
 from lpfa.run import Run, attention_precision, layer_precision, load_metrics, run_verdict
@@ -142,7 +143,14 @@ DOCTOR_LINKS = {"doctor step": "the checkpoint's step",
                 "rank-1 similarity": "median over the heads of the median similarity of (PK)[T]ᵀX[T] (Fig. 9)"}
 
 
-T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts the doctor's probe as resolving a bias
+# the δ bias as Fig. 5 measures it (lpfa.replay): the row's training replayed from the doctor's checkpoint, layer
+# `layer` instrumented, the per-step Σ δ error of each replayed head put to lpfa.replay.bias_test
+REPLAY_LINKS = {"replay step": "the checkpoint the replay starts from",
+                "replay steps": "training steps replayed",
+                "δ |t| replay": "largest |t| over the replayed heads of the per-step Σ δ_lp − δ_hp (Fig. 5's test)",
+                "δ replay sign": "the sign of that head's mean δ error (+: the paper's)"}
+
+T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts a probe or a replay as resolving a bias
 
 NOTHING_YET = ("**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed "
                "(`results/paper_recipe`).")
@@ -187,13 +195,30 @@ def doctor_links(run, layer: int = 1) -> dict:
             "doctor source": rep["source"], "doctor probe": " × ".join(str(n) for n in rep["probe"]["shape"])}
 
 
+def replay_links(run, layer: int = 1) -> dict:
+    """:data:`REPLAY_LINKS` from the last of :attr:`lpfa.run.Run.replays` of ``run`` (a run folder or Run) that
+    instruments ``layer``, plus ``"replay policy"`` (the policy whose δ error it measured) and ``"replay source"``; an
+    empty dict for a run without such a replay."""
+    replays = [(step, r) for step, r in (run if isinstance(run, Run) else Run(run)).replays.items()
+               if r["layer"] == layer and r.get("per_step")]
+    if not replays:
+        return {}
+    step, rep = replays[-1]
+    tests = bias_test(rep)
+    head = max(tests, key=lambda h: abs(tests[h]["t"]) if tests[h]["t"] == tests[h]["t"] else -1.0)
+    t = tests[head]["t"]
+    return {"replay step": step, "replay steps": len(rep["per_step"]), "δ |t| replay": abs(t) if t == t else None,
+            "δ replay sign": "+" if tests[head]["mean"] > 0 else "−", "replay policy": rep["policy"],
+            "replay source": rep["source"]}
+
+
 def stabiliser_table(layer: int = 1, root=None):
     """Which link of the chain each stabiliser breaks: :func:`lpfa.compare.experiment_table` of the base runs, the
     cuts and every committed stabiliser row, each against its FP32 twin (module docstring), at the last diagnostics
     step of ``layer`` before the BF16 run's explosion, plus ``ties/logit/W_Q ÷ bf16``, ``FP32 twin``, ``eval loss −
     twin`` and ``gap step`` (:func:`eval_loss_gap`), ``speed ÷ base`` (:func:`stabiliser_costs`), the
-    :data:`DOCTOR_LINKS` and ``stabiliser`` (the row's switch). Returns ``(table, step, pending)``, ``pending`` the
-    stabiliser rows not committed; an empty table and step None without the BF16 run."""
+    :data:`DOCTOR_LINKS`, the :data:`REPLAY_LINKS` and ``stabiliser`` (the row's switch). Returns ``(table, step,
+    pending)``, ``pending`` the stabiliser rows not committed; an empty table and step None without the BF16 run."""
     cuts = [f"{row}_paper_recipe" for row in RECIPE_ISOLATION]
     found = experiment_rows("stabilisers", list(STABILISERS), root=root)
     seeds = sorted({s for label in found if (s := stabiliser_seed(label)[1]) is not None})
@@ -234,8 +259,8 @@ def stabiliser_table(layer: int = 1, root=None):
     same = {STABILISER_RERUN: "bf16_paper_recipe", FP32_RERUN: "fp32_paper_recipe"}  # a rerun is its base again
     table["speed ÷ base"] = pd.Series(  # a row's other seed costs what the row costs
         {label: costs["÷ base"].get(same.get(label, stabiliser_seed(label)[0])) for label in table.index}, dtype=object)
-    doctor = {label: doctor_links(runs[label], layer) for label in table.index}
-    for col in [*DOCTOR_LINKS, "doctor source", "doctor probe"]:
+    doctor = {label: {**doctor_links(runs[label], layer), **replay_links(runs[label], layer)} for label in table.index}
+    for col in [*DOCTOR_LINKS, "doctor source", "doctor probe", *REPLAY_LINKS, "replay policy", "replay source"]:
         table[col] = pd.Series([doctor[label].get(col) for label in table.index], index=table.index, dtype=object)
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
               for label in found if label not in RERUNS}
@@ -257,7 +282,7 @@ def shown_table(table, step: int):
         raise ValueError(f"step={step!r}: expected the step the table compares its rows at ({', '.join(steps)})")
     shown = table[["stabiliser", "outcome", "steps", "explosion step", "runaway step", *col.values(),
                    *(f"{k} ÷ bf16" for k in STABILISER_LINKS), "final eval loss", "FP32 twin", "eval loss − twin",
-                   "gap step", "speed ÷ base", *DOCTOR_LINKS]]
+                   "gap step", "speed ÷ base", *DOCTOR_LINKS, *REPLAY_LINKS]]
     return shown.rename(columns={v: f"{k} @ {step}" for k, v in col.items()})
 
 
@@ -824,6 +849,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
                                  if doc.loc[label, "δ |t| own"] is not None else "") for label in doc.index)
                   + (f"\n\nWith one probe batch of {' or '.join(sorted(set(doc['doctor probe'])))} tokens no |t| "
                      f"reaches {T_RESOLVED:g}: the δ bias is not resolved there." if not resolved else ""))
+    doctor += replay_text(table, layer)
     tie_keepers = [label for label in ["sfa_paper_recipe", *cuts, *done] if label in table.index
                    and table.loc[label, "ties ÷ bf16"] > TIES_KEPT and not table.loc[label, "exploded"]]
     keeper_seeds = {int(table.loc[label, "seed"]) for label in tie_keepers}
@@ -845,6 +871,29 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
             + (f" The rows without any runaway ({_ticked(calm)}) are exactly those whose layer-{layer} δ does not come "
                "from the BF16 O (the `δ from` column: the link after the ties)."
                if calm and set(calm) == not_bf16_o else ""))
+
+
+def replay_text(table, layer: int = 1) -> str:
+    """The δ bias of the rows that carry a replay (:func:`replay_links`), as Fig. 5 tests it: per row the steps
+    replayed from which checkpoint, the policy measured, the largest |t| over the replayed heads with its sign and
+    whether it reaches :data:`T_RESOLVED`; ``""`` when no row has one. Block MyST (a paragraph and a list), led by two
+    blank lines."""
+    rep = table[table["replay steps"].notna()] if "replay steps" in table.columns else table.iloc[:0]
+    if rep.empty:
+        return ""
+
+    def item(label):
+        r = rep.loc[label]
+        t = r["δ |t| replay"]
+        sign = "positive (the paper's sign)" if r["δ replay sign"] == "+" else "negative"
+        size = ("|t| not defined (fewer than two steps or no spread)" if t is None else
+                f"largest |t| {t:.1f}, mean δ error {sign}, {'resolved' if t >= T_RESOLVED else 'not resolved'}")
+        return (f"- `{label}`: {int(r['replay steps']):,} steps from step {int(r['replay step']):,}, the δ error of "
+                f"`{r['replay policy']}`: {size}")
+
+    return (f"\n\n**The δ bias by replay** (Fig. 5's test, `lpfa.replay.bias_test`: the row's training replayed "
+            f"from its checkpoint with layer {layer} instrumented, the per-step Σ δ_lp − δ_hp of each replayed head; "
+            f"resolved at |t| ≥ {T_RESOLVED:g}):\n\n" + "\n".join(item(label) for label in rep.index))
 
 
 def page_texts(table: pd.DataFrame, step, pending, costs: pd.DataFrame, sr_text: str, layer: int) -> dict:
