@@ -310,6 +310,16 @@ class Run:
         """``{step: folder}`` of the kept checkpoints (:func:`checkpoints_of`)."""
         return checkpoints_of(self.path)
 
+    def _by_step(self, prefix: str, name: str, damaged: str) -> dict[int, dict]:
+        """``{step: contents}`` of the JSON files ``<prefix>NNNNNN/<name>`` in the run folder, then in its ``rerun_*/``
+        subfolders (a step the run folder has wins), each with ``"source"``: its folder, relative to the run's."""
+        out = {}
+        found = sorted(self.path.glob(f"{prefix}*/{name}"))
+        for f in found + sorted(self.path.glob(f"rerun_*/{prefix}*/{name}")):
+            step = int(f.parent.name.removeprefix(prefix))
+            out.setdefault(step, {**read_json(f, damaged), "source": str(f.parent.relative_to(self.path))})
+        return dict(sorted(out.items()))
+
     @property
     def doctor_reports(self) -> dict[int, dict]:
         """``{step: report}``: the ``lpfa doctor`` reports on the run's checkpoints, ``doctor_step_NNNNNN/report.json``
@@ -317,13 +327,7 @@ class Run:
         machine), also those in a ``rerun_*/`` subfolder: the same run again to a step it did not reach with a
         checkpoint (e.g. it exploded first). Each report gets ``"source"``, the folder it came from, relative to the
         run's."""
-        out = {}
-        reports = sorted(self.path.glob("doctor_step_*/report.json"))
-        for f in reports + sorted(self.path.glob("rerun_*/doctor_step_*/report.json")):
-            step = int(f.parent.name.removeprefix("doctor_step_"))
-            out.setdefault(step, {**read_json(f, ": expected the report.json lpfa doctor writes"),
-                                  "source": str(f.parent.relative_to(self.path))})
-        return dict(sorted(out.items()))
+        return self._by_step("doctor_step_", "report.json", ": expected the report.json lpfa doctor writes")
 
     @property
     def replays(self) -> dict[int, dict]:
@@ -331,13 +335,7 @@ class Run:
         ``replay_step_NNNNNN/replay.json`` (``python -m lpfa.replay``'s numbers, what scripts/gpu/paper_recipe.sh's
         ``REPLAY_STEPS`` brings back beside the doctor's report), also those in a ``rerun_*/`` subfolder, as
         :attr:`doctor_reports`. Each gets ``"source"``, the folder it came from, relative to the run's."""
-        out = {}
-        found = sorted(self.path.glob("replay_step_*/replay.json"))
-        for f in found + sorted(self.path.glob("rerun_*/replay_step_*/replay.json")):
-            step = int(f.parent.name.removeprefix("replay_step_"))
-            out.setdefault(step, {**read_json(f, ": expected the replay.json python -m lpfa.replay writes"),
-                                  "source": str(f.parent.relative_to(self.path))})
-        return dict(sorted(out.items()))
+        return self._by_step("replay_step_", "replay.json", ": expected the replay.json python -m lpfa.replay writes")
 
     def checkpoint_before_explosion(self, limit: int) -> int | None:
         """The step of the last kept checkpoint at or before ``limit`` and before the loss exploded (the run's verdict),
