@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Rows of the paper's recipe one at a time, each with the GPU to itself, in a queue that outlives the device call that
 # starts it. One at a time, because two BF16 recipe runs sharing an H200 trained no faster together than one alone
-# (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started).
+# (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started); FP32
+# rows did gain from sharing (page 17's plan gives both), so two of them can go together through paper_recipe.sh.
 #
 #   export LPFA_GIT_COMMIT=<full hash>   # the device's copy of the tree has no .git; each run's config.json records it
 #   PHASE=start  ONLY="bf16_qknorm_s1 sr_s1" EXPERIMENT=stabilisers EXTRA="stop_at_step=6200" bash scripts/gpu/in_turn.sh
