@@ -83,3 +83,7 @@ def test_pending_text_names_the_rows_not_run_then_the_plan(committed):
         assert text.startswith("**Not run yet:** " + ", ".join(f"`{label}`" for label in pending) + ". ")
         assert text.endswith(st.stabiliser_plan(pending))
     assert st.pending_text([]) == "Every stabiliser row is committed."
+    table, _, _ = committed  # a committed row that holds without the link its claim names is listed after the plan
+    open_claims = [c["label"] for claim in st.paper_claims(table) for c in claim["per"] if c["stands"] is None]
+    assert all(f"`{label}`" in st.unmeasured_text(table) for label in open_claims)
+    assert (st.unmeasured_text(table) == "") == (not open_claims)

@@ -1441,6 +1441,7 @@ def test_stabiliser_verdicts_at_a_second_seed_agree_or_say_seed_dependent():
         seed_evidence,
         stabiliser_finding,
         stabiliser_table,
+        unmeasured_text,
     )
 
     table, _, _ = stabiliser_table(layer=1)
@@ -1474,3 +1475,7 @@ def test_stabiliser_verdicts_at_a_second_seed_agree_or_say_seed_dependent():
                                "measured on this row.")
     assert "QK-norm: seed 1337: breaks the link (" in paper_claims_lead([qk]) and "seed 1: the link not measured" in (
         paper_claims_lead([qk]))
+    # the row that leaves its claim unjudged is named with what measures it; a failed row decides without the link
+    assert unmeasured_text(unmeasured).startswith("**Committed without the link their claim needs:** "
+                                                  "`bf16_qknorm_s1` held but carries no doctor report")
+    assert "bf16_qknorm_s1" not in unmeasured_text(pd.concat([table, failed.assign(**{"rank-1 similarity": None})]))

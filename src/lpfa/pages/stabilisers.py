@@ -37,6 +37,7 @@ from lpfa.experiments import (
     BASES,
     FP32_RERUN,
     RECIPE_ISOLATION,
+    RERUN_STOP,
     RERUNS,
     STABILISER_RERUN,
     STABILISER_SEEDS,
@@ -642,7 +643,8 @@ def _stands(broken, holds: bool) -> bool | None:
 def paper_claims(table) -> list[dict]:
     """The paper's Discussion (:data:`PAPER_CLAIMS`) judged on each committed BF16 stabiliser row of
     :func:`stabiliser_table` at every committed seed (how a link is measured and counts as broken: the module
-    docstring). Per claim: ``who`` (the stabiliser), ``label`` and ``labels`` (its rows), ``judged`` (some seed decides
+    docstring). Per claim: ``who`` (the stabiliser), ``label`` and ``labels`` (its rows), ``per`` (each row's
+    :func:`_claim_on`), ``judged`` (some seed decides
     it: :func:`_stands` is not None there), ``stands`` (it stands at every seed that decides it; None when none does),
     ``seed_dependent`` (it stands at one seed and not at another), ``holds`` (no row fails), ``short`` (the link at
     each seed in a few words), ``outcome`` and ``item`` (the claim, each row's links and fate, its FP32 twin and the
@@ -667,7 +669,7 @@ def paper_claims(table) -> list[dict]:
         else:
             verdict = f"**seed-dependent**: {each}" if dependent else each
         claims.append({"who": claim.split(" works")[0], "label": per[0]["label"], "labels": labels,
-                       "judged": bool(decided), "stands": decided == {True} if decided else None,
+                       "per": per, "judged": bool(decided), "stands": decided == {True} if decided else None,
                        "holds": all(c["holds"] for c in per), "seed_dependent": dependent,
                        "short": per[0]["short"] if one else "; ".join(f"seed {c['seed']}: {c['short']}" for c in per),
                        "outcome": per[0]["outcome"] if one else "; ".join(f"seed {c['seed']}: {c['outcome']}"
@@ -730,6 +732,20 @@ def paper_claims_lead(claims: list[dict], evidence: str = "") -> str:
             + (f" ({evidence})" if evidence else "")
             + "".join(f"; {c['who']}: seed-dependent ({c['short']})" if c["seed_dependent"] else
                       f"; {c['who']}: {c['short']}; outcome: {c['outcome']}" for c in judged) + ".")
+
+
+def unmeasured_text(table) -> str:
+    """The committed BF16 rows on which a claim of the paper's Discussion stays unjudged (:func:`paper_claims`: the row
+    holds, and the link the claim names, the doctor's rank-1 similarity, is not measured on it), and how to measure
+    it: the row again to the doctor's step with a checkpoint, kept in its ``rerun_*/`` folder
+    (:attr:`lpfa.run.Run.doctor_reports` reads it there). ``""`` when every committed row decides its claim."""
+    rows = [c["label"] for claim in paper_claims(table) for c in claim["per"] if c["stands"] is None]
+    if not rows:
+        return ""
+    return (f"**Committed without the link their claim needs:** {_ticked(rows)} held but "
+            + ("carries" if len(rows) == 1 else "carry") + " no doctor report, so the paper's explanation is not "
+            f"judged on {'it' if len(rows) == 1 else 'them'}; the same row again to step {RERUN_STOP:,} with "
+            f"`DOCTOR_STEP`, kept in the row's `rerun_*/` folder, measures it ({RERUN_PAGE} gives the commands).")
 
 
 def paper_claims_text(table) -> str:
@@ -904,4 +920,6 @@ def page_texts(table: pd.DataFrame, step, pending, costs: pd.DataFrame, sr_text:
             "st_step": f"{step:,}" if not table.empty else "–", "st_layer": layer,
             "st_cost": stabiliser_cost_text(costs),
             "st_claims": paper_claims_text(table) if not table.empty else "Nothing to compare yet.",
-            "st_sr": sr_text, "st_pending": pending_text(pending)}
+            "st_sr": sr_text,
+            "st_pending": " ".join(x for x in (pending_text(pending), unmeasured_text(table) if not table.empty else "")
+                                   if x)}
