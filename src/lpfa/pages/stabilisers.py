@@ -644,11 +644,10 @@ def paper_claims(table) -> list[dict]:
     """The paper's Discussion (:data:`PAPER_CLAIMS`) judged on each committed BF16 stabiliser row of
     :func:`stabiliser_table` at every committed seed (how a link is measured and counts as broken: the module
     docstring). Per claim: ``who`` (the stabiliser), ``label`` and ``labels`` (its rows), ``per`` (each row's
-    :func:`_claim_on`), ``judged`` (some seed decides
-    it: :func:`_stands` is not None there), ``stands`` (it stands at every seed that decides it; None when none does),
-    ``seed_dependent`` (it stands at one seed and not at another), ``holds`` (no row fails), ``short`` (the link at
-    each seed in a few words), ``outcome`` and ``item`` (the claim, each row's links and fate, its FP32 twin and the
-    verdict, as a MyST list item)."""
+    :func:`_claim_on`), ``judged`` (some seed decides it: :func:`_stands` is not None there), ``stands`` (it stands at
+    every seed that decides it; None when none does), ``seed_dependent`` (it stands at one seed and not at another),
+    ``holds`` (no row fails), ``short`` (the link at each seed in a few words), ``outcome`` and ``item`` (the claim,
+    each row's links and fate, its FP32 twin and the verdict, as a MyST list item)."""
     if table.empty:
         return []
     base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
@@ -877,7 +876,7 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
             + (f" ({_ticked(done)})" if done else "") + ".** "
             + f"At step {step:,}, the last record before the BF16 run's loss explodes (step {b['explosion step']:,}), "
             "each row's links as ratios to the BF16 run's"
-            + (" of the row's seed" if any(table["seed"].astype(int) != 1337) else "") + ":\n\n"
+            + (" of the row's seed" if table["seed"].nunique() > 1 else "") + ":\n\n"
             + "\n".join(f"- {item}" for item in items)
             + (f"\n\n{rerun.strip()}" if rerun else "") + doctor
             + (f"\n\n**Ties need not go{', in one seed' if len(keeper_seeds) == 1 else ''}:** "
