@@ -593,6 +593,8 @@ def test_stabiliser_summary_from_the_committed_table():
     assert all(f"`{label}`" in text.split(heading)[1] for label in keepers)
     assert (f"their loss did not explode (one run each, at seed{'s' if len(seeds) > 1 else ''} "
             f"{', '.join(map(str, seeds))};") in text.split(heading)[1]
+    mixed = table["seed"].nunique() > 1  # a second seed's rows are divided by that seed's BF16 run: the lead says so
+    assert ("each row's links as ratios to the BF16 run's of the row's seed:" in text) == mixed
     assert stabiliser_summary(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
 
 
