@@ -821,9 +821,11 @@ def test_twin_text_reads_the_committed_throughput_and_error_runs():
 
 
 def test_stabiliser_groups_put_the_cuts_and_the_stabilisers_in_two_columns():
-    """Page 17's figure columns (lpfa.pages.stabilisers.stabiliser_groups): the recipe's BF16 and FP32 runs head both,
-    the paper's cuts (*_paper_recipe) and the reruns go left, every other row right, each in the order given."""
-    from lpfa.pages.stabilisers import stabiliser_groups
+    """Page 17's figure columns (lpfa.pages.stabilisers.stabiliser_groups): the recipe's BF16 and FP32 runs head the
+    first two, the paper's cuts (*_paper_recipe) and the reruns go left, every other seed-1337 row right, each in the
+    order given; each second seed of a stabiliser row gets a column headed by that seed's recipe runs."""
+    from lpfa.experiments import stabiliser_seed
+    from lpfa.pages.stabilisers import seed_base_of, stabiliser_groups
 
     labels = ["bf16_qknorm", "sfa_paper_recipe", "fp32_paper_recipe", "bf16_rerun", "delta_dp_paper_recipe",
               "bf16_paper_recipe", "sr", "fp32_rerun", "bf16_gated", "fp32_gated"]
@@ -836,10 +838,17 @@ def test_stabiliser_groups_put_the_cuts_and_the_stabilisers_in_two_columns():
         "the paper's cuts and reruns": ["bf16_paper_recipe"],
         "stabilisers and their FP32 twins": ["bf16_paper_recipe", "bf16_gated"]}
     assert stabiliser_groups([]) == {"the paper's cuts and reruns": [], "stabilisers and their FP32 twins": []}
+    seeded = [*labels, "bf16_qknorm_s1", "fp32_paper_recipe_s1", "bf16_paper_recipe_s2", "bf16_paper_recipe_s1"]
+    assert list(stabiliser_groups(seeded).items())[2:] == [  # a second seed's column, headed by its recipe runs
+        ("the same at seed 1", ["bf16_paper_recipe_s1", "fp32_paper_recipe_s1", "bf16_qknorm_s1"])]
     rows = [*results.experiment_rows("paper_recipe"), *results.experiment_rows("stabilisers")]
-    left, right = stabiliser_groups(rows).values()
+    left, right, *seeds = stabiliser_groups(rows).values()
     assert left[:2] == right[:2] == ["bf16_paper_recipe", "fp32_paper_recipe"]
-    assert sorted(left + right[2:]) == sorted(rows)  # every committed row drawn once, the base in both
+    drawn = left + right[2:] + [label for column in seeds for label in column]
+    stabilised = {stabiliser_seed(label)[1] for label in rows} - {None}  # seeds that have stabiliser rows
+    unseeded = [label for label in rows if seed_base_of(label) not in (None, *stabilised)]
+    assert len(drawn) == len(set(drawn))  # every committed row drawn at most once, the base in both first columns
+    assert sorted(drawn + unseeded) == sorted(rows)  # and only the recipe runs of seeds without stabilisers left out
 
 
 def test_page_6_and_page_17_figures_share_their_precursor_panels():

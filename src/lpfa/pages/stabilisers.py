@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -62,17 +63,26 @@ PARAMS = {"layer": integer(0), "persistence_sequences": integer(1), "persistence
 STABILISER_COLORS = ("#E69F00", "#56B4E9", "#CC79A7", "#000000", "#7F7F7F", "#009E73")  # Okabe-Ito, after the modes'
 
 
+def seed_base_of(label: str) -> int | None:
+    """The seed of a recipe run that is a second seed's base (``bf16_paper_recipe_s1`` → 1), else None."""
+    m = re.fullmatch(r"(?:bf16|fp32)_paper_recipe_s(\d+)", label)
+    return int(m.group(1)) if m else None
+
+
 def stabiliser_styles(labels, fp32=()) -> dict:
-    """``{label: (colour, dash)}`` for one column of page 17's figure: the base runs in their modes' colours (BF16
-    solid, FP32 dashed, SFA dash-dot; their reruns dotted); every other row a colour of its own name (the label without
-    its ``bf16_``/``fp32_`` prefix and ``_paper_recipe``), solid, or dashed where the run is in ``fp32`` (FP32-level
-    attention), so a stabiliser and its FP32 twin share a colour and differ in dash. No two labels share both."""
+    """``{label: (colour, dash)}`` for page 17's figure: the base runs in their modes' colours (BF16 solid, FP32
+    dashed, SFA dash-dot; their reruns dotted), a second seed's base runs as the base runs; every other row a colour of
+    its own name (the label without its ``bf16_``/``fp32_`` prefix, ``_paper_recipe`` and seed suffix), solid, or
+    dashed where the run is in ``fp32`` (FP32-level attention), so a stabiliser and its FP32 twin share a colour and
+    differ in dash, and a row at a second seed looks as at seed 1337 (it is drawn in a column of its own). No two labels
+    of one seed share both."""
     base = {"bf16_paper_recipe": (COLORS["bf16"], "-"), "fp32_paper_recipe": (COLORS["fp32"], "--"),
             "sfa_paper_recipe": (COLORS["sfa"], "-."), STABILISER_RERUN: (COLORS["bf16"], ":"),
             FP32_RERUN: (COLORS["fp32"], ":")}
+    base.update({label: base[label.rsplit("_s", 1)[0]] for label in labels if seed_base_of(label) is not None})
 
     def name(label):
-        return label.removesuffix("_paper_recipe").removeprefix("bf16_").removeprefix("fp32_")
+        return stabiliser_seed(label)[0].removesuffix("_paper_recipe").removeprefix("bf16_").removeprefix("fp32_")
 
     names = list(dict.fromkeys(name(label) for label in labels if label not in base))
     # beyond the palette the next round of colours gets other dashes: (BF16, FP32) per round
@@ -91,15 +101,22 @@ def stabiliser_styles(labels, fp32=()) -> dict:
 def plot_stabilisers(runs: dict, layer: int, groups: dict):
     """Page 17's figure: the three logged links of ``layer`` (rows: largest logit, log scale; tie fraction; W_Q) over
     training, one column per group of ``groups`` (``{title: [labels]}``, each label a key of ``runs``), each line in
-    its column's :func:`stabiliser_styles` (FP32 twins dashed: every layer "fp32" in
-    :func:`lpfa.run.layer_precision`), a legend under each column."""
+    :func:`stabiliser_styles` (FP32 twins dashed: every layer "fp32" in :func:`lpfa.run.layer_precision`): the first
+    column's own, every later column's one map over them all, so that a row at a second seed looks as at seed 1337;
+    a legend under each column."""
     use_style()
-    fp32 = {label for labels in groups.values() for label in labels
-            if all(p == "fp32" for p in layer_precision(Run(runs[label])))}
-    fig, axes = plt.subplots(3, len(groups), figsize=(4.2 * len(groups), 8.0), sharex=True, sharey="row", squeeze=False)
+    columns = list(groups.values())
+    everyone = list(dict.fromkeys(label for labels in columns for label in labels))
+    fp32 = {label for label in everyone if all(p == "fp32" for p in layer_precision(Run(runs[label])))}
+    first = stabiliser_styles(columns[0], fp32) if columns else {}
+    later = stabiliser_styles(list(dict.fromkeys(label for labels in columns[1:] for label in labels)), fp32)
+    width = 4.2 if len(groups) <= 2 else 3.3  # three columns still fit the page with 9-pt text
+    fig, axes = plt.subplots(3, len(groups), figsize=(width * len(groups), 8.0), sharex=True, sharey="row",
+                             squeeze=False)
     for col, (title, labels) in enumerate(groups.items()):
+        style = first if col == 0 else later
         precursor_panels(axes[:, col], {label: runs[label] for label in labels}, layer,
-                               stabiliser_styles(labels, fp32))
+                         {label: style[label] for label in labels})
         axes[0, col].set_title(title, fontsize=10)
         axes[-1, col].set_xlabel("step")
         axes[-1, col].legend(fontsize=9, ncol=1, loc="upper center", bbox_to_anchor=(0.5, -0.3))
@@ -111,13 +128,22 @@ def plot_stabilisers(runs: dict, layer: int, groups: dict):
 
 def stabiliser_groups(labels) -> dict:
     """Page 17's figure columns, :func:`plot_stabilisers`' ``groups``, from the committed rows ``labels`` (in their
-    order): the BF16 and FP32 runs of the recipe head both columns; the first holds the paper's own cuts of the chain
+    order): the BF16 and FP32 runs of the recipe head the first two; the first holds the paper's own cuts of the chain
     (every other ``*_paper_recipe`` row: SFA, the isolation rows) and the base runs again
-    (:data:`lpfa.experiments.RERUNS`), the second every remaining row: the stabilisers and their FP32 twins."""
+    (:data:`lpfa.experiments.RERUNS`), the second the stabilisers and their FP32 twins. Each second seed of a
+    stabiliser row (:data:`lpfa.experiments.STABILISER_SEEDS`) gets a column of its own, headed by that seed's recipe
+    runs; the recipe runs of a seed without stabiliser rows are not drawn."""
     base = [label for label in ("bf16_paper_recipe", "fp32_paper_recipe") if label in labels]
+    seeds = sorted({s for label in labels if (s := stabiliser_seed(label)[1]) is not None})
     cuts = [label for label in labels if label.endswith("_paper_recipe") and label not in base or label in RERUNS]
-    stabilisers = [label for label in labels if label not in base and label not in cuts]
-    return {"the paper's cuts and reruns": [*base, *cuts], "stabilisers and their FP32 twins": [*base, *stabilisers]}
+    stabilisers = [label for label in labels if label not in base and label not in cuts
+                   and stabiliser_seed(label)[1] is None and seed_base_of(label) is None]
+    groups = {"the paper's cuts and reruns": [*base, *cuts], "stabilisers and their FP32 twins": [*base, *stabilisers]}
+    for s in seeds:
+        groups[f"the same at seed {s}"] = (
+            [label for label in (f"bf16_paper_recipe_s{s}", f"fp32_paper_recipe_s{s}") if label in labels]
+            + [label for label in labels if stabiliser_seed(label)[1] == s])
+    return groups
 
 
 def stabiliser_figure(table, layer: int = 1, root=None):
