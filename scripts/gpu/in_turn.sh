@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # Rows of the paper's recipe one at a time, each with the GPU to itself, in a queue that outlives the device call that
 # starts it. One at a time, because two BF16 recipe runs sharing an H200 trained no faster together than one alone
-# (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started); FP32
-# rows did gain from sharing (page 17's plan gives both), so two of them can go together through paper_recipe.sh.
+# (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started). FP32
+# rows did gain from sharing (page 17's plan gives both), so a step of the queue may be rows joined by "+", which
+# share the GPU: ONLY="sr_s1 fp32_qknorm_s1+fp32_gated_s1" runs sr_s1, then the two FP32 rows together.
 #
 #   export LPFA_GIT_COMMIT=<full hash>   # the device's copy of the tree has no .git; each run's config.json records it
 #   PHASE=start  ONLY="bf16_qknorm_s1 sr_s1" EXPERIMENT=stabilisers EXTRA="stop_at_step=6200" bash scripts/gpu/in_turn.sh
-#   PHASE=follow MAX_S=560 bash scripts/gpu/in_turn.sh   # progress; each finished row's archive to $OUT
+#   PHASE=follow MAX_S=560 bash scripts/gpu/in_turn.sh   # progress; each finished step's archive to $OUT
 #
 # start copies src/, scripts/ and the data (DATA, default data/corpus) into QUEUE/tree (QUEUE: /tmp/in_turn), so that
 # later device calls, which rewrite the working tree and the carried data, never touch what the queue runs or reads,
-# then starts the queue detached (setsid) and returns. The queue runs each label of ONLY in order through
+# then starts the queue detached (setsid) and returns. The queue runs each step of ONLY in order through
 # scripts/gpu/paper_recipe.sh: PHASE=start (BATCH, default 24, so no probe; BUDGET, default 900 s) and then
-# PHASE=finish (with DOCTOR_STEP and the script's other variables as given here), under the launch name NAME_<label>
-# (NAME: in_turn), so each row's archive, QUEUE/done/NAME_<label>.tar.gz, stands alone. A row that fails does not stop
-# the queue. follow waits up to MAX_S seconds for the queue to end, printing each running row's last log line every
+# PHASE=finish (with DOCTOR_STEP and the script's other variables as given here), under the launch name NAME_<step>
+# (NAME: in_turn; a step's "+" becomes "-"), so each step's archive, QUEUE/done/NAME_<step>.tar.gz, stands alone. A
+# step that fails does not stop the queue. follow waits up to MAX_S seconds for the queue to end, printing each running row's last log line every
 # POLL seconds (60), then copies the finished archives and in_turn_logs.tar.gz (the queue's log and each row's) to
 # $OUT. The device tool brings back at most 8 files a call: follow at least every 7 rows.
 set -u
@@ -37,13 +38,14 @@ start)
   echo "queue started (pid $(cat "$QUEUE/queue.pid")): $ONLY; log $QUEUE/queue.log"
   ;;
 queue)  # (run by start, detached, from QUEUE/tree)
-  for label in $ONLY; do
-    echo "$(date -u +%FT%TZ) start $label"
-    NAME="${NAME}_$label" ONLY="$label" BATCH="${BATCH:-24}" BUDGET="${BUDGET:-900}" \
+  for step in $ONLY; do  # a step: one row, or rows joined by "+" that share the GPU
+    label=${step//+/-}
+    echo "$(date -u +%FT%TZ) start ${step//+/ and }"
+    NAME="${NAME}_$label" ONLY="${step//+/ }" BATCH="${BATCH:-24}" BUDGET="${BUDGET:-900}" \
       WAIT="$(( ${BUDGET:-900} + 600 ))" PHASE=start bash scripts/gpu/paper_recipe.sh > "$QUEUE/$label.log" 2>&1
     NAME="${NAME}_$label" PHASE=finish WAIT=120 POLL=10 OUT="$QUEUE/done" bash scripts/gpu/paper_recipe.sh \
       >> "$QUEUE/$label.log" 2>&1
-    echo "$(date -u +%FT%TZ) done $label (finish exit $?)"
+    echo "$(date -u +%FT%TZ) done ${step//+/ and } (finish exit $?)"
   done
   echo "$(date -u +%FT%TZ) queue ended"
   touch "$QUEUE/ended"
