@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from tune_attention import parse_shape  # benchmarks/tune_attention.py (this folder is on sys.path as a script)
+from tune_attention import GPT2_SHAPE, parse_shape  # benchmarks/tune_attention.py (on sys.path as a script)
 
 from lpfa.attention import attention
 from lpfa.attention.ncu import parse_ncu_csv
@@ -37,7 +37,7 @@ from lpfa.provenance import provenance, write_json
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis",
             "MemoryWorkloadAnalysis")
-SHAPE = dict(B=16, H=12, T=1024, D=64)
+SHAPE = dict(zip("BHTD", GPT2_SHAPE))  # the default: tune_attention.py's GPT-2 shape
 
 
 def child(target: str, shape: dict) -> None:

@@ -258,7 +258,7 @@ def stabiliser_table(layer: int = 1, root=None):
     runs = {**base, **found}
 
     def seed_base(label, mode):  # the recipe run of the row's seed: bf16_paper_recipe(_s<s>), fp32_paper_recipe(_s<s>)
-        s = int(label.rsplit("_s", 1)[1]) if label in seed_bases else stabiliser_seed(label)[1]
+        s = seed_base_of(label) if label in seed_bases else stabiliser_seed(label)[1]
         name = f"{mode}_paper_recipe" + (f"_s{s}" if s is not None else "")
         return name if name in base else f"{mode}_paper_recipe"
 
@@ -292,7 +292,7 @@ def stabiliser_table(layer: int = 1, root=None):
     switch = {label: " ".join(o.split("=", 1)[1] if o.startswith("attn_") else o for o in design[label].overrides)
               for label in found if label not in RERUNS}
     named = {"bf16_paper_recipe": "none", "sfa_paper_recipe": "paper_sfa", "fp32_paper_recipe": "none (FP32)",
-             **{b: f"none{' (FP32)' if b.startswith('fp32') else ''}, seed {b.rsplit('_s', 1)[1]}" for b in seed_bases},
+             **{b: f"none{' (FP32)' if b.startswith('fp32') else ''}, seed {seed_base_of(b)}" for b in seed_bases},
              STABILISER_RERUN: "none (run again)", FP32_RERUN: "none (FP32, run again)",
              **{c: f"isolation: {c.removesuffix('_paper_recipe')}" for c in cuts}}
     table.insert(0, "stabiliser", [switch.get(label, named.get(label, "")) for label in table.index])
