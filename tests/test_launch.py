@@ -348,15 +348,18 @@ def test_mechanism_follow_brings_back_what_exists_before_the_driver_packs(tmp_pa
 def test_in_turn_runs_the_rows_one_after_another_and_brings_each_back(tokens, tmp_path):
     """scripts/gpu/in_turn.sh: start returns at once with the queue detached; the queue trains each step of ONLY
     through paper_recipe.sh, the next only after the last has ended, from its own copy of the scripts and data (rows
-    joined by "+" together, in one launch); follow brings one archive per step and the logs; a second start while the
-    queue runs is refused."""
+    joined by "+" together, in one launch; "@N" stops a step's rows at step N); follow brings one archive per step and
+    the logs; a second start while the queue runs is refused, and so is a step whose "@" is not followed by a step."""
     queue, out = tmp_path / "queue", tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PY": sys.executable, "QUEUE": str(queue),
            "ROOT": str(tmp_path / "runs"), "OUT": str(out), "DATA": str(tokens), "GPUS": "0", "BATCH": "4", "POLL": "1",
-           "BUDGET": "300", "EXPERIMENT": "stabilisers", "ONLY": "bf16_qknorm fp32_qknorm+fp32_gated",
+           "BUDGET": "300", "EXPERIMENT": "stabilisers", "ONLY": "bf16_qknorm@3 fp32_qknorm+fp32_gated",
            "EXTRA": "model=debug block_size=32 max_steps=4 eval_interval=0 eval_batches=1 warmup_steps=2 device=cpu "
                     "diag_interval=0 compile=false"}
     script = str(ROOT / "scripts/gpu/in_turn.sh")
+    bad = subprocess.run(["bash", script], cwd=ROOT, env={**env, "PHASE": "start", "ONLY": "bf16_qknorm@5k"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "bf16_qknorm@5k" in bad.stdout and not queue.exists()
     started = subprocess.run(["bash", script], cwd=ROOT, env={**env, "PHASE": "start"}, capture_output=True,
                              text=True, timeout=60)
     assert started.returncode == 0 and "queue started" in started.stdout, started.stdout + started.stderr
@@ -367,17 +370,19 @@ def test_in_turn_runs_the_rows_one_after_another_and_brings_each_back(tokens, tm
                               capture_output=True, text=True, timeout=480)
     assert followed.returncode == 0 and "queue ended" in followed.stdout, followed.stdout + followed.stderr
     spans = {}
-    for step, labels in (("bf16_qknorm", ["bf16_qknorm"]), ("fp32_qknorm-fp32_gated", ["fp32_qknorm", "fp32_gated"])):
+    steps = {"bf16_qknorm": 3, "fp32_qknorm": 4, "fp32_gated": 4}
+    for step, labels in (("bf16_qknorm_to3", ["bf16_qknorm"]),
+                         ("fp32_qknorm-fp32_gated", ["fp32_qknorm", "fp32_gated"])):
         with tarfile.open(out / f"in_turn_{step}.tar.gz") as tar:
             launched = json.load(tar.extractfile(f"in_turn_{step}/launch.json"))
             assert sorted(launched["runs"]) == sorted(labels)  # a "+" step is one launch of its rows
             for label in labels:
                 summary = json.load(tar.extractfile(f"in_turn_{step}/{label}/summary.json"))
-                assert summary["status"] == "completed" and summary["steps"] == 4
+                assert summary["steps"] == steps[label], summary
                 assert launched["runs"][label]["cmd"][-1] == "progress=false"
                 spans[label] = (launched["runs"][label]["started"],
                                 (tmp_path / "runs" / f"in_turn_{step}" / label / "summary.json").stat().st_mtime)
     assert spans["bf16_qknorm"][1] <= min(spans["fp32_qknorm"][0], spans["fp32_gated"][0])  # the next step waited
     assert (queue / "tree" / "scripts" / "gpu" / "paper_recipe.sh").is_file() and (queue / "tree" / "data").is_dir()
     with tarfile.open(out / "in_turn_logs.tar.gz") as tar:
-        assert {"./queue.log", "./bf16_qknorm.log", "./fp32_qknorm-fp32_gated.log"} <= set(tar.getnames())
+        assert {"./queue.log", "./bf16_qknorm_to3.log", "./fp32_qknorm-fp32_gated.log"} <= set(tar.getnames())

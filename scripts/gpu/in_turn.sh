@@ -3,7 +3,9 @@
 # starts it. One at a time, because two BF16 recipe runs sharing an H200 trained no faster together than one alone
 # (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started). FP32
 # rows did gain from sharing (page 17's plan gives both), so a step of the queue may be rows joined by "+", which
-# share the GPU: ONLY="sr_s1 fp32_qknorm_s1+fp32_gated_s1" runs sr_s1, then the two FP32 rows together.
+# share the GPU: ONLY="sr_s1 fp32_qknorm_s1+fp32_gated_s1" runs sr_s1, then the two FP32 rows together. A step may end
+# in "@N": its rows stop at step N (stop_at_step, after EXTRA's), e.g. "bf16_qknorm_s1@5000" to rerun a row only as far
+# as the doctor's checkpoint; its archive's name then ends in "_toN".
 #
 #   export LPFA_GIT_COMMIT=<full hash>   # the device's copy of the tree has no .git; each run's config.json records it
 #   PHASE=start  ONLY="bf16_qknorm_s1 sr_s1" EXPERIMENT=stabilisers EXTRA="stop_at_step=6200" bash scripts/gpu/in_turn.sh
@@ -28,6 +30,9 @@ start)
     echo "a queue is already running from $QUEUE (pid $(cat "$QUEUE/queue.pid")): follow it, or give the machine back"
     exit 1
   fi
+  for step in $ONLY; do
+    case $step in *@*) [[ ${step##*@} =~ ^[0-9]+$ ]] || { echo "ONLY step $step: expected LABEL[+LABEL...][@STEP], STEP a number"; exit 2; };; esac
+  done
   DATA=${DATA:-data/corpus}
   [ -d "$DATA" ] || { echo "DATA=$DATA: expected a folder of train.bin(.xz) and val.bin(.xz)"; exit 1; }
   rm -rf "$QUEUE" && mkdir -p "$QUEUE/tree" "$QUEUE/done" || exit 1
@@ -38,14 +43,16 @@ start)
   echo "queue started (pid $(cat "$QUEUE/queue.pid")): $ONLY; log $QUEUE/queue.log"
   ;;
 queue)  # (run by start, detached, from QUEUE/tree)
-  for step in $ONLY; do  # a step: one row, or rows joined by "+" that share the GPU
-    label=${step//+/-}
-    echo "$(date -u +%FT%TZ) start ${step//+/ and }"
-    NAME="${NAME}_$label" ONLY="${step//+/ }" BATCH="${BATCH:-24}" BUDGET="${BUDGET:-900}" \
+  for step in $ONLY; do  # a step: one row, or rows joined by "+" that share the GPU, then "@N" to stop them at step N
+    rows=${step%@*}; stop=; [ "$rows" = "$step" ] || stop=${step##*@}
+    label=${rows//+/-}${stop:+_to$stop}
+    echo "$(date -u +%FT%TZ) start ${rows//+/ and }${stop:+ to step $stop}"
+    NAME="${NAME}_$label" ONLY="${rows//+/ }" BATCH="${BATCH:-24}" BUDGET="${BUDGET:-900}" \
+      EXTRA="${EXTRA:-}${stop:+ stop_at_step=$stop}" \
       WAIT="$(( ${BUDGET:-900} + 600 ))" PHASE=start bash scripts/gpu/paper_recipe.sh > "$QUEUE/$label.log" 2>&1
     NAME="${NAME}_$label" PHASE=finish WAIT=120 POLL=10 OUT="$QUEUE/done" bash scripts/gpu/paper_recipe.sh \
       >> "$QUEUE/$label.log" 2>&1
-    echo "$(date -u +%FT%TZ) done ${step//+/ and } (finish exit $?)"
+    echo "$(date -u +%FT%TZ) done ${rows//+/ and } (finish exit $?)"
   done
   echo "$(date -u +%FT%TZ) queue ended"
   touch "$QUEUE/ended"
