@@ -129,7 +129,7 @@ def test_committed_explosions_name_every_exploded_run():
                                                          "bf16_mechanism_deterministic", "bf16_muon_lr2",
                                                          "bf16_paper_recipe", "bf16_paper_recipe_s1",
                                                          "bf16_paper_recipe_s2", "bf16_rerun", "delta_o_exact",
-                                                         "fp32_gpt2s", "fp32_muon_lr2", "sr"]
+                                                         "fp32_gpt2s", "fp32_muon_lr2", "sr", "sr_s1"]
     # the deterministic mechanism twin stopped at step 4,000, before its BF16 run exploded: not Fig. 2's evidence
     r = t.loc[("mechanism", "bf16_mechanism_deterministic")]
     assert r["fp32 twin exploded"] is False and r["fp32 twin steps"] < r["explosion step"]
@@ -1104,8 +1104,8 @@ def test_paper_claims_text_measures_each_committed_claim():
     """Page 17's test of the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): each committed BF16 row of
     QK-norm, gated attention or QK-clip with its claimed link measured against the BF16 run, from stabiliser_table's
     columns."""
-    from lpfa.experiments import STABILISER_SEEDS
-    from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims_text, stabiliser_table
+    from lpfa.experiments import STABILISER_SEEDS, stabiliser_seed
+    from lpfa.pages.stabilisers import PAPER_CLAIMS, paper_claims_text, similarity_reference, stabiliser_table
 
     table, _, _ = stabiliser_table(layer=1)
     text = paper_claims_text(table)
@@ -1116,14 +1116,38 @@ def test_paper_claims_text_measures_each_committed_claim():
         r = table.loc[label]
         assert f"`{label}` ({'its loss exploded' if r['exploded'] else 'its loss did not explode'}" in text
         assert f"ties ×{r['ties ÷ bf16']:.2f}" in text
-        if r["rank-1 similarity"] is not None:
-            base = table.loc["bf16_rerun", "rank-1 similarity"]
-            assert f"rank-1 similarity {r['rank-1 similarity']:.3f} against the BF16 run's {base:.3f}" in text
+        if r["rank-1 similarity"] is not None:  # against the BF16 and FP32 runs of the row's seed where measured
+            seed = int(r["seed"])
+            bf16 = f"bf16_paper_recipe_s{seed}"
+            if bf16 not in table.index or table.loc[bf16, "rank-1 similarity"] is None:
+                bf16 = "bf16_rerun"
+            assert similarity_reference(table, "bf16", stabiliser_seed(label)[1]) == bf16
+            base = table.loc[bf16]
+            other = "" if int(base["seed"]) == seed else f", seed {int(base['seed'])}"
+            assert (f"rank-1 similarity {r['rank-1 similarity']:.3f} against the BF16 run's "
+                    f"{base['rank-1 similarity']:.3f} (`{bf16}` at step {base['doctor step']:,}{other}; ×"
+                    f"{r['rank-1 similarity'] / base['rank-1 similarity']:.2f})") in text
             healthy = table.loc["fp32_rerun"]  # results/stabilisers/h200-2026-12-03: the FP32 run's doctor report
+            other = "" if int(healthy["seed"]) == seed else f", seed {int(healthy['seed'])}"
             assert (f"the FP32 run's {healthy['rank-1 similarity']:.3f} (`fp32_rerun` at step "
-                    f"{healthy['doctor step']:,})" in text)
+                    f"{healthy['doctor step']:,}{other})" in text)
+    # results/paper_recipe/h200x2-2026-12-01/bf16_paper_recipe_s1/rerun_to_5000: seed 1's own BF16 reference
+    assert "(`bf16_paper_recipe_s1` at step 5,000; ×" in text
     assert "the FP32 run's" not in paper_claims_text(table.drop(index="fp32_rerun"))
     assert paper_claims_text(table.drop(index=done)).startswith("None of")
+
+
+def test_similarity_reference_is_the_run_of_the_rows_seed_where_measured():
+    """lpfa.pages.stabilisers.similarity_reference: a seeded row's similarity is held against its own seed's recipe run
+    when that run's doctor measured it, else against the default seed's run again; None when neither was measured."""
+    from lpfa.pages.stabilisers import similarity_reference
+
+    t = pd.DataFrame({"rank-1 similarity": [0.99, 0.95, 0.96, None], "seed": [1337, 1337, 1, 1]}, dtype=object,
+                     index=["bf16_rerun", "fp32_rerun", "bf16_paper_recipe_s1", "fp32_paper_recipe_s1"])
+    assert similarity_reference(t, "bf16", 1) == "bf16_paper_recipe_s1"
+    assert similarity_reference(t, "fp32", 1) == "fp32_rerun"  # seed 1's FP32 run has no doctor report
+    assert similarity_reference(t, "bf16", None) == "bf16_rerun" == similarity_reference(t, "bf16", 2)
+    assert similarity_reference(t.drop(index="fp32_rerun"), "fp32", 1) is None
 
 
 def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
@@ -1149,10 +1173,14 @@ def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
     def holding(t, label):
         t.loc[label, ["exploded", "runaway step", "eval loss − twin"]] = [False, None, LOSS_MATCH / 2]
 
+    def measured(t, label):
+        return label in t.index and t.loc[label, "rank-1 similarity"] is not None
+
     def reference(t, label):  # the similarity without BF16 attention: the row's FP32 twin's, else the FP32 run's
-        twin = label.replace("bf16_", "fp32_", 1)
-        return t.loc[twin, "rank-1 similarity"] if twin in t.index and t.loc[twin, "rank-1 similarity"] is not None \
-            else healthy
+        twin = label.replace("bf16_", "fp32_", 1)  # (the FP32 run of the row's seed where measured, else seed 1337's)
+        own = f"fp32_paper_recipe_s{int(t.loc[label, 'seed'])}"
+        return t.loc[twin, "rank-1 similarity"] if measured(t, twin) else \
+            t.loc[own, "rank-1 similarity"] if measured(t, own) else healthy
 
     done = [n for n in PAPER_CLAIMS if f"bf16_{n}" in one_seed.index]
     for name in done:  # every branch, on an edited copy of each committed seed-1337 row

@@ -120,15 +120,18 @@ def test_replays_of_the_run_and_the_links_page_17_reads_from_them(tmp_path):
     replays = Run(run).replays
     assert list(replays) == [2800, 5000] and replays[2800]["source"] == "rerun_to_2850/replay_step_002800"
     links = replay_links(run, layer=committed["layer"])
-    t = {}
-    for h in committed["heads"]:  # per head: the t statistic of the per-step Σ δ error
+    t, mean, share = {}, {}, {}
+    for h in committed["heads"]:  # per head: the t statistic of the per-step Σ δ error, and its tied rows' share
         x = np.array([r["heads"][str(h)]["sum_all"] for r in short["per_step"]])
-        t[h] = x.mean() / (x.std(ddof=1) / np.sqrt(len(x)))
+        t[h], mean[h] = x.mean() / (x.std(ddof=1) / np.sqrt(len(x))), x.mean()
+        share[h] = sum(r["heads"][str(h)]["sum_tied"] for r in short["per_step"]) / x.sum()
     worst = max(t, key=lambda h: abs(t[h]))
     assert links["replay step"] == 5000 and links["replay steps"] == 40
     assert links["replay source"] == "replay_step_005000"
     assert links["δ |t| replay"] == pytest.approx(abs(t[worst]), rel=1e-9)
     assert links["δ replay sign"] == ("+" if t[worst] > 0 else "−") and links["replay policy"] == committed["policy"]
+    assert links["δ replay mean"] == pytest.approx(mean[worst], rel=1e-9)
+    assert links["δ replay tied share"] == pytest.approx(share[worst], rel=1e-9)
     assert replay_links(run, layer=3)["replay step"] == 2800 and replay_links(run, layer=7) == {}
     assert replay_links(tmp_path / "none") == {}
     table = pd.DataFrame([{**links, "seed": 1337}], index=["bf16_qknorm"])
@@ -137,6 +140,8 @@ def test_replays_of_the_run_and_the_links_page_17_reads_from_them(tmp_path):
     assert text.startswith("\n\n**The δ bias by replay**") and (
         f"- `bf16_qknorm`: 40 steps from step 5,000, the δ error of `{committed['policy']}`: largest |t| "
         f"{abs(t[worst]):.1f}, mean δ error ") in text and text.endswith(f", {resolved}")
+    assert (f"{mean[worst]:.2g} per step, {share[worst]:.0%} of it from rows with a tied maximum, {resolved}"
+            in text)
     assert replay_text(table.assign(**{"replay steps": None})) == ""
 
 

@@ -175,7 +175,10 @@ DOCTOR_LINKS = {"doctor step": "the checkpoint's step",
 REPLAY_LINKS = {"replay step": "the checkpoint the replay starts from",
                 "replay steps": "training steps replayed",
                 "δ |t| replay": "largest |t| over the replayed heads of the per-step Σ δ_lp − δ_hp (Fig. 5's test)",
-                "δ replay sign": "the sign of that head's mean δ error (+: the paper's)"}
+                "δ replay sign": "the sign of that head's mean δ error (+: the paper's)",
+                "δ replay mean": "that head's mean per-step Σ δ_lp − δ_hp",
+                "δ replay tied share": "the share of that head's cumulative δ error from rows with a tied maximum "
+                                       "(≥ 2 P̄ = 1 entries)"}
 
 T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts a probe or a replay as resolving a bias
 
@@ -234,8 +237,10 @@ def replay_links(run, layer: int = 1) -> dict:
     tests = bias_test(rep)
     head = max(tests, key=lambda h: abs(tests[h]["t"]) if tests[h]["t"] == tests[h]["t"] else -1.0)
     t = tests[head]["t"]
+    share = tests[head]["share_tied"]
     return {"replay step": step, "replay steps": len(rep["per_step"]), "δ |t| replay": abs(t) if t == t else None,
-            "δ replay sign": "+" if tests[head]["mean"] > 0 else "−", "replay policy": rep["policy"],
+            "δ replay sign": "+" if tests[head]["mean"] > 0 else "−", "δ replay mean": tests[head]["mean"],
+            "δ replay tied share": share if share == share else None, "replay policy": rep["policy"],
             "replay source": rep["source"]}
 
 
@@ -676,13 +681,11 @@ def paper_claims(table) -> list[dict]:
     each row's links and fate, its FP32 twin and the verdict, as a MyST list item)."""
     if table.empty:
         return []
-    base = table.loc[STABILISER_RERUN, "rank-1 similarity"] if STABILISER_RERUN in table.index else None
-    fp32_sim = table.loc[FP32_RERUN, "rank-1 similarity"] if FP32_RERUN in table.index else None
     claims = []
     for name, (link, claim) in PAPER_CLAIMS.items():
         labels = [label for label in (f"bf16_{name}", *(f"bf16_{name}_s{s}" for s in STABILISER_SEEDS))
                   if label in table.index]  # the row at each committed seed
-        per = [_claim_on(table, label, name, link, base, fp32_sim) for label in labels]
+        per = [_claim_on(table, label, name, link) for label in labels]
         if not per:
             continue
         one = len(per) == 1
@@ -704,23 +707,47 @@ def paper_claims(table) -> list[dict]:
     return claims
 
 
-def _claim_on(table, label: str, name: str, link: str, base, fp32_sim) -> dict:
+def similarity_reference(table, mode: str, seed: int | None) -> str | None:
+    """The run whose doctor's rank-1 similarity a BF16 stabiliser row at ``seed`` (None: the default seed) is held
+    against on page 17: the ``mode`` (``"bf16"`` or ``"fp32"``) recipe run of that seed,
+    ``<mode>_paper_recipe_s<seed>``, when :func:`stabiliser_table` has its similarity, else the default seed's run
+    again (:data:`STABILISER_RERUN`, :data:`FP32_RERUN`); None when neither is measured."""
+    own = f"{mode}_paper_recipe_s{seed}" if seed is not None else None
+    default = STABILISER_RERUN if mode == "bf16" else FP32_RERUN
+    for label in (own, default):
+        if label in table.index and table.loc[label].get("rank-1 similarity") is not None:
+            return label
+    return None
+
+
+def _claim_on(table, label: str, name: str, link: str) -> dict:
     """One :data:`PAPER_CLAIMS` claim measured on one BF16 row ``label`` of :func:`stabiliser_table` (see
     :func:`paper_claims`): its seed, ``broken``, ``holds``, ``short``, ``said`` (the row's links and fate, its FP32
-    twin) and ``verdict`` (:func:`_claim_verdict`)."""
+    twin) and ``verdict`` (:func:`_claim_verdict`). The similarity is held against the BF16 and FP32 runs of the
+    row's seed where they were measured (:func:`similarity_reference`); a run of another seed says its seed."""
     r = table.loc[label]
     fate = _loss_fate(r) + (
         f", its layer-{r['runaway layer']} logits running away from step {r['runaway step']:,}"
         if r["runaway step"] is not None else "")
     ratios = _link_ratios(r)
     sim = r.get("rank-1 similarity")
-    if sim is not None and base is not None:
-        similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} (×{sim / base:.2f})"
-                      + (f" and the FP32 run's {fp32_sim:.3f} (`{FP32_RERUN}` at step "
-                         f"{table.loc[FP32_RERUN, 'doctor step']:,})" if fp32_sim is not None else ""))
+    seed = stabiliser_seed(label)[1]
+    bf16_ref, fp32_ref = (similarity_reference(table, mode, seed) for mode in ("bf16", "fp32"))
+
+    def other_seed(ref) -> str:  # ", seed S" when the reference run's seed is not the row's
+        return f", seed {int(table.loc[ref, 'seed'])}" if int(table.loc[ref, "seed"]) != int(r["seed"]) else ""
+
+    def named(ref):  # a reference run by name, its doctor's step, and its seed when it is not the row's
+        return f"`{ref}` at step {table.loc[ref, 'doctor step']:,}{other_seed(ref)}"
+
+    fp32_sim = table.loc[fp32_ref, "rank-1 similarity"] if fp32_ref else None
+    if sim is not None and bf16_ref is not None:
+        base = table.loc[bf16_ref, "rank-1 similarity"]
+        similarity = (f"rank-1 similarity {sim:.3f} against the BF16 run's {base:.3f} ({named(bf16_ref)}; "
+                      f"×{sim / base:.2f})"
+                      + (f" and the FP32 run's {fp32_sim:.3f} ({named(fp32_ref)})" if fp32_sim is not None else ""))
     else:
         similarity = "rank-1 similarity not measured (no doctor report)"
-    seed = stabiliser_seed(label)[1]
     twin = f"fp32_{name}" + (f"_s{seed}" if seed is not None else "")
     twin_sim = table.loc[twin].get("rank-1 similarity") if twin in table.index else None
     if twin_sim is not None:
@@ -730,7 +757,9 @@ def _claim_on(table, label: str, name: str, link: str, base, fp32_sim) -> dict:
     if link == "rank-1 similarity":
         said = similarity + "; " + ratios
         # the reference without BF16 attention: the row's own FP32 twin where measured, else the plain FP32 run
-        ref, ref_name = (twin_sim, "its FP32 twin's") if twin_sim is not None else (fp32_sim, "the FP32 run's")
+        ref, ref_name = ((twin_sim, "its FP32 twin's") if twin_sim is not None else
+                         (fp32_sim, "the FP32 run's") if fp32_ref is None or not other_seed(fp32_ref) else
+                         (fp32_sim, f"the seed-{int(table.loc[fp32_ref, 'seed'])} FP32 run's"))
         broken = None if sim is None or ref is None else bool(sim <= ref)
         short = (f"{'breaks' if broken else 'keeps'} the link ({sim:.3f} against {ref_name} {ref:.3f})"
                  if broken is not None else "the link not measured")
@@ -916,9 +945,9 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
 
 def replay_text(table, layer: int = 1) -> str:
     """The δ bias of the rows that carry a replay (:func:`replay_links`), as Fig. 5 tests it: per row the steps
-    replayed from which checkpoint, the policy measured, the largest |t| over the replayed heads with its sign and
-    whether it reaches :data:`T_RESOLVED`; ``""`` when no row has one. Block MyST (a paragraph and a list), led by two
-    blank lines."""
+    replayed from which checkpoint, the policy measured, the largest |t| over the replayed heads with that head's sign,
+    mean and share from tied rows, and whether it reaches :data:`T_RESOLVED`; ``""`` when no row has one. Block MyST
+    (a paragraph and a list), led by two blank lines."""
     rep = table[table["replay steps"].notna()] if "replay steps" in table.columns else table.iloc[:0]
     if rep.empty:
         return ""
@@ -927,8 +956,11 @@ def replay_text(table, layer: int = 1) -> str:
         r = rep.loc[label]
         t = r["δ |t| replay"]
         sign = "positive (the paper's sign)" if r["δ replay sign"] == "+" else "negative"
+        share = r["δ replay tied share"]
         size = ("|t| not defined (fewer than two steps or no spread)" if t is None else
-                f"largest |t| {t:.1f}, mean δ error {sign}, {'resolved' if t >= T_RESOLVED else 'not resolved'}")
+                f"largest |t| {t:.1f}, mean δ error {sign}, {r['δ replay mean']:.2g} per step"
+                + ("" if share is None else f", {share:.0%} of it from rows with a tied maximum")
+                + f", {'resolved' if t >= T_RESOLVED else 'not resolved'}")
         return (f"- `{label}`: {int(r['replay steps']):,} steps from step {int(r['replay step']):,}, the δ error of "
                 f"`{r['replay policy']}`: {size}")
 
