@@ -883,6 +883,7 @@ def test_stabiliser_plan_times_each_row_alone_with_the_measured_overhead():
     from lpfa.pages.stabilisers import (
         STABILISER_STEPS,
         alone_overhead,
+        finish_overhead,
         stabiliser_costs,
         stabiliser_plan,
         stabiliser_speeds,
@@ -899,14 +900,32 @@ def test_stabiliser_plan_times_each_row_alone_with_the_measured_overhead():
     summary = Run(folder).summary
     assert seconds == pytest.approx(summary["wall_s"] - summary["steps"] * run_price(folder)["step_s"])
     assert 0 < seconds < summary["wall_s"] / 2
+    # a row's finish (doctor, then replay): from its clock stopping to its replay.json, in every committed run with both
+    ends = []
+    for rep in sorted(results.results_dir().glob("*/*/*/**/replay_step_*/replay.json")):
+        run = rep.parent.parent
+        launch = run / "launch.json" if (run / "launch.json").is_file() else run.parent / "launch.json"
+        experiment = run.relative_to(results.results_dir()).parts[0]
+        if experiment not in ("stabilisers", "paper_recipe") or not launch.is_file() or not list(
+                run.glob("doctor_step_*")):
+            continue
+        label = run.parent.name if run.name.startswith("rerun_") else run.name
+        started = json.loads(launch.read_text())["runs"][label]["started"]
+        done = pd.Timestamp(json.loads(rep.read_text())["provenance"]["date_utc"]).timestamp()
+        ends.append(done - started - json.loads((run / "summary.json").read_text())["wall_s"])
+    finish = finish_overhead()
+    assert len(ends) >= 3 and finish[:2] == (pytest.approx(float(np.median(ends))), len(ends))  # 3 at 54b1851
+    assert 0 < finish[0] < 600 and finish[2] == 200
     _, _, pending = stabiliser_table()
     if not pending:
         return
     text = stabiliser_plan(pending)
+    assert f"the {finish[0]:.0f} s that its finish takes (the median of {len(ends)} committed runs" in text
     alone = stabiliser_costs()["tokens/s"]
     tokens = STABILISER_STEPS * 24 * 1024
     for label, minutes in re.findall(r"`(\w+)` ([\d.]+) min", text):
-        assert float(minutes) == pytest.approx((tokens / alone[label.removesuffix("_s1")] + seconds) / 60, abs=0.051)
+        assert float(minutes) == pytest.approx((tokens / alone[label.removesuffix("_s1")] + seconds + finish[0]) / 60,
+                                               abs=0.051)
     speeds, sharing = stabiliser_speeds()
     tps, run = speeds["FP32, compiled"]
     solo = tokens / (tokens / alone["fp32_paper_recipe"] + seconds)

@@ -479,13 +479,45 @@ def alone_overhead(root=None) -> tuple[float, str] | None:
     return None
 
 
+def finish_overhead(root=None) -> tuple[float, int, int] | None:
+    """Seconds that a row's finish takes after its training: ``lpfa doctor`` on its checkpoint, then
+    ``python -m lpfa.replay`` from it (scripts/gpu/paper_recipe.sh's ``DOCTOR_STEP`` and ``REPLAY_STEPS``), from the
+    run's clock stopping (its launch's ``started`` plus its ``wall_s``) to the replay writing its ``replay.json`` (its
+    provenance's ``date_utc``), in the committed ``stabilisers`` and ``paper_recipe`` runs and their ``rerun_*/``
+    folders that carry both, each with its launch's ``launch.json`` beside it or one folder up. Returns
+    ``(median seconds, runs, replay steps of the latest)``, or None without such a run."""
+    found = []  # (replay date, seconds, replay steps)
+    for experiment in ("stabilisers", "paper_recipe"):
+        try:
+            folders = launches(experiment, root)
+        except FileNotFoundError:
+            continue
+        for folder in folders:
+            for run_dir in sorted(d for d in folder.iterdir() if d.is_dir()):
+                for d in (run_dir, *sorted(run_dir.glob("rerun_*"))):
+                    launch = next((f for f in (d / "launch.json", d.parent / "launch.json") if f.is_file()), None)
+                    if launch is None or not (d / "summary.json").is_file():
+                        continue
+                    run = Run(d)
+                    replays = {step: r for step, r in run.replays.items() if r["source"].startswith("replay_step_")}
+                    started = json.loads(launch.read_text())["runs"].get(run_dir.name, {}).get("started")
+                    if not replays or started is None or not run.doctor_reports:
+                        continue
+                    rep = replays[max(replays)]
+                    done = pd.Timestamp(rep["provenance"]["date_utc"]).timestamp()
+                    found.append((done, done - started - run.summary["wall_s"], len(rep["per_step"])))
+    if not found:
+        return None
+    return float(np.median([x[1] for x in found])), len(found), max(found)[2]
+
+
 def stabiliser_plan(pending: list[str], root=None) -> str:
     """What the ``pending`` stabiliser rows cost to run, one at a time: :data:`STABILISER_STEPS` steps at the recipe's
     batch, each at its speed alone on one GPU (:func:`stabiliser_costs`; a second seed at its row's) plus the time a
-    run alone spends outside its steps (:func:`alone_overhead`). The lead says whether the runs sharing one H200
-    (:func:`stabiliser_speeds`: how many, and their speeds) trained faster together than one alone, both sides
-    counted with that overhead over the same steps ("no faster" below 5%). Empty without the recipe's BF16 run or a
-    speed benchmark."""
+    run alone spends outside its steps (:func:`alone_overhead`) and its doctor and replay (:func:`finish_overhead`).
+    The lead says whether the runs sharing one H200 (:func:`stabiliser_speeds`: how many, and their speeds) trained
+    faster together than one alone, both sides counted with the first overhead over the same steps ("no faster" below
+    5%). Empty without the recipe's BF16 run or a speed benchmark."""
     if not pending:
         return "Every stabiliser row is committed."
     base = experiment_rows("paper_recipe", ["bf16_paper_recipe"], root=root)
@@ -496,10 +528,11 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
     tokens = STABILISER_STEPS * bf16["batch_size"] * bf16["block_size"]
     extra = alone_overhead(root)
     overhead = extra[0] if extra else 0.0
+    finish = finish_overhead(root)
 
     def minutes(label) -> float | None:
         tps = alone.get(stabiliser_seed(label)[0])
-        return None if tps is None else (tokens / tps + overhead) / 60
+        return None if tps is None else (tokens / tps + overhead + (finish[0] if finish else 0.0)) / 60
 
     timed = {label: m for label in pending if (m := minutes(label)) is not None}
     untimed = [label for label in pending if label not in timed]
@@ -519,14 +552,17 @@ def stabiliser_plan(pending: list[str], root=None) -> str:
             f"{STABILISER_STEPS:,} steps with compilation and evaluations ("
             + "; ".join(compared) + "). ")
     return (lead + "Alone on one GPU, at each row's speed there (`benchmarks/stabiliser_cost.py`)"
-            + (f" and the {overhead:.0f} s that a run alone spends outside its steps (compilation, evaluations, the "
+            + (f", the {overhead:.0f} s that a run alone spends outside its steps (compilation, evaluations, the "
                f"stop: `{extra[1]}`)" if extra else "")
+            + (f" and the {finish[0]:.0f} s that its finish takes (the median of {finish[1]} committed "
+               f"{plural(finish[1], 'run')}: `lpfa doctor` and a {finish[2]:,}-step replay)" if finish else "")
             + f", {STABILISER_STEPS:,} steps at batch {bf16['batch_size']} take "
             + ", ".join(f"`{label}` {m:.1f} min" for label, m in timed.items())
             + (f": {sum(timed.values()):.0f} GPU-minutes in all" if timed else "")
             + (f"; {_ticked(untimed)} not timed alone" if untimed else "")
-            + ". `lpfa doctor` then examines each run's last checkpoint at or before step 5,000 and before its "
-            f"explosion, for the δ-bias and similarity links ({RERUN_PAGE} gives the commands).")
+            + ". `lpfa doctor` examines each run's last checkpoint at or before step 5,000 and before its "
+            "explosion, for the δ-bias and similarity links, and the replay continues the training from it with one "
+            f"layer instrumented, for Fig. 5's test of the δ bias ({RERUN_PAGE} gives the commands).")
 
 
 def pending_text(pending: list[str], root=None) -> str:
