@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lpfa.attention import attention, get_policy
+from lpfa.attention import GPT2_SHAPE, attention, get_policy
 from lpfa.provenance import provenance, write_json
 
 
@@ -51,7 +51,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--policy", default="fa2")
-    p.add_argument("--shape", nargs=4, type=int, default=[16, 12, 1024, 64], metavar=("B", "H", "T", "D"))
+    p.add_argument("--shape", nargs=4, type=int, default=list(GPT2_SHAPE), metavar=("B", "H", "T", "D"))
     a = p.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import torch
 from attention import graph_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
 
+from lpfa.attention import GPT2_SHAPE  # B, H, T, D
 from lpfa.provenance import provenance, write_json
-
-GPT2_SHAPE = (16, 12, 1024, 64)  # B, H, T, D
 
 
 def ms(fn, rep=20):

@@ -62,9 +62,13 @@ __all__ = [
     "AttentionStats",
     "get_policy",
     "check_inputs",
+    "GPT2_SHAPE",
 ]
 
 _DTYPES = (torch.bfloat16, torch.float32)
+
+GPT2_SHAPE = (16, 12, 1024, 64)
+"""B, H, T, D of GPT-2 S's attention at batch 16: the benchmarks' default shape ("GPT-2 shapes" in the book)."""
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dims: tuple[int, ...] | None = None) -> None:

@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
-from lpfa.attention import PRESETS, attention, get_policy
+from lpfa.attention import GPT2_SHAPE, PRESETS, attention, get_policy
 from lpfa.attention.ncu import BOUND_PCT, kernel_pass, limited_by, parse_ncu_csv
 from lpfa.pages import and_join, gpu_name
 from lpfa.params import boolean, integer, optional, text
@@ -272,7 +272,7 @@ def memory_notes(memory: dict, run: str | None = None) -> dict[str, str]:
             **{f"mem_growth_{name}": f"{peak(name, Ts[-1]) / peak(name, Ts[0]):.1f}" for name in ("fa2", "fp32")}}
 
 
-GPT2_SWEEP = [16, 12, 1024, 64]  # B, H, T, D: GPT-2 S at batch 16, tune_attention.py's and ncu_attention.py's default
+GPT2_SWEEP = list(GPT2_SHAPE)  # B, H, T, D as a list, as the sweeps' JSON records it (tune_attention.py's default)
 
 
 def tuning_best(tune: dict):
