@@ -595,6 +595,15 @@ def test_stabiliser_summary_from_the_committed_table():
             f"{', '.join(map(str, seeds))};") in text.split(heading)[1]
     mixed = table["seed"].nunique() > 1  # a second seed's rows are divided by that seed's BF16 run: the lead says so
     assert ("each row's links as ratios to the BF16 run's of the row's seed:" in text) == mixed
+    doctor = text.split("**lpfa doctor on layer 1**")[1]  # one line per row with a doctor report, naming a rerun
+    for label in table.index[table["doctor step"].notna()]:
+        r = table.loc[label]
+        again = (f" (the run again, `{r['doctor source'].split('/')[0]}/`)"
+                 if r["doctor source"].startswith("rerun_") else "")
+        assert (f"- `{label}` at step {int(r['doctor step']):,}{again}: rank-1 similarity "
+                f"{r['rank-1 similarity']:.3f}, largest |t| of the δ error ") in doctor
+    # results/stabilisers/h100-2026-12-07/bf16_qknorm_s1/rerun_to_5000: a row that ran without a checkpoint
+    assert "- `bf16_qknorm_s1` at step 5,000 (the run again, `rerun_to_5000/`)" in doctor
     assert stabiliser_summary(table.iloc[:0], step).startswith("**Nothing to compare yet:**")
 
 

@@ -894,6 +894,13 @@ def stabiliser_finding(table, layer: int = 1) -> str:
             + "".join(f"; {f}" for f in fails.values() if f) + "".join(dependent) + ".**")
 
 
+def _rerun_of(table, label: str) -> str:
+    """`` (the run again, `<rerun folder>/`)`` when the doctor's checkpoint of ``label`` came from a rerun of the run
+    (its ``doctor source`` in a ``rerun_*/`` folder: :attr:`lpfa.run.Run.doctor_reports`), else ``""``."""
+    source = table.loc[label].get("doctor source") or ""
+    return f" (the run again, `{source.split('/')[0]}/`)" if source.startswith("rerun_") else ""
+
+
 def stabiliser_summary(table, step: int, layer: int = 1) -> str:
     """Page 17's rows in words, after its finding (:func:`stabiliser_finding`), from :func:`stabiliser_table`
     (``table``, compared at ``step``): how many of the :data:`lpfa.experiments.STABILISERS` runs are committed; each
@@ -948,7 +955,8 @@ def stabiliser_summary(table, step: int, layer: int = 1) -> str:
         resolved = [label for label in doc.index for col in ("δ |t| paper", "δ |t| own")
                     if doc.loc[label, col] is not None and doc.loc[label, col] >= T_RESOLVED]
         doctor = (f"\n\n**lpfa doctor on layer {layer}**, one checkpoint per row before its explosion:\n\n"
-                  + "\n".join(f"- `{label}` at step {int(doc.loc[label, 'doctor step']):,}: rank-1 similarity "
+                  + "\n".join(f"- `{label}` at step {int(doc.loc[label, 'doctor step']):,}{_rerun_of(doc, label)}: "
+                              "rank-1 similarity "
                               f"{doc.loc[label, 'rank-1 similarity']:.3f}, largest |t| of the δ error "
                               f"{fmt(label, 'δ |t| paper')} (paper)"
                               + (f", {fmt(label, 'δ |t| own')} (its own policy)"
