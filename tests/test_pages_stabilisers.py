@@ -63,6 +63,29 @@ def test_shown_table_renames_the_links_by_their_keys(committed):
         st.shown_table(table, 123)
 
 
+def test_page_shows_the_bf16_runs_and_links_every_row(committed):
+    """Page 17's table fits the page (MAX_ROWS): the BF16 runs, stabilised or not, every BF16 stabiliser row and base
+    run at every seed; the FP32 twins, SFA and the paper's cuts are only in the full table, which holds every row."""
+    from lpfa.experiments import RECIPE_ISOLATION, rows
+    from lpfa.plotting import MAX_ROWS
+
+    table, step, _ = committed
+    shown = st.page_rows(table)
+    design = rows("stabilisers")
+    bf16 = [label for label in table.index if label in design and design[label].reference is not None
+            or label.startswith(("sr", "bf16_paper_recipe"))]  # a BF16 row has an FP32 reference, or is SR or a base
+    assert len(shown) <= MAX_ROWS and set(bf16) <= set(shown) and "bf16_rerun" in shown
+    left_out = set(table.index) - set(shown)
+    assert left_out == {label for label in table.index if label.startswith("fp32_")
+                        or label.removesuffix("_paper_recipe") in RECIPE_ISOLATION or label == "sfa_paper_recipe"}
+    full, what, sources = st.full_stabiliser_table()
+    assert list(full.index) == list(table.index) and full.equals(st.shown_table(table, step))
+    assert what.startswith("Page 17's full table") and "results/stabilisers" in sources
+    text = st.full_table_text(table)
+    assert text.startswith(f"The table shows the {len(shown)} BF16 runs; all {len(table)} rows")
+    assert "results/tables/stabiliser_links.csv" in text
+
+
 def test_stabiliser_figure_draws_every_committed_row(committed):
     import matplotlib.pyplot as plt
 

@@ -16,6 +16,10 @@ def test_table_formats_numbers_units_and_missing_values():
     wide = pd.DataFrame([range(12)], columns=[f"c{i}" for i in range(12)], index=["only row"])
     assert list(table(wide).data.columns) == ["only row"]  # transposed to fit the page column
     assert table(wide, max_columns=20).data.shape == (1, 12)
+    kept = table(wide, transpose=False)  # never transposed: split into tables that fit the column instead
+    parts = getattr(kept, "parts", None) or [kept]
+    assert all(list(p.data.index) == ["only row"] for p in parts)
+    assert [c for p in parts for c in p.data.columns] == list(wide.columns)
     tall = pd.DataFrame([range(12)] * 10, columns=[f"c{i}" for i in range(12)])
     assert table(tall).data.shape == (10, 12)  # transposing would not make it fit: left as it is
 

@@ -422,13 +422,14 @@ def _whole(values) -> bool:
 
 
 def format_table(df, units: dict | None = None, percent=(), digits: int | dict = 3, max_columns: int = 8,
-                 index: bool = True, raw=("seed", "init_seed"), classes: str = ""):
+                 index: bool = True, raw=("seed", "init_seed"), classes: str = "", transpose: bool = True):
     """A DataFrame as a page shows it, the one formatter of every table of the book: numbers to ``digits``
     significant digits (an int, or ``{column: digits}`` with 3 for the others; integers with thousands separators),
     the ``percent`` columns as percentages, missing values as "–" (a column with no value at all is dropped),
     booleans as yes/no, ``units`` (``{column: unit}``) in the column names, a numeric index formatted like the cells,
     and a table with more than ``max_columns`` columns transposed when that makes it fit the page column (at most
-    ``max_columns`` rows). ``raw`` columns (seeds) are shown as they are. The table carries the class
+    ``max_columns`` rows; ``transpose=False``: never, for a table with more columns than a page's rows). ``raw``
+    columns (seeds) are shown as they are. The table carries the class
     :data:`TABLE_CLASS` (and ``classes``). Returns a pandas Styler."""
     import pandas as pd
 
@@ -451,7 +452,7 @@ def format_table(df, units: dict | None = None, percent=(), digits: int | dict =
     elif shown.index.dtype.kind == "f":
         shown.index = pd.Index([_number(v, 3) for v in shown.index], name=shown.index.name)
     shown.columns = [f"{c} ({units[c]})" if units and c in units else c for c in shown.columns]
-    if len(shown.index) <= max_columns and (len(shown.columns) > max_columns or (
+    if transpose and len(shown.index) <= max_columns and (len(shown.columns) > max_columns or (
             _width_px(shown, index) > TABLE_WIDTH_PX >= _width_px(shown.T, index))):
         shown = shown.T
     parts, start = [], 0

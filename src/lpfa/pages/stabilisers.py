@@ -318,6 +318,34 @@ def shown_table(table, step: int):
     return shown.rename(columns={v: f"{k} @ {step}" for k, v in col.items()})
 
 
+def page_rows(table) -> list[str]:
+    """The rows of :func:`stabiliser_table` that page 17's table shows: the BF16 runs, stabilised or not, at every seed.
+    The FP32 twins, SFA (page 09) and the paper's cuts of the chain (page 10) are in the full table
+    (:func:`full_stabiliser_table`), as the page's table must fit :data:`lpfa.plotting.MAX_ROWS` rows."""
+    return [label for label in table.index if not label.startswith("fp32_")
+            and not str(table.loc[label, "stabiliser"]).startswith(("isolation", "paper_sfa"))]
+
+
+def full_stabiliser_table():
+    """Page 17's full table for :mod:`lpfa.pages.tables`: :func:`shown_table` of every row of
+    :func:`stabiliser_table` (the base runs, their FP32 twins, SFA, the paper's cuts and every stabiliser row), what
+    it is, and the experiments it read."""
+    table, step, _ = stabiliser_table()
+    what = ("Page 17's full table: every committed run of the stabiliser comparison at the paper's GPT-2 S recipe (the "
+            "base runs, the FP32 twins, SFA, the paper's cuts of the chain and every stabiliser row), its links at "
+            f"step {step:,} and as ratios to the BF16 run's of its seed, its loss against its FP32 twin, its speed, "
+            "and the doctor's and the replay's links (lpfa.pages.stabilisers.shown_table)")
+    return shown_table(table, step), what, ["results/paper_recipe", "results/stabilisers", "results/stabiliser_cost"]
+
+
+def full_table_text(table) -> str:
+    """What page 17's table shows (:func:`page_rows`: how many of the rows), with a link to the full table."""
+    from lpfa.pages.tables import link
+
+    return (f"The table shows the {len(page_rows(table))} BF16 runs; all {len(table)} rows, with the FP32 twins, SFA "
+            f"and the paper's cuts of the chain, are in {link('stabiliser_links')}.")
+
+
 def stabiliser_costs(root=None):
     """What each stabiliser costs in speed, from the committed ``results/stabiliser_cost`` runs
     (``benchmarks/stabiliser_cost.py``: every row built as ``lpfa.train`` builds it, timed alone on one idle GPU), each
@@ -1019,6 +1047,7 @@ def page_texts(table: pd.DataFrame, step, pending, costs: pd.DataFrame, sr_text:
     sentence (``sr_text``: :func:`sr_persistence`)."""
     return {"st_finding": stabiliser_finding(table, layer), "st_summary": stabiliser_summary(table, step, layer),
             "st_step": f"{step:,}" if not table.empty else "–", "st_layer": layer,
+            "st_full": full_table_text(table) if not table.empty else "",
             "st_cost": stabiliser_cost_text(costs),
             "st_claims": paper_claims_text(table) if not table.empty else "Nothing to compare yet.",
             "st_sr": sr_text,

@@ -25,6 +25,7 @@ FULL_TABLES = {
     "early_warning_replay": ("lpfa.pages.early_warning", "full_replay_table"),
     "kernel_bias_audit": ("lpfa.pages.kernel_bias", "full_bias_table"),
     "attention_shapes": ("lpfa.pages.kernels", "full_shapes_table"),
+    "stabiliser_links": ("lpfa.pages.stabilisers", "full_stabiliser_table"),
 }
 
 
