@@ -1178,6 +1178,32 @@ def test_similarity_reference_is_the_run_of_the_rows_seed_where_measured():
     assert similarity_reference(t.drop(index="fp32_rerun"), "fp32", 1) is None
 
 
+def test_similarity_spread_over_seeds_flags_the_verdicts_it_could_turn():
+    """Page 17's Discussion ends with how far the doctor's similarity moves with the seed alone (pairs of one
+    configuration at two seeds, at the same doctor step), and names the similarity verdicts whose margin to their
+    reference is smaller than that."""
+    from lpfa.pages.stabilisers import paper_claims_text, similarity_spread, stabiliser_table
+
+    table, _, _ = stabiliser_table(layer=1)
+    sim = table["rank-1 similarity"]
+    pairs = {(a, b): d for a, b, d in similarity_spread(table)}
+    # results/paper_recipe/h200x2-2026-12-01/bf16_paper_recipe_s1/rerun_to_5000, stabilisers/h100-2026-12-07/...
+    for a, b in (("bf16_paper_recipe_s1", "bf16_rerun"), ("bf16_qknorm_s1", "bf16_qknorm")):
+        assert pairs[(a, b)] == pytest.approx(abs(sim[a] - sim[b]))
+    assert ("sr_s1", "sr") not in pairs  # their doctors ran at steps 4,000 and 2,800
+    spread = max(pairs.values())
+    text = paper_claims_text(table)
+    assert f"differ by {pairs[('bf16_qknorm_s1', 'bf16_qknorm')]:.3f}" in text
+    margin = abs(sim["bf16_qknorm"] - sim["fp32_qknorm"])  # the row's own FP32 twin is its reference
+    assert (margin < spread) == (f"`bf16_qknorm` ({margin:.3f} from its FP32 twin's)" in text)
+    same = table.copy()  # each pair made equal: no spread, so no margin is within it
+    same.loc["bf16_qknorm_s1", "rank-1 similarity"] = sim["bf16_qknorm"]
+    same.loc["bf16_paper_recipe_s1", "rank-1 similarity"] = sim["bf16_rerun"]
+    assert {d for _, _, d in similarity_spread(same)} == {0.0}
+    assert paper_claims_text(same).endswith("Every similarity verdict above clears its reference by more than 0.000.")
+    assert "moves with the seed" not in paper_claims_text(table.drop(index=["bf16_qknorm_s1", "bf16_paper_recipe_s1"]))
+
+
 def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
     """Page 17's verdicts on the paper's Discussion (lpfa.pages.stabilisers.paper_claims_text): a claim stands only when
     its BF16 row breaks the claimed link (similarity at most its FP32 twin's, else the FP32 run's; ties at most

@@ -825,14 +825,17 @@ def _claim_on(table, label: str, name: str, link: str) -> dict:
                          (fp32_sim, "the FP32 run's") if fp32_ref is None or not other_seed(fp32_ref) else
                          (fp32_sim, f"the seed-{int(table.loc[fp32_ref, 'seed'])} FP32 run's"))
         broken = None if sim is None or ref is None else bool(sim <= ref)
+        margin = None if broken is None else abs(float(sim) - float(ref))
         short = (f"{'breaks' if broken else 'keeps'} the link ({sim:.3f} against {ref_name} {ref:.3f})"
                  if broken is not None else "the link not measured")
     else:
         said = ratios + "; " + similarity
+        margin, ref_name = None, None
         broken = bool(r["ties ÷ bf16"] <= TIES_KEPT)
         short = f"{'breaks' if broken else 'keeps'} the link ({r['ties ÷ bf16']:.2f}× the BF16 run's ties)"
     failure = _failure(r)
-    return {"label": label, "seed": int(r["seed"]), "broken": broken, "holds": not failure,
+    return {"label": label, "seed": int(r["seed"]), "broken": broken, "margin": margin, "reference": ref_name,
+            "holds": not failure,
             "stands": _stands(broken, not failure), "short": short,
             "outcome": outcome(r["exploded"], r["runaway step"])
             + (f", {failure}" if failure and not r["exploded"] and r["runaway step"] is None else ""),
@@ -868,12 +871,54 @@ def unmeasured_text(table) -> str:
 
 def paper_claims_text(table) -> str:
     """Page 17's test of the paper's Discussion: :func:`paper_claims_lead` in bold, then each claim's item from
-    :func:`paper_claims` (block MyST: a list)."""
+    :func:`paper_claims` (block MyST: a list), then :func:`similarity_spread_text`."""
     claims = paper_claims(table)
     if not claims:
         return "None of QK-norm, gated attention and QK-clip is committed yet."
     evidence = seed_evidence(table, [label for c in claims if c["judged"] for label in c["labels"]])
-    return f"**{paper_claims_lead(claims, evidence)}**\n\n" + "\n".join(c["item"] for c in claims)
+    spread = similarity_spread_text(table, claims)
+    return (f"**{paper_claims_lead(claims, evidence)}**\n\n" + "\n".join(c["item"] for c in claims)
+            + (f"\n\n{spread}" if spread else ""))
+
+
+def similarity_spread(table) -> list[tuple[str, str, float]]:
+    """How far the doctor's rank-1 similarity moves with the seed alone: ``(label, other, |difference|)`` for each pair
+    of rows of :func:`stabiliser_table` that both carry it at the same doctor step and differ only in data order and
+    init, a seeded row and its seed-1337 row (``bf16_qknorm_s1``, ``bf16_qknorm``), or a seed's recipe run and seed
+    1337's run again (``bf16_paper_recipe_s1``, :data:`STABILISER_RERUN`; FP32 likewise)."""
+    def sim(label):
+        return table.loc[label].get("rank-1 similarity") if label in table.index else None
+
+    pairs = []
+    for label in table.index:
+        if (seed := seed_base_of(label)) is not None:
+            other = STABILISER_RERUN if label.startswith("bf16") else FP32_RERUN
+        else:
+            other, seed = stabiliser_seed(label)
+        if seed is not None and sim(label) is not None and sim(other) is not None \
+                and table.loc[label, "doctor step"] == table.loc[other, "doctor step"]:
+            pairs.append((label, other, abs(float(sim(label)) - float(sim(other)))))
+    return pairs
+
+
+def similarity_spread_text(table, claims: list[dict]) -> str:
+    """The seed spread of the similarity (:func:`similarity_spread`) against the margins by which the judged
+    similarity claims (:func:`paper_claims`) fell on either side of their reference: which margins are smaller than the
+    spread, so that a second seed could turn them. ``""`` without a pair of seeds."""
+    pairs = similarity_spread(table)
+    if not pairs:
+        return ""
+    spread = max(d for _, _, d in pairs)
+    close = []
+    for c in claims:
+        for p in c["per"]:  # (a margin only where the claim's link is the similarity)
+            if p["margin"] is not None and p["margin"] < spread:
+                close.append(f"`{p['label']}` ({p['margin']:.3f} from {p['reference']})")
+    return ("The rank-1 similarity moves with the seed alone: at the same step, "
+            + "; ".join(f"`{a}` and `{b}` differ by {d:.3f}" for a, b, d in pairs)
+            + (f". A row within {spread:.3f} of its reference is within that spread, so its link verdict could turn "
+               f"with the seed: {and_join(close)}." if close else
+               f". Every similarity verdict above clears its reference by more than {spread:.3f}."))
 
 
 def seed_evidence(table, labels) -> str:
