@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -341,6 +342,41 @@ def test_mechanism_follow_brings_back_what_exists_before_the_driver_packs(tmp_pa
     assert not (out / "mechanism.tar.gz").exists()
     m.pack(base)
     assert m.main(follow) == 0 and (out / "mechanism.tar.gz").is_file()
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,
+                    reason="scripts/gpu/in_turn.sh needs bash and setsid")
+def test_in_turn_stop_ends_the_running_row_cleanly_and_starts_no_other(tokens, tmp_path):
+    """PHASE=stop: the running row ends through its STOP file (status "stopped", logs and summary kept), its step still
+    finishes and comes back with follow, and no further step starts; with no queue there is nothing to stop."""
+    queue, out, runs = tmp_path / "queue", tmp_path / "out", tmp_path / "runs"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PY": sys.executable, "QUEUE": str(queue),
+           "ROOT": str(runs), "OUT": str(out), "DATA": str(tokens), "GPUS": "0", "BATCH": "4", "POLL": "1",
+           "BUDGET": "300", "EXPERIMENT": "stabilisers", "ONLY": "bf16_qknorm fp32_qknorm",
+           "EXTRA": "model=debug block_size=32 max_steps=1000000 eval_interval=0 eval_batches=1 warmup_steps=2 "
+                    "device=cpu diag_interval=0 compile=false"}
+    script = str(ROOT / "scripts/gpu/in_turn.sh")
+
+    def phase(name, **more):
+        return subprocess.run(["bash", script], cwd=ROOT, env={**env, "PHASE": name, **more}, capture_output=True,
+                              text=True, timeout=300)
+
+    nothing = phase("stop")
+    assert nothing.returncode == 1 and "nothing to stop" in nothing.stdout
+    assert phase("start").returncode == 0
+    log = runs / "in_turn_bf16_qknorm" / "bf16_qknorm" / "log.txt"
+    deadline = time.time() + 120
+    while not (log.is_file() and "step 1" in log.read_text()) and time.time() < deadline:
+        time.sleep(0.5)
+    stopped = phase("stop")
+    assert stopped.returncode == 0 and "asked to stop" in stopped.stdout and "bf16_qknorm" in stopped.stdout
+    followed = phase("follow", MAX_S="200")
+    assert "queue ended" in followed.stdout and "stopped before fp32_qknorm" in followed.stdout, followed.stdout
+    with tarfile.open(out / "in_turn_bf16_qknorm.tar.gz") as tar:
+        summary = json.load(tar.extractfile("in_turn_bf16_qknorm/bf16_qknorm/summary.json"))
+        assert summary["status"] == "stopped" and 0 < summary["steps"] < 1_000_000
+        assert "in_turn_bf16_qknorm/bf16_qknorm/log.txt" in tar.getnames()
+    assert not (runs / "in_turn_fp32_qknorm").exists()
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,

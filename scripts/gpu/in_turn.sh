@@ -10,6 +10,7 @@
 #   export LPFA_GIT_COMMIT=<full hash>   # the device's copy of the tree has no .git; each run's config.json records it
 #   PHASE=start  ONLY="bf16_qknorm_s1 sr_s1" EXPERIMENT=stabilisers EXTRA="stop_at_step=6200" bash scripts/gpu/in_turn.sh
 #   PHASE=follow MAX_S=560 bash scripts/gpu/in_turn.sh   # progress; each finished step's archive to $OUT
+#   PHASE=stop bash scripts/gpu/in_turn.sh               # end it: stop the running rows, start no further step
 #
 # start copies src/, scripts/ and the data (DATA, default data/corpus) into QUEUE/tree (QUEUE: /tmp/in_turn), so that
 # later device calls, which rewrite the working tree and the carried data, never touch what the queue runs or reads,
@@ -19,11 +20,14 @@
 # (NAME: in_turn; a step's "+" becomes "-"), so each step's archive, QUEUE/done/NAME_<step>.tar.gz, stands alone. A
 # step that fails does not stop the queue. follow waits up to MAX_S seconds for the queue to end, printing each running row's last log line every
 # POLL seconds (60), then copies the finished archives and in_turn_logs.tar.gz (the queue's log and each row's) to
-# $OUT. The device tool brings back at most 8 files a call: follow at least every 7 rows.
+# $OUT. The device tool brings back at most 8 files a call: follow at least every 7 rows. stop asks the running step's
+# rows to end cleanly (a STOP file in each run folder: lpfa.train stops with its logs, summary and a checkpoint) and
+# the queue to start no further step; the stopped step still finishes (its doctor, replay and archive) before the
+# queue ends, and follow brings it back.
 set -u
 QUEUE=${QUEUE:-/tmp/in_turn}; NAME=${NAME:-in_turn}; ROOT=${ROOT:-/tmp/runs}; OUT=${OUT:-/tmp/out}
 export ROOT
-case ${PHASE:?PHASE must be start, follow or queue} in
+case ${PHASE:?PHASE must be start, follow, stop or queue} in
 start)
   : "${ONLY:?ONLY must name the rows to run, in order}"
   if [ -f "$QUEUE/queue.pid" ] && kill -0 "$(cat "$QUEUE/queue.pid")" 2>/dev/null; then
@@ -44,6 +48,7 @@ start)
   ;;
 queue)  # (run by start, detached, from QUEUE/tree)
   for step in $ONLY; do  # a step: one row, or rows joined by "+" that share the GPU, then "@N" to stop them at step N
+    if [ -f "$QUEUE/stop" ]; then echo "$(date -u +%FT%TZ) stopped before $step"; break; fi
     rows=${step%@*}; stop=; [ "$rows" = "$step" ] || stop=${step##*@}
     label=${rows//+/-}${stop:+_to$stop}
     echo "$(date -u +%FT%TZ) start ${rows//+/ and }${stop:+ to step $stop}"
@@ -76,7 +81,15 @@ follow)
   (cd "$QUEUE" && tar -czf "$OUT/in_turn_logs.tar.gz" ./*.log)
   ls "$OUT"
   ;;
+stop)
+  [ -f "$QUEUE/queue.log" ] || { echo "no queue under $QUEUE: nothing to stop"; exit 1; }
+  touch "$QUEUE/stop"
+  for d in "$ROOT/${NAME}_"*/*/; do  # the running rows: a run folder without its summary yet
+    [ -f "$d/config.json" ] && [ ! -f "$d/summary.json" ] && touch "$d/STOP" && echo "asked to stop: $d"
+  done
+  echo "the queue starts no further step; PHASE=follow brings back the stopped step once it has finished"
+  ;;
 *)
-  echo "PHASE=$PHASE: expected start, follow or queue"; exit 2
+  echo "PHASE=$PHASE: expected start, follow, stop or queue"; exit 2
   ;;
 esac
