@@ -180,6 +180,8 @@ REPLAY_LINKS = {"replay step": "the checkpoint the replay starts from",
                 "δ replay tied share": "the share of that head's cumulative δ error from rows with a tied maximum "
                                        "(≥ 2 P̄ = 1 entries)"}
 
+RERUN_OF = {"bf16": STABILISER_RERUN, "fp32": FP32_RERUN}  # per mode, seed 1337's recipe run again (with a doctor)
+
 T_RESOLVED = 3.0  # |t| of the δ error from which page 17 counts a probe or a replay as resolving a bias
 
 NOTHING_YET = ("**Nothing to compare yet:** the BF16 run at the paper's recipe is not committed "
@@ -777,8 +779,7 @@ def similarity_reference(table, mode: str, seed: int | None) -> str | None:
     ``<mode>_paper_recipe_s<seed>``, when :func:`stabiliser_table` has its similarity, else the default seed's run
     again (:data:`STABILISER_RERUN`, :data:`FP32_RERUN`); None when neither is measured."""
     own = f"{mode}_paper_recipe_s{seed}" if seed is not None else None
-    default = STABILISER_RERUN if mode == "bf16" else FP32_RERUN
-    for label in (own, default):
+    for label in (own, RERUN_OF[mode]):
         if label in table.index and table.loc[label].get("rank-1 similarity") is not None:
             return label
     return None
@@ -892,7 +893,7 @@ def similarity_spread(table) -> list[tuple[str, str, float]]:
     pairs = []
     for label in table.index:
         if (seed := seed_base_of(label)) is not None:
-            other = STABILISER_RERUN if label.startswith("bf16") else FP32_RERUN
+            other = RERUN_OF[label.split("_")[0]]
         else:
             other, seed = stabiliser_seed(label)
         if seed is not None and sim(label) is not None and sim(other) is not None \
