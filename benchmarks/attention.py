@@ -8,8 +8,9 @@ Its parts, all in one run on one GPU:
 2. **speed** — forward, backward and forward+backward TFLOP/s for each preset, for SDPA's flash and
    cuDNN backends, and for the reference ``paper`` path, measured in the same run; ratios to SDPA-flash.
 3. **shapes** — the same at D = 128, T = 4k and 16k (GPT-2's width, about 16k tokens per call) for ``fa2``, ``paper``
-   and their SFA presets, with SFA's time over its base preset's (``shapes.json``, ``shapes.txt``); the kernels are
-   causal only, so there is no non-causal row.
+   and their SFA presets, with SFA's time over its base preset's (``shapes.json``, ``shapes.txt``): each time the
+   median of :data:`SHAPE_ROUNDS` timings taken in turn across the implementations, with their spread; the kernels
+   are causal only, so there is no non-causal row.
 4. **memory** — peak memory of forward+backward against T (1k … 16k) for ``fa2``, ``fp32`` and SDPA.
 5. **overhead** — per call of SDPA-flash, ``fa2`` and ``paper`` (forward, and forward+backward): the host's issue
    time, the GPU's busy time summed over the kernels (by name, torch.profiler), and the time of calls back to back
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -163,31 +165,34 @@ def error(B, H, T, D):
     return out
 
 
-def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
+def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None, rounds=1):
     """``{impl: times and TFLOP/s}`` at (B, H, T, D): SDPA's flash and cuDNN backends, then lpfa's ``presets`` (default
     :data:`PRESET_ORDER`) through the Triton kernels; ``extras``: also SDPA on FP32 inputs and the reference path.
-    ``save(rows)``, if given, runs after each row, so that a run cut by its time limit keeps the rows it measured."""
+    ``rounds`` = 1: each implementation timed once, in turn, and ``save(rows)``, if given, runs after each row, so that
+    a run cut by its time limit keeps the rows it measured. ``rounds`` > 1: every implementation's forward, then every
+    one's forward+backward, each timed ``rounds`` times in turn (:func:`interleaved_ms`), the median kept and the
+    spread of the rounds (max / min − 1) recorded, so that a row's difference to another can be told from noise
+    (METHOD: "time the same version twice")."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = {}
     q, k, v = inputs(B, H, T, D)
-    do = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    do = inputs(B, H, T, D, seed=1, requires_grad=False)[0]
+    rep_ms = max(10, min(100, int(budget_s * 1000)))  # bench_ms's measuring time
 
-    def measure(name, fwd, graph=True):
+    def forward_only(fwd):
         def f():
             with torch.no_grad():
                 fwd()
+        return f
 
+    def forward_backward(fwd):
         def fb():
             o = fwd()
             o.backward(do.to(o.dtype))
+        return fb
 
-        try:
-            t_f = bench_ms(f, budget_s=budget_s)
-            t_fb = bench_ms(fb, budget_s=budget_s)
-        except Exception as e:  # a backend not available on this build
-            print(f"speed {name}: unavailable ({type(e).__name__}: {e})", flush=True)
-            return
+    def add_row(name, fwd, graph, t_f, t_fb, f_rounds=None, fb_rounds=None):
         for t in (q, k, v):
             t.grad = None
 
@@ -205,12 +210,16 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
             "graph_fwd_bwd_ms": g_fb,
             "graph_fwd_bwd_tflops": flops(B, H, T, D, "fwd_bwd") / g_fb / 1e9 if g_fb else None,
         }
+        if f_rounds is not None:
+            rows[name].update({"fwd_ms_rounds": f_rounds, "fwd_bwd_ms_rounds": fb_rounds,
+                               "spread": max(spread(f_rounds), spread(fb_rounds))})
         r = rows[name]
         if save is not None:
             save(rows)
-        graph = f"{r['graph_fwd_bwd_tflops']:7.1f}" if r["graph_fwd_bwd_tflops"] else "    n/a"
+        g = f"{r['graph_fwd_bwd_tflops']:7.1f}" if r["graph_fwd_bwd_tflops"] else "    n/a"
+        noise = f" (rounds' spread {r['spread']:.1%})" if "spread" in r else ""
         print(f"speed {name:16s} fwd {r['fwd_tflops']:7.1f}  bwd {r['bwd_tflops']:7.1f}  "
-              f"fwd+bwd {r['fwd_bwd_tflops']:7.1f} (from a CUDA graph: {graph}) TFLOP/s", flush=True)
+              f"fwd+bwd {r['fwd_bwd_tflops']:7.1f} (from a CUDA graph: {g}) TFLOP/s{noise}", flush=True)
 
     def sdpa(backend):
         def fwd():
@@ -219,21 +228,52 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
 
         return fwd
 
-    measure("sdpa_flash", sdpa(SDPBackend.FLASH_ATTENTION))
-    measure("sdpa_cudnn", sdpa(SDPBackend.CUDNN_ATTENTION))
+    impls = {"sdpa_flash": (sdpa(SDPBackend.FLASH_ATTENTION), True),  # name -> (forward, time a CUDA graph too)
+             "sdpa_cudnn": (sdpa(SDPBackend.CUDNN_ATTENTION), True)}
     # the experiments' FP32 twin today (lpfa.model attn_backend="sdpa_fp32"): SDPA's own choice on FP32 q, k, v
     if extras:
-        measure("sdpa_fp32", lambda: torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
-                                                                                     is_causal=True))
+        impls["sdpa_fp32"] = (lambda: torch.nn.functional.scaled_dot_product_attention(
+            q.float(), k.float(), v.float(), is_causal=True), True)
     for name in PRESET_ORDER if presets is None else presets:
-        measure(name, lambda name=name: attention(q, k, v, policy=name, backend="triton"))
+        impls[name] = (lambda name=name: attention(q, k, v, policy=name, backend="triton"), True)
         if name in FINITE_PRESETS:  # the trainer's setting once it vouches for finite inputs: no non-finite checks
-            measure(f"{name}:finite", lambda name=name: attention(q, k, v, policy=name, backend="triton",
-                                                                  assume_finite=True))
+            impls[f"{name}:finite"] = (lambda name=name: attention(q, k, v, policy=name, backend="triton",
+                                                                   assume_finite=True), True)
     if extras:
         # no CUDA graph: the reference's block loop is host-bound by design, and the GPU-only time says nothing of it
-        measure("reference_paper", lambda: attention(q, k, v, policy="paper", backend="reference"), graph=False)
+        impls["reference_paper"] = (lambda: attention(q, k, v, policy="paper", backend="reference"), False)
+
+    def unavailable(name, e):  # a backend not available on this build, or this GPU
+        print(f"speed {name}: unavailable ({type(e).__name__}: {e})", flush=True)
+
+    if rounds <= 1:
+        for name, (fwd, graph) in impls.items():
+            try:
+                t_f = bench_ms(forward_only(fwd), budget_s=budget_s)
+                t_fb = bench_ms(forward_backward(fwd), budget_s=budget_s)
+            except Exception as e:  # noqa: BLE001
+                unavailable(name, e)
+                continue
+            add_row(name, fwd, graph, t_f, t_fb)
+        return rows
+    live = {}
+    for name, (fwd, graph) in impls.items():  # each once (which compiles it), to time only those that run
+        try:
+            forward_backward(fwd)()
+            live[name] = (fwd, graph)
+        except Exception as e:  # noqa: BLE001
+            unavailable(name, e)
+    t_f = interleaved_ms({name: forward_only(fwd) for name, (fwd, _) in live.items()}, rounds, rep_ms)
+    t_fb = interleaved_ms({name: forward_backward(fwd) for name, (fwd, _) in live.items()}, rounds, rep_ms)
+    for name, (fwd, graph) in live.items():
+        add_row(name, fwd, graph, statistics.median(t_f[name]), statistics.median(t_fb[name]), t_f[name],
+                t_fb[name])
     return rows
+
+
+def spread(ms: list[float]) -> float:
+    """How far repeated timings of one implementation lie apart: max / min − 1."""
+    return max(ms) / min(ms) - 1
 
 
 # the sweep's shapes, at GPT-2's model width (H·D = 768) and about 16k tokens per call; non-causal attention is not
@@ -241,22 +281,26 @@ def speed(B, H, T, D, budget_s, presets=None, extras=True, save=None):
 SHAPES = [(16, 12, 1024, 64), (16, 6, 1024, 128), (4, 12, 4096, 64), (1, 12, 16384, 64)]
 SHAPE_PRESETS = ["fa2", "paper", "fa2_sfa", "paper_sfa"]
 FINITE_PRESETS = ["fa2", "paper"]  # also measured with attention(assume_finite=True), as "<preset>:finite"
+SHAPE_ROUNDS = 3  # interleaved timings of each implementation per shape (speed's rounds): SFA's cost and the ratios
+# are differences of a few per cent, which a single timing of each cannot tell from the GPU's drift
 
 
 def shapes(budget_s, deadline):
     """The kernels against SDPA at each of :data:`SHAPES`: one row per (shape, impl) with fwd, bwd, fwd+bwd TFLOP/s
-    and the fwd+bwd ratio to SDPA-flash at that shape, and the SFA presets' time over their base preset's."""
+    (medians of :data:`SHAPE_ROUNDS` interleaved timings, with their spread), the fwd+bwd ratio to SDPA-flash at that
+    shape, and the SFA presets' time over their base preset's, with ``noise``: the larger of the two rows' spreads."""
     out = []
     for B, H, T, D in SHAPES:
         if time.time() > deadline:
             print(f"shapes: out of time before {(B, H, T, D)}", flush=True)
             break
-        rows = speed(B, H, T, D, budget_s, presets=SHAPE_PRESETS, extras=False)
+        rows = speed(B, H, T, D, budget_s, presets=SHAPE_PRESETS, extras=False, rounds=SHAPE_ROUNDS)
         base = rows.get("sdpa_flash", {}).get("fwd_bwd_tflops")
         for name, r in rows.items():
             sfa_over = None
             if name.endswith("_sfa") and name[:-4] in rows:
                 sfa_over = {p: r[f"{p}_ms"] / rows[name[:-4]][f"{p}_ms"] - 1 for p in ("fwd", "bwd", "fwd_bwd")}
+                sfa_over["noise"] = max(r.get("spread", 0.0), rows[name[:-4]].get("spread", 0.0))
             out.append({"B": B, "H": H, "T": T, "D": D, "impl": name, **r,
                         "ratio_to_sdpa_flash": r["fwd_bwd_tflops"] / base if base else None, "sfa_overhead": sfa_over})
         torch.cuda.empty_cache()
@@ -471,12 +515,15 @@ def main():
         rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)
         write_json(out / "shapes.json", {"rows": rows})
         lines = [f"{'B':>3s} {'H':>3s} {'T':>6s} {'D':>4s} {'impl':12s} {'fwd':>7s} {'bwd':>7s} {'fwd+bwd':>8s} "
-                 f"{'ratio':>6s} {'SFA over base':>14s}   (TFLOP/s; ratio = fwd+bwd / SDPA-flash at that shape)"]
+                 f"{'ratio':>6s} {'spread':>7s} {'SFA over base':>14s}   (TFLOP/s, medians of {SHAPE_ROUNDS} "
+                 f"interleaved timings; ratio = fwd+bwd / SDPA-flash at that shape; spread: max / min - 1 of the "
+                 f"timings)"]
         for r in rows:
             sfa = f"{r['sfa_overhead']['fwd_bwd']:+.1%}" if r["sfa_overhead"] else ""
             ratio = f"{r['ratio_to_sdpa_flash']:.3f}" if r["ratio_to_sdpa_flash"] is not None else "-"
+            noise = f"{r['spread']:.1%}" if r.get("spread") is not None else "-"
             lines.append(f"{r['B']:3d} {r['H']:3d} {r['T']:6d} {r['D']:4d} {r['impl']:12s} {r['fwd_tflops']:7.1f} "
-                         f"{r['bwd_tflops']:7.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:>6s} {sfa:>14s}")
+                         f"{r['bwd_tflops']:7.1f} {r['fwd_bwd_tflops']:8.1f} {ratio:>6s} {noise:>7s} {sfa:>14s}")
         table = "\n".join(lines)
         print(table, flush=True)
         (out / "shapes.txt").write_text(table + "\n")

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import triton.testing
 from conftest import ROOT
 
@@ -83,3 +84,36 @@ def test_interleaved_timings_take_each_fn_in_turn(monkeypatch):
     assert [c[0] for c in calls] == ["a", "b", "c", "a", "b", "c"]
     assert {c[1:] for c in calls} == {(50, "median")}
     assert ms == {"a": [1.0, 4.0], "b": [2.0, 5.0], "c": [3.0, 6.0]}
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_speed_keeps_the_median_of_interleaved_rounds_and_their_spread(monkeypatch, rounds):
+    """benchmarks/attention.py's speed part (the shapes part's, with rounds > 1), on the CPU with a stand-in for the
+    kernels: each implementation's forward and forward+backward times are the medians of its rounds, the backward
+    their difference, and the rounds and their spread (max / min − 1) are kept; one round keeps no spread."""
+    bench = _module("attention")
+    g = torch.Generator().manual_seed(0)
+    monkeypatch.setattr(bench, "inputs", lambda B, H, T, D, seed=0, requires_grad=True: [
+        torch.randn(B, H, T, D, generator=g).requires_grad_(requires_grad) for _ in range(3)])
+    called = []
+
+    def fake_attention(q, k, v, policy, backend, assume_finite=False):
+        called.append(policy)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    monkeypatch.setattr(bench, "attention", fake_attention)
+    monkeypatch.setattr(bench, "graph_ms", lambda fn: (None, False))  # CUDA graphs: GPU only
+    times = iter([5.0, 9.0, 7.0, 4.0, 6.0] * 40)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: (fn(), next(times))[1])
+    rows = bench.speed(1, 2, 8, 16, budget_s=0.05, presets=["fa2"], extras=False, rounds=rounds)
+
+    assert {"fa2", "fa2:finite"} <= set(rows) and set(called) == {"fa2"}
+    for r in rows.values():
+        if rounds == 1:
+            assert "spread" not in r
+            continue
+        f, fb = r["fwd_ms_rounds"], r["fwd_bwd_ms_rounds"]
+        assert len(f) == len(fb) == rounds
+        assert r["fwd_ms"] == sorted(f)[1] and r["fwd_bwd_ms"] == sorted(fb)[1]
+        assert r["bwd_ms"] == max(r["fwd_bwd_ms"] - r["fwd_ms"], 1e-6)
+        assert r["spread"] == pytest.approx(max(max(f) / min(f), max(fb) / min(fb)) - 1)

@@ -481,7 +481,8 @@ def test_shapes_and_overhead_text_read_the_committed_benchmark():
 
     shapes = results.load("attention_benchmark", "shapes.json")
     t = shapes_table(shapes)
-    assert len(t) == len(shapes["rows"]) and list(t.columns)[-2:] == ["× SDPA-flash", "SFA over base"]
+    assert len(t) == len(shapes["rows"]) and list(t.columns)[3:5] == ["× SDPA-flash", "SFA over base"]
+    assert ("timing spread" in t.columns) == ("spread" in shapes["rows"][0])
     r = {(x["T"], x["D"], x["impl"]): x for x in shapes["rows"]}
     text = shapes_text(shapes, 0.05)
     assert f"at T = 4,096 `fa2` runs at {r[(4096, 64, 'fa2')]['ratio_to_sdpa_flash']:.2f}× SDPA-flash" in text["ratios"]

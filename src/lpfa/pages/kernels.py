@@ -486,14 +486,16 @@ def overhead_notes(table, run: str | None = None) -> dict[str, str]:
 def shapes_table(shapes: dict):
     """``benchmarks/attention.py --parts shapes``'s ``shapes.json`` as one row per (shape "B×H×T×D", implementation):
     forward, backward and forward+backward TFLOP/s, the forward+backward ratio to SDPA-flash at that shape, and for an
-    SFA preset its forward+backward time over its base preset's."""
+    SFA preset its forward+backward time over its base preset's; for a run that timed each implementation several
+    times, interleaved, also the spread of those timings (max / min − 1: how large a difference is noise)."""
     sh = pd.DataFrame(shapes["rows"])
     sh["shape"] = [f"{b}×{h}×{t}×{d}" for b, h, t, d in zip(sh.B, sh.H, sh["T"], sh.D)]
     sh["SFA over base"] = [o["fwd_bwd"] if isinstance(o, dict) else None for o in sh["sfa_overhead"]]
-    out = sh.set_index(["shape", "impl"])[["fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "ratio_to_sdpa_flash",
-                                           "SFA over base"]]
-    out.columns = ["fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s", "× SDPA-flash", "SFA over base"]
-    return out
+    columns = {"fwd_tflops": "fwd TFLOP/s", "bwd_tflops": "bwd TFLOP/s", "fwd_bwd_tflops": "fwd+bwd TFLOP/s",
+               "ratio_to_sdpa_flash": "× SDPA-flash", "SFA over base": "SFA over base"}
+    if "spread" in sh:
+        columns["spread"] = "timing spread"
+    return sh.set_index(["shape", "impl"])[list(columns)].rename(columns=columns)
 
 
 def shapes_display(shapes: dict):
