@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import torch
-from attention import interleaved_ms  # benchmarks/attention.py (this folder is on sys.path when run as a script)
+from attention import interleaved_ms, spread  # benchmarks/attention.py (its folder is on sys.path as a script)
 
 from lpfa.provenance import provenance, write_json
 
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             rows.append({"B": B, "H": H, "T": T, "D": D, "variant": label, "preset": pol, "sfa_count_pass": cp,
                          "ms": ms[label], "tflops": fwd_flops(B, H, T, D) / t / 1e9,
                          "over_base": None if label == base else t / tb - 1,
-                         "spread": max(ms[label]) / min(ms[label]) - 1,
+                         "spread": spread(ms[label]),
                          "block_m": launch.block_m, "key_tile": tile, "tiles_per_block": tiles})
             r = rows[-1]
             over = "" if r["over_base"] is None else f"{r['over_base']:+7.1%}"

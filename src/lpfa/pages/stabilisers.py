@@ -822,9 +822,12 @@ def _claim_on(table, label: str, name: str, link: str) -> dict:
     if link == "rank-1 similarity":
         said = similarity + "; " + ratios
         # the reference without BF16 attention: the row's own FP32 twin where measured, else the plain FP32 run
-        ref, ref_name = ((twin_sim, "its FP32 twin's") if twin_sim is not None else
-                         (fp32_sim, "the FP32 run's") if fp32_ref is None or not other_seed(fp32_ref) else
-                         (fp32_sim, f"the seed-{int(table.loc[fp32_ref, 'seed'])} FP32 run's"))
+        if twin_sim is not None:
+            ref, ref_name = twin_sim, "its FP32 twin's"
+        else:
+            ref = fp32_sim
+            ref_name = (f"the seed-{int(table.loc[fp32_ref, 'seed'])} FP32 run's" if fp32_ref and other_seed(fp32_ref)
+                        else "the FP32 run's")
         broken = None if sim is None or ref is None else bool(sim <= ref)
         margin = None if broken is None else abs(float(sim) - float(ref))
         short = (f"{'breaks' if broken else 'keeps'} the link ({sim:.3f} against {ref_name} {ref:.3f})"
