@@ -1198,11 +1198,11 @@ def test_similarity_spread_over_seeds_flags_the_verdicts_it_could_turn():
     margin = abs(sim["bf16_qknorm"] - sim["fp32_qknorm"])  # the row's own FP32 twin is its reference
     assert (margin < spread) == (f"`bf16_qknorm` ({margin:.3f} from its FP32 twin's)" in text)
     same = table.copy()  # each pair made equal: no spread, so no margin is within it
-    same.loc["bf16_qknorm_s1", "rank-1 similarity"] = sim["bf16_qknorm"]
-    same.loc["bf16_paper_recipe_s1", "rank-1 similarity"] = sim["bf16_rerun"]
+    for a, b in pairs:
+        same.loc[a, "rank-1 similarity"] = sim[b]
     assert {d for _, _, d in similarity_spread(same)} == {0.0}
     assert paper_claims_text(same).endswith("Every similarity verdict above clears its reference by more than 0.000.")
-    assert "moves with the seed" not in paper_claims_text(table.drop(index=["bf16_qknorm_s1", "bf16_paper_recipe_s1"]))
+    assert "moves with the seed" not in paper_claims_text(table.drop(index=[a for a, _ in pairs]))
 
 
 def test_paper_claims_verdicts_need_the_link_broken_and_the_row_holding():
