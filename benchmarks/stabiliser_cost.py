@@ -36,6 +36,9 @@ from pathlib import Path
 
 import torch
 
+from lpfa.attention import get_policy
+from lpfa.attention.triton_common import default_launch, policy_tiles
+from lpfa.attention.triton_fwd import raw_row_max
 from lpfa.experiments import PAPER_RECIPE, RERUNS, STABILISERS, stabiliser_seed
 from lpfa.model import GPT
 from lpfa.provenance import provenance, write_json
@@ -81,6 +84,18 @@ def row_config(label: str, batch: int, extra: list[str]):
         raise ValueError(f"row {label!r}: expected one of {', '.join(ROWS)}")
     items = ["compile=true", "grad_accum=1", f"batch_size={batch}", *extra, *ROWS[label]]
     return make_config(PRESET, overrides=parse_overrides(items))
+
+
+def softcap_row_max_raw(mcfg, cuda: bool) -> bool | None:
+    """Under a soft-cap on lpfa's kernels, whether the forward's row-max pass takes the raw Q Kᵀ and caps only each
+    row's largest value at the model's shape (:func:`lpfa.attention.triton_fwd.raw_row_max`), rather than capping
+    every score; None without a cap. Page 17 says from it what bounds the cap's cost in the run timed."""
+    pol = get_policy(mcfg.attn_policy)
+    if mcfg.attn_backend != "lpfa" or not pol.softcap:
+        return None
+    head_dim = mcfg.n_embd // mcfg.n_head
+    n_sub = policy_tiles(pol.block_k, mcfg.block_size, default_launch("forward", pol, head_dim).block_n)[2]
+    return raw_row_max(True, pol, n_sub, precise_math=cuda)
 
 
 def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra: list[str],
@@ -141,6 +156,7 @@ def time_row(label: str, batch: int, steps: int, warmup: int, device: str, extra
             "tokens_per_s": cfg.batch_size * cfg.block_size / dt,
             "step_ms": dt * 1e3, "compiled": cfg.compile, "optimizer": cfg.optimizer, "warmup_s": warm_s,
             "qk_clipped": clipped if cfg.qk_clip else None,
+            "softcap_row_max_raw": softcap_row_max_raw(mcfg, cuda),
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 

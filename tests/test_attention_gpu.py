@@ -163,6 +163,38 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
                                 f"max |a-b| {(a.float() - b.float()).abs().max().item():.3g}")
 
 
+def test_kernel_tanh_is_non_decreasing_on_every_bf16_value_on_the_gpu():
+    """The forward's soft-capped row max from the raw Q Kᵀ (lpfa.attention.triton_fwd.raw_row_max) needs the
+    kernels' tanh, with libdevice's exp2 as the GPU runs it, non-decreasing on the BF16 scores: all 2¹⁶ of them."""
+    from lpfa.attention.triton_common import kernel_tanh
+
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = x[~torch.isnan(x)].sort().values.cuda()
+    t = kernel_tanh(x)
+    assert (t[1:] >= t[:-1]).all(), f"the kernels' tanh decreases after x = {x[:-1][t[1:] < t[:-1]][:5].tolist()}"
+    assert ((t - x.tanh()).abs() <= 2.0**-22).all()
+
+
+@pytest.mark.parametrize("sfa", [False, True])
+def test_softcap_row_max_from_the_raw_scores_is_bit_identical_on_the_gpu(sfa):
+    """paper_softcap's 512-key policy blocks span several compute tiles, so its row-max pass caps only each row's
+    largest raw scores: O and lse must be the bits of capping every score first (raw_max=False), with logits far past a
+    cap of 5 (saturated ties) and, with SFA, the top-two tie test."""
+    from lpfa.attention import SFA
+    from lpfa.attention.triton_fwd import flash_forward
+
+    seed = torch.seed() % 2**31
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 12, 1000, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q = q * 8
+    pol = PRESETS["paper_softcap"].with_(softcap=5.0, sfa=SFA() if sfa else None)
+    a = flash_forward(q, k, v, pol, 0.125)
+    b = flash_forward(q, k, v, pol, 0.125, raw_max=False)
+    for x, y, what in zip(a, b, ("o", "lse")):
+        diff = x.float().view(torch.int32) != y.float().view(torch.int32)
+        assert not diff.any(), (what, f"{int(diff.sum())} of {diff.numel()} differ", f"seed={seed}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1000, 1024])
 def test_fp32_split_on_tensor_cores_is_fp32_level(T, dtype):

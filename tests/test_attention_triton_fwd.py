@@ -375,6 +375,47 @@ def test_sfa_top_two_matches_the_counting_pass(name, T, block):
             raise AssertionError(f"{err} (seed={seed}, beta={beta}, eps={e})") from err
 
 
+def test_softcap_row_max_from_the_raw_scores_equals_capping_every_score():
+    """Under a soft-cap the row-max pass over a policy block of two compute tiles takes the raw Q Kᵀ and caps only
+    each row's top two values (``raw_row_max``; SFA's top two hold the row max's path too): the bits must equal capping
+    every score first
+    (``raw_max=False``), on _sfa_tie_inputs' heads with a cap of 4, below head 4's scores, so that its blocks saturate
+    into ties at the cap, exact ties, rows that see one key of a block, ±inf scores and blocks whose visible scores
+    are all −inf (the cap maps them to −4); and the finite heads must match the reference."""
+    from lpfa.attention.triton_fwd import raw_row_max
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    T, D = 75, 16
+    q, k, eps = _sfa_tie_inputs(T, D, g)
+    v = torch.randn(1, 7, T, D, generator=g)
+    pol = PRESETS["paper_softcap"].with_(block_q=SFA_P, block_k=SFA_P, softcap=4.0,
+                                         sfa=SFA(beta=2.0, eps=eps))
+    assert raw_row_max(True, pol, 2, precise_math=False)  # the interpreter's tanh: the raw pass is the one tested
+    qb, kb, vb = (t.bfloat16() for t in (q, k, v))
+    o, lse = flash_forward(qb, kb, vb, pol, 0.3, block_m=16, block_n=16)
+    o2, lse2 = flash_forward(qb, kb, vb, pol, 0.3, block_m=16, block_n=16, raw_max=False)
+    assert torch.equal(_bits(o), _bits(o2)) and torch.equal(_bits(lse), _bits(lse2)), \
+        f"raw and capped row-max pass differ in {int((_bits(o) != _bits(o2)).any(-1).sum())} rows (seed={seed})"
+    ro, rlse = ref_forward(qb.float(), kb.float(), vb.float(), pol, 0.3)
+    _check(o[:, :5], lse[:, :5], ro[:, :5], rlse[:, :5], pol)
+    assert torch.equal(torch.isnan(o[:, 5:].float()), torch.isnan(ro[:, 5:]))
+
+
+def test_kernel_tanh_is_non_decreasing_on_every_bf16_value():
+    """The soft-cap's row max from the raw scores needs the kernels' own tanh non-decreasing on the BF16 scores, not
+    only the reference's (tests/test_softcap.py): the interpreter's exp2 is not the reference's (it rounds exp2 of
+    −3.4e-8 down to 1 − 2⁻²⁴, torch to 1), so its order is checked on all 2¹⁶ BF16 values here, libdevice's on the GPU
+    by tests/test_attention_gpu.py."""
+    from lpfa.attention.triton_common import kernel_tanh
+
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    x = x[~torch.isnan(x)].sort().values
+    t = kernel_tanh(x)
+    assert (t[1:] >= t[:-1]).all(), f"the kernels' tanh decreases after x = {x[:-1][t[1:] < t[:-1]][:5].tolist()}"
+    assert t[0] == -1 and t[-1] == 1 and ((t - x.tanh()).abs() <= 2.0**-22).all()
+
+
 def test_exp2_policy_takes_the_fma_at_the_row_max():
     """``exp="exp2"`` (FlashAttention-2's exp2(fma(S, log₂e, −fl(m·log₂e)))): in row 0, whose one visible score is its
     max m, P̄ = exp2 of the rounding error of fl(m·log₂e), not exp(0) = 1, so lse = m + log P̄ moves m by an ulp. The

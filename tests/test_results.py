@@ -1366,6 +1366,12 @@ def test_stabiliser_costs_read_the_committed_benchmark():
                     f"kernels, its base's on {costs.loc[label, 'base backend']}'s)") in text
     cap = costs.loc["bf16_softcap", "÷ base"]
     assert ("What bounds it is arithmetic per score" in text) == (cap < 0.9)
+    if cap < 0.9:  # which forward was timed: capping every score of the row-max pass, or only each row's largest
+        raw = costs.copy()
+        raw["cap row max raw"] = raw["cap row max raw"].astype(object)
+        raw.loc["bf16_softcap", "cap row max raw"] = True
+        assert "in the forward's P̄ pass (its row-max pass" in stabiliser_cost_text(raw)
+        assert ("the timing predates" in text) == (costs.loc["bf16_softcap", "cap row max raw"] is None)
     table, _, _ = stabiliser_table()
     assert costs.loc["bf16_paper_recipe", "speed base"] is None or costs["speed base"].isna()["bf16_paper_recipe"]
     assert table["speed ÷ base"].isna()["bf16_rerun"]  # the BF16 run again: the base of the ratios, none of its own
@@ -1378,7 +1384,7 @@ def test_stabiliser_cost_without_a_benchmark(tmp_path):
 
     costs = stabiliser_costs(root=tmp_path)
     assert costs.empty and list(costs.columns) == ["tokens/s", "speed base", "÷ base", "heads clipped", "run",
-                                                   "backend", "base backend"]
+                                                   "backend", "base backend", "cap row max raw"]
     assert stabiliser_cost_text(costs).startswith("No speed benchmark of the stabilisers is committed yet")
 
 

@@ -36,6 +36,19 @@ def test_every_stabiliser_row_has_a_speed_base_timed_in_the_same_run():
     assert cost.row_config("bf16_qkclip_muon", 24, []).optimizer == "muon"
 
 
+def test_the_summary_says_which_forward_the_soft_cap_was_timed_with():
+    """``softcap_row_max_raw``: on a GPU the BF16 soft-cap row's forward takes its row max from the raw Q Kᵀ (its
+    512-key blocks span several tiles, its scores are BF16); the FP32 soft-cap row's scores are FP32, so it caps every
+    score; a row without a cap records None."""
+    from lpfa.train import model_config
+
+    def raw(label, cuda=True):
+        return cost.softcap_row_max_raw(model_config(cost.row_config(label, 24, []), 50304), cuda)
+
+    assert raw("bf16_softcap") is True and raw("fp32_softcap") is False
+    assert raw("bf16_paper_recipe") is None and raw("bf16_qknorm") is None
+
+
 def test_a_bad_row_is_one_line_naming_it():
     with pytest.raises(ValueError, match=r"row 'bf16_nope': expected one of bf16_paper_recipe"):
         cost.row_config("bf16_nope", 24, [])
@@ -62,6 +75,7 @@ def test_the_benchmark_times_rows_on_the_cpu(tmp_path):
         else:
             assert math.isclose(r["ratio_to_base"], r["tokens_per_s"] / s[base]["tokens_per_s"], rel_tol=1e-12)
     assert s["fp32_qkclip_muon"]["optimizer"] == "muon" and s["fp32_qkclip_muon"]["qk_clipped"] is not None
+    assert all(r["softcap_row_max_raw"] is None for r in s.values())  # no soft-cap among these rows
     prov = json.loads((tmp_path / "out" / "provenance.json").read_text())
     assert prov["config"]["rows"] == {label: cost.ROWS[label] for label in rows} and "git_commit" in prov
     assert "fp32_qkclip_muon" in (tmp_path / "out" / "table.txt").read_text()

@@ -398,6 +398,13 @@ if triton is not None:
         return s, t
 
     @triton.jit
+    def _tanh_kernel(X, Y, N, BLOCK: tl.constexpr, PRECISE_MATH: tl.constexpr):
+        """Y = _tanh(X) elementwise over N FP32 values (:func:`kernel_tanh`)."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = offs < N
+        tl.store(Y + offs, _tanh(tl.load(X + offs, mask=ok, other=0.0), PRECISE_MATH), mask=ok)
+
+    @triton.jit
     def _log(x, PRECISE_MATH: tl.constexpr):
         if PRECISE_MATH:
             return libdevice.log(x)
@@ -448,6 +455,23 @@ if triton is not None:
         """1 (int32) if the tile x (M, N) holds an inf or NaN in a row where ``ok`` (M,) is True, else 0."""
         bad = ((x != x) | (tl.abs(x) == float("inf"))) & ok[:, None]
         return tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0)
+
+
+def kernel_tanh(x: torch.Tensor, precise_math: bool | None = None) -> torch.Tensor:
+    """The kernels' FP32 tanh (:func:`_tanh`, the soft-cap's) of each value of ``x``, computed as a kernel computes it
+    on x's device: compiled on a GPU (``precise_math`` None: libdevice's exp2, as the kernels default to), by the
+    interpreter on the CPU. The forward's soft-capped row max from the raw Q Kᵀ rests on it being non-decreasing on
+    the BF16 values (:func:`lpfa.attention.triton_fwd.raw_row_max`)."""
+    if triton is None:
+        raise ImportError("kernel_tanh needs the `triton` package")
+    if precise_math is None:
+        precise_math = (not _interpreter()) and libdevice is not None
+    flat = x.detach().float().contiguous().reshape(-1)
+    y = torch.empty_like(flat)
+    block = 1024
+    launch(_tanh_kernel, (triton.cdiv(flat.numel(), block),), flat, y, flat.numel(), BLOCK=block,
+           PRECISE_MATH=bool(precise_math), enable_fp_fusion=False)
+    return y.reshape(x.shape)
 
 
 def gemm_mode(gemm: str, dot_bf16: bool, a_bf16: bool, b_bf16: bool) -> int:

@@ -33,6 +33,18 @@ r2 = −inf (thr = −inf counts every visible key) when the row sees more than 
 and so the bits, equal the counting pass's (``sfa_count_pass=True``, tested under the interpreter); SFA then costs
 the base policy's GEMMs and the top-two reduction, in blocks of one tile as of several.
 
+The soft-cap's row max
+----------------------
+Under a soft-cap (``policy.softcap``, S' = scores(c·scores(tanh(scores(S·fl(1/c)))))) the row-max pass would compute
+tanh for every score of a policy block once more than the P̄ pass does. With BF16 scores it need not: S·fl(1/c) and
+the roundings are non-decreasing, and the kernels' FP32 tanh (:func:`~lpfa.attention.triton_common._tanh`, within a
+few FP32 ulps of :func:`lpfa.attention.reference.tanh_f32`) is non-decreasing on every one of the 2¹⁶ BF16 values it
+can be given (checked on all of them: the reference's in ``tests/test_softcap.py``, the interpreter's in
+``tests/test_attention_triton_fwd.py``, libdevice's on the GPU in ``tests/test_attention_gpu.py``), so the capped
+scores of a row's largest raw Q Kᵀ values are its largest capped scores, and the pass caps only those
+(:func:`raw_row_max`). One value needs care: the cap maps a score of −inf to −c, so SFA's
+second largest r2 = −inf of a row that sees one key of the block, which is no score, stays −inf.
+
 Non-finite V: two launches
 --------------------------
 A non-finite V entry must reach exactly the rows that see its key (:func:`~lpfa.attention.triton_common._dot_visible`),
@@ -94,14 +106,15 @@ the entry of :data:`lpfa.attention.triton_common.LAUNCHES` for the policy and he
 ``causal_split=False`` runs every key tile through the masked path (the kernel before the causal split;
 bit-identical results, for tests and benchmarks). ``sfa_count_pass=True`` decides SFA's ties by a pass of their
 own that counts the scores within ε of the row max, as the reference does, instead of from the top two scores of
-the row-max pass (bit-identical; for tests and benchmarks). ``raw_max=False`` rounds every score of the row-max pass
-over a policy block of several tiles, instead of taking the raw Q Kᵀ and rounding the row's largest (and, for SFA,
-second largest) value (:func:`_scores_of`: the rounding is monotone, so the two are bit-identical; for tests and
-benchmarks; the raw pass is used where S is rounded to nearest and not soft-capped). ``fold_scale=False`` multiplies
-every score by the scale, instead of holding S/scale and folding the scale into exp's argument where it is a power of
-two (1/8 at D = 64; :func:`~lpfa.attention.triton_common.scale_folds` and ``_exp_scaled``: the product is exact, so the
-two are bit-identical; for tests and benchmarks). ``validate=False`` skips the
-input checks (:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
+the row-max pass (bit-identical; for tests and benchmarks). ``raw_max=False`` rounds (and caps) every score of the
+row-max pass over a policy block of several tiles, instead of taking the raw Q Kᵀ and rounding the row's largest (and,
+for SFA, second largest) value (:func:`_scores_of`: the rounding and the cap are monotone, so the two are
+bit-identical; for tests and benchmarks; the raw pass is used where S is rounded to nearest, under a soft-cap only
+where S is BF16: :func:`raw_row_max`). ``fold_scale=False`` multiplies every score by the scale, instead of holding
+S/scale and folding the scale into exp's argument where it is a power of two (1/8 at D = 64;
+:func:`~lpfa.attention.triton_common.scale_folds` and ``_exp_scaled``: the product is exact, so the two are
+bit-identical; for tests and benchmarks). ``validate=False`` skips the input checks
+(:func:`~lpfa.attention.triton_common.check_triton_inputs`) for a caller that has made them once, as
 :func:`lpfa.attention.attention` does. ``assume_finite=True``: the caller vouches that q, k, v hold no inf or NaN (a
 trainer that stops at a non-finite loss can), so the second launch is skipped; a non-finite V then reaches rows that
 cannot see its key (through 0·inf = NaN in the P̄V product), as in a plain GEMM.
@@ -191,12 +204,15 @@ if triton is not None:
         return _keep_visible(s, visible, float("-inf"))
 
     @triton.jit
-    def _scores_of(x, scale, SCORES_BF16: tl.constexpr):
-        """bf16(bf16(x)·scale) or x·scale (FP32): the scores of raw Q Kᵀ values x, rounded to nearest as
-        :func:`_scores_tile` rounds them. Each step is non-decreasing in x (scale > 0), so the scores of a row's
+    def _scores_of(x, scale, SCORES_BF16: tl.constexpr, PRECISE_MATH: tl.constexpr, SOFTCAP: tl.constexpr):
+        """bf16(bf16(x)·scale) or x·scale (FP32), then soft-capped where SOFTCAP is set: the scores of raw Q Kᵀ
+        values x, rounded to nearest as :func:`_scores_tile` rounds them. Each step is non-decreasing in x (scale > 0;
+        the cap's tanh on BF16 scores: "The soft-cap's row max" in the module docstring), so the scores of a row's
         largest x are its largest scores, and of its two largest x its two largest scores (ties kept): the row-max
         pass takes them from the raw GEMM output and rounds two values per row, not every score (RAW_MAX)."""
-        return _rnd(_rnd(x, SCORES_BF16) * scale, SCORES_BF16)
+        s = _rnd(_rnd(x, SCORES_BF16) * scale, SCORES_BF16)
+        s, _ = _softcap(s, SCORES_BF16, PRECISE_MATH, SOFTCAP)
+        return s
 
     @triton.jit
     def _block_tiles(rm, r2, rs, block_sum, o_blk, s_block, thr, m_use, t_lo, t_hi,
@@ -304,9 +320,14 @@ if triton is not None:
             SR_SCORES=SR_SCORES, RAW_MAX=RAW_MAX, FOLD=FOLD)
         if RAW_MAX or FOLD:  # that pass took the raw Q Kᵀ (or S/scale): the scores of its top one (and two) are the
             # block's
-            rm = _scores_of(rm, scale, SCORES_BF16)
+            rm = _scores_of(rm, scale, SCORES_BF16, PRECISE_MATH, SOFTCAP)
             if USE_SFA:
-                r2 = _scores_of(r2, scale, SCORES_BF16)
+                r2_raw = r2
+                r2 = _scores_of(r2, scale, SCORES_BF16, PRECISE_MATH, SOFTCAP)
+                if SOFTCAP > 0 and MASKED:  # the cap maps a −inf score to −c, but r2 = −inf from a row's one
+                    # visible key is no score: it stays −inf (the tie test below reads it so)
+                    n_vis2 = tl.minimum(tl.minimum(offs_m + 1, kb_lo + BK), T) - kb_lo
+                    r2 = tl.where((r2_raw == float("-inf")) & (n_vis2 < 2), float("-inf"), r2)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -538,6 +559,16 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
     return o, lse
 
 
+def raw_row_max(raw_max: bool, policy: PrecisionPolicy, n_sub: int, precise_math: bool) -> bool:
+    """Whether the row-max pass over a policy block of ``n_sub`` compute tiles takes the raw Q Kᵀ and rounds (and caps)
+    only each row's top one or two values (RAW_MAX, :func:`_scores_of`): ``raw_max`` asked for, several tiles (a block
+    of one tile computes S once for all passes), scores rounded to nearest, and, under a soft-cap, BF16 scores and
+    the tanh whose order on them is verified ("The soft-cap's row max" in the module docstring: libdevice's on a GPU,
+    the interpreter's on the CPU)."""
+    capped_ok = not policy.softcap or (policy.scores == BF16 and (bool(precise_math) or _interpreter()))
+    return bool(raw_max) and n_sub > 1 and "scores" not in policy.stochastic and capped_ok
+
+
 def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T, scale, pol, D, block_m, BK,
                     BLOCK_N, N_SUB, inputs_bf16, dot_bf16, precise_math, causal_split, sfa_count_pass, raw_max,
                     fold_scale, redo, flag, num_warps, num_stages):
@@ -567,8 +598,7 @@ def _forward_launch(grid, q, k, v, o, lse, flags, n_tiles, strides, o_strides, T
         SFA_COUNT_PASS=bool(sfa_count_pass),
         EXP2=pol.exp == "exp2",
         SR_SCORES="scores" in pol.stochastic,
-        # the raw Q Kᵀ where the scores are rounded to nearest, uncapped (_scores_of), and recomputed per pass
-        RAW_MAX=bool(raw_max) and N_SUB > 1 and "scores" not in pol.stochastic and not pol.softcap,
+        RAW_MAX=raw_row_max(raw_max, pol, N_SUB, precise_math),
         # S/scale in every pass where the scale is a power of two (_exp_scaled; not with the count pass's S ≥ thr)
         FOLD=bool(fold_scale) and scale_folds(scale, pol) and not sfa_count_pass,
         REDO=bool(redo),

@@ -355,9 +355,11 @@ def stabiliser_costs(root=None):
     same run): a DataFrame indexed by row label with ``tokens/s``, ``speed base`` (the row it is divided by),
     ``÷ base``, ``heads clipped`` (QK-clip's rescales; None without QK-clip), ``run`` (the run folder), ``backend``
     and ``base backend`` (the ``attn_backend`` of the row and of its base in that run: ``lpfa`` unless it names
-    another), rows in the order first timed (the reruns, their base runs again, are not timed). Empty without a
-    committed run; a row that no run timed but one tried has no tokens/s."""
-    columns = ["tokens/s", "speed base", "÷ base", "heads clipped", "run", "backend", "base backend"]
+    another), ``cap row max raw`` (under a soft-cap, whether the timed forward took its row max from the raw
+    Q Kᵀ; None where the run did not record it), rows in the order first timed (the reruns, their base runs again,
+    are not timed). Empty without a committed run; a row that no run timed but one tried has no tokens/s."""
+    columns = ["tokens/s", "speed base", "÷ base", "heads clipped", "run", "backend", "base backend",
+               "cap row max raw"]
 
     def backend(r):
         return next((o.split("=", 1)[1] for o in (r or {}).get("overrides", []) if o.startswith("attn_backend=")),
@@ -375,7 +377,8 @@ def stabiliser_costs(root=None):
             if r.get("tokens_per_s") is not None or label not in rows:
                 base = summary.get(r.get("speed_base")) if r.get("speed_base") else None
                 rows[label] = [r.get("tokens_per_s"), r.get("speed_base"), r.get("ratio_to_base"),
-                               r.get("qk_clipped"), folder.name, backend(r), backend(base) if base else None]
+                               r.get("qk_clipped"), folder.name, backend(r), backend(base) if base else None,
+                               r.get("softcap_row_max_raw")]
     return pd.DataFrame(list(rows.values()), index=list(rows), columns=columns)
 
 
@@ -420,13 +423,18 @@ def stabiliser_cost_text(costs) -> str:
                  "cost here is the tracking of the largest logits and the check.")
     cap = "bf16_softcap"
     if cap in timed.index and float(timed.loc[cap, "÷ base"]) < 1 - SOFTCAP_GOAL:
+        flag = timed.loc[cap, "cap row max raw"]
+        raw = isinstance(flag, (bool, np.bool_)) and bool(flag)
         text += (f" The soft-cap costs {1 - float(timed.loc[cap, '÷ base']):.0%} of the BF16 run's speed, above "
                  f"its goal of {SOFTCAP_GOAL:.0%}. What bounds it is arithmetic per score: c·tanh(S/c) takes an "
-                 "exp2, an FP32 division and three more roundings, in both passes of the forward over a 512-key "
-                 "block and again in both backward kernels. Without the cap the row-max pass takes the raw Q Kᵀ and "
-                 "rounds only each row's largest value, and a power-of-two scale folds into exp's argument; the cap "
-                 "turns both off, since its tanh takes every score scaled and the kernel takes the row max over the "
-                 "capped scores.")
+                 "exp2, an FP32 division and three more roundings, "
+                 + ("in the forward's P̄ pass (its row-max pass over a 512-key block takes the raw Q Kᵀ and caps "
+                    "only each row's largest value, as the cap never decreases on BF16 scores)" if raw else
+                    "in both passes of the forward over a 512-key block (the timing predates the row-max pass that "
+                    "takes the raw Q Kᵀ under the cap and caps only each row's largest value: "
+                    "`lpfa.attention.triton_fwd.raw_row_max`)")
+                 + " and again in both backward kernels; and the cap keeps a power-of-two scale from folding into "
+                 "exp's argument, since its tanh takes every score scaled.")
     same = [label for label in timed.index if not other_backend(label)]  # a stabiliser only adds work to its base
     over = float(timed.loc[same, "÷ base"].max()) - 1 if same else 0.0
     if over > 0:
