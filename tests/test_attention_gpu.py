@@ -172,7 +172,7 @@ def test_kernel_tanh_is_non_decreasing_on_every_bf16_value_on_the_gpu():
     x = x[~torch.isnan(x)].sort().values.cuda()
     t = kernel_tanh(x)
     assert (t[1:] >= t[:-1]).all(), f"the kernels' tanh decreases after x = {x[:-1][t[1:] < t[:-1]][:5].tolist()}"
-    assert ((t - x.tanh()).abs() <= 2.0**-22).all()
+    assert ((t - x.tanh()).abs() <= 2.0**-20).all()  # a few FP32 ulps of torch's (libdevice's exp2: 2 ulps)
 
 
 @pytest.mark.parametrize("sfa", [False, True])
