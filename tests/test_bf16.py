@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from lpfa.bf16 import PAPER_OPERANDS, accumulation_bias, bf16_fields, binade, explain_add, fp32_fields
+from lpfa.bf16 import PAPER_OPERANDS, accumulation_bias, bf16_fields, binade, every_bf16, explain_add, fp32_fields
 from lpfa.pages.bf16_rounding import operands_text
 
 
@@ -159,6 +159,16 @@ def test_matches_torch_rounding_when_the_sum_is_fp32_exact():
         t = torch.tensor(float(s32), dtype=torch.float32).to(torch.bfloat16).float().item()
         assert explain_add(a, b).result == t
         checked += 1
+
+
+def test_every_bf16_is_each_value_once_in_order():
+    """lpfa.bf16.every_bf16: the 2¹⁶ bit patterns less the 254 NaNs, each exactly a BF16 value, ascending, from −inf
+    to +inf, both zeros kept, and no two patterns alike."""
+    x = every_bf16()
+    assert x.dtype == torch.float32 and len(x) == 2**16 - 254
+    assert torch.equal(x, x.bfloat16().float()) and (x[1:] >= x[:-1]).all()
+    assert x[0] == -math.inf and x[-1] == math.inf and int((x == 0).sum()) == 2
+    assert len(torch.unique(x.view(torch.int32))) == len(x)
 
 
 def test_fields_roundtrip_bits():

@@ -422,6 +422,14 @@ def explain_add(a: float, b: float) -> BF16Addition:
     )
 
 
+def every_bf16() -> torch.Tensor:
+    """Every BF16 value except the NaNs, ascending, as FP32 (−inf first, +inf last, −0 and +0 side by side): for a
+    property that must hold on all 2¹⁶ bit patterns, such as the order of the soft-cap's tanh on the BF16 scores
+    (:func:`lpfa.attention.triton_fwd.raw_row_max`)."""
+    x = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
+    return x[~torch.isnan(x)].sort().values
+
+
 def round_to_bf16(x: float) -> float:
     """The BF16 value nearest to the double ``x`` (ties to even; ±inf beyond the finite range). Exact:
     scaling by powers of two and Python's round-half-even on a double introduce no error."""
