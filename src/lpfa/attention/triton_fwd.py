@@ -170,6 +170,11 @@ from lpfa.attention.triton_common import (
 if triton is not None:
 
     @triton.jit
+    def _n_visible(offs_m, kb_lo, BK: tl.constexpr, T):
+        """How many keys of the policy block [kb_lo, kb_lo + BK) each row sees: min(row + 1, block end, T) − start."""
+        return tl.minimum(tl.minimum(offs_m + 1, kb_lo + BK), T) - kb_lo
+
+    @triton.jit
     def _visible(k_lo, k_hi, offs_m, loc_n, T):
         """(BLOCK_M, BLOCK_N) mask of the key tile [k_lo, k_lo + BLOCK_N): key < k_hi (its policy block's end),
         key < T, key <= query."""
@@ -326,8 +331,8 @@ if triton is not None:
                 r2 = _scores_of(r2, scale, SCORES_BF16, PRECISE_MATH, SOFTCAP)
                 if SOFTCAP > 0 and MASKED:  # the cap maps a −inf score to −c, but r2 = −inf from a row's one
                     # visible key is no score: it stays −inf (the tie test below reads it so)
-                    n_vis2 = tl.minimum(tl.minimum(offs_m + 1, kb_lo + BK), T) - kb_lo
-                    r2 = tl.where((r2_raw == float("-inf")) & (n_vis2 < 2), float("-inf"), r2)
+                    one_key = _n_visible(offs_m, kb_lo, BK, T) < 2
+                    r2 = tl.where((r2_raw == float("-inf")) & one_key, float("-inf"), r2)
         row_live = offs_m >= kb_lo  # rows with a visible key in this block (whatever the scores hold)
 
         if USE_SFA:
@@ -338,8 +343,7 @@ if triton is not None:
                 # thr ≤ rm, so rs > 1 ⇔ r2 ≥ thr, except where r2 = −inf (no second score, or a visible −inf): there
                 # thr = −inf counts every visible key, #visible = min(row + 1, block end, T) − block start
                 if MASKED:
-                    n_vis = tl.minimum(tl.minimum(offs_m + 1, kb_lo + BK), T) - kb_lo
-                    tied = (r2 >= thr) & ((r2 > float("-inf")) | (n_vis > 1))
+                    tied = (r2 >= thr) & ((r2 > float("-inf")) | (_n_visible(offs_m, kb_lo, BK, T) > 1))
                 else:  # every row sees all BK > 1 keys of the block
                     tied = r2 >= thr
             else:  # count against the block's final max in a pass of its own (over the S held, or the tiles again)
