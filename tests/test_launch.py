@@ -354,7 +354,7 @@ def test_in_turn_stop_ends_the_running_row_cleanly_and_starts_no_other(tokens, t
            "ROOT": str(runs), "OUT": str(out), "DATA": str(tokens), "GPUS": "0", "BATCH": "4", "POLL": "1",
            "BUDGET": "300", "EXPERIMENT": "stabilisers", "ONLY": "bf16_qknorm fp32_qknorm",
            "EXTRA": "model=debug block_size=32 max_steps=1000000 eval_interval=0 eval_batches=1 warmup_steps=2 "
-                    "device=cpu diag_interval=0 compile=false"}
+                    "device=cpu diag_interval=0 compile=false ckpt_interval=2"}
     script = str(ROOT / "scripts/gpu/in_turn.sh")
 
     def phase(name, **more):
@@ -366,8 +366,15 @@ def test_in_turn_stop_ends_the_running_row_cleanly_and_starts_no_other(tokens, t
     assert phase("start").returncode == 0
     log = runs / "in_turn_bf16_qknorm" / "bf16_qknorm" / "log.txt"
     deadline = time.time() + 120
-    while not (log.is_file() and "step 1" in log.read_text()) and time.time() < deadline:
+    while not ((log.parent / "ckpt").is_dir() and "step 1" in log.read_text()) and time.time() < deadline:
         time.sleep(0.5)
+    # follow while the row runs: its small files so far come back (a machine taken back loses only checkpoints)
+    early = phase("follow", MAX_S="0")
+    assert early.returncode == 0, early.stdout + early.stderr
+    with tarfile.open(out / "in_turn_partial.tar.gz") as tar:
+        names = set(tar.getnames())
+    assert {"in_turn_bf16_qknorm/bf16_qknorm/log.txt", "in_turn_bf16_qknorm/bf16_qknorm/config.json"} <= names
+    assert not any("/ckpt" in n for n in names), names
     stopped = phase("stop")
     assert stopped.returncode == 0 and "asked to stop" in stopped.stdout and "bf16_qknorm" in stopped.stdout
     followed = phase("follow", MAX_S="200")
@@ -377,6 +384,7 @@ def test_in_turn_stop_ends_the_running_row_cleanly_and_starts_no_other(tokens, t
         assert summary["status"] == "stopped" and 0 < summary["steps"] < 1_000_000
         assert "in_turn_bf16_qknorm/bf16_qknorm/log.txt" in tar.getnames()
     assert not (runs / "in_turn_fp32_qknorm").exists()
+    assert not (out / "in_turn_partial.tar.gz").exists()  # every step finished: its archive, no partial copy
 
 
 @pytest.mark.skipif(shutil.which("bash") is None or shutil.which("setsid") is None,

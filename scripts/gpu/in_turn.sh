@@ -20,10 +20,11 @@
 # (NAME: in_turn; a step's "+" becomes "-"), so each step's archive, QUEUE/done/NAME_<step>.tar.gz, stands alone. A
 # step that fails does not stop the queue. follow waits up to MAX_S seconds for the queue to end, printing each running row's last log line every
 # POLL seconds (60), then copies the finished archives and in_turn_logs.tar.gz (the queue's log and each row's) to
-# $OUT. The device tool brings back at most 8 files a call: follow at least every 7 rows. stop asks the running step's
+# $OUT. The device tool brings back at most 8 files a call: follow at least every 6 steps. stop asks the running step's
 # rows to end cleanly (a STOP file in each run folder: lpfa.train stops with its logs, summary and a checkpoint) and
 # the queue to start no further step; the stopped step still finishes (its doctor, replay and archive) before the
-# queue ends, and follow brings it back.
+# queue ends, and follow brings it back. follow also brings in_turn_partial.tar.gz, the small files (config, log, metrics,
+# reports) of the steps still running, so that a machine taken back mid-step loses no more than their checkpoints.
 set -u
 QUEUE=${QUEUE:-/tmp/in_turn}; NAME=${NAME:-in_turn}; ROOT=${ROOT:-/tmp/runs}; OUT=${OUT:-/tmp/out}
 export ROOT
@@ -79,6 +80,17 @@ follow)
   mkdir -p "$OUT"
   cp "$QUEUE"/done/*.tar.gz "$OUT"/ 2>/dev/null
   (cd "$QUEUE" && tar -czf "$OUT/in_turn_logs.tar.gz" ./*.log)
+  # the steps not finished yet: their run folders' small files so far (config, log, metrics, and any doctor or replay
+  # report written), so that a machine taken back mid-step loses its checkpoints, not what the rows have measured
+  partial=(); rm -f "$OUT/in_turn_partial.tar.gz"
+  for d in "$ROOT/${NAME}_"*/; do
+    [ -d "$d" ] && [ ! -f "$QUEUE/done/$(basename "$d").tar.gz" ] && partial+=("$(basename "$d")")
+  done
+  if [ ${#partial[@]} -gt 0 ]; then
+    (cd "$ROOT" && find "${partial[@]}" \( -name ckpt -o -name ckpt_history \) -prune -o -type f \
+       \( -name '*.json' -o -name '*.jsonl' -o -name '*.txt' -o -name '*.log' -o -name '*.md' \) -print |
+     tar -czf "$OUT/in_turn_partial.tar.gz" -T -)
+  fi
   ls "$OUT"
   ;;
 stop)

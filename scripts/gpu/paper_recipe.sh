@@ -71,24 +71,34 @@ wait|finish)
   if [ "$PHASE" = finish ] && [ -n "${DOCTOR_STEP:-}" ]; then
     # the device tool carries data/corpus afresh into every call's tree, without the val.bin that start unpacked
     if [ -f "$DATA/val.bin.xz" ] && [ ! -f "$DATA/val.bin" ]; then (cd "$DATA" && xz -dkf val.bin.xz); fi
-    for d in "$ROOT/$NAME"/*/; do
-      [ -f "$d/config.json" ] || continue
+    finish_row() {  # lpfa doctor, then the replay, on the run folder $1
+      local d=$1 step ck DOC REP
       # "STEP FOLDER" of the checkpoint to examine (lpfa.run.Run.checkpoint_before_explosion), or nothing
       read -r step ck < <($PY -c "import sys; from lpfa.run import Run; r = Run(sys.argv[1]); s = r.checkpoint_before_explosion(int(sys.argv[2])); print('' if s is None else f'{s} {r.checkpoints[s]}')" "$d" "$DOCTOR_STEP")
-      [ -n "${step:-}" ] || { echo "doctor: $d has no checkpoint at or before step $DOCTOR_STEP and before an explosion"; continue; }
+      [ -n "${step:-}" ] || { echo "doctor: $d has no checkpoint at or before step $DOCTOR_STEP and before an explosion"; return; }
       DOC=$(printf "doctor_step_%06d" "$step")
       echo "doctor: $ck"
       timeout "${DOCTOR_MAX_S:-180}" $PY -m lpfa.doctor "$ck" --data "$DATA" --out "$d/$DOC" ${DOCTOR_ARGS:-} > "$d/$DOC.log" 2>&1
       tail -3 "$d/$DOC.log"
-      X+=("$DOC/report.json" "$DOC/report.md" "$DOC.log")
       if [ "${REPLAY_STEPS:-0}" -gt 0 ]; then  # Fig. 5's bias test on this row: its training replayed from that checkpoint
         REP=$(printf "replay_step_%06d" "$step")
         echo "replay: $REPLAY_STEPS steps from step $step, layer ${REPLAY_LAYER:-1}"
         timeout "${REPLAY_MAX_S:-240}" $PY -m lpfa.replay --run "$d" --step "$step" --steps "$REPLAY_STEPS" \
           --layer "${REPLAY_LAYER:-1}" --max-s "$(( ${REPLAY_MAX_S:-240} - 60 ))" --out "$d/$REP" > "$d/$REP.log" 2>&1
         tail -2 "$d/$REP.log"
-        X+=("$REP/replay.json" "$REP.log")
       fi
+    }
+    # the rows of a launch finish side by side on their GPU (each its doctor, then its replay): rows that shared the
+    # GPU to train share it here too, and a machine taken back loses less
+    for d in "$ROOT/$NAME"/*/; do
+      [ -f "$d/config.json" ] && finish_row "$d" &
+    done
+    wait
+    for d in "$ROOT/$NAME"/*/; do  # what the rows wrote, for collect (names relative to each run folder)
+      for f in "$d"doctor_step_*/report.json "$d"doctor_step_*/report.md "$d"doctor_step_*.log \
+               "$d"replay_step_*/replay.json "$d"replay_step_*.log; do
+        [ -f "$f" ] && X+=("${f#"$d"}")
+      done
     done
     [ ${#X[@]} -gt 0 ] && X=(--extra "${X[@]}")
   fi
