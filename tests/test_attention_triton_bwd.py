@@ -384,3 +384,77 @@ def test_scale_folds_only_where_exact():
     assert not scale_folds(1 / math.sqrt(128), fa2) and not scale_folds(0.3, fa2)
     assert not scale_folds(0.125, fa2.with_(softcap=30.0))
     assert not scale_folds(0.125, PRESETS["paper"].with_(stochastic=frozenset({"scores"})))
+
+
+# ---- dq_mode="ordered": dQ added by the dK/dV kernel in key-tile order ---------------------------------------------
+
+# (preset, (block_q, block_k), T, B, block_m, block_n, input dtype): FP32 backwards only, tiles that divide the blocks
+ORDERED_CASES = [
+    ("fa2", (32, 32), 77, 2, 16, 32, torch.bfloat16),  # two sub-tiles per key tile, ragged T
+    ("fa2", (32, 32), 1, 1, 16, 16, torch.bfloat16),  # T = 1: one sub-tile, its only key tile the last
+    ("fa2_sfa", (32, 64), 90, 1, 16, 32, torch.bfloat16),  # block_q != block_k, two key tiles per policy block
+    ("fp32_split", (16, 16), 45, 1, 16, 16, torch.float32),  # FP32 inputs, bf16x6 GEMMs (dS K split)
+    ("fp32", (32, 32), 50, 1, 16, 32, torch.bfloat16),  # FP32 throughout: the tight rule
+]
+
+
+@pytest.mark.parametrize("name,blocks,T,B,block_m,block_n,dtype", ORDERED_CASES)
+def test_ordered_dq_matches_the_reference_and_leaves_dk_dv_alone(name, blocks, T, B, block_m, block_n, dtype):
+    """dq_mode="ordered": the dK/dV kernel adds each key tile's op(dS) K to dQ, tile after tile. dQ keeps the
+    reference's values under the FP32 rule, within an FP32 reordering of the dQ kernel's; dK and dV are the default
+    mode's bits; and with assume_finite (no redo launches) the bits are the same."""
+    pol = PRESETS[name].with_(block_q=blocks[0], block_k=blocks[1])
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(B, 2, T, 16, dtype, seed)
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    launch = dict(block_m=block_m, block_n=block_n)
+    try:
+        grads = flash_backward(do, q, k, v, o, lse, pol, 0.3, dq_mode="ordered", **launch)
+        plain = flash_backward(do, q, k, v, o, lse, pol, 0.3, **launch)
+        finite = flash_backward(do, q, k, v, o, lse, pol, 0.3, dq_mode="ordered", assume_finite=True, **launch)
+        refs = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, 0.3)
+        _check(grads, refs, pol, terms=_term_sizes(q, k, v, do, 0.3))
+        for gname, a, b, c in zip(("dq", "dk", "dv"), grads, plain, finite):
+            assert torch.equal(_bits(a), _bits(c)), f"{gname}: assume_finite changed bits"
+            if gname != "dq":
+                assert torch.equal(_bits(a), _bits(b)), f"{gname}: not the default mode's bits"
+        scale = refs[0].abs().max().item()
+        assert (grads[0] - plain[0]).abs().max().item() <= 1e-5 * scale, "dq: more than an FP32 reordering apart"
+    except AssertionError as e:
+        raise AssertionError(f"{e} (inputs: _inputs({B}, 2, {T}, 16, {dtype}, seed={seed}))") from e
+
+
+@pytest.mark.parametrize("which", ["q", "k", "do"])
+def test_ordered_dq_nonfinite_reaches_the_reference_rows(which):
+    """An inf or NaN in Q, K or dO: dQ's non-finite entries are the reference's. A non-finite K, which the dK/dV
+    kernel's plain dS K GEMM spreads to rows that cannot see its key, flags those sub-tiles, and the dQ kernel's redo
+    launch computes them again on its exact path."""
+    pol = PRESETS["fa2"].with_(block_q=32, block_k=32)
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(1, 3, 70, 16, torch.bfloat16, seed)
+    t = {"q": q, "k": k, "do": do}[which]
+    for h, value in enumerate((math.nan, math.inf, -math.inf)):
+        t[0, h, 5, h] = value  # key tile 0, seen by every later row
+        t[0, h, 40, 3 + h] = value
+    o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
+    grads = flash_backward(do, q, k, v, o, lse, pol, 0.3, dq_mode="ordered", block_m=16, block_n=32)
+    refs = ref_backward(do.float(), q.float(), k.float(), v.float(), o, lse, pol, 0.3)
+    for gname, a, r in zip(("dq", "dk", "dv"), grads, refs):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(r)), (gname, seed)
+
+
+def test_ordered_dq_refuses_what_it_cannot_order():
+    """dq_mode="ordered" names what it needs, in one line: an FP32 backward, and tiles that divide the policy blocks;
+    an unknown mode is refused alike."""
+    q = torch.randn(1, 1, 40, 16)
+    lse = torch.zeros(1, 1, 40)
+    with pytest.raises(ValueError, match=r"dq_mode='ordered' needs an FP32 backward .*got 'bf16'"):
+        flash_backward(q, q, q, q, q, lse, "paper", 0.25, dq_mode="ordered")
+    with pytest.raises(ValueError, match=r"block_k 20, block_n 16, block_q 20, block_m 16"):
+        flash_backward(q, q, q, q, q, lse, PRESETS["fa2"].with_(block_q=20, block_k=20), 0.25, dq_mode="ordered",
+                       block_m=16, block_n=16)
+    with pytest.raises(ValueError, match=r"block_k 32, block_n 16, block_q 32, block_m 32"):  # sub-tile > key tile
+        flash_backward(q, q, q, q, q, lse, PRESETS["fa2"].with_(block_q=32, block_k=32), 0.25, dq_mode="ordered",
+                       block_m=32, block_n=16)
+    with pytest.raises(ValueError, match=r"dq_mode='atomic': expected one of 'kernel', 'ordered'"):
+        flash_backward(q, q, q, q, q, lse, "fa2", 0.25, dq_mode="atomic")

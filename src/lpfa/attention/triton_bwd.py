@@ -40,6 +40,17 @@ D 64), 32× at T = 4,096 and 128× at T = 16,384 (6.5 GB at B 1, H 12). Writing 
 Compute, results/attention_ncu/h200-2026-12-02), before the dK/dV kernel's extra dS K GEMM; and the traffic grows
 as T², so the partials win at no shape here and lose by far at long T.
 
+``dq_mode="ordered"`` is the third way: FlashAttention-2's, in a fixed order. The dK/dV kernel adds each key tile's
+op(dS) K into FP32 running sums of dQ, one (BLOCK_M, D) sub-tile at a time, the way FlashAttention-2 adds it with
+atomics, but each sub-tile waits for the key tiles before it to have added theirs (a count per sub-tile, acquired
+and released: :func:`_dq_add_in_order`), so dQ = ((c₀ + c₁) + c₂) + … in ascending key order on every run. That is
+five GEMMs per (query, key) tile instead of seven, with FlashAttention-2's traffic (the sums stay T × D per
+batch·head, read and written once per key tile that sees them) and no T² workspace. The grid runs batch·heads
+fastest, so a key tile's program starts after the programs of the tiles before it, which it may wait for; the last
+key tile that sees a sub-tile stores its dQ. dK and dV keep their bits; dQ is an FP32 reordering of the dQ kernel's.
+It needs an FP32 backward, since a BF16 one rounds dQ once per policy key block (:func:`ordered_dq_unsupported`); the
+default stays ``"kernel"`` until a benchmark on the GPU says which is faster.
+
 Causal split: sub-tiles whose every (key, query) pair is visible (keys at or below the sub-tile's first query,
 queries inside their policy block and T, keys inside theirs) run without masks (plain loads, no ``tl.where``,
 ``visible = None``). Inside a policy block the sub-tiles stay in ascending order, so the FP32 partials keep
@@ -97,6 +108,9 @@ benchmarks). ``validate=False`` skips the input checks for
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
 checked and whose dO autograd shapes). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or
 NaN, so each kernel launches once (no redo); a non-finite operand then spreads as it would in a plain GEMM.
+``dq_mode`` (:data:`DQ_MODES`): ``"kernel"`` (default), dQ by a kernel of its own; ``"ordered"``, by the dK/dV kernel
+in key-tile order (above). Where the dK/dV kernel's plain dS K GEMM carries a non-finite K to rows that cannot see its
+key, the sub-tile is flagged and the dQ kernel's redo launch computes it again on the exact path, as in the default.
 """
 
 from __future__ import annotations
@@ -261,16 +275,47 @@ if triton is not None:
         return p, ds
 
     @triton.jit
+    def _dq_add_in_order(dq_c, q0, j, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, T, G_STRIDE_T: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAG: tl.constexpr):
+        """dQ rows [q0, q0 + BLOCK_M) += dq_c, key tile j's op(dS) K, once key tiles 0 .. j − 1 have added theirs
+        (``dq_mode="ordered"``): dQ = ((c_0 + c_1) + c_2) + … in FP32, in ascending key order whatever order the
+        programs run in, so the gradient is deterministic without a dQ kernel that recomputes P and dP. DQACC (this
+        batch·head's rows, FP32, zeros at first) holds the running sum, LOCK (per query sub-tile) the count of key tiles
+        that have added. Key tile j sees every row from its first key on, so tiles 0 .. q0 // BLOCK_N add to these
+        rows, each once; the last stores dQ in its dtype (and the sub-tile's flag for the redo launch) instead."""
+        sub = q0 // BLOCK_M
+        while tl.atomic_cas(LOCK + sub, j, j, sem="acquire") != j:  # spin until tiles 0 .. j − 1 have added
+            pass
+        offs_m = q0 + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        row_ok = offs_m < T
+        acc_ptrs = DQACC + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+        # (.cg: from L2, where the previous tile's program stored it, never a stale L1 line)
+        dq = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") + dq_c
+        if j == q0 // BLOCK_N:  # the last key tile these rows see: dQ is complete
+            tl.store(DQ + offs_m[:, None] * G_STRIDE_T + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                     mask=row_ok[:, None])
+            if FLAG:  # 1 where this sub-tile of dQ holds an inf or NaN: the dQ kernel's redo launch computes it again
+                _store_flag(QFLAGS, pid_bh, sub, n_qsub, _any_nonfinite(dq, row_ok))
+        else:
+            tl.store(acc_ptrs, dq, mask=row_ok[:, None])
+        tl.debug_barrier()  # every thread's stores before the count that publishes them
+        tl.atomic_xchg(LOCK + sub, j + 1, sem="release")
+
+    @triton.jit
     def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t,
                     do_stride_t, row_base, scale, q_nonfinite, do_nonfinite, T, s_pre,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, SCORES_BF16: tl.constexpr, BW_BF16: tl.constexpr,
                     OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                     PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
                     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr, SR_SCORES: tl.constexpr,
-                    FOLD: tl.constexpr = False):
+                    FOLD: tl.constexpr, pid_n, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, G_STRIDE_T: tl.constexpr,
+                    BLOCK_N: tl.constexpr, DSK_DOT: tl.constexpr, ORDERED: tl.constexpr, FLAG: tl.constexpr):
         """Query sub-tiles q0 = q_from, q_from + BLOCK_M, … < q_to of a policy query block (rows < q_hi) against
         the key tile: FP32 partials Σ op(P)ᵀ op(dO) and Σ op(dS)ᵀ Q. Without MASKED every row of each sub-tile
-        lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask."""
+        lies below q_hi and sees every key of the tile (the caller guarantees it): plain loads, no mask. ORDERED
+        (``dq_mode="ordered"``): also each sub-tile's op(dS) K, added to dQ in key-tile order (:func:`_dq_add_in_order`;
+        the rest of the arguments after FOLD are for it)."""
         loc_m = tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         for q0 in range(q_from, q_to, BLOCK_M):
@@ -291,8 +336,12 @@ if triton is not None:
                                 SCORES_BF16, BW_BF16, QK_DOT, DOV_DOT, PRECISE_MATH, SOFTCAP, EXP2, SR_SCORES,
                                 FOLD=FOLD)
             # dV partial += op(P)ᵀ op(dO), dK partial += op(dS)ᵀ Q, over visible pairs
+            ds_op = _rnd(dst, OP_BF16)
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
-            dk_part += _dot_visible(_rnd(dst, OP_BF16), tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
+            dk_part += _dot_visible(ds_op, tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
+            if ORDERED:  # dQ[q0 : q0 + BLOCK_M] += op(dS) K, in key-tile order (a non-finite K: flagged, redone)
+                _dq_add_in_order(_dot(tl.trans(ds_op), k, DSK_DOT), q0, pid_n, DQACC, LOCK, DQ, QFLAGS, n_qsub,
+                                 pid_bh, T, G_STRIDE_T, HEAD_DIM, BLOCK_M, BLOCK_N, FLAG)
         return dv_part, dk_part
 
     @triton.jit
@@ -304,14 +353,21 @@ if triton is not None:
                       BW_BF16: tl.constexpr, OP_BF16: tl.constexpr, QK_DOT: tl.constexpr, DOV_DOT: tl.constexpr,
                       PDO_DOT: tl.constexpr, DSQ_DOT: tl.constexpr, PRECISE_MATH: tl.constexpr,
                       CAUSAL_SPLIT: tl.constexpr, SOFTCAP: tl.constexpr, EXP2: tl.constexpr,
-                      SR_SCORES: tl.constexpr, FOLD: tl.constexpr = False):
+                      SR_SCORES: tl.constexpr, FOLD: tl.constexpr, DQ, DQACC, LOCKS, QFLAGS, n_qsub,
+                      DSK_DOT: tl.constexpr, ORDERED: tl.constexpr):
         """Key tile ``pid_n`` of batch·head ``pid_bh``: load its K, V, compute its dK, dV over every policy query
         block that sees it, store them. ``nonfinite`` = 0 (a constant): plain GEMMs; 1: the non-finite path, where an
         inf or NaN of Q or dO reaches exactly the keys its row sees. FLAG: also store the tile's flag for the redo
-        launch (triton_common._store_flag)."""
+        launch (triton_common._store_flag). ORDERED: also add the tile's share of dQ, in key-tile order
+        (:func:`_dq_add_in_order`: DQACC the FP32 running sums, LOCKS the counts, n_qsub query sub-tiles per
+        batch·head, QFLAGS their flags)."""
         s_pre = _sr_pre(sr_seed, 7, pid_bh) if SR_SCORES else 0
         row_base = pid_bh.to(tl.int64) * T
         base = _out_rows(pid_bh, T, H, g_stride_b, g_stride_h, G_STRIDE_T, HEAD_DIM)  # DK's and DV's row 0
+        # (ORDERED) this batch·head's dQ rows: its running sums, its counts and its row 0 of DQ (DK's layout)
+        DQACC = DQACC + row_base * HEAD_DIM
+        LOCK = LOCKS + pid_bh.to(tl.int64) * n_qsub
+        DQ = DQ + base
         Q, K, V, DO = _bh_rows(Q, K, V, DO, pid_bh, H, stride_b, stride_h, do_stride_b, do_stride_h)
 
         # this tile's keys: inside policy key block pid_n // TILES_PER_BK, never straddling it (NK of them inside)
@@ -360,17 +416,23 @@ if triton is not None:
                 dv_part, dk_part, q_lo, tl.minimum(q_mid, q_hi), q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD, pid_n=pid_n, DQACC=DQACC, LOCK=LOCK,
+                DQ=DQ, QFLAGS=QFLAGS, n_qsub=n_qsub, pid_bh=pid_bh, G_STRIDE_T=G_STRIDE_T, BLOCK_N=BLOCK_N,
+                DSK_DOT=DSK_DOT, ORDERED=ORDERED, FLAG=FLAG)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, q_mid, q_tail, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=False,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD, pid_n=pid_n, DQACC=DQACC, LOCK=LOCK,
+                DQ=DQ, QFLAGS=QFLAGS, n_qsub=n_qsub, pid_bh=pid_bh, G_STRIDE_T=G_STRIDE_T, BLOCK_N=BLOCK_N,
+                DSK_DOT=DSK_DOT, ORDERED=ORDERED, FLAG=FLAG)
             dv_part, dk_part = _dkdv_tiles(
                 dv_part, dk_part, tl.maximum(q_mid, q_tail), q_hi, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA,
                 stride_t, do_stride_t, row_base, scale, nonfinite, nonfinite, T, s_pre, HEAD_DIM, BLOCK_M,
                 SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, MASKED=True,
-                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD)
+                SOFTCAP=SOFTCAP, EXP2=EXP2, SR_SCORES=SR_SCORES, FOLD=FOLD, pid_n=pid_n, DQACC=DQACC, LOCK=LOCK,
+                DQ=DQ, QFLAGS=QFLAGS, n_qsub=n_qsub, pid_bh=pid_bh, G_STRIDE_T=G_STRIDE_T, BLOCK_N=BLOCK_N,
+                DSK_DOT=DSK_DOT, ORDERED=ORDERED, FLAG=FLAG)
 
             # end of policy query block i: dV_j = bw(dV_j + bw(partial)), dK_j likewise
             if BW_BF16:
@@ -392,6 +454,7 @@ if triton is not None:
     def _bwd_dkdv_kernel(
         Q, K, V, DO, LSE, DELTA, DK, DV,  # (B, H, T, D) with the strides below; LSE, DELTA (B*H, T) contiguous
         FLAGS, n_tiles,  # int32 (B*H, n_tiles): 1 per key tile whose dK or dV the fast launch left not finite
+        DQ, DQACC, LOCKS, QFLAGS, n_qsub,  # ORDERED: dQ, its FP32 running sums, counts and flags (_dq_add_in_order)
         T, scale, sr_seed,
         H, stride_b, stride_h, stride_t,  # Q, K, V's strides (shared): any layout, no copies
         do_stride_b, do_stride_h, do_stride_t,  # DO's
@@ -413,14 +476,20 @@ if triton is not None:
         # tiles
         REDO_TILES: tl.constexpr,
         FLAG: tl.constexpr,  # the first launch stores its flags (False: assume_finite, no second launch)
+        DSK_DOT: tl.constexpr,
+        ORDERED: tl.constexpr,  # dq_mode="ordered": the grid is (batch·head, key tile), batch·heads fastest, so a
+        # key tile's program starts after those of the tiles before it (whose dQ shares it waits for)
     ):
-        pid_bh = tl.program_id(1)  # (batch, head)
-        if not REDO:  # key tile program_id(0), plain GEMMs
-            _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS, n_tiles, tl.program_id(0), pid_bh, T, scale, sr_seed,
+        if ORDERED:
+            pid_bh, pid_n = tl.program_id(0), tl.program_id(1)
+        else:
+            pid_bh, pid_n = tl.program_id(1), tl.program_id(0)  # (batch, head), key tile
+        if not REDO:  # key tile pid_n, plain GEMMs
+            _dkdv_program(Q, K, V, DO, LSE, DELTA, DK, DV, FLAGS, n_tiles, pid_n, pid_bh, T, scale, sr_seed,
                           H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t, g_stride_b,
                           g_stride_h, G_STRIDE_T, 0, FLAG, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N, TILES_PER_BK,
                           SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT, PRECISE_MATH, CAUSAL_SPLIT,
-                          SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
+                          SOFTCAP, EXP2, SR_SCORES, FOLD, DQ, DQACC, LOCKS, QFLAGS, n_qsub, DSK_DOT, ORDERED)
         else:  # REDO_TILES key tiles: redo on the non-finite path those the first launch flagged
             first = tl.program_id(0) * REDO_TILES
             bad = _redo_flags(FLAGS, pid_bh, first, n_tiles, REDO_TILES)
@@ -431,7 +500,8 @@ if triton is not None:
                                       sr_seed, H, stride_b, stride_h, stride_t, do_stride_b, do_stride_h, do_stride_t,
                                       g_stride_b, g_stride_h, G_STRIDE_T, 1, False, HEAD_DIM, BQ, BK, BLOCK_M, BLOCK_N,
                                       TILES_PER_BK, SCORES_BF16, BW_BF16, OP_BF16, QK_DOT, DOV_DOT, PDO_DOT, DSQ_DOT,
-                                      PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES, FOLD=FOLD)
+                                      PRECISE_MATH, CAUSAL_SPLIT, SOFTCAP, EXP2, SR_SCORES, FOLD, DQ, DQACC, LOCKS,
+                                      QFLAGS, n_qsub, DSK_DOT, False)
 
     @triton.jit
     def _dq_tiles(dq_part, k_from, k_to, q, do, lse, delta, offs_m, row_ok, K, V, stride_t, scale, k_nonfinite, T,
@@ -626,13 +696,33 @@ def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scal
         raise ValueError(f"do, q, k, v, o_store, lse must be on one device, got {sorted(str(d) for d in devs)}")
 
 
+DQ_MODES = ("kernel", "ordered")
+"""How :func:`flash_backward` computes dQ: ``"kernel"``, a kernel of its own that recomputes P and dP per query tile;
+``"ordered"``, the dK/dV kernel adds each key tile's op(dS) K to FP32 running sums in ascending key-tile order
+(:func:`_dq_add_in_order`), as FlashAttention-2 adds them with atomics but in a fixed order, so deterministic."""
+
+
+def ordered_dq_unsupported(pol: PrecisionPolicy, BQ: int, BK: int, BLOCK_M: int, BLOCK_N: int) -> str | None:
+    """Why ``dq_mode="ordered"`` cannot run this policy with these tiles (None: it can). It needs an FP32 backward (a
+    BF16 one rounds each policy key block's share of dQ, which the dQ kernel keeps), key tiles that divide the policy
+    key block, and query sub-tiles that divide both the policy query block and the key tile (so that every key tile
+    adds to whole sub-tiles)."""
+    if pol.backward == BF16:
+        return ("needs an FP32 backward (policy.backward='fp32'): a BF16 one rounds dQ once per policy key block, "
+                "which the dQ kernel keeps; got 'bf16'")
+    if BK % BLOCK_N or BQ % BLOCK_M or BLOCK_N % BLOCK_M:
+        return (f"needs key tiles that divide the policy key block and query sub-tiles that divide it and the policy "
+                f"query block: got block_k {BK}, block_n {BLOCK_N}, block_q {BQ}, block_m {BLOCK_M}")
+    return None
+
+
 def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot_bf16: bool | None = None,
                    precise_math: bool | None = None, block_m: int | None = None, block_n: int | None = None,
                    num_warps: int | None = None, num_stages: int | None = None, causal_split: bool = True,
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
-                   assume_finite: bool = False,
-                   fold_scale: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   assume_finite: bool = False, fold_scale: bool = True,
+                   dq_mode: str = "kernel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
@@ -654,6 +744,13 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, run.block_n)
     _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, run.dq_block_m or run.block_m)
     _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, run.dq_block_n or run.block_n)
+    if dq_mode not in DQ_MODES:
+        raise ValueError(f"dq_mode={dq_mode!r}: expected one of {', '.join(map(repr, DQ_MODES))}")
+    ordered = dq_mode == "ordered"
+    if ordered and (why := ordered_dq_unsupported(pol, BQ, BK, BLOCK_M, BLOCK_N)):
+        raise ValueError(f"dq_mode='ordered' {why}")
+    if ordered:  # dQ by the dK/dV kernel's query sub-tiles: the redo launch's tiles and flags are those
+        DQ_BLOCK_M, DQ_TPB_Q = BLOCK_M, TPB_Q
 
     interp = _interpreter()
     if dot_bf16 is None:
@@ -712,27 +809,36 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     n_qtiles = triton.cdiv(T, BQ) * DQ_TPB_Q
     # one flag per key tile, then per query tile, stored by each fast launch for its second (none when the caller
     # vouches for finite inputs: delta stands in for the pointer, never read)
-    tile_flags = delta if assume_finite else torch.empty(B * H * (n_ktiles + n_qtiles), device=q.device,
-                                                         dtype=torch.int32)
+    # (ordered: zeros, since the query sub-tiles past T are never flagged)
+    tile_flags = delta if assume_finite else (torch.zeros if ordered else torch.empty)(
+        B * H * (n_ktiles + n_qtiles), device=q.device, dtype=torch.int32)
+    q_flags = tile_flags if assume_finite else tile_flags[B * H * n_ktiles:]
+    dsk_dot = gemm_mode(g, dot_bf16, op_bf16, is_bf["k"])
+    # ordered: dQ's FP32 running sums and, per query sub-tile, the count of key tiles that have added to them
+    dq_acc = torch.zeros(B * H * T * D, device=q.device, dtype=torch.float32) if ordered else delta
+    counts = torch.zeros(B * H * n_qtiles, device=q.device, dtype=torch.int32) if ordered else q_flags
     for redo in redo_launches(assume_finite):
+        in_order = ordered and not redo  # (the redo launch recomputes dK, dV only: dQ's redo is the dQ kernel's)
         launch(
-            _bwd_dkdv_kernel, (triton.cdiv(n_ktiles, REDO_TILES) if redo else n_ktiles, B * H),
-            q_, k_, v_, do_, lse_, delta, dk, dv, tile_flags, n_ktiles, T, float(scale), pol.sr_seed, *strides,
-            *g_strides,
+            _bwd_dkdv_kernel,
+            (B * H, n_ktiles) if in_order else (triton.cdiv(n_ktiles, REDO_TILES) if redo else n_ktiles, B * H),
+            q_, k_, v_, do_, lse_, delta, dk, dv, tile_flags, n_ktiles, dq, dq_acc, counts, q_flags, n_qtiles, T,
+            float(scale), pol.sr_seed, *strides, *g_strides,
             TILES_PER_BK=TPB_K,
             PDO_DOT=gemm_mode(g, dot_bf16, op_bf16, op_bf16 or is_bf["do"]),
             DSQ_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["q"]),
-            REDO=redo, REDO_TILES=REDO_TILES, FLAG=not assume_finite,
+            REDO=redo, REDO_TILES=REDO_TILES, FLAG=not assume_finite, DSK_DOT=dsk_dot, ORDERED=in_order,
             **{**common, "DOV_DOT": gemm_mode(g, dot_bf16, is_bf["v"], is_bf["do"])},
         )
-    # ---- dQ: one program per query tile ----
-    q_flags = tile_flags if assume_finite else tile_flags[B * H * n_ktiles:]
+    # ---- dQ: one program per query tile (ordered: only the redo launch, for the sub-tiles flagged) ----
     for redo in redo_launches(assume_finite):
+        if ordered and not redo:
+            continue
         launch(
             _bwd_dq_kernel, (triton.cdiv(n_qtiles, REDO_TILES) if redo else n_qtiles, B * H),
             q_, k_, v_, do_, lse_, delta, dq, q_flags, n_qtiles, T, float(scale), pol.sr_seed, *strides, *g_strides,
             TILES_PER_BQ=DQ_TPB_Q,
-            DSK_DOT=gemm_mode(g, dot_bf16, op_bf16, is_bf["k"]),
+            DSK_DOT=dsk_dot,
             REDO=redo, REDO_TILES=REDO_TILES, FLAG=not assume_finite,
             **{**common, "BLOCK_M": DQ_BLOCK_M, "BLOCK_N": DQ_BLOCK_N},
         )
