@@ -47,9 +47,11 @@ def _record(self, *args, grid, warmup, **kwargs):
     return None
 
 
-def capture(preset: str, dtype, B: int, H: int, T: int, D: int, launch: dict | None = None):
-    """The launches (kernel, args, kwargs) of one forward and one backward of ``preset`` on (B, H, T, D) inputs;
-    ``launch``: extra keyword arguments for both wrappers (num_stages, num_warps)."""
+def capture(preset: str, dtype, B: int, H: int, T: int, D: int, launch: dict | None = None,
+            backward: dict | None = None, passes: str = "both"):
+    """The launches (kernel, args, kwargs) of one forward and one backward of ``preset`` on (B, H, T, D) inputs
+    (``passes``: "forward" or "backward" keeps that pass's alone); ``launch``: extra keyword arguments for both wrappers
+    (num_stages, num_warps), ``backward`` for the backward's alone (dq_mode)."""
     import torch
     from triton.runtime.jit import JITFunction
 
@@ -64,9 +66,12 @@ def capture(preset: str, dtype, B: int, H: int, T: int, D: int, launch: dict | N
     try:
         _RECORDED.clear()
         o, _ = flash_forward(q, k, v, preset, scale, **(launch or {}))
+        n_forward = len(_RECORDED)
+        if passes == "forward":
+            return list(_RECORDED)
         lse = torch.zeros(B, H, T, dtype=torch.float32)
-        flash_backward(do.to(dtype), q, k, v, o, lse, preset, scale, **(launch or {}))
-        return list(_RECORDED)
+        flash_backward(do.to(dtype), q, k, v, o, lse, preset, scale, **(launch or {}), **(backward or {}))
+        return list(_RECORDED[n_forward:] if passes == "backward" else _RECORDED)
     finally:
         JITFunction.run = real_run
 
@@ -209,6 +214,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-warps", type=int, help="passed to both wrappers (default: theirs)")
     ap.add_argument("--block-m", type=int, help="query compute tile, passed to both wrappers (default: theirs)")
     ap.add_argument("--block-n", type=int, help="key compute tile, passed to both wrappers (default: theirs)")
+    ap.add_argument("--dq-mode", choices=["kernel", "ordered"], help="the backward's dq_mode (default: its own)")
+    ap.add_argument("--pass", dest="passes", choices=["forward", "backward", "both"], default="both",
+                    help="compile the forward's kernels, the backward's, or both")
     ap.add_argument("--no-cubin", action="store_true", help="stop at PTX (no ptxas)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compiles")
     ap.add_argument("--dump-ptx", metavar="DIR", help="write each kernel's TTGIR and PTX there")
@@ -239,7 +247,8 @@ def main(argv=None) -> int:
             for D in a.d:
                 launch = {k: v for k, v in (("num_stages", a.num_stages), ("num_warps", a.num_warps),
                                             ("block_m", a.block_m), ("block_n", a.block_n)) if v is not None}
-                for kernel, args, kwargs in capture(preset, dtypes[dt], B, H, T, D, launch):
+                bwd = {"dq_mode": a.dq_mode} if a.dq_mode else None
+                for kernel, args, kwargs in capture(preset, dtypes[dt], B, H, T, D, launch, bwd, a.passes):
                     k = _key(kernel, _spec(kernel, args, kwargs, backend))
                     if k not in keys:
                         keys[k] = len(_JOBS)

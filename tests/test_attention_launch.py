@@ -100,3 +100,33 @@ def test_a_missing_constexpr_keeps_the_slow_path(kernel):
     for _ in range(2):
         triton_common.launch(kernel, (1,), x, x, 8, 0.5, BLOCK=16)  # MODE left to a default: not lined up
     assert paths(kernel) == ["run", "run"]
+
+
+def _ptxas_available() -> bool:
+    """Whether Triton's bundled CUDA toolchain is here (the compile-ahead test needs ptxas, not a GPU)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return bool(get_ptxas(90).path)
+    except Exception:  # no NVIDIA backend in this Triton
+        return False
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's NVIDIA backend and its bundled ptxas")
+@pytest.mark.parametrize("preset,pass_,extra", [("fp32", "forward", []),  # FP32 P̄ and V staged at D = 128
+                                                ("fa2", "backward", ["--dq-mode", "ordered"])])  # spin, masked stores
+def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra):
+    """benchmarks/compile_check.py compiles kernels for an H100/H200 (sm_90) on this CPU: the default launches at
+    D = 128 (the fp32 preset's forward once asked for more shared memory than a block may have) and D = 64 (the ordered
+    dQ's spin-wait and stores inside the software-pipelined loop) compile, and fit the block's shared memory."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root / "src")
+    r = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_check.py"), "--presets", preset,
+                        "--d", "64", "128", "--pass", pass_, "--jobs", "2", "--shape", "1", "2", "256", *extra],
+                       capture_output=True, text=True, timeout=600, env=env, cwd=root)
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
+    assert r.returncode == 0 and rows and all("| ok (" in row for row in rows), r.stdout[-3000:] + r.stderr[-2000:]

@@ -458,3 +458,38 @@ def test_ordered_dq_refuses_what_it_cannot_order():
                        block_m=32, block_n=16)
     with pytest.raises(ValueError, match=r"dq_mode='atomic': expected one of 'kernel', 'ordered'"):
         flash_backward(q, q, q, q, q, lse, "fa2", 0.25, dq_mode="atomic")
+
+
+def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch):
+    """A launch table entry with dq_mode="ordered" (Launch.dq_mode) orders dQ for an FP32 backward (no fast launch of
+    the dQ kernel) and leaves a BF16 backward, which it cannot order, to the dQ kernel, without an error: the same bits
+    as asking for each mode explicitly."""
+    from dataclasses import replace
+
+    from lpfa.attention import triton_bwd, triton_common
+
+    seed = torch.seed() % 2**31
+    q, k, v, do = _inputs(1, 1, 40, 16, torch.bfloat16, seed)
+    cases = {"fa2": "ordered", "paper": "kernel"}
+    want = {}
+    for name, mode in cases.items():
+        pol = PRESETS[name].with_(block_q=16, block_k=16)
+        o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
+        want[name] = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16, dq_mode=mode)
+    for key, entry in list(triton_common.LAUNCHES.items()):
+        monkeypatch.setitem(triton_common.LAUNCHES, key, replace(entry, dq_mode="ordered"))
+    launched = []
+
+    def recording(kernel, grid, *args, **meta):
+        launched.append((kernel, meta.get("REDO")))
+        return triton_common.launch(kernel, grid, *args, **meta)
+
+    monkeypatch.setattr(triton_bwd, "launch", recording)
+    for name, mode in cases.items():
+        pol = PRESETS[name].with_(block_q=16, block_k=16)
+        o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
+        launched.clear()
+        got = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16)
+        assert ((triton_bwd._bwd_dq_kernel, False) in launched) == (mode == "kernel"), (name, launched)
+        for gname, a, b in zip(("dq", "dk", "dv"), got, want[name]):
+            assert torch.equal(_bits(a), _bits(b)), (name, gname, seed)

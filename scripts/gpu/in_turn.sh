@@ -2,8 +2,9 @@
 # Rows of the paper's recipe one at a time, each with the GPU to itself, in a queue that outlives the device call that
 # starts it. One at a time, because two BF16 recipe runs sharing an H200 trained no faster together than one alone
 # (results/stabilisers/h200-2026-12-03c: 2 × 162k tokens/s against about 350k alone before the second started). FP32
-# rows did gain from sharing (page 17's plan gives both), so a step of the queue may be rows joined by "+", which
-# share the GPU: ONLY="sr_s1 fp32_qknorm_s1+fp32_gated_s1" runs sr_s1, then the two FP32 rows together. A step may end
+# rows did gain from sharing an H200 (page 17's plan gives both), though not an H100, where two FP32 rows together
+# logged about 2 × 131k tokens/s against about 300k for one alone; so a step of the queue may be rows joined by "+",
+# which share the GPU: ONLY="sr_s1 fp32_qknorm_s1+fp32_gated_s1" runs sr_s1, then the two FP32 rows together. A step may end
 # in "@N": its rows stop at step N (stop_at_step, after EXTRA's), e.g. "bf16_qknorm_s1@5000" to rerun a row only as far
 # as the doctor's checkpoint; its archive's name then ends in "_toN".
 #

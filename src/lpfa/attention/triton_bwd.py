@@ -108,9 +108,10 @@ benchmarks). ``validate=False`` skips the input checks for
 a caller that has made them once (the autograd op of :func:`lpfa.attention.attention`, whose saved tensors the forward
 checked and whose dO autograd shapes). ``assume_finite=True``: the caller vouches that dO, q, k, v hold no inf or
 NaN, so each kernel launches once (no redo); a non-finite operand then spreads as it would in a plain GEMM.
-``dq_mode`` (:data:`DQ_MODES`): ``"kernel"`` (default), dQ by a kernel of its own; ``"ordered"``, by the dK/dV kernel
-in key-tile order (above). Where the dK/dV kernel's plain dS K GEMM carries a non-finite K to rows that cannot see its
-key, the sub-tile is flagged and the dQ kernel's redo launch computes it again on the exact path, as in the default.
+``dq_mode`` (:data:`DQ_MODES`; None: the launch table's, ``"kernel"`` today): ``"kernel"``, dQ by a kernel of its own;
+``"ordered"``, by the dK/dV kernel in key-tile order (above; asked for where it cannot run, a one-line ValueError).
+Where the dK/dV kernel's plain dS K GEMM carries a non-finite K to rows that cannot see its key, the sub-tile is
+flagged and the dQ kernel's redo launch computes it again on the exact path, as in the default.
 """
 
 from __future__ import annotations
@@ -275,8 +276,9 @@ if triton is not None:
         return p, ds
 
     @triton.jit
-    def _dq_add_in_order(dq_c, q0, j, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, T, G_STRIDE_T: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FLAG: tl.constexpr):
+    def _dq_add_in_order(ds, k, q0, j, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, T, G_STRIDE_T: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DSK_DOT: tl.constexpr,
+                         FLAG: tl.constexpr):
         """dQ rows [q0, q0 + BLOCK_M) += dq_c, key tile j's op(dS) K, once key tiles 0 .. j − 1 have added theirs
         (``dq_mode="ordered"``): dQ = ((c_0 + c_1) + c_2) + … in FP32, in ascending key order whatever order the
         programs run in, so the gradient is deterministic without a dQ kernel that recomputes P and dP. DQACC (this
@@ -291,14 +293,15 @@ if triton is not None:
         row_ok = offs_m < T
         acc_ptrs = DQACC + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
         # (.cg: from L2, where the previous tile's program stored it, never a stale L1 line)
-        dq = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") + dq_c
-        if j == q0 // BLOCK_N:  # the last key tile these rows see: dQ is complete
-            tl.store(DQ + offs_m[:, None] * G_STRIDE_T + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-                     mask=row_ok[:, None])
-            if FLAG:  # 1 where this sub-tile of dQ holds an inf or NaN: the dQ kernel's redo launch computes it again
-                _store_flag(QFLAGS, pid_bh, sub, n_qsub, _any_nonfinite(dq, row_ok))
-        else:
-            tl.store(acc_ptrs, dq, mask=row_ok[:, None])
+        dq = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") + _dot(ds, k, DSK_DOT)
+        # the last key tile these rows see (dQ complete) stores dQ in its dtype, the others the running sum (masked
+        # stores, not a branch: the software pipeliner takes no branch with stores in this loop)
+        last = j == q0 // BLOCK_N
+        tl.store(DQ + offs_m[:, None] * G_STRIDE_T + offs_d[None, :], dq.to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & last)
+        tl.store(acc_ptrs, dq, mask=row_ok[:, None] & (not last))
+        if FLAG:  # 1 where this sub-tile of dQ holds an inf or NaN: the dQ kernel's redo launch computes it again
+            tl.store(QFLAGS + pid_bh.to(tl.int64) * n_qsub + sub, _any_nonfinite(dq, row_ok), mask=last)
         tl.debug_barrier()  # every thread's stores before the count that publishes them
         tl.atomic_xchg(LOCK + sub, j + 1, sem="release")
 
@@ -340,8 +343,8 @@ if triton is not None:
             dv_part += _dot_visible(_rnd(pt, OP_BF16), _rnd(do, OP_BF16), visible, do_nonfinite, PDO_DOT)
             dk_part += _dot_visible(ds_op, tl.trans(qt), visible, q_nonfinite, DSQ_DOT)
             if ORDERED:  # dQ[q0 : q0 + BLOCK_M] += op(dS) K, in key-tile order (a non-finite K: flagged, redone)
-                _dq_add_in_order(_dot(tl.trans(ds_op), k, DSK_DOT), q0, pid_n, DQACC, LOCK, DQ, QFLAGS, n_qsub,
-                                 pid_bh, T, G_STRIDE_T, HEAD_DIM, BLOCK_M, BLOCK_N, FLAG)
+                _dq_add_in_order(tl.trans(ds_op), k, q0, pid_n, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, T,
+                                 G_STRIDE_T, HEAD_DIM, BLOCK_M, BLOCK_N, DSK_DOT, FLAG)
         return dv_part, dk_part
 
     @triton.jit
@@ -722,7 +725,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
                    validate: bool = True, grad_dtype: torch.dtype = torch.float32,
                    dq_block_m: int | None = None, dq_block_n: int | None = None,
                    assume_finite: bool = False, fold_scale: bool = True,
-                   dq_mode: str = "kernel") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   dq_mode: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Causal flash-attention backward with the rounding points of ``policy``: ``do, q, k, v`` (B, H, T, D) bf16 or
     fp32, D in {16, 32, 64, 128}; ``o_store`` the forward's stored O (B, H, T, D), ``lse`` its (B, H, T) FP32
     log-sum-exp, as :func:`lpfa.attention.triton_fwd.flash_forward` or :func:`lpfa.attention.reference.forward`
@@ -744,11 +747,13 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     BK, BLOCK_N, TPB_K = policy_tiles(pol.block_k, T, run.block_n)
     _, DQ_BLOCK_M, DQ_TPB_Q = policy_tiles(pol.block_q, T, run.dq_block_m or run.block_m)
     _, DQ_BLOCK_N, _ = policy_tiles(pol.block_k, T, run.dq_block_n or run.block_n)
-    if dq_mode not in DQ_MODES:
-        raise ValueError(f"dq_mode={dq_mode!r}: expected one of {', '.join(map(repr, DQ_MODES))}")
-    ordered = dq_mode == "ordered"
-    if ordered and (why := ordered_dq_unsupported(pol, BQ, BK, BLOCK_M, BLOCK_N)):
+    mode = run.dq_mode if dq_mode is None else dq_mode  # the caller's, else the launch table's
+    if mode not in DQ_MODES:
+        raise ValueError(f"dq_mode={mode!r}: expected one of {', '.join(map(repr, DQ_MODES))}")
+    why = ordered_dq_unsupported(pol, BQ, BK, BLOCK_M, BLOCK_N) if mode == "ordered" else None
+    if why and dq_mode is not None:
         raise ValueError(f"dq_mode='ordered' {why}")
+    ordered = mode == "ordered" and not why  # (the table's "ordered" is "kernel" where it cannot run)
     if ordered:  # dQ by the dK/dV kernel's query sub-tiles: the redo launch's tiles and flags are those
         DQ_BLOCK_M, DQ_TPB_Q = BLOCK_M, TPB_Q
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 import lpfa.attention as lpfa_attention
-from lpfa.attention.policy import BF16X6, GEMMS, PrecisionPolicy
+from lpfa.attention.policy import BF16X6, FP32, GEMMS, PrecisionPolicy
 from lpfa.attention.reference import LOG2E as _LOG2E
 from lpfa.attention.reference import TANH_LOG2 as _TANH_LOG2
 
@@ -603,13 +603,16 @@ def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, i
 class Launch:
     """One kernel's compute tiles and launch options: launch tuning only, since the policy's blocks fix the rounding
     (:func:`policy_tiles` cuts them into these tiles). ``dq_block_m``/``dq_block_n``: the backward's dQ kernel's own
-    query tile and key sub-tile (None: ``block_m``/``block_n``)."""
+    query tile and key sub-tile (None: ``block_m``/``block_n``); ``dq_mode``: how the backward computes dQ
+    (:data:`lpfa.attention.triton_bwd.DQ_MODES`; ``"ordered"`` where the policy and the tiles allow it, else
+    ``"kernel"``)."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
     dq_block_m: int | None = None
     dq_block_n: int | None = None
+    dq_mode: str = "kernel"
 
 
 # The launch defaults, by (pass, policy key block of at most one 128-key tile, head dim up to 64 or 128), each the
@@ -631,11 +634,19 @@ LAUNCHES = {
 }
 
 
+# The forward at D = 128 whose P̄V GEMM takes FP32 operands exactly (p_bar "fp32", gemm "ieee": the fp32 preset), in
+# blocks of one tile: LAUNCHES' 128 x 128 tiles stage FP32 P̄ and V in 257 KiB of shared memory, over the 227 KiB an
+# sm_90 block may have (Triton refuses it at launch: benchmarks/compile_check.py, --presets fp32 --d 128). 64-key tiles
+# take 144 KiB there, without spills. Not timed: the fp32 preset is the numerical baseline, not a speed goal.
+FP32_PV_FORWARD_128 = Launch(128, 64, 8, 2)
+
+
 def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, **given: int | None) -> Launch:
     """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
     take D = 64's), with the caller's ``given`` choices (:class:`Launch`'s fields; None: the table's) in place of its
     own. A tile must be a power of two of at least :data:`MIN_TILE` and the warps a power of two (``tl.arange`` and
-    ``tl.dot`` take no other), the stages at least 1: anything else is a one-line ValueError."""
+    ``tl.dot`` take no other), the stages at least 1: anything else is a one-line ValueError. The fp32 preset's forward
+    at D = 128 takes :data:`FP32_PV_FORWARD_128` instead, whose shared memory fits."""
     for name, value in given.items():
         if value is None:
             continue
@@ -646,7 +657,10 @@ def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, **given:
                                                                else "an integer >= 1"))
     one_tile = policy.block_k is not None and policy.block_k <= 128
     table = LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
+    if (kernel, one_tile, policy.p_bar, policy.gemm) == ("forward", True, FP32, "ieee") and head_dim > 64:
+        table = FP32_PV_FORWARD_128
     return replace(table, **{name: value for name, value in given.items() if value is not None})
+
 
 
 def scale_folds(scale: float, policy: PrecisionPolicy) -> bool:
