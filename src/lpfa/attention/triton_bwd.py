@@ -279,12 +279,13 @@ if triton is not None:
     def _dq_add_in_order(ds, k, q0, j, DQACC, LOCK, DQ, QFLAGS, n_qsub, pid_bh, T, G_STRIDE_T: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DSK_DOT: tl.constexpr,
                          FLAG: tl.constexpr):
-        """dQ rows [q0, q0 + BLOCK_M) += dq_c, key tile j's op(dS) K, once key tiles 0 .. j − 1 have added theirs
-        (``dq_mode="ordered"``): dQ = ((c_0 + c_1) + c_2) + … in FP32, in ascending key order whatever order the
-        programs run in, so the gradient is deterministic without a dQ kernel that recomputes P and dP. DQACC (this
-        batch·head's rows, FP32, zeros at first) holds the running sum, LOCK (per query sub-tile) the count of key tiles
-        that have added. Key tile j sees every row from its first key on, so tiles 0 .. q0 // BLOCK_N add to these
-        rows, each once; the last stores dQ in its dtype (and the sub-tile's flag for the redo launch) instead."""
+        """dQ rows [q0, q0 + BLOCK_M) += c_j = ``ds`` @ ``k``, key tile j's op(dS) K, once key tiles 0 .. j − 1 have
+        added theirs (``dq_mode="ordered"``): dQ = ((c_0 + c_1) + c_2) + … in FP32, in ascending key order whatever the
+        order the programs run in, so the gradient is deterministic without a dQ kernel that recomputes P and dP.
+        DQACC (this batch·head's rows, FP32, zeros at first) holds the running sum, LOCK (per query sub-tile) the
+        count of key tiles that have added. Key tile j sees every row from its first key on, so tiles 0 .. q0 //
+        BLOCK_N add to these rows, each once; the last stores dQ in its dtype (and the sub-tile's flag for the redo
+        launch) instead."""
         sub = q0 // BLOCK_M
         while tl.atomic_cas(LOCK + sub, j, j, sem="acquire") != j:  # spin until tiles 0 .. j − 1 have added
             pass
