@@ -69,6 +69,26 @@ def test_awkward_shapes_autograd(T, D):
             _compare(a, b, 0.0 if noise else 0.95)
 
 
+@pytest.mark.parametrize("name", ["fa2", "fp32", "fp32_split", "fp32_softcap", "paper_tiled"])
+def test_fp32_inputs_at_head_dim_128_launch_and_match(name):
+    """FP32 inputs at D = 128 (and the fp32 preset's FP32 P̄V) take launches whose shared memory fits an sm_90 block
+    (triton_common.FP32_INPUTS_128, FP32_PV_FORWARD_128): they run, forward and backward, and match the reference."""
+    from lpfa.attention.triton_bwd import flash_backward
+    from lpfa.attention.triton_fwd import flash_forward
+
+    torch.manual_seed(torch.seed() % 2**31)
+    q, k, v, do = (torch.randn(2, 3, 300, 128, device="cuda") for _ in range(4))
+    pol, scale = PRESETS[name], 128**-0.5
+    for dtype in (torch.float32, torch.bfloat16):
+        x = [t.to(dtype) for t in (q, k, v, do)]
+        o, lse = flash_forward(*x[:3], pol, scale)
+        ro, rlse = ref.forward(*(t.float() for t in x[:3]), pol, scale)
+        _compare(o, ro, 0.0)
+        grads = flash_backward(x[3], *x[:3], o.float(), lse, pol, scale)
+        for g, rg in zip(grads, ref.backward(*(t.float() for t in (x[3], *x[:3])), ro, rlse, pol, scale)):
+            _compare(g, rg, 0.0)
+
+
 def test_fp32_heads_and_compile():
     q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     pol = PRESETS["paper"].with_(fp32_heads={1, 2})

@@ -112,12 +112,15 @@ def _ptxas_available() -> bool:
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="needs Triton's NVIDIA backend and its bundled ptxas")
-@pytest.mark.parametrize("preset,pass_,extra", [("fp32", "forward", []),  # FP32 P̄ and V staged at D = 128
-                                                ("fa2", "backward", ["--dq-mode", "ordered"])])  # spin, masked stores
+@pytest.mark.parametrize("preset,pass_,extra", [
+    ("fp32", "forward", ["--d", "128"]),  # FP32 P̄ and V staged at D = 128 (triton_common.FP32_PV_FORWARD_128)
+    ("fp32_split", "both", ["--d", "128", "--dtype", "fp32"]),  # FP32 inputs split in BF16 parts (FP32_INPUTS_128)
+    ("fa2", "backward", ["--d", "64", "128", "--dq-mode", "ordered"]),  # the spin-wait and stores in a pipelined loop
+])
 def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra):
-    """benchmarks/compile_check.py compiles kernels for an H100/H200 (sm_90) on this CPU: the default launches at
-    D = 128 (the fp32 preset's forward once asked for more shared memory than a block may have) and D = 64 (the ordered
-    dQ's spin-wait and stores inside the software-pipelined loop) compile, and fit the block's shared memory."""
+    """benchmarks/compile_check.py compiles kernels for an H100/H200 (sm_90) on this CPU: the default launches compile
+    and fit a block's shared memory where they once did not (FP32 operands at D = 128 asked for up to 352 KiB of
+    the 227 KiB; the ordered dQ's stores failed Triton's software pipeliner at D = 64)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -126,7 +129,7 @@ def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_check.py"), "--presets", preset,
-                        "--d", "64", "128", "--pass", pass_, "--jobs", "2", "--shape", "1", "2", "256", *extra],
+                        "--pass", pass_, "--jobs", "2", "--shape", "1", "2", "256", *extra],
                        capture_output=True, text=True, timeout=600, env=env, cwd=root)
     rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
     assert r.returncode == 0 and rows and all("| ok (" in row for row in rows), r.stdout[-3000:] + r.stderr[-2000:]

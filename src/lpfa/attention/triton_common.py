@@ -634,19 +634,26 @@ LAUNCHES = {
 }
 
 
-# The forward at D = 128 whose P̄V GEMM takes FP32 operands exactly (p_bar "fp32", gemm "ieee": the fp32 preset), in
-# blocks of one tile: LAUNCHES' 128 x 128 tiles stage FP32 P̄ and V in 257 KiB of shared memory, over the 227 KiB an
-# sm_90 block may have (Triton refuses it at launch: benchmarks/compile_check.py, --presets fp32 --d 128). 64-key tiles
-# take 144 KiB there, without spills. Not timed: the fp32 preset is the numerical baseline, not a speed goal.
+# Launches at D = 128 whose FP32 operands would not fit LAUNCHES' tiles: an sm_90 block may have 227 KiB of shared
+# memory, and Triton refuses a kernel that asks for more at launch (benchmarks/compile_check.py, which compiles for
+# sm_90 on a CPU, found each; tests/test_attention_launch.py compiles them). Not timed: FP32 operands are the
+# numerical baselines, not speed goals.
+# * The forward whose P̄V GEMM takes FP32 operands exactly (p_bar "fp32", gemm "ieee": the fp32 preset), in blocks of
+#   one tile, with BF16 inputs: 128 x 128 tiles stage FP32 P̄ and V in 257 KiB; 128 x 64 in 144 KiB, without spills.
 FP32_PV_FORWARD_128 = Launch(128, 64, 8, 2)
+# * FP32 inputs, every policy: 128 x 128 forward tiles take 256-352 KiB and the bf16x6 backward's 64 x 64 tiles
+#   240 KiB; these take at most 180 KiB.
+FP32_INPUTS_128 = {"forward": Launch(64, 64, 4, 2), "backward": Launch(32, 64, 4, 2)}
 
 
-def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, **given: int | None) -> Launch:
+def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, fp32_inputs: bool = False,
+                   **given: int | None) -> Launch:
     """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
     take D = 64's), with the caller's ``given`` choices (:class:`Launch`'s fields; None: the table's) in place of its
     own. A tile must be a power of two of at least :data:`MIN_TILE` and the warps a power of two (``tl.arange`` and
-    ``tl.dot`` take no other), the stages at least 1: anything else is a one-line ValueError. The fp32 preset's forward
-    at D = 128 takes :data:`FP32_PV_FORWARD_128` instead, whose shared memory fits."""
+    ``tl.dot`` take no other), the stages at least 1: anything else is a one-line ValueError. At D = 128, FP32 inputs
+    (``fp32_inputs``) take :data:`FP32_INPUTS_128` and the fp32 preset's forward :data:`FP32_PV_FORWARD_128` instead,
+    whose shared memory fits an sm_90 block."""
     for name, value in given.items():
         if value is None:
             continue
@@ -657,7 +664,9 @@ def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, **given:
                                                                else "an integer >= 1"))
     one_tile = policy.block_k is not None and policy.block_k <= 128
     table = LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
-    if (kernel, one_tile, policy.p_bar, policy.gemm) == ("forward", True, FP32, "ieee") and head_dim > 64:
+    if head_dim > 64 and fp32_inputs:
+        table = FP32_INPUTS_128[kernel]
+    elif head_dim > 64 and (kernel, one_tile, policy.p_bar, policy.gemm) == ("forward", True, FP32, "ieee"):
         table = FP32_PV_FORWARD_128
     return replace(table, **{name: value for name, value in given.items() if value is not None})
 
