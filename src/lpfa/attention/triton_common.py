@@ -642,7 +642,7 @@ LAUNCHES = {
 #   one tile, with BF16 inputs: 128 x 128 tiles stage FP32 P̄ and V in 257 KiB; 128 x 64 in 144 KiB, without spills.
 FP32_PV_FORWARD_128 = Launch(128, 64, 8, 2)
 # * FP32 inputs, every policy: 128 x 128 forward tiles take 256-352 KiB and the bf16x6 backward's 64 x 64 tiles
-#   240 KiB; these take at most 180 KiB.
+#   240 KiB; these take at most 184 KiB.
 FP32_INPUTS_128 = {"forward": Launch(64, 64, 4, 2), "backward": Launch(32, 64, 4, 2)}
 
 
@@ -669,7 +669,6 @@ def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, fp32_inp
     elif head_dim > 64 and (kernel, one_tile, policy.p_bar, policy.gemm) == ("forward", True, FP32, "ieee"):
         table = FP32_PV_FORWARD_128
     return replace(table, **{name: value for name, value in given.items() if value is not None})
-
 
 
 def scale_folds(scale: float, policy: PrecisionPolicy) -> bool:
