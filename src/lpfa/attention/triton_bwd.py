@@ -740,7 +740,7 @@ def flash_backward(do, q, k, v, o_store, lse, policy, scale, causal=True, *, dot
     B, H, T, D = q.shape
     # the launch: the caller's choices, the table's (triton_common.LAUNCHES, timed per head dim) where None; the dQ
     # kernel's tiles follow block_m/block_n where the caller sets those, else the table's
-    run = default_launch("backward", pol, D, q.dtype == torch.float32, block_m=block_m, block_n=block_n,
+    run = default_launch("backward", pol, D, fp32_inputs=q.dtype == torch.float32, block_m=block_m, block_n=block_n,
                          num_warps=num_warps, num_stages=num_stages,
                          dq_block_m=dq_block_m if dq_block_m is not None else block_m,
                          dq_block_n=dq_block_n if dq_block_n is not None else block_n)

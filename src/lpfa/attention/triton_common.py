@@ -646,7 +646,7 @@ FP32_PV_FORWARD_128 = Launch(128, 64, 8, 2)
 FP32_INPUTS_128 = {"forward": Launch(64, 64, 4, 2), "backward": Launch(32, 64, 4, 2)}
 
 
-def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, fp32_inputs: bool = False,
+def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, *, fp32_inputs: bool = False,
                    **given: int | None) -> Launch:
     """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
     take D = 64's), with the caller's ``given`` choices (:class:`Launch`'s fields; None: the table's) in place of its

@@ -531,8 +531,8 @@ def flash_forward(q, k, v, policy, scale, causal=True, *, dot_bf16: bool | None 
         check_triton_inputs(q, k, v, pol, scale, causal)
     B, H, T, D = q.shape
     # the launch: the caller's choices, the table's (triton_common.LAUNCHES, timed per head dim) where None
-    run = default_launch("forward", pol, D, q.dtype == torch.float32, block_m=block_m, block_n=block_n,
-                         num_warps=num_warps, num_stages=num_stages)
+    run = default_launch("forward", pol, D, fp32_inputs=q.dtype == torch.float32, block_m=block_m,
+                         block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     block_m, num_warps, num_stages = run.block_m, run.num_warps, run.num_stages
     BK, BLOCK_N, N_SUB = policy_tiles(pol.block_k, T, run.block_n)
 
