@@ -188,7 +188,8 @@ def test_causal_split_is_bit_identical_on_the_gpu(name, T):
 def test_ordered_dq_is_deterministic_on_the_gpu(name, B, H, T):
     """dq_mode="ordered" on the GPU: the dK/dV kernel's programs add dQ in key-tile order through acquire/release
     counts, so five runs give the same bits (programs finish in another order each time); dK and dV are the default
-    mode's bits and dQ is within an FP32 reordering of the dQ kernel's; a NaN in K reaches the reference's rows."""
+    mode's bits and dQ is close to the dQ kernel's (a BF16 rounding of dS may flip between the two kernels' sums, so
+    by _compare's rule); a NaN in K reaches the reference's rows."""
     from lpfa.attention.triton_bwd import flash_backward
     from lpfa.attention.triton_fwd import flash_forward
 
@@ -204,8 +205,7 @@ def test_ordered_dq_is_deterministic_on_the_gpu(name, B, H, T):
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (what, f"seed={seed}")
     for a, b, what in zip(runs[0][1:], plain[1:], ("dk", "dv")):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (what, f"seed={seed}")
-    m = plain[0].abs().max().item()
-    assert (runs[0][0] - plain[0]).abs().max().item() <= 1e-5 * m, f"seed={seed}"
+    _compare(runs[0][0], plain[0], 0.0)
     k[0, 0, min(5, T - 1), 3] = math.nan  # a key every later row sees: earlier rows must stay finite
     o, lse = flash_forward(q, k, v, pol, scale)
     ro, rlse = ref.forward(q.float(), k.float(), v.float(), pol, scale)

@@ -401,8 +401,9 @@ ORDERED_CASES = [
 @pytest.mark.parametrize("name,blocks,T,B,block_m,block_n,dtype", ORDERED_CASES)
 def test_ordered_dq_matches_the_reference_and_leaves_dk_dv_alone(name, blocks, T, B, block_m, block_n, dtype):
     """dq_mode="ordered": the dK/dV kernel adds each key tile's op(dS) K to dQ, tile after tile. dQ keeps the
-    reference's values under the FP32 rule, within an FP32 reordering of the dQ kernel's; dK and dV are the default
-    mode's bits; and with assume_finite (no redo launches) the bits are the same."""
+    reference's values under the rule of the module docstring (the dK/dV kernel's S is Q Kᵀ summed in another order
+    than the dQ kernel's, so a BF16 rounding of dS may flip: no tighter bound against that kernel holds everywhere);
+    dK and dV are the default mode's bits; and with assume_finite (no redo launches) the bits are the same."""
     pol = PRESETS[name].with_(block_q=blocks[0], block_k=blocks[1])
     seed = torch.seed() % 2**31
     q, k, v, do = _inputs(B, 2, T, 16, dtype, seed)
@@ -418,8 +419,6 @@ def test_ordered_dq_matches_the_reference_and_leaves_dk_dv_alone(name, blocks, T
             assert torch.equal(_bits(a), _bits(c)), f"{gname}: assume_finite changed bits"
             if gname != "dq":
                 assert torch.equal(_bits(a), _bits(b)), f"{gname}: not the default mode's bits"
-        scale = refs[0].abs().max().item()
-        assert (grads[0] - plain[0]).abs().max().item() <= 1e-5 * scale, "dq: more than an FP32 reordering apart"
     except AssertionError as e:
         raise AssertionError(f"{e} (inputs: _inputs({B}, 2, {T}, 16, {dtype}, seed={seed}))") from e
 
