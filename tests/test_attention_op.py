@@ -12,6 +12,8 @@ pytest.importorskip("triton")
 
 from lpfa.attention import PRESETS, AttentionStats, attention  # noqa: E402
 from lpfa.attention.kernels import _fwd_op, policy_key  # noqa: E402
+from lpfa.attention.triton_bwd import ordered_dq_unsupported  # noqa: E402
+from lpfa.attention.triton_common import default_launch, policy_tiles  # noqa: E402
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
@@ -208,10 +210,27 @@ def _launches(monkeypatch):
     return launched
 
 
+def _fast_launches(pol, T, head_dim):
+    """The kernels one finite forward+backward launches under ``pol``: no dQ kernel where the launch table orders dQ
+    inside the dK/dV kernel (``dq_mode="ordered"`` where the policy and tiles allow it), whose redo launch alone
+    remains."""
+    run = default_launch("backward", pol, head_dim)
+    (bq, bm, _), (bk, bn, _) = policy_tiles(pol.block_q, T, run.block_m), policy_tiles(pol.block_k, T, run.block_n)
+    ordered = run.dq_mode == "ordered" and ordered_dq_unsupported(pol, bq, bk, bm, bn) is None
+    return ["_flash_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel"] + ([] if ordered else ["_bwd_dq_kernel"])
+
+
+def _checked_launches(fast):
+    """The kernels the same call launches with the non-finite checks on: each of ``fast`` twice (its redo launch), but
+    δ's; the dQ kernel's redo launch also where the dK/dV kernel orders dQ (it redoes the sub-tiles that kernel
+    flagged)."""
+    return [fast[0]] * 2 + [fast[1]] + [fast[2]] * 2 + ["_bwd_dq_kernel"] * (2 if len(fast) == 4 else 1)
+
+
 def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
-    """``assume_finite=True``: the same O and gradients bit for bit on finite inputs, from four kernel launches
-    instead of seven (no second launch to redo the tiles that hold an inf or NaN). What it gives up: a NaN in V then
-    reaches the rows that cannot see its key, as a plain GEMM spreads it."""
+    """``assume_finite=True``: the same O and gradients bit for bit on finite inputs, from one launch per kernel
+    instead of two (no second launch to redo the tiles that hold an inf or NaN; δ's has none). What it gives up: a NaN
+    in V then reaches the rows that cannot see its key, as a plain GEMM spreads it."""
     launched = _launches(monkeypatch)
     pol = PRESETS["fa2"].with_(block_q=16, block_k=16)
     base = [t.detach() for t in _qkv(T=40)]
@@ -224,8 +243,8 @@ def test_assume_finite_skips_the_checks_and_keeps_the_bits(monkeypatch):
         grads[assume], n[assume] = (o, q.grad, k.grad, v.grad), list(launched)
     for a, b in zip(grads[False], grads[True]):
         assert torch.equal(a, b)
-    assert n[True] == ["_flash_fwd_kernel", "_bwd_delta_kernel", "_bwd_dkdv_kernel", "_bwd_dq_kernel"]
-    assert n[False] == [n[True][0]] * 2 + [n[True][1]] + [n[True][2]] * 2 + [n[True][3]] * 2  # each redone but δ
+    assert n[True] == _fast_launches(pol, 40, 16)
+    assert n[False] == _checked_launches(n[True])
     q, k, v = base
     v = v.clone()
     v[0, 1, 30, 0] = float("nan")  # key 30: rows 30.. see it
@@ -253,7 +272,8 @@ def test_the_redo_launches_leave_the_tiles_nothing_non_finite_reached(monkeypatc
         launched.clear()
         o = attention(*leaves, policy=pol, backend="triton", assume_finite=assume)
         out[assume] = (o, *torch.autograd.grad(o, leaves, do))
-        assert len(launched) == (4 if assume else 7)
+        fast = _fast_launches(pol, 40, 16)
+        assert launched == (fast if assume else _checked_launches(fast))
     for a, b in zip(out[False], out[True]):
         clean = torch.ones(2, 2, dtype=torch.bool)
         clean[1, 0] = False

@@ -170,12 +170,13 @@ def test_launch_defaults_at_head_dim_128(name, T):
 ])
 def test_dq_kernel_tiles_of_its_own(name, bq, bk, T, dq_tiles):
     """dq_block_m/dq_block_n give the dQ kernel other compute tiles than the dK/dV kernel's (launch tuning only): the
-    gradients keep the reference's values under the same rule, with the BF16 accumulation once per policy block."""
+    gradients keep the reference's values under the same rule, with the BF16 accumulation once per policy block.
+    (dq_mode="kernel": the launch table may order an FP32 backward's dQ inside the dK/dV kernel instead.)"""
     pol = PRESETS[name].with_(block_q=bq, block_k=bk)
     grads, refs, terms = _run(pol, 1, T, 32, seed=11, block_m=16, block_n=32, dq_block_m=dq_tiles[0],
-                              dq_block_n=dq_tiles[1])
+                              dq_block_n=dq_tiles[1], dq_mode="kernel")
     _check(grads, refs, pol, terms=terms)
-    same_tiles, _, _ = _run(pol, 1, T, 32, seed=11, block_m=dq_tiles[0], block_n=dq_tiles[1])
+    same_tiles, _, _ = _run(pol, 1, T, 32, seed=11, block_m=dq_tiles[0], block_n=dq_tiles[1], dq_mode="kernel")
     assert torch.equal(grads[0], same_tiles[0])  # dQ is the dQ kernel's alone: its tiles, whatever dK/dV's
 
 
@@ -276,12 +277,13 @@ BWD_SPLIT_CASES = [
 
 @pytest.mark.parametrize("name,blocks,T,block_m,block_n,split", BWD_SPLIT_CASES)
 def test_causal_split_bit_identical(name, blocks, T, block_m, block_n, split, tile_paths):
-    """The split kernels give the same bits as with every sub-tile masked, and match the reference."""
+    """The split kernels give the same bits as with every sub-tile masked, and match the reference (the dQ kernel's
+    tiles among them: dq_mode="kernel", whatever the launch table orders)."""
     pol = PRESETS[name].with_(block_q=blocks[0], block_k=blocks[1])
     seed = torch.seed() % 2**31  # fresh inputs per run; named on failure
     q, k, v, do = _inputs(1, 2, T, 16, torch.bfloat16, seed)
     o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.3)
-    launch = dict(block_m=block_m, block_n=block_n)
+    launch = dict(block_m=block_m, block_n=block_n, dq_mode="kernel")
     try:
         grads = flash_backward(do, q, k, v, o, lse, pol, 0.3, **launch)
         unmasked = tile_paths[False]
