@@ -26,6 +26,8 @@ Usage::
 
     python benchmarks/attention.py --out results/attention_benchmark/<run>   [--quick] [--parts check,error,speed]
     python benchmarks/attention.py --out DIR --parts speed --presets fa2,paper   # a screening run, never complete
+    python benchmarks/attention.py --out DIR --parts speed,shapes --launch backward.dq_mode=ordered   # the same:
+        # a candidate launch table (lpfa.attention.triton_common.changed_launches) timed in place of the committed one
 
 Writes ``check.json``, ``error.json``, ``bench.json``, ``overhead.json``, ``memory.json``, ``summary.json`` (preset →
 fwd+bwd TFLOP/s and ratio to SDPA-flash; read by the book), ``table.txt`` and ``provenance.json``.
@@ -44,6 +46,7 @@ import torch
 
 from lpfa.attention import PRESETS, attention
 from lpfa.attention import reference as ref
+from lpfa.attention.triton_common import changed_launches, launches_changed
 from lpfa.provenance import provenance, write_json
 
 PRESET_ORDER = ["fa2", "paper", "fp32", "fp32_split", "fa2_sfa", "paper_sfa", "pv_fp32", "delta_dp", "o_fp32",
@@ -474,6 +477,10 @@ def main():
                         "subset is a screening run: its bench.json is never marked complete, so no page takes it")
     p.add_argument("--summarize", action="store_true",
                    help="only rebuild summary.json and table.txt from DIR/bench.json (no GPU needed)")
+    p.add_argument("--launch", nargs="+", default=[], metavar="PASS[@D].FIELD=VALUE",
+                   help="changes of the launch table (lpfa.attention.triton_common.changed_launches), e.g. "
+                        "backward.dq_mode=ordered: a candidate table timed in place of the committed one, named in "
+                        "provenance.json")
     a = p.parse_args()
     unknown = [n for n in (a.presets or "").split(",") if n and n not in PRESETS]
     if unknown:
@@ -483,6 +490,16 @@ def main():
         B, H, T, D = bench["shape"]
         write_speed_summary(Path(a.out), {"B": B, "H": H, "T": T, "D": D}, bench["rows"])
         return
+    try:
+        changed_launches(a.launch)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    with launches_changed(*a.launch):
+        run(a)
+
+
+def run(a):
+    """The parts ``a.parts`` of the benchmark into ``a.out`` (:func:`main`'s arguments)."""
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -492,7 +509,7 @@ def main():
     t0 = time.time()
     write_json(out / "provenance.json",
                provenance(config={"B": B, "H": H, "T": T, "D": D, "parts": parts, "quick": a.quick,
-                                  "presets": a.presets}))
+                                  "presets": a.presets, "launch_changes": a.launch}))
     results = {}
     if "check" in parts:
         results["check"] = check(2 if a.quick else B, H, T, D)
@@ -509,7 +526,7 @@ def main():
         presets = a.presets.split(",") if a.presets else None
         rows = speed(B, H, T, D, budget_s=5.0 if a.quick else 20.0, presets=presets, extras=presets is None,
                      save=save)
-        save(rows, done=presets is None)
+        save(rows, done=presets is None and not a.launch)  # (a changed launch table is not the kernels' own)
         write_speed_summary(out, {"B": B, "H": H, "T": T, "D": D}, rows)
     if "shapes" in parts:
         rows = shapes(budget_s=5.0 if a.quick else 10.0, deadline=t0 + 480)

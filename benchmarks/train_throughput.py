@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch._inductor import config as inductor_config
 
+from lpfa.attention.triton_common import changed_launches, launches_changed
 from lpfa.model import GPT, GPTConfig
 from lpfa.provenance import provenance, write_json
 
@@ -133,7 +134,21 @@ def main():
                    help="comma-separated rows to run (e.g. sdpa,lpfa_fa2_compiled), default all")
     p.add_argument("--assume-finite", action="store_true", help="lpfa attention without its non-finite checks "
                    "(GPTConfig.attn_assume_finite) in every lpfa row")
+    p.add_argument("--launch", nargs="+", default=[], metavar="PASS[@D].FIELD=VALUE",
+                   help="changes of the launch table (lpfa.attention.triton_common.changed_launches), e.g. "
+                        "backward.dq_mode=ordered: a candidate table timed in place of the committed one, named in "
+                        "provenance.json")
     a = p.parse_args()
+    try:
+        changed_launches(a.launch)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    with launches_changed(*a.launch):
+        run(a, p)
+
+
+def run(a, p):
+    """Every row of ``a`` into ``a.out`` (:func:`main`'s arguments; ``p`` its parser, for errors)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     out = Path(a.out)
     write_json(out / "provenance.json",
@@ -141,6 +156,7 @@ def main():
                                                            "autocast": "bfloat16", "compile": a.compile,
                                                            "compile_mode": a.compile_mode,
                                                            "assume_finite": a.assume_finite,
+                                                           "launch_changes": a.launch,
                                                            "profile": a.profile}))
     rows = {}
     runs = [(name, backend, policy, False) for name, backend, policy in BACKENDS]

@@ -461,12 +461,10 @@ def test_ordered_dq_refuses_what_it_cannot_order():
         flash_backward(q, q, q, q, q, lse, "fa2", 0.25, dq_mode="atomic")
 
 
-def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch):
+def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch, request):
     """A launch table entry with dq_mode="ordered" (Launch.dq_mode) orders dQ for an FP32 backward (no fast launch of
     the dQ kernel) and leaves a BF16 backward, which it cannot order, to the dQ kernel, without an error: the same bits
     as asking for each mode explicitly."""
-    from dataclasses import replace
-
     from lpfa.attention import triton_bwd, triton_common
 
     seed = torch.seed() % 2**31
@@ -477,8 +475,9 @@ def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch):
         pol = PRESETS[name].with_(block_q=16, block_k=16)
         o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
         want[name] = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16, dq_mode=mode)
-    for key, entry in list(triton_common.LAUNCHES.items()):
-        monkeypatch.setitem(triton_common.LAUNCHES, key, replace(entry, dq_mode="ordered"))
+    table = triton_common.launches_changed("backward.dq_mode=ordered")
+    table.__enter__()
+    request.addfinalizer(lambda: table.__exit__(None, None, None))
     launched = []
 
     def recording(kernel, grid, *args, **meta):
@@ -494,3 +493,35 @@ def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch):
         assert ((triton_bwd._bwd_dq_kernel, False) in launched) == (mode == "kernel"), (name, launched)
         for gname, a, b in zip(("dq", "dk", "dv"), got, want[name]):
             assert torch.equal(_bits(a), _bits(b)), (name, gname, seed)
+
+
+def test_a_changed_launch_table_applies_where_named_and_is_restored():
+    """``launches_changed("PASS[@D].FIELD=VALUE", ...)``: the named pass's entries (at the named head dim, else both)
+    take the value inside the block and the committed table is back after it, an exception included; the special D =
+    128 launches are not the table's and stay. A malformed change is a one-line ValueError naming it."""
+    from lpfa.attention import triton_common as tc
+
+    committed = dict(tc.LAUNCHES)
+    with pytest.raises(RuntimeError):
+        with tc.launches_changed("backward.dq_mode=ordered", "forward@128.num_stages=3") as table:
+            assert tc.LAUNCHES is table
+            for key, entry in committed.items():
+                kernel, _, dim = key
+                want = (entry.dq_mode if kernel == "forward" else "ordered",
+                        3 if key[0] == "forward" and dim == 128 else entry.num_stages)
+                assert (table[key].dq_mode, table[key].num_stages) == want, key
+                assert table[key].block_m == entry.block_m
+            pol = PRESETS["fa2"]
+            assert tc.default_launch("backward", pol, 64).dq_mode == "ordered"
+            assert tc.default_launch("backward", pol, 128, fp32_inputs=True) == tc.FP32_INPUTS_128["backward"]
+            raise RuntimeError
+    assert tc.LAUNCHES == committed and tc.default_launch("backward", PRESETS["fa2"], 64).dq_mode == "kernel"
+    for change, what in [("backward.dq_mode", "expected PASS"), ("sideways.num_warps=4", "expected PASS"),
+                         ("forward@96.num_warps=4", "expected PASS"), ("forward.warps=4", "expected PASS"),
+                         ("forward.num_warps=four", "expected an integer for num_warps"),
+                         ("forward.num_warps=3", "num_warps=3: expected a power of two"),
+                         ("backward.dq_mode=atomic", "dq_mode='atomic': expected one of 'kernel', 'ordered'")]:
+        with pytest.raises(ValueError, match="^[^\n]+$") as e:
+            tc.changed_launches([change])
+        assert what in str(e.value), (change, str(e.value))
+    assert tc.LAUNCHES == committed

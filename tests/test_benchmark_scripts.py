@@ -55,6 +55,21 @@ def test_ncu_attention_refuses_a_bad_shape_in_one_line_before_looking_for_ncu(tm
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("script", ["attention.py", "train_throughput.py"])
+def test_a_bad_launch_change_is_one_line_before_the_gpu_is_looked_for(tmp_path, script):
+    """--launch (a candidate launch table timed in place of the committed one): a malformed change ends the run with
+    one line naming it, before the GPU check and before anything is written."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--out", str(tmp_path / "o"),
+                           "--launch", "backward.dq_mode=ordered", "backward.stages=2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "launch change 'backward.stages=2': expected PASS[@HEAD_DIM].FIELD=VALUE with PASS forward or backward, "
+        "HEAD_DIM 64 or 128, FIELD one of block_m, block_n, num_warps, num_stages, dq_block_m, dq_block_n, dq_mode"]
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_sweep_rebuilt_from_its_log_keeps_its_shape(tmp_path):
     log = tmp_path / "tune.log"
     log.write_text("sdpa_flash fwd 190.5 bwd 120.25 TFLOP/s\n"

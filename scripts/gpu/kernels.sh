@@ -15,7 +15,10 @@
 # backend eager, SDPA/fa2/paper also compiled), STAB_S (0 = skipped) benchmarks/stabiliser_cost.py --rows $STAB_ROWS (default
 # the soft-cap rows and the recipe runs they are divided by: what the soft-cap's exp2 tanh and reciprocal cost in training),
 # TESTS_S (180) tests/test_attention_gpu.py and tests/test_train_gpu.py (-k "$TESTS_K" when set), run first.
-# A step whose seconds are 0 is skipped. Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step writes its own provenance.json
+# LAUNCH (unset: the committed table) is a change of the launch table for the bench and train steps, e.g.
+# LAUNCH="backward.dq_mode=ordered": a candidate table timed in place of the committed one (--launch; its provenance.json
+# names it), so that one call measures the change before LAUNCHES is edited. A step whose seconds are 0 is skipped.
+# Run it with the GPU to itself: a shared GPU makes the timings meaningless. Each step writes its own provenance.json
 # (the tests: the device line at the end of gpu_tests.txt) and its log. The device tool returns at most 8 files of a
 # call, so the steps write under $WORK (/tmp/kernels) and the folder is packed into $OUT/kernels.tar.gz after every
 # step: a call cut by its limit keeps what the finished steps measured. Commit the folders under
@@ -38,13 +41,15 @@ if [ -d .wheels ] && ! $PY -c "import xdist" 2>/dev/null; then $PY -m pip instal
 XDIST=$($PY -c "import xdist" 2>/dev/null && echo "-n ${TESTS_N:-8}")
 step "${TESTS_S:-180}" gpu_tests $PY -m pytest -q -p no:cacheprovider $XDIST tests/test_attention_gpu.py tests/test_train_gpu.py ${TESTS_K:+-k "$TESTS_K"}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$WORK/gpu_tests.log"
-step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}" ${BENCH_ARGS:-}
+step "${BENCH_S:-240}" bench $PY benchmarks/attention.py --out "$WORK/bench" --parts "${PARTS:-overhead,speed,shapes}" ${BENCH_ARGS:-} \
+    ${LAUNCH:+--launch $LAUNCH}
 step "${HOST_S:-90}" host $PY benchmarks/host_overhead.py --out "$WORK/host"
 step "${NCU_S:-150}" ncu $PY benchmarks/ncu_attention.py --out "$WORK/ncu" ${NCU_ARGS:-}
 step "${TUNE_S:-150}" tune $PY benchmarks/tune_attention.py --out "$WORK/tune" ${TUNE_ARGS:---quick}
 step "${SFA_S:-120}" sfa $PY benchmarks/sfa_overhead.py --out "$WORK/sfa"
 step "${OPTF_S:-0}" options_fwd $PY benchmarks/kernel_options.py --out "$WORK/options_fwd" ${OPTF_ARGS:-}
 step "${OPTB_S:-0}" options_bwd $PY benchmarks/kernel_options.py --kernel backward --out "$WORK/options_bwd" ${OPTB_ARGS:-}
-step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile}
+step "${TRAIN_S:-0}" train $PY benchmarks/train_throughput.py --out "$WORK/train" ${TRAIN_ARGS:---compile --profile} \
+    ${LAUNCH:+--launch $LAUNCH}
 step "${STAB_S:-0}" stabiliser_cost $PY benchmarks/stabiliser_cost.py --out "$WORK/stabiliser_cost" \
     --rows ${STAB_ROWS:-bf16_paper_recipe fp32_paper_recipe bf16_softcap fp32_softcap} --budget-s "$(( ${STAB_S:-0} / 2 ))"

@@ -120,6 +120,7 @@ import torch
 
 from lpfa.attention.policy import BF16, PrecisionPolicy, delta_dose_active, delta_o_policy, dose_delta, get_policy
 from lpfa.attention.triton_common import (
+    DQ_MODES,
     MIN_TILE,
     REDO_TILES,
     _any_nonfinite,
@@ -698,12 +699,6 @@ def _check_backward_inputs(do, q, k, v, o_store, lse, pol: PrecisionPolicy, scal
     devs = {t.device for t in (do, q, o_store, lse)}
     if len(devs) != 1:
         raise ValueError(f"do, q, k, v, o_store, lse must be on one device, got {sorted(str(d) for d in devs)}")
-
-
-DQ_MODES = ("kernel", "ordered")
-"""How :func:`flash_backward` computes dQ: ``"kernel"``, a kernel of its own that recomputes P and dP per query tile;
-``"ordered"``, the dK/dV kernel adds each key tile's op(dS) K to FP32 running sums in ascending key-tile order
-(:func:`_dq_add_in_order`), as FlashAttention-2 adds them with atomics but in a fixed order, so deterministic."""
 
 
 def ordered_dq_unsupported(pol: PrecisionPolicy, BQ: int, BK: int, BLOCK_M: int, BLOCK_N: int) -> str | None:

@@ -28,6 +28,7 @@ What that saves has not been separated from the spread between the device machin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass, replace
@@ -599,12 +600,19 @@ def policy_tiles(block: int | None, T: int, preferred: int) -> tuple[int, int, i
     return size, max(_next_pow2(size), MIN_TILE), 1
 
 
+DQ_MODES = ("kernel", "ordered")
+"""How :func:`lpfa.attention.triton_bwd.flash_backward` computes dQ: ``"kernel"``, a kernel of its own that recomputes
+P and dP per query tile; ``"ordered"``, the dK/dV kernel adds each key tile's op(dS) K to FP32 running sums in
+ascending key-tile order (``triton_bwd._dq_add_in_order``), as FlashAttention-2 adds them with atomics but in a fixed
+order, so deterministic."""
+
+
 @dataclass(frozen=True)
 class Launch:
     """One kernel's compute tiles and launch options: launch tuning only, since the policy's blocks fix the rounding
     (:func:`policy_tiles` cuts them into these tiles). ``dq_block_m``/``dq_block_n``: the backward's dQ kernel's own
     query tile and key sub-tile (None: ``block_m``/``block_n``); ``dq_mode``: how the backward computes dQ
-    (:data:`lpfa.attention.triton_bwd.DQ_MODES`; ``"ordered"`` where the policy and the tiles allow it, else
+    (:data:`DQ_MODES`; ``"ordered"`` where the policy and the tiles allow it, else
     ``"kernel"``)."""
     block_m: int
     block_n: int
@@ -646,6 +654,64 @@ FP32_PV_FORWARD_128 = Launch(128, 64, 8, 2)
 FP32_INPUTS_128 = {"forward": Launch(64, 64, 4, 2), "backward": Launch(32, 64, 4, 2)}
 
 
+def _check_launch_value(name: str, value) -> None:
+    """A one-line ValueError unless ``value`` may stand in :class:`Launch`'s field ``name``: a tile a power of two of
+    at least :data:`MIN_TILE`, the warps a power of two, the stages at least 1 (``tl.arange`` and ``tl.dot`` take no
+    other), ``dq_mode`` one of :data:`DQ_MODES`."""
+    if name == "dq_mode":
+        if value not in DQ_MODES:
+            raise ValueError(f"dq_mode={value!r}: expected one of {', '.join(map(repr, DQ_MODES))}")
+        return
+    least = MIN_TILE if "block" in name else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < least or (
+            name != "num_stages" and value & (value - 1)):
+        raise ValueError(f"{name}={value!r}: expected " + (f"a power of two >= {least}" if name != "num_stages"
+                                                           else "an integer >= 1"))
+
+
+def changed_launches(changes) -> dict:
+    """:data:`LAUNCHES` with ``changes`` applied, each ``"PASS[@HEAD_DIM].FIELD=VALUE"``: PASS ``forward`` or
+    ``backward``, HEAD_DIM 64 or 128 (none: both), FIELD one of :class:`Launch`'s, VALUE an integer or, for
+    ``dq_mode``, a name; e.g. ``"backward.dq_mode=ordered"``, ``"forward@128.num_stages=3"``. Each applies to the
+    pass's entries for blocks of one tile and of several. The D = 128 launches for FP32 inputs and the fp32 preset's
+    forward (:data:`FP32_INPUTS_128`, :data:`FP32_PV_FORWARD_128`) stay as they are. For timing a candidate table
+    against the committed one without editing it (:func:`launches_changed`); a malformed change is a one-line
+    ValueError."""
+    table = dict(LAUNCHES)
+    fields = [f for f in Launch.__dataclass_fields__]
+    for change in changes:
+        where, _, value = change.partition("=")
+        pass_dim, _, field = where.partition(".")
+        kernel, _, dim = pass_dim.partition("@")
+        if (not value or kernel not in ("forward", "backward") or dim not in ("", "64", "128")
+                or field not in fields):
+            raise ValueError(f"launch change {change!r}: expected PASS[@HEAD_DIM].FIELD=VALUE with PASS forward or "
+                             f"backward, HEAD_DIM 64 or 128, FIELD one of {', '.join(fields)}")
+        if field != "dq_mode":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"launch change {change!r}: expected an integer for {field}") from None
+        _check_launch_value(field, value)
+        for key, entry in table.items():
+            if key[0] == kernel and (not dim or key[2] == int(dim)):
+                table[key] = replace(entry, **{field: value})
+    return table
+
+
+@contextlib.contextmanager
+def launches_changed(*changes: str):
+    """:data:`LAUNCHES` changed by ``changes`` (:func:`changed_launches`) inside the ``with`` block, restored after
+    it: ``with launches_changed("backward.dq_mode=ordered"): ...`` times the ordered dQ as the table's default
+    wherever a launch takes the table's values (the autograd op, training, compiled or not)."""
+    global LAUNCHES
+    saved, LAUNCHES = LAUNCHES, changed_launches(changes)
+    try:
+        yield LAUNCHES
+    finally:
+        LAUNCHES = saved
+
+
 def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, *, fp32_inputs: bool = False,
                    **given: int | None) -> Launch:
     """:data:`LAUNCHES`' entry for ``kernel`` ("forward" or "backward") under ``policy`` at ``head_dim`` (16 and 32
@@ -655,13 +721,8 @@ def default_launch(kernel: str, policy: PrecisionPolicy, head_dim: int, *, fp32_
     (``fp32_inputs``) take :data:`FP32_INPUTS_128` and the fp32 preset's forward :data:`FP32_PV_FORWARD_128` instead,
     whose shared memory fits an sm_90 block."""
     for name, value in given.items():
-        if value is None:
-            continue
-        least = MIN_TILE if "block" in name else 1
-        if isinstance(value, bool) or not isinstance(value, int) or value < least or (
-                name != "num_stages" and value & (value - 1)):
-            raise ValueError(f"{name}={value!r}: expected " + (f"a power of two >= {least}" if name != "num_stages"
-                                                               else "an integer >= 1"))
+        if value is not None:
+            _check_launch_value(name, value)
     one_tile = policy.block_k is not None and policy.block_k <= 128
     table = LAUNCHES[(kernel, one_tile, 64 if head_dim <= 64 else 128)]
     if head_dim > 64 and fp32_inputs:
