@@ -117,10 +117,12 @@ def _ptxas_available() -> bool:
     ("fp32_split", "both", ["--d", "128", "--dtype", "fp32"]),  # FP32 inputs split in BF16 parts (FP32_INPUTS_128)
     ("fa2", "backward", ["--d", "64", "128", "--dq-mode", "ordered"]),  # the spin-wait and stores in a pipelined loop
 ])
-def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra):
+def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra, tmp_path):
     """benchmarks/compile_check.py compiles kernels for an H100/H200 (sm_90) on this CPU: the default launches compile
     and fit a block's shared memory where they once did not (FP32 operands at D = 128 asked for up to 352 KiB of
-    the 227 KiB; the ordered dQ's stores failed Triton's software pipeliner at D = 64)."""
+    the 227 KiB; the ordered dQ's stores failed Triton's software pipeliner at D = 64). The ordered dQ's dK/dV
+    kernel also stays software-pipelined: its TTGIR prefetches tiles by cp.async, which a spin loop of Triton's or a
+    block barrier in its loop over query tiles once turned off (0 async copies)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -129,7 +131,10 @@ def test_launches_compile_for_sm90_within_its_shared_memory(preset, pass_, extra
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root / "src")
     r = subprocess.run([sys.executable, str(root / "benchmarks" / "compile_check.py"), "--presets", preset,
-                        "--pass", pass_, "--jobs", "2", "--shape", "1", "2", "256", *extra],
-                       capture_output=True, text=True, timeout=600, env=env, cwd=root)
+                        "--pass", pass_, "--jobs", "2", "--shape", "1", "2", "256", "--dump-ptx", str(tmp_path),
+                        *extra], capture_output=True, text=True, timeout=600, env=env, cwd=root)
     rows = [line for line in r.stdout.splitlines() if line.startswith("| _")]
     assert r.returncode == 0 and rows and all("| ok (" in row for row in rows), r.stdout[-3000:] + r.stderr[-2000:]
+    if "ordered" in extra:
+        dkdv = sorted(tmp_path.glob("_bwd_dkdv_kernel_*.ttgir"))
+        assert dkdv and all("async_copy_global_to_local" in f.read_text() for f in dkdv), [f.name for f in dkdv]

@@ -43,7 +43,10 @@ as T², so the partials win at no shape here and lose by far at long T.
 ``dq_mode="ordered"`` is the third way: FlashAttention-2's, in a fixed order. The dK/dV kernel adds each key tile's
 op(dS) K into FP32 running sums of dQ, one (BLOCK_M, D) sub-tile at a time, the way FlashAttention-2 adds it with
 atomics, but each sub-tile waits for the key tiles before it to have added theirs (a count per sub-tile, acquired
-and released: :func:`_dq_add_in_order`), so dQ = ((c₀ + c₁) + c₂) + … in ascending key order on every run. That is
+and released: :func:`_dq_add_in_order`), so dQ = ((c₀ + c₁) + c₂) + … in ascending key order on every run. The wait
+is one inline-PTX loop per thread and the release one atomic add per thread, with no barrier of the block: a spin
+loop of Triton's or a ``bar.sync`` in the loop over query sub-tiles would leave that loop unpipelined (no
+``cp.async`` prefetch of Q and dO in the compiled kernel; :func:`~lpfa.attention.triton_common._publish`). That is
 five GEMMs per (query, key) tile instead of seven, with FlashAttention-2's traffic (the sums stay T × D per
 batch·head, read and written once per key tile that sees them) and no T² workspace. The grid runs batch·heads
 fastest, so a key tile's program starts after the programs of the tiles before it, which it may wait for; the last
@@ -134,6 +137,7 @@ from lpfa.attention.triton_common import (
     _load_tile,
     _next_pow2,
     _out_rows,
+    _publish,
     _redo_flags,
     _rnd,
     _rnd_s,
@@ -143,6 +147,7 @@ from lpfa.attention.triton_common import (
     _sr_pre,
     _store_flag,
     _tile_rows,
+    _wait_published,
     check_triton_inputs,
     default_launch,
     empty_like_layout,
@@ -284,17 +289,17 @@ if triton is not None:
         added theirs (``dq_mode="ordered"``): dQ = ((c_0 + c_1) + c_2) + … in FP32, in ascending key order whatever the
         order the programs run in, so the gradient is deterministic without a dQ kernel that recomputes P and dP.
         DQACC (this batch·head's rows, FP32, zeros at first) holds the running sum, LOCK (per query sub-tile) the
-        count of key tiles that have added. Key tile j sees every row from its first key on, so tiles 0 .. q0 //
-        BLOCK_N add to these rows, each once; the last stores dQ in its dtype (and the sub-tile's flag for the redo
-        launch) instead."""
+        count of key tiles that have added (in :func:`_publish`'s units: a block's threads on a GPU). Key tile j
+        sees every row from its first key on, so tiles 0 .. q0 // BLOCK_N add to these rows, each once; the last
+        stores dQ in its dtype (and the sub-tile's flag for the redo launch) instead."""
         sub = q0 // BLOCK_M
-        while tl.atomic_cas(LOCK + sub, j, j, sem="acquire") != j:  # spin until tiles 0 .. j − 1 have added
-            pass
+        seen = _wait_published(LOCK + sub, j)  # spin until tiles 0 .. j − 1 have added
         offs_m = q0 + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         row_ok = offs_m < T
-        acc_ptrs = DQACC + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-        # (.cg: from L2, where the previous tile's program stored it, never a stale L1 line)
+        # the running sum's address depends on the count read (+ seen − seen), so that no pipelining of the loop can
+        # issue this load before the wait; .cg: from L2, where the previous tile's program stored it, not a stale L1
+        acc_ptrs = DQACC + (seen - seen) + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
         dq = tl.load(acc_ptrs, mask=row_ok[:, None], other=0.0, cache_modifier=".cg") + _dot(ds, k, DSK_DOT)
         # the last key tile these rows see (dQ complete) stores dQ in its dtype, the others the running sum (masked
         # stores, not a branch: the software pipeliner takes no branch with stores in this loop)
@@ -304,8 +309,7 @@ if triton is not None:
         tl.store(acc_ptrs, dq, mask=row_ok[:, None] & (not last))
         if FLAG:  # 1 where this sub-tile of dQ holds an inf or NaN: the dQ kernel's redo launch computes it again
             tl.store(QFLAGS + pid_bh.to(tl.int64) * n_qsub + sub, _any_nonfinite(dq, row_ok), mask=last)
-        tl.debug_barrier()  # every thread's stores before the count that publishes them
-        tl.atomic_xchg(LOCK + sub, j + 1, sem="release")
+        _publish(LOCK + sub)  # each thread's stores, then its share of the count
 
     @triton.jit
     def _dkdv_tiles(dv_part, dk_part, q_from, q_to, q_hi, k, v, offs_n, key_ok, Q, DO, LSE, DELTA, stride_t,

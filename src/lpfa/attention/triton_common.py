@@ -46,12 +46,13 @@ try:  # Triton is optional for the package as a whole
 
     try:
         from triton.language.extra import libdevice
+        from triton.language.extra.cuda import num_threads as _num_threads  # a block's threads, a constexpr
     except Exception:  # pragma: no cover - depends on the Triton build
-        libdevice = None
+        libdevice = _num_threads = None
 except ImportError:  # pragma: no cover
     triton = None
     tl = None
-    libdevice = None
+    libdevice = _num_threads = None
 
 HEAD_DIMS = (16, 32, 64, 128)
 MIN_TILE = 16  # tl.dot needs every dimension >= 16
@@ -86,6 +87,42 @@ if triton is not None:
             finite = (bits & 0x7F800000) != 0x7F800000
             y = tl.where(finite, rounded.to(tl.float32, bitcast=True), x)
         return y
+
+    @triton.jit
+    def _publish(count_ptr):
+        """Publish this program's writes so far to a program that :func:`_wait_published` on ``count_ptr``: on a GPU
+        every thread adds 1 to the int32 count with release semantics at GPU scope, each after its own writes, so
+        the count grows by the block's thread count once all have (no barrier of the block: a ``bar.sync`` in a loop
+        turns Triton's software pipelining of that loop off); the interpreter adds 1 once."""
+        if _COMPILED:
+            tl.atomic_add(count_ptr + tl.zeros([_num_threads()], tl.int32), 1, sem="release")
+        else:
+            tl.atomic_add(count_ptr, 1, sem="release")
+
+    @triton.jit
+    def _wait_published(count_ptr, n):
+        """Spin until ``n`` programs have :func:`_publish`-ed to ``count_ptr`` (acquire at GPU scope: their writes
+        are then visible to this thread); returns the count read, so that a load meant to follow the wait can depend
+        on it (its address plus ``count − count``). On a GPU each thread runs one inline-PTX loop: a spin of Triton's
+        own (``while``) would nest a loop in the caller's, and Triton's software pipeliner leaves such a loop
+        unpipelined (no ``cp.async`` prefetch of its tiles at all). The interpreter spins on an atomic
+        compare-and-swap."""
+        if _COMPILED:
+            return tl.inline_asm_elementwise(
+                """{
+                .reg .pred %p<1>;
+                .reg .b32 %c<1>;
+                wait_published:
+                ld.acquire.gpu.global.b32 %c0, [$1];
+                setp.ne.s32 %p0, %c0, $2;
+                @%p0 bra wait_published;
+                mov.b32 $0, %c0;
+                }""",
+                "=r,l,r", [count_ptr, n * _num_threads()], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            while tl.atomic_cas(count_ptr, n, n, sem="acquire") != n:
+                pass
+            return n
 
     @triton.jit
     def _mix32(x):
