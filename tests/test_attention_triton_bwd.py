@@ -461,7 +461,7 @@ def test_ordered_dq_refuses_what_it_cannot_order():
         flash_backward(q, q, q, q, q, lse, "fa2", 0.25, dq_mode="atomic")
 
 
-def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch, request):
+def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch):
     """A launch table entry with dq_mode="ordered" (Launch.dq_mode) orders dQ for an FP32 backward (no fast launch of
     the dQ kernel) and leaves a BF16 backward, which it cannot order, to the dQ kernel, without an error: the same bits
     as asking for each mode explicitly."""
@@ -475,24 +475,22 @@ def test_the_launch_tables_ordered_dq_applies_where_it_can(monkeypatch, request)
         pol = PRESETS[name].with_(block_q=16, block_k=16)
         o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
         want[name] = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16, dq_mode=mode)
-    table = triton_common.launches_changed("backward.dq_mode=ordered")
-    table.__enter__()
-    request.addfinalizer(lambda: table.__exit__(None, None, None))
-    launched = []
+    with triton_common.launches_changed("backward.dq_mode=ordered"):
+        launched = []
 
-    def recording(kernel, grid, *args, **meta):
-        launched.append((kernel, meta.get("REDO")))
-        return triton_common.launch(kernel, grid, *args, **meta)
+        def recording(kernel, grid, *args, **meta):
+            launched.append((kernel, meta.get("REDO")))
+            return triton_common.launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(triton_bwd, "launch", recording)
-    for name, mode in cases.items():
-        pol = PRESETS[name].with_(block_q=16, block_k=16)
-        o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
-        launched.clear()
-        got = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16)
-        assert ((triton_bwd._bwd_dq_kernel, False) in launched) == (mode == "kernel"), (name, launched)
-        for gname, a, b in zip(("dq", "dk", "dv"), got, want[name]):
-            assert torch.equal(_bits(a), _bits(b)), (name, gname, seed)
+        monkeypatch.setattr(triton_bwd, "launch", recording)
+        for name, mode in cases.items():
+            pol = PRESETS[name].with_(block_q=16, block_k=16)
+            o, lse = ref_forward(q.float(), k.float(), v.float(), pol, 0.25)
+            launched.clear()
+            got = flash_backward(do, q, k, v, o, lse, pol, 0.25, block_m=16, block_n=16)
+            assert ((triton_bwd._bwd_dq_kernel, False) in launched) == (mode == "kernel"), (name, launched)
+            for gname, a, b in zip(("dq", "dk", "dv"), got, want[name]):
+                assert torch.equal(_bits(a), _bits(b)), (name, gname, seed)
 
 
 def test_a_changed_launch_table_applies_where_named_and_is_restored():

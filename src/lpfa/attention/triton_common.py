@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -715,15 +715,15 @@ def changed_launches(changes) -> dict:
     against the committed one without editing it (:func:`launches_changed`); a malformed change is a one-line
     ValueError."""
     table = dict(LAUNCHES)
-    fields = [f for f in Launch.__dataclass_fields__]
+    names = [f.name for f in fields(Launch)]
     for change in changes:
         where, _, value = change.partition("=")
         pass_dim, _, field = where.partition(".")
         kernel, _, dim = pass_dim.partition("@")
         if (not value or kernel not in ("forward", "backward") or dim not in ("", "64", "128")
-                or field not in fields):
+                or field not in names):
             raise ValueError(f"launch change {change!r}: expected PASS[@HEAD_DIM].FIELD=VALUE with PASS forward or "
-                             f"backward, HEAD_DIM 64 or 128, FIELD one of {', '.join(fields)}")
+                             f"backward, HEAD_DIM 64 or 128, FIELD one of {', '.join(names)}")
         if field != "dq_mode":
             try:
                 value = int(value)
