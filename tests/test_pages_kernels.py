@@ -315,3 +315,43 @@ def test_tuning_notes_read_the_latest_sweep():
     speed = [d for d in results.runs("attention_benchmark") if (d / "bench.json").is_file()
              and json.loads((d / "bench.json").read_text()).get("complete", True)][-1]  # the speed table's run
     assert f"(`{speed.name}`" in notes["sweep_vs_op"]
+
+
+def _options_run(root, name, date, kernel, rows, device="NVIDIA H100 80GB HBM3"):
+    folder = root / "kernel_options" / name
+    folder.mkdir(parents=True)
+    (folder / "provenance.json").write_text(json.dumps({"date_utc": date, "device": device}))
+    (folder / f"{kernel}_options.json").write_text(json.dumps([
+        {"preset": p, "B": b, "T": t, "D": 64, "option": o, "default_us": d, "option_us": u, "ratio": u / d,
+         "same_bits": bits} for p, b, t, o, d, u, bits in rows]))
+
+
+def test_kernel_choices_read_the_latest_run_that_timed_the_design(tmp_path):
+    """The page's sentences on designs not taken recompute each ratio from the latest run that timed the design's
+    option (an older run of it and a later run of another option do not count), say whether the bits stayed, and
+    say "not yet timed" where no run timed it."""
+    assert kn.kernel_options_table(tmp_path).empty
+    name, kernel, preset, option = kn.KERNEL_CHOICES[0][:4]
+    other = "backward" if kernel == "forward" else "forward"
+    _options_run(tmp_path, "h100-2026-01-01", "2026-01-01T00:00:00", kernel,
+                 [(preset, 16, 1024, option, 100, 900, True)])
+    _options_run(tmp_path, "h200-2026-01-02", "2026-01-02T00:00:00", kernel,
+                 [(preset, 16, 1024, option, 400.0, 600.0, True), (preset, 1, 16384, option, 1000.0, 1234.0, False),
+                  ("not-" + preset, 16, 1024, option, 100, 50, True)], device="1 x NVIDIA H200 (nvidia-h200)")
+    _options_run(tmp_path, "h100-2026-01-03", "2026-01-03T00:00:00", other, [(preset, 16, 1024, option, 1, 7, True)])
+    table = kn.kernel_options_table(tmp_path)
+    assert len(table) == 5 and list(table["run"].unique()) == ["h100-2026-01-01", "h200-2026-01-02", "h100-2026-01-03"]
+    notes = kn.kernel_choice_notes(table)
+    assert set(notes) == {c[0] for c in kn.KERNEL_CHOICES}
+    text = notes[name]
+    assert "×1.50 (B × T = 16 × 1,024) and ×1.23 (1 × 16,384)" in text and "one H200" in text, text
+    assert "other bits" in text and "`h200-2026-01-02`" in text and "×9.00" not in text and "×7.00" not in text
+    for n, *_ in kn.KERNEL_CHOICES[1:]:
+        assert "is not yet timed on a GPU" in notes[n], notes[n]
+
+
+def test_committed_kernel_choices_are_measured():
+    """Both designs the page says it measured and left are in the committed store, with their runs named."""
+    notes = kn.kernel_choice_notes(kn.kernel_options_table())
+    for name, *_ in kn.KERNEL_CHOICES:
+        assert "not yet timed" not in notes[name] and "of the default's time on one H" in notes[name], notes[name]

@@ -51,8 +51,12 @@ five GEMMs per (query, key) tile instead of seven, with FlashAttention-2's traff
 batch·head, read and written once per key tile that sees them) and no T² workspace. The grid runs batch·heads
 fastest, so a key tile's program starts after the programs of the tiles before it, which it may wait for; the last
 key tile that sees a sub-tile stores its dQ. dK and dV keep their bits; dQ is an FP32 reordering of the dQ kernel's.
-It needs an FP32 backward, since a BF16 one rounds dQ once per policy key block (:func:`ordered_dq_unsupported`); the
-default stays ``"kernel"`` until a benchmark on the GPU says which is faster.
+It needs an FP32 backward, since a BF16 one rounds dQ once per policy key block (:func:`ordered_dq_unsupported`). It
+is slower, so the default stays ``"kernel"``: on one H100, ``fa2``'s backward took 1.56, 1.57 and 1.67 times the
+dQ kernel's time at B × T = 16 × 1,024, 4 × 4,096 and 1 × 16,384, and 2.5-2.9 times with 8 warps, with the same
+bits (``benchmarks/kernel_options.py``, results/kernel_options/h100-2026-12-08-backward-ordered). What bounds it
+(the waits, or the FP32 read-modify-write of dQ per key tile, which FlashAttention-2's atomics do in L2) is not yet
+measured by Nsight Compute.
 
 Causal split: sub-tiles whose every (key, query) pair is visible (keys at or below the sub-tile's first query,
 queries inside their policy block and T, keys inside theirs) run without masks (plain loads, no ``tl.where``,

@@ -857,6 +857,68 @@ class KernelsPage:
     tuning: object
 
 
+def kernel_options_table(root=None) -> pd.DataFrame:
+    """Every committed A/B of a kernel option against the kernel's defaults (``benchmarks/kernel_options.py``, in
+    ``results/kernel_options``: both timed interleaved in one process by ``do_bench`` medians, with a bit check), one
+    row per run, kernel (``forward``/``backward``), preset, B, T and option: ``default µs``, ``option µs``, ``ratio``
+    (option ÷ default), ``same bits``, ``run`` and ``device``, runs oldest first. Empty without a committed run."""
+    columns = ["run", "device", "kernel", "preset", "B", "T", "option", "default µs", "option µs", "ratio", "same bits"]
+    try:
+        folders = result_runs("kernel_options", root)
+    except FileNotFoundError:
+        folders = []
+    rows = []
+    for folder in folders:
+        device = gpu_name(json.loads((folder / "provenance.json").read_text()).get("device", "?"))
+        for kernel in ("forward", "backward"):
+            path = folder / f"{kernel}_options.json"
+            for r in json.loads(path.read_text()) if path.is_file() else []:
+                rows.append([folder.name, device, kernel, r["preset"], r["B"], r["T"], r["option"], r["default_us"],
+                             r["option_us"], r["ratio"], r["same_bits"]])
+    return pd.DataFrame(rows, columns=columns)
+
+
+def option_ratios_text(table, kernel: str, preset: str, option: str) -> str | None:
+    """How ``option`` of ``preset``'s ``kernel`` timed against the defaults in the latest run of
+    :func:`kernel_options_table` that timed it, e.g. "×1.56 (B × T = 16 × 1,024) and ×1.67 (1 × 16,384) of the
+    default's time on one H100, with the same bits (`run`)"; None where no run timed it."""
+    rows = table[(table["kernel"] == kernel) & (table["preset"] == preset) & (table["option"] == option)]
+    if rows.empty:
+        return None
+    rows = rows[rows["run"] == rows["run"].iloc[-1]]
+    at = and_join([f"×{r.ratio:.2f} ({'B × T = ' if i == 0 else ''}{r.B} × {r.T:,})"
+                   for i, r in enumerate(rows.itertuples())])
+    bits = ("with the same bits" if rows["same bits"].all() else
+            "with other bits (a tile of another size sums in FP32 in another order)")
+    return f"{at} of the default's time on one {rows['device'].iloc[0]}, {bits} (`{rows['run'].iloc[0]}`)"
+
+
+# the kernel designs page 12 states as measured and not taken: glue name, kernel, preset, the option that is the
+# design, what the design is, and what the launch table keeps instead
+KERNEL_CHOICES = (
+    ("choice_ordered_dq", "backward", "fa2", "dq_mode='ordered'",
+     "Deterministic dQ without recomputing P and dP, the dK/dV kernel adding each key tile's share to FP32 running "
+     "sums in key order (`dq_mode=\"ordered\"`: FlashAttention-2's accumulation, in a fixed order)",
+     "the launch table keeps the separate dQ kernel"),
+    ("choice_one_tile", "forward", "paper", "block_n=512+num_warps=8+num_stages=1",
+     "A `paper` block's 512 keys in one compute tile, so that its Q Kᵀ is computed once instead of twice (8 warps, "
+     "one pipeline stage: two need more shared memory than a block has)",
+     "the forward keeps its 64-key tiles and two passes"),
+)
+
+
+def kernel_choice_notes(table) -> dict[str, str]:
+    """Page 12's sentences on the kernel designs measured and not taken (:data:`KERNEL_CHOICES`), from
+    :func:`kernel_options_table`: the design's time against the default's per shape, or that no GPU has timed it."""
+    notes = {}
+    for name, kernel, preset, option, design, kept in KERNEL_CHOICES:
+        ratios = option_ratios_text(table, kernel, preset, option)
+        notes[name] = (f"{design} takes {ratios}; so {kept}." if ratios else
+                       f"{design} is not yet timed on a GPU (`benchmarks/kernel_options.py --kernel {kernel} "
+                       f"--presets {preset} --options \"{option}\"`).")
+    return notes
+
+
 NCU_NAME_CHARS = 28  # a kernel's name on the page, cut with "…" past this
 
 
@@ -900,4 +962,5 @@ def page_texts(p: KernelsPage) -> dict[str, str]:
             "speed_partial": partial_speed_text(partial_runs(p.run)), **overhead_notes(p.overhead, p.run),
             "host_layers": host_layers_text(p.host), **shapes_notes(p.shapes, run=p.run),
             **ncu_notes(p.ncu, p.ncu_table, p.ncu_run), **sfa_overhead_notes(p.sfa, p.sfa_run),
-            **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run), **full_table_notes()}
+            **tuning_notes(p.tuning, p.run), **memory_notes(p.memory, p.run), **full_table_notes(),
+            **kernel_choice_notes(kernel_options_table())}
