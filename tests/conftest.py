@@ -18,6 +18,68 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault(var, str(kernel_threads(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
+
+def _patch_triton_language_once_per_launch() -> None:
+    """Triton 3.6's interpreter patches ``triton.language`` for the interpreter at every launch (and restores it
+    after), and again at every call of a ``@triton.jit`` helper inside the launch, although nothing has changed: about
+    a millisecond per helper call, and the kernels call small helpers (rounding, row max, the soft-cap) thousands of
+    times per launch, so the re-patching took about 45% of an interpreter test's time (cProfile of one
+    test_attention_nonfinite case: 13.4 of 30.2 s in ``_patch_lang``). Here a helper call patches only the language
+    modules its own module sees that the running launch has not patched yet, which is every call's effect but the
+    first; outside a launch, or on another Triton, the interpreter is left as it is."""
+    try:
+        import triton
+    except ImportError:  # no Triton here: nothing to patch
+        return
+
+    if not triton.__version__.startswith("3.6."):
+        return
+    from triton.runtime import interpreter as ti
+
+    needed = ("_patch_lang", "GridExecutor", "InterpretedFunction", "InterpreterError")
+    if not all(hasattr(ti, name) for name in needed):
+        return
+    patched = []  # per running launch (nested launches stack): the ids of the language modules patched in it
+    seen_by = {}  # function -> the ids of the language modules among its globals
+
+    def langs(fn) -> set:
+        if fn not in seen_by:
+            seen_by[fn] = frozenset(id(v) for v in fn.__globals__.values() if v is ti.tl or v is ti.tl.core)
+        return seen_by[fn]
+
+    launch = ti.GridExecutor.__call__
+
+    def grid_call(self, *args, **kwargs):
+        patched.append(set(langs(self.fn)))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def device_call(self, *args, **kwargs):
+        seen = langs(self.fn)
+        if not patched or not seen <= patched[-1]:
+            ti._patch_lang(self.fn)
+            if patched:
+                patched[-1] |= seen
+        fn = self.rewrite()
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti.GridExecutor.__call__ = grid_call
+    ti.InterpretedFunction.__call__ = device_call
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _triton_interpreter_patched_once_per_launch():
+    """:func:`_patch_triton_language_once_per_launch` for the whole run, applied after collection: importing Triton
+    here before the test modules set ``TRITON_INTERPRET`` would fix its choice of the compiled path. It touches the
+    interpreter's classes only, which compiled kernels never meet."""
+    _patch_triton_language_once_per_launch()
+
+
 def full_throughput_run() -> Path:
     """The latest committed benchmarks/train_throughput.py run of every backend (no --rows in its recorded command),
     the run pages 06 and 13 read; found here from the files, apart from lpfa.pages.training.throughput_runs."""
