@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,17 @@ def _triton_interpreter_patched_once_per_launch():
     interpreter's classes only, which compiled kernels never meet."""
     _patch_triton_language_once_per_launch()
 
+
+
+@pytest.fixture(autouse=True)
+def _figures_closed():
+    """Each test's matplotlib figures are closed after it: the page functions return figures for the notebooks to
+    show, and kept open across a worker's tests they passed matplotlib's limit of 20 (a RuntimeWarning) and held
+    their memory to the end of the run."""
+    yield
+    plt = sys.modules.get("matplotlib.pyplot")  # (not imported by a test that draws nothing)
+    if plt is not None:
+        plt.close("all")
 
 def full_throughput_run() -> Path:
     """The latest committed benchmarks/train_throughput.py run of every backend (no --rows in its recorded command),
