@@ -328,8 +328,8 @@ def _options_run(root, name, date, kernel, rows, device="NVIDIA H100 80GB HBM3")
 
 def test_kernel_choices_read_the_latest_run_that_timed_the_design(tmp_path):
     """The page's sentences on designs not taken recompute each ratio from the latest run that timed the design's
-    option (an older run of it and a later run of another option do not count), say whether the bits stayed, and
-    say "not yet timed" where no run timed it."""
+    option (an older run of it and a later run of another option do not count), say whether the bits stayed and
+    whether it was slower at every shape, and say "not yet timed" where no run timed it."""
     assert kn.kernel_options_table(tmp_path).empty
     name, kernel, preset, option = kn.KERNEL_CHOICES[0][:4]
     other = "backward" if kernel == "forward" else "forward"
@@ -346,8 +346,13 @@ def test_kernel_choices_read_the_latest_run_that_timed_the_design(tmp_path):
     text = notes[name]
     assert "×1.50 (B × T = 16 × 1,024) and ×1.23 (1 × 16,384)" in text and "one H200" in text, text
     assert "other bits" in text and "`h200-2026-01-02`" in text and "×9.00" not in text and "×7.00" not in text
+    assert "; so " in text  # slower at every shape
     for n, *_ in kn.KERNEL_CHOICES[1:]:
         assert "is not yet timed on a GPU" in notes[n], notes[n]
+    _options_run(tmp_path, "h100-2026-01-04", "2026-01-04T00:00:00", kernel,
+                 [(preset, 16, 1024, option, 100, 90, True)])
+    assert "×0.90" in (faster := kn.kernel_choice_notes(kn.kernel_options_table(tmp_path))[name]) and \
+        "faster at some shapes" in faster, faster
 
 
 def test_committed_kernel_choices_are_measured():

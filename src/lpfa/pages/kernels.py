@@ -878,14 +878,16 @@ def kernel_options_table(root=None) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=columns)
 
 
-def option_ratios_text(table, kernel: str, preset: str, option: str) -> str | None:
-    """How ``option`` of ``preset``'s ``kernel`` timed against the defaults in the latest run of
-    :func:`kernel_options_table` that timed it, e.g. "×1.56 (B × T = 16 × 1,024) and ×1.67 (1 × 16,384) of the
-    default's time on one H100, with the same bits (`run`)"; None where no run timed it."""
+def latest_option_rows(table, kernel: str, preset: str, option: str) -> pd.DataFrame:
+    """The rows of :func:`kernel_options_table` for ``option`` of ``preset``'s ``kernel`` from the latest run that
+    timed it (empty where none did)."""
     rows = table[(table["kernel"] == kernel) & (table["preset"] == preset) & (table["option"] == option)]
-    if rows.empty:
-        return None
-    rows = rows[rows["run"] == rows["run"].iloc[-1]]
+    return rows[rows["run"] == rows["run"].iloc[-1]] if len(rows) else rows
+
+
+def option_ratios_text(rows) -> str:
+    """:func:`latest_option_rows` in words, e.g. "×1.56 (B × T = 16 × 1,024) and ×1.67 (1 × 16,384) of the default's
+    time on one H100, with the same bits (`run`)"."""
     at = and_join([f"×{r.ratio:.2f} ({'B × T = ' if i == 0 else ''}{r.B} × {r.T:,})"
                    for i, r in enumerate(rows.itertuples())])
     bits = ("with the same bits" if rows["same bits"].all() else
@@ -894,7 +896,8 @@ def option_ratios_text(table, kernel: str, preset: str, option: str) -> str | No
 
 
 # the kernel designs page 12 states as measured and not taken: glue name, kernel, preset, the option that is the
-# design, what the design is, and what the launch table keeps instead
+# design (timed by `benchmarks/kernel_options.py --kernel KERNEL --presets PRESET --options "OPTION"`), what the design
+# is, and what the launch table keeps instead
 KERNEL_CHOICES = (
     ("choice_ordered_dq", "backward", "fa2", "dq_mode='ordered'",
      "Deterministic dQ without recomputing P and dP, the dK/dV kernel adding each key tile's share to FP32 running "
@@ -902,20 +905,24 @@ KERNEL_CHOICES = (
      "the launch table keeps the separate dQ kernel"),
     ("choice_one_tile", "forward", "paper", "block_n=512+num_warps=8+num_stages=1",
      "A `paper` block's 512 keys in one compute tile, so that its Q Kᵀ is computed once instead of twice (8 warps, "
-     "one pipeline stage: two need more shared memory than a block has)",
+     "one pipeline stage)",
      "the forward keeps its 64-key tiles and two passes"),
 )
 
 
 def kernel_choice_notes(table) -> dict[str, str]:
     """Page 12's sentences on the kernel designs measured and not taken (:data:`KERNEL_CHOICES`), from
-    :func:`kernel_options_table`: the design's time against the default's per shape, or that no GPU has timed it."""
+    :func:`kernel_options_table`: the design's time against the default's per shape, whether it was slower at every
+    shape, or that no GPU has timed it."""
     notes = {}
     for name, kernel, preset, option, design, kept in KERNEL_CHOICES:
-        ratios = option_ratios_text(table, kernel, preset, option)
-        notes[name] = (f"{design} takes {ratios}; so {kept}." if ratios else
-                       f"{design} is not yet timed on a GPU (`benchmarks/kernel_options.py --kernel {kernel} "
-                       f"--presets {preset} --options \"{option}\"`).")
+        rows = latest_option_rows(table, kernel, preset, option)
+        if rows.empty:
+            notes[name] = f"{design} is not yet timed on a GPU."
+        elif (rows["ratio"] > 1).all():
+            notes[name] = f"{design} takes {option_ratios_text(rows)}; so {kept}."
+        else:
+            notes[name] = f"{design} takes {option_ratios_text(rows)}: faster at some shapes, though {kept}."
     return notes
 
 
